@@ -1,0 +1,14 @@
+"""tapescope: see a whole PyTorch training step before it runs.
+
+    import tapescope
+    p = tapescope.profile(model, tapescope.spec((8, 1024), dtype="int64"))
+    print(p.summary())
+"""
+
+__version__ = "0.1.0"
+
+from .api import Profile, profile
+from .capture.model import Spec, spec
+from .errors import TapescopeError
+
+__all__ = ["profile", "Profile", "spec", "Spec", "TapescopeError", "__version__"]

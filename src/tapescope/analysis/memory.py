@@ -1,0 +1,220 @@
+"""The memory timeline of a step: live bytes by category after every op, the peak and its causes.
+
+Live bytes are the sum of the sizes of live storages on the profiled device (each storage once,
+however many views point at it) - what a real allocator's "allocated" counter reports, before any
+rounding or caching (that is the allocator model's job). A storage's category is the most specific
+role it plays (see records.CATEGORIES): a parameter that autograd saves stays a parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..capture.records import (BUFFER, CATEGORIES, GRADIENT, INPUT, OPTIMIZER_STATE, PARAMETER,
+                               SAVED, TEMPORARY, Trace)
+from .ops import Op
+from .steps import StepView
+
+__all__ = ["MemoryReport", "LiveTensor", "ModuleMemory", "storage_categories", "memory_report"]
+
+
+@dataclass(frozen=True, slots=True)
+class LiveTensor:
+    """A storage alive at the peak, and where it came from."""
+
+    storage: int
+    nbytes: int
+    category: str
+    op: int | None        # index (in the step) of the op that allocated it; None: before the step
+    op_name: str | None
+    module: str | None
+    owner: str | None     # parameter fqn, for parameters, gradients and optimizer state
+    source: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleMemory:
+    module: str
+    peak_bytes: int       # highest live bytes while one of its ops (or a submodule's) ran
+    saved_bytes: int      # activations its forward ops left saved for backward
+
+
+@dataclass
+class MemoryReport:
+    step: int
+    peak_bytes: int
+    peak_op: int
+    at_peak: dict                 # category -> bytes at the peak
+    live_at_peak: list            # LiveTensor, largest first
+    timeline: list                # per op: highest live bytes while it ran
+    timeline_by_category: dict    # category -> per-op bytes at that same moment
+    initial_bytes: int
+    final_bytes: int
+    modules: list = field(default_factory=list)   # ModuleMemory, largest peak first
+
+    def to_dict(self, with_timeline: bool = True) -> dict:
+        d = {
+            "step": self.step, "peak_bytes": _n(self.peak_bytes), "peak_op": self.peak_op,
+            "at_peak": {k: _n(v) for k, v in self.at_peak.items()},
+            "live_at_peak": [
+                {"storage": t.storage, "bytes": _n(t.nbytes), "category": t.category, "op": t.op,
+                 "op_name": t.op_name, "module": t.module, "owner": t.owner, "source": t.source}
+                for t in self.live_at_peak],
+            "initial_bytes": _n(self.initial_bytes), "final_bytes": _n(self.final_bytes),
+            "modules": [{"module": m.module, "peak_bytes": _n(m.peak_bytes),
+                         "saved_bytes": _n(m.saved_bytes)} for m in self.modules],
+        }
+        if with_timeline:
+            d["timeline"] = [_n(x) for x in self.timeline]
+            d["timeline_by_category"] = {k: [_n(x) for x in v]
+                                         for k, v in self.timeline_by_category.items()}
+        return d
+
+
+def _n(x):
+    return x if isinstance(x, int) else str(x)
+
+
+def storage_categories(trace: Trace) -> list[str]:
+    """Category of every storage (index = storage id)."""
+    saved_storages = set()
+    if trace.saved_values:
+        for op in trace.ops:
+            for t in (*op.tensor_outputs(), *op.tensor_inputs()):
+                if t.value in trace.saved_values:
+                    saved_storages.add(t.storage)
+    cats = []
+    for s in trace.storages:
+        roles = s.roles
+        for role in (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT):
+            if role in roles:
+                cats.append(role)
+                break
+        else:
+            cats.append(SAVED if s.id in saved_storages else TEMPORARY)
+    return cats
+
+
+def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[str],
+                  top: int = 20) -> MemoryReport:
+    device = trace.device
+    storages = trace.storages
+    counted = [s.device == device for s in storages]
+    local = {t: k for k, t in enumerate(view.ops)}
+    n_ops = len(view.ops)
+
+    live = {sid for sid in view.initial if counted[sid]}
+    by_cat = dict.fromkeys(CATEGORIES, 0)
+    for sid in live:
+        by_cat[categories[sid]] += storages[sid].nbytes
+    total = sum(by_cat.values())
+    initial_bytes = total
+
+    timeline = [None] * n_ops
+    timeline_cat = {c: [None] * n_ops for c in CATEGORIES}
+    peak, peak_event, peak_pos = total, -1, 0
+    pos = 0
+
+    def sample(p):
+        if timeline[p] is None or total > timeline[p]:
+            timeline[p] = total
+            for c in CATEGORIES:
+                timeline_cat[c][p] = by_cat[c]
+
+    for e, (op_index, sid, delta) in enumerate(view.events):
+        pos = local.get(op_index, pos)
+        if not counted[sid]:
+            continue
+        if delta > 0:
+            if sid in live:
+                continue
+            live.add(sid)
+            nbytes = storages[sid].nbytes
+            total += nbytes
+            by_cat[categories[sid]] += nbytes
+            if total > peak:
+                peak, peak_event, peak_pos = total, e, pos
+        else:
+            if sid not in live:
+                continue
+            live.discard(sid)
+            nbytes = storages[sid].nbytes
+            total -= nbytes
+            by_cat[categories[sid]] -= nbytes
+        if n_ops:
+            sample(pos)
+    # ops that allocated and freed nothing carry the level of the op before them
+    last, last_cat = initial_bytes, {c: 0 for c in CATEGORIES}
+    for c in CATEGORIES:
+        last_cat[c] = sum(storages[s].nbytes for s in view.initial if counted[s] and categories[s] == c)
+    for p in range(n_ops):
+        if timeline[p] is None:
+            timeline[p] = last
+            for c in CATEGORIES:
+                timeline_cat[c][p] = last_cat[c]
+        else:
+            last = timeline[p]
+            last_cat = {c: timeline_cat[c][p] for c in CATEGORIES}
+
+    live_at_peak, at_peak = _live_at(view, peak_event, counted, storages, categories)
+    tensors = []
+    for sid in sorted(live_at_peak, key=lambda s: storages[s].nbytes, reverse=True)[:top]:
+        k = local.get(storages[sid].created_by)  # None: made before this step
+        op = ops[k] if k is not None else None
+        tensors.append(LiveTensor(
+            sid, storages[sid].nbytes, categories[sid], k, op.name if op else None,
+            op.module if op else None, trace.storage_owner.get(sid),
+            str(op.source) if op is not None and op.source is not None else None))
+
+    return MemoryReport(
+        step=view.step, peak_bytes=peak, peak_op=peak_pos, at_peak=at_peak,
+        live_at_peak=tensors, timeline=timeline, timeline_by_category=timeline_cat,
+        initial_bytes=initial_bytes, final_bytes=total,
+        modules=_module_memory(view, ops, timeline, categories, storages),
+    )
+
+
+def _live_at(view: StepView, event: int, counted, storages, categories):
+    """Storages alive right after event number `event` (-1: at the start of the step)."""
+    live = {sid for sid in view.initial if counted[sid]}
+    for _, sid, delta in view.events[:event + 1]:
+        if not counted[sid]:
+            continue
+        if delta > 0:
+            live.add(sid)
+        else:
+            live.discard(sid)
+    at = dict.fromkeys(CATEGORIES, 0)
+    for sid in live:
+        at[categories[sid]] += storages[sid].nbytes
+    return live, at
+
+
+def _module_memory(view, ops, timeline, categories, storages) -> list[ModuleMemory]:
+    """Per module: the highest live bytes while its ops ran, and the saved activations whose
+    memory its ops allocated (a view that autograd saves keeps its base's allocation alive)."""
+    peak: dict[str, int] = {}
+    saved: dict[str, int] = {}
+    local = {t: k for k, t in enumerate(view.ops)}
+    for op in ops:
+        if op.module is None:
+            continue
+        for m in _ancestors(op.module):
+            if m not in peak or timeline[op.index] > peak[m]:
+                peak[m] = timeline[op.index]
+    for s in storages:
+        k = local.get(s.created_by)
+        if k is not None and categories[s.id] == SAVED and ops[k].module is not None:
+            for m in _ancestors(ops[k].module):
+                saved[m] = saved.get(m, 0) + s.nbytes
+    out = [ModuleMemory(m, p, saved.get(m, 0)) for m, p in peak.items()]
+    out.sort(key=lambda m: m.peak_bytes, reverse=True)
+    return out
+
+
+def _ancestors(fqn: str) -> list[str]:
+    """'a.b.c' -> ['a.b.c', 'a.b', 'a', ''] (the root last)."""
+    if fqn == "":
+        return [""]
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]

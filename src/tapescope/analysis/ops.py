@@ -1,0 +1,119 @@
+"""The op table of one step: one `Op` per aten op, with FLOPs, bytes, module and fwd<->bwd link."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..capture.records import BACKWARD, FORWARD, Frame, OpRecord, TensorRef, Trace
+from .flops import op_flops
+from .steps import StepView
+from .traffic import op_traffic
+
+__all__ = ["Op", "step_ops"]
+
+_NO_NODE = 2**64 - 1  # seq_nr of AccumulateGrad and other nodes outside the forward sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One aten op of the step.
+
+    `forward_op` is the index of the forward op whose autograd node produced this backward op
+    (same `seq_nr`); `autograd_node` names that node. `flops` is None when no formula applies.
+    """
+
+    index: int
+    name: str
+    phase: str
+    module: str | None
+    seq_nr: int | None
+    forward_op: int | None
+    autograd_node: str | None
+    inputs: tuple
+    outputs: tuple
+    flops: int | None
+    bytes_read: int
+    bytes_written: int
+    saved: bool
+    source: Frame | None
+    record: OpRecord = field(repr=False, compare=False)  # what capture saw (arguments included)
+
+    @property
+    def input_shapes(self):
+        return [tuple(t.shape) for t in self.inputs]
+
+    @property
+    def output_shapes(self):
+        return [tuple(t.shape) for t in self.outputs]
+
+    @property
+    def output_storages(self):
+        return [t.storage for t in self.outputs]
+
+    def to_dict(self) -> dict:
+        def t(x: TensorRef):
+            return {"shape": [int(s) if isinstance(s, int) else str(s) for s in x.shape],
+                    "dtype": str(x.dtype).replace("torch.", ""), "storage": x.storage}
+
+        return {
+            "index": self.index, "name": self.name, "phase": self.phase, "module": self.module,
+            "seq_nr": self.seq_nr, "forward_op": self.forward_op,
+            "autograd_node": self.autograd_node,
+            "inputs": [t(x) for x in self.inputs], "outputs": [t(x) for x in self.outputs],
+            "flops": _num(self.flops), "bytes_read": _num(self.bytes_read),
+            "bytes_written": _num(self.bytes_written), "saved": self.saved,
+            "source": None if self.source is None else str(self.source),
+        }
+
+
+def _num(x):
+    return x if x is None or isinstance(x, int) else str(x)
+
+
+def param_module(fqn: str) -> str:
+    """The module owning a parameter: 'h.0.attn.c_attn.weight' -> 'h.0.attn.c_attn'."""
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def step_ops(trace: Trace, view: StepView) -> list[Op]:
+    records = [trace.ops[i] for i in view.ops]
+    owner: dict[int, int] = {}  # seq_nr -> local index of the forward op that created the node
+    for k, r in enumerate(records):
+        if r.phase == FORWARD and r.owns_node:
+            owner.setdefault(r.seq_nr, k)
+    saved = trace.saved_values
+    storage_owner = trace.storage_owner
+
+    def owner_module(r) -> str | None:
+        for t in (*r.tensor_outputs(), *r.tensor_inputs()):
+            fqn = storage_owner.get(t.storage)
+            if fqn is not None:
+                return param_module(fqn)
+        return None
+
+    ops = []
+    for k, r in enumerate(records):
+        fwd = None
+        node = r.grad_fn
+        module = r.module
+        if r.phase == FORWARD:
+            if r.owns_node:
+                node = trace.node_names.get(r.seq_nr)
+        elif r.phase == BACKWARD:
+            if r.seq_nr is not None and r.seq_nr != _NO_NODE:
+                fwd = owner.get(r.seq_nr)
+            module = records[fwd].module if fwd is not None else owner_module(r)
+        else:
+            module = owner_module(r)
+        outputs = tuple(r.tensor_outputs())
+        read, written = op_traffic(r, trace)
+        ops.append(Op(
+            index=k, name=r.name, phase=r.phase, module=module,
+            seq_nr=None if r.seq_nr == _NO_NODE else r.seq_nr, forward_op=fwd, autograd_node=node,
+            inputs=tuple(r.tensor_inputs()), outputs=outputs, flops=op_flops(r),
+            bytes_read=read, bytes_written=written,
+            saved=any(o.value in saved for o in outputs),
+            source=r.frame if r.frame is not None or fwd is None else records[fwd].frame,
+            record=r,
+        ))
+    return ops

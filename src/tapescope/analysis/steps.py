@@ -1,0 +1,67 @@
+"""Which parts of the trace make up each training step, and what is alive when it starts.
+
+A step is a list of segments (see capture.session for how step 2 reuses step 1's forward and
+backward). Everything downstream works on a StepView and never needs to know how it was traced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..capture.records import BACKWARD, FORWARD, OPTIMIZER, Segment, Trace
+
+__all__ = ["StepView", "step_views"]
+
+
+@dataclass(frozen=True)
+class StepView:
+    step: int
+    ops: tuple        # trace op indices, in execution order
+    events: tuple     # (trace op index, storage id, +1/-1), in order
+    initial: frozenset  # storage ids alive when the step starts
+
+
+def _events(trace: Trace, segs) -> list:
+    ev = trace.events
+    return [ev[i] for s in segs for i in s.events]
+
+
+def _ops(segs) -> tuple:
+    return tuple(i for s in segs for i in s.ops)
+
+
+def _replay(live: set, events) -> set:
+    live = set(live)
+    for _, sid, delta in events:
+        if delta > 0:
+            live.add(sid)
+        else:
+            live.discard(sid)
+    return live
+
+
+def step_views(trace: Trace) -> dict[int, StepView]:
+    """StepView of step 1 and, when traced, step 2 (the steady state)."""
+    by_step: dict[int, list[Segment]] = {}
+    for s in trace.segments:
+        by_step.setdefault(s.step, []).append(s)
+    initial = frozenset(s.id for s in trace.storages if s.created_by is None)
+
+    if trace.step2 == "reused":
+        s1 = [s for s in by_step[1]]
+        s2_opt = [s for s in by_step[2] if s.label == "optimizer"]
+        reset = [s for s in by_step[2] if s.label == "zero_grad"]
+        fwd_bwd = [s for s in s1 if s.phase in (FORWARD, BACKWARD)]
+        step1_segs = s1 + reset  # step 1 ends with the same gradient reset
+        step2_segs = fwd_bwd + s2_opt + reset
+    else:
+        step1_segs = by_step.get(1, [])
+        step2_segs = by_step.get(2, [])
+
+    views = {}
+    ev1 = _events(trace, step1_segs)
+    views[1] = StepView(1, _ops(step1_segs), tuple(ev1), initial)
+    if step2_segs:
+        start2 = frozenset(_replay(initial, ev1))
+        views[2] = StepView(2, _ops(step2_segs), tuple(_events(trace, step2_segs)), start2)
+    return views

@@ -1,0 +1,35 @@
+"""Bytes each op reads and writes: the memory traffic of a roofline model.
+
+An op reads each tensor argument once and writes each result once: `numel * itemsize`, capped at
+the size of the storage behind it (a broadcast `expand` of a vector reads the vector, not the
+broadcast). Views, aliases and uninitialised allocations move nothing. Kernel-internal traffic
+(tiling re-reads, a matmul's second pass over an operand) is not modelled here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..capture.records import OpRecord, Trace
+
+__all__ = ["op_traffic"]
+
+aten = torch.ops.aten
+
+_NO_TRAFFIC = {getattr(aten, n) for n in (
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias",
+    "_unsafe_view", "lift_fresh", "_local_scalar_dense", "set_", "resize_", "_reshape_alias",
+) if hasattr(aten, n)}
+
+
+def op_traffic(op: OpRecord, trace: Trace) -> tuple[int, int]:
+    """(bytes read, bytes written) of one op."""
+    func = op.func
+    if func.is_view or func.overloadpacket in _NO_TRAFFIC:
+        return 0, 0
+    storages = trace.storages
+
+    def moved(t):
+        return t.nbytes if t.storage < 0 else min(t.nbytes, storages[t.storage].nbytes)
+
+    return sum(moved(t) for t in op.tensor_inputs()), sum(moved(t) for t in op.tensor_outputs())

@@ -1,0 +1,174 @@
+"""`tapescope.profile`: capture a training step on fake tensors, then analyse it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from .analysis.memory import MemoryReport, memory_report, storage_categories
+from .analysis.ops import Op, step_ops
+from .analysis.steps import step_views
+from .capture.model import resolve_dtype
+from .capture.records import BACKWARD, FORWARD, OPTIMIZER, Trace
+from .capture.session import capture
+
+__all__ = ["profile", "Profile"]
+
+
+@dataclass
+class Profile:
+    """What one training step does, op by op, with its FLOPs and memory.
+
+    The op table, FLOPs and `memory` describe the steady-state step (step 2, optimizer state
+    present) when `steps=2`, else the first step. `first_step_peak_bytes` is the first step's peak.
+    """
+
+    model: str
+    device: str
+    dtype: str | None
+    inputs: list
+    steps: int
+    ops: list                    # Op
+    memory: MemoryReport
+    first_step_memory: MemoryReport
+    facts: dict = field(default_factory=dict)
+    trace: Trace | None = field(default=None, repr=False)
+
+    @property
+    def peak_bytes(self):
+        return self.memory.peak_bytes
+
+    @property
+    def first_step_peak_bytes(self):
+        return self.first_step_memory.peak_bytes
+
+    @cached_property
+    def flops(self) -> dict:
+        """FLOPs by phase and in total (a multiply-add is 2). Uncounted ops add nothing here."""
+        out = dict.fromkeys((FORWARD, BACKWARD, OPTIMIZER), 0)
+        for op in self.ops:
+            if op.flops:
+                out[op.phase] += op.flops
+        out["total"] = sum(out.values())
+        return out
+
+    @cached_property
+    def uncounted_ops(self) -> dict:
+        """Ops with no FLOP formula -> how many times they ran (their FLOPs are not in `flops`)."""
+        return dict(Counter(op.name for op in self.ops if op.flops is None))
+
+    @cached_property
+    def module_flops(self) -> dict:
+        """Module fqn -> FLOPs of its ops and its submodules' ops (forward and backward)."""
+        from .analysis.memory import _ancestors
+
+        out: Counter = Counter()
+        for op in self.ops:
+            if op.flops and op.module is not None:
+                for m in _ancestors(op.module):
+                    out[m] += op.flops
+        return dict(out)
+
+    @cached_property
+    def graph(self) -> torch.fx.GraphModule:
+        """The step as one FX graph: forward, backward and optimizer nodes in execution order."""
+        from .analysis.graph import build_graph
+
+        return build_graph(self)
+
+    def summary(self) -> str:
+        from .report.text import summary_text
+
+        return summary_text(self)
+
+    def ops_table(self) -> str:
+        from .report.text import ops_table_text
+
+        return ops_table_text(self)
+
+    def to_dict(self, with_ops: bool = True, with_timeline: bool = True) -> dict:
+        d = {
+            "tapescope_version": _version(), "torch_version": torch.__version__,
+            "model": self.model, "device": self.device, "dtype": self.dtype,
+            "inputs": self.inputs, "steps": self.steps,
+            "peak_bytes": _n(self.peak_bytes), "first_step_peak_bytes": _n(self.first_step_peak_bytes),
+            "flops": {k: _n(v) for k, v in self.flops.items()},
+            "uncounted_ops": self.uncounted_ops,
+            "facts": self.facts,
+            "memory": self.memory.to_dict(with_timeline),
+            "first_step_memory": self.first_step_memory.to_dict(False),
+            "module_flops": {k: _n(v) for k, v in self.module_flops.items()},
+        }
+        if with_ops:
+            d["ops"] = [op.to_dict() for op in self.ops]
+        return d
+
+
+def _n(x):
+    return x if isinstance(x, int) else str(x)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _describe_input(x) -> object:
+    from .capture.model import Spec
+
+    if isinstance(x, (Spec, torch.Tensor)):
+        return {"shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", "")}
+    return repr(x)
+
+
+def profile(model, *inputs, loss_fn=None, optimizer="adamw", device="cpu", dtype=None,
+            steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
+            engine: str = "python", progress=None) -> Profile:
+    """Trace a training step of `model` on fake tensors and analyse it.
+
+    model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
+        (it is built on the meta device, so init code never allocates).
+    inputs: tensors (real or meta) or `tapescope.spec(shape, dtype=...)`; `input_kwargs` for keyword
+        inputs. Their values are never read.
+    loss_fn: `loss_fn(output, *inputs) -> scalar`. Default: a scalar output is the loss; else an
+        output's scalar `.loss`; else the sum of the floating-point outputs.
+    optimizer: "sgd", "adam", "adamw" (torch defaults, with the foreach/fused choice torch makes on
+        `device`), an Optimizer class, a function params -> optimizer, or None (no optimizer step).
+    device: "cpu", "cuda" or "meta" - the device whose kernels and autograd formulas are traced.
+    dtype: cast floating-point parameters and inputs (e.g. torch.bfloat16 or "bf16").
+    steps: 2 (default) reports the steady state, with optimizer state alive; 1 the first step.
+    engine: "python" (default) runs backward with tapescope's own engine, which needs no GPU;
+        "torch" calls loss.backward() (needs a GPU for device="cuda").
+    """
+    dtype = resolve_dtype(dtype)
+    trace, facts = capture(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
+                           device=device, dtype=dtype, steps=steps, engine=engine,
+                           progress=progress)
+    return analyse(trace, facts, model=name or _model_name(model), device=str(device), dtype=dtype,
+                   inputs=[_describe_input(x) for x in inputs], steps=steps)
+
+
+def analyse(trace: Trace, facts: dict, *, model: str, device: str, dtype, inputs, steps) -> Profile:
+    views = step_views(trace)
+    categories = storage_categories(trace)
+    main = views[max(views)]
+    ops = step_ops(trace, main)
+    memory = memory_report(trace, main, ops, categories)
+    if main.step == 1:
+        first = memory
+    else:
+        first = memory_report(trace, views[1], step_ops(trace, views[1]), categories)
+    facts = dict(facts, step2=trace.step2)
+    return Profile(model=model, device=device, dtype=None if dtype is None else str(dtype).replace("torch.", ""),
+                   inputs=inputs, steps=main.step, ops=ops, memory=memory, first_step_memory=first,
+                   facts=facts, trace=trace)
+
+
+def _model_name(model) -> str:
+    if isinstance(model, torch.nn.Module):
+        return type(model).__name__
+    return getattr(model, "__name__", type(model).__name__)

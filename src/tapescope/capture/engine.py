@@ -1,0 +1,361 @@
+"""A Python autograd engine that runs the backward graph the way torch's C++ engine does.
+
+Why not `loss.backward()`: on a CUDA build without a GPU the C++ engine stops before running any node
+(`stash_current_streams` asks the driver about device 0), and on fake tensors of any device it decides
+some things differently from a real run: it never accumulates gradients in place into a Tensor
+subclass (`can_accumulate_inplace`), and AccumulateGrad, called with the extra reference a Python
+object holds, clones a gradient it would have stolen. Both change memory.
+
+So we run the graph ourselves, following torch/csrc/autograd (engine.cpp, input_buffer.cpp,
+accumulate_grad.h, python_function.cpp):
+- dependencies counted from the root; ready nodes run highest sequence number first, ties broken as
+  libstdc++'s std::priority_queue breaks them (AccumulateGrad nodes all have the largest number);
+- each node: tensor pre-hooks, retain_grad, node pre-hooks, apply with grad mode off, post-hooks;
+  its input gradients are freed when it returns, then its saved tensors (release_variables);
+- outputs are checked against the next node's input metadata (`validate_outputs`: sum_to a broadcast
+  shape, cast dtype), then accumulated into that node's input buffer: in place when the buffer holds
+  the last reference to a dense tensor and its storage, else out of place;
+- AccumulateGrad steals a gradient nobody else references and that has the parameter's strides, else
+  copies it with the parameter's strides; an existing .grad is added to in place.
+Reference counts are read as the C++ engine would see them: the tensor's own count less the one its
+Python object holds, plus how many places in this engine hold it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .hooks import HookRegistry, SavedTensors
+
+__all__ = ["PythonEngine"]
+
+_MAX_SEQ = 2**64 - 1
+
+
+class _Task:
+    __slots__ = ("node", "inputs", "seq")
+
+    def __init__(self, node, inputs):
+        self.node, self.inputs = node, inputs
+        self.seq = node._sequence_nr()
+
+
+class _ReadyQueue:
+    """std::priority_queue<NodeTask, vector, CompareNodeTaskTime> with libstdc++'s heap algorithms,
+    so that tasks of equal priority come out in the same order as in the C++ engine."""
+
+    def __init__(self):
+        self.h: list[_Task] = []
+
+    def __len__(self):
+        return len(self.h)
+
+    @staticmethod
+    def _less(a: _Task, b: _Task) -> bool:
+        return a.seq < b.seq
+
+    def push(self, task: _Task) -> None:
+        h = self.h
+        h.append(task)
+        self._push_heap(len(h) - 1, 0, task)
+
+    def _push_heap(self, hole: int, top: int, value: _Task) -> None:
+        h, less = self.h, self._less
+        parent = (hole - 1) // 2
+        while hole > top and less(h[parent], value):
+            h[hole] = h[parent]
+            hole = parent
+            parent = (hole - 1) // 2
+        h[hole] = value
+
+    def pop(self) -> _Task:
+        h, less = self.h, self._less
+        top = h[0]
+        value = h[-1]
+        n = len(h) - 1  # std::pop_heap over [0, n]: the last element is re-inserted from the hole
+        hole, second = 0, 0
+        while second < (n - 1) // 2:
+            second = 2 * (second + 1)
+            if less(h[second], h[second - 1]):
+                second -= 1
+            h[hole] = h[second]
+            hole = second
+        if (n & 1) == 0 and second == (n - 2) // 2:
+            second = 2 * (second + 1)
+            h[hole] = h[second - 1]
+            hole = second - 1
+        h.pop()
+        if n:
+            self._push_heap(hole, 0, value)
+        return top
+
+
+class PythonEngine:
+    """Runs `loss.backward()`'s graph from Python; `on_node(node)` is told which node runs."""
+
+    def __init__(self, saved: SavedTensors, hooks: HookRegistry, on_node=None):
+        self.saved, self.hooks, self.on_node = saved, hooks, on_node
+        self._refs: dict[int, int] = defaultdict(int)  # id(tensor) -> places in this engine holding it
+
+    # ---- reference counts as the C++ engine sees them -----------------------------------------
+
+    def _hold(self, t):
+        if t is not None:
+            self._refs[id(t)] += 1
+
+    def _drop(self, t):
+        if t is not None:
+            k = id(t)
+            self._refs[k] -= 1
+            if self._refs[k] <= 0:
+                del self._refs[k]
+
+    def _use_count(self, t) -> int:
+        """What `t.use_count()` would be inside the C++ engine."""
+        return t._use_count() - 1 + self._refs.get(id(t), 0)
+
+    @staticmethod
+    def _storage_use_count(t) -> int:
+        st = t.untyped_storage()
+        # less the UntypedStorage Python object (which counts once) and our temporary reference
+        return torch._C._storage_Use_Count(st._cdata) - 1
+
+    def _stealable(self, t, expected: int) -> bool:
+        return self._use_count(t) <= expected
+
+    def _can_accumulate_inplace(self, t) -> bool:
+        return (not t._is_zerotensor() and not t.is_nested
+                and _dense(t)
+                and self._stealable(t, 1) and self._storage_use_count(t) == 1)
+
+    # ---- the engine ---------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        root = loss.grad_fn
+        # torch.autograd.backward's _make_grads
+        # torch.autograd.backward keeps it in `grad_tensors_` until the engine returns
+        grad = torch.ones_like(loss, memory_format=torch.preserve_format)
+        deps = self._dependencies(root)
+        not_ready: dict = {}
+        ready = _ReadyQueue()
+        self._hold(grad)
+        self._hold(grad)
+        ready.push(_Task(root, [grad]))
+        on_node = self.on_node or (lambda node: None)
+        while ready:
+            task = ready.pop()
+            node, inputs = task.node, task.inputs
+            task.inputs = None
+            on_node(node)  # ops until the next node belong to this one, as in the C++ engine
+            self.saved.node_started()
+            outputs = self._call(node, inputs)  # consumes inputs
+            del inputs
+            self.saved.node_finished(task.seq)
+            next_edges = node.next_functions
+            for i, out in enumerate(outputs):
+                outputs[i] = None
+                nxt, input_nr = next_edges[i] if i < len(next_edges) else (None, 0)
+                if nxt is None:
+                    self._drop(out)
+                    continue
+                deps[nxt] -= 1
+                is_ready = deps[nxt] == 0
+                buf = not_ready.get(nxt)
+                if buf is None:
+                    buf = [None] * len(nxt._input_metadata)
+                self._add(buf, input_nr, out)
+                del out
+                if is_ready:
+                    not_ready.pop(nxt, None)
+                    ready.push(_Task(nxt, buf))
+                else:
+                    not_ready[nxt] = buf
+            del outputs, node, task
+        on_node(None)
+        self._drop(grad)
+
+    @staticmethod
+    def _dependencies(root) -> dict:
+        deps: dict = defaultdict(int)
+        seen = {root}
+        queue = [root]
+        while queue:
+            fn = queue.pop()
+            for nxt, _ in fn.next_functions:
+                if nxt is not None:
+                    deps[nxt] += 1
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        queue.append(nxt)
+        return deps
+
+    def _add(self, buf: list, pos: int, var) -> None:
+        """InputBuffer::add for a dense tensor (the only kind fake tracing produces)."""
+        if var is None:
+            return
+        old = buf[pos]
+        if old is None:
+            buf[pos] = var  # moves our reference into the buffer
+            return
+        if self._can_accumulate_inplace(old):
+            old.add_(var)
+            self._drop(var)
+        else:
+            buf[pos] = old + var
+            self._hold(buf[pos])
+            self._drop(old)
+            self._drop(var)
+
+    def _call(self, node, inputs: list) -> list:
+        """call_function: hooks, then the node with grad mode off; returns validated outputs."""
+        hooks = self.hooks
+        for i in range(len(inputs)):
+            for d in hooks.tensor_hooks.get((node, i), ()):
+                for hook in list(d.values()):
+                    if inputs[i] is None:
+                        break
+                    new = hook(inputs[i])
+                    if new is not None:
+                        self._hold(new)
+                        self._drop(inputs[i])
+                        inputs[i] = new
+            ref = hooks.retained.get((node, i))
+            if ref is not None and ref() is not None and inputs[i] is not None:
+                t = ref()
+                t.grad = inputs[i].clone(memory_format=torch.contiguous_format) if t.grad is None \
+                    else t.grad + inputs[i]
+        for hook in hooks.pre_hooks.get(node, ()):
+            new = hook(tuple(inputs))
+            if new is not None:
+                for i, g in enumerate(new):
+                    self._hold(g)
+                    self._drop(inputs[i])
+                    inputs[i] = g
+        with torch.no_grad():
+            if type(node).__name__ == "AccumulateGrad":
+                self._accumulate_grad(node, inputs)
+                outputs = []
+            elif isinstance(node, torch.autograd.function.BackwardCFunction):
+                outputs = self._call_python_function(node, inputs)
+            else:
+                outputs = self._call_cpp(node, inputs)
+            outputs = self._validate(node, outputs)
+        post = hooks.post_hooks.get(node)
+        if post:
+            for hook in post:
+                new = hook(tuple(outputs), tuple(inputs))
+                if new is not None:
+                    for g in outputs:
+                        self._drop(g)
+                    outputs = list(new)
+                    for g in outputs:
+                        self._hold(g)
+        for g in inputs:  # the node's input gradients die when call_function returns
+            self._drop(g)
+        inputs.clear()
+        return outputs
+
+    def _call_cpp(self, node, inputs: list) -> list:
+        out = node(*inputs)
+        outputs = list(out) if isinstance(out, tuple) else [out]
+        for g in outputs:
+            self._hold(g)
+        return outputs
+
+    def _call_python_function(self, node, inputs: list) -> list:
+        """PyNode::apply: materialise missing gradients, call the user's backward."""
+        if getattr(node, "materialize_grads", True):
+            metas = node._input_metadata if hasattr(node, "_input_metadata") else ()
+            for i, g in enumerate(inputs):
+                if g is None and i < len(metas):
+                    m = metas[i]
+                    inputs[i] = torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+                    self._hold(inputs[i])
+        out = node.apply(*inputs)
+        outputs = list(out) if isinstance(out, tuple) else [out]
+        n = len(node.next_functions)
+        outputs = (outputs + [None] * n)[:n]
+        for g in outputs:
+            self._hold(g)
+        return outputs
+
+    def _accumulate_grad(self, node, inputs: list) -> None:
+        """AccumulateGrad::apply + accumulateGrad() for dense tensors without grad mode."""
+        variable = node.variable
+        new_grad = inputs[0] if inputs else None
+        if new_grad is None or not variable.requires_grad:
+            return
+        hooks = variable._backward_hooks
+        if hooks:
+            for hook in list(hooks.values()):
+                new = hook(new_grad)
+                if new is not None:
+                    self._hold(new)
+                    self._drop(new_grad)
+                    inputs[0] = new_grad = new
+        post = variable._post_accumulate_grad_hooks
+        if variable.grad is None:
+            expected = 1 + bool(post)
+            if self._stealable(new_grad, expected) and _obeys_layout_contract(new_grad, variable):
+                variable.grad = new_grad.detach()
+            else:
+                variable.grad = _clone_obey_contract(new_grad, variable)
+        else:
+            variable.grad += new_grad
+        if post:
+            for hook in list(post.values()):
+                hook(variable)
+
+    def _validate(self, node, outputs: list) -> list:
+        """validate_outputs: reduce broadcast gradients and cast dtypes to what the next node expects."""
+        for i, (nxt, nr) in enumerate(node.next_functions):
+            if i >= len(outputs) or nxt is None or outputs[i] is None:
+                continue
+            g = outputs[i]
+            meta = nxt._input_metadata[nr]
+            shape = tuple(meta.shape)
+            new = g
+            if tuple(new.shape) != shape:
+                new = new.sum_to_size(shape) if shape else new.sum()
+            if new.dtype != meta.dtype:
+                new = new.to(meta.dtype)
+            if new.device != meta.device:
+                new = new.to(meta.device)
+            if new is not g:
+                self._hold(new)
+                self._drop(g)
+                outputs[i] = new
+        return outputs
+
+
+def _dense(t) -> bool:
+    """is_non_overlapping_and_dense: some permutation of t's dims is laid out contiguously."""
+    if t.dim() == 1:
+        return t.shape[0] < 2 or t.stride(0) == 1
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _obeys_layout_contract(grad, variable) -> bool:
+    if _dense(variable):
+        for size, gs, vs in zip(grad.shape, grad.stride(), variable.stride()):
+            if size != 1:
+                if gs != vs:
+                    return False
+            elif gs == 0:
+                return False
+        return True
+    return grad.is_contiguous()
+
+
+def _clone_obey_contract(new_grad, variable):
+    if _dense(variable):
+        return new_grad.new_empty_strided(variable.shape, variable.stride()).copy_(new_grad)
+    return new_grad.clone(memory_format=torch.contiguous_format)

@@ -1,0 +1,199 @@
+"""Turning the user's model and inputs into fake ones, without touching the originals."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from ..errors import ModelBuildError
+
+__all__ = ["spec", "Spec", "build_on_meta", "fake_copy", "fake_inputs", "resolve_dtype"]
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp64": torch.float64, "float64": torch.float64,
+    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
+    "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8,
+}
+
+
+def resolve_dtype(d) -> torch.dtype | None:
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    try:
+        return _DTYPES[str(d).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {d!r}; use one of {', '.join(sorted(_DTYPES))}") from None
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The shape and dtype of an input, without its data.
+
+    `high` bounds the values of an integer input when tapescope runs the step for real (validation):
+    token ids must stay below the vocabulary size. Fake tracing never looks at values.
+    """
+
+    shape: tuple
+    dtype: torch.dtype = torch.float32
+    device: str | None = None
+    requires_grad: bool = False
+    high: int | None = None
+
+    def __repr__(self) -> str:
+        return f"spec({tuple(self.shape)}, dtype={self.dtype})"
+
+
+def spec(shape, dtype=torch.float32, device=None, requires_grad=False, high=None) -> Spec:
+    """An input given by shape and dtype only: `tapescope.spec((8, 1024), dtype=torch.long)`."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative size in input shape {shape}")
+    return Spec(shape, resolve_dtype(dtype), device, requires_grad, high)
+
+
+def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
+    """Run a model builder with every new tensor on the meta device: no memory, no init compute.
+
+    Init code that reads tensor values (`x.item()` on a schedule tensor, say) cannot run on meta;
+    for those builders the parameters are created on the CPU one module at a time and moved to meta
+    as soon as they exist, so memory stays at one parameter's size (init compute is paid).
+    """
+    try:
+        with torch.device("meta"):
+            model = builder()
+    except Exception as first:  # noqa: BLE001 - retried below, reported if that fails too
+        try:
+            with _params_to_meta():
+                model = builder()
+        except Exception as second:
+            raise ModelBuildError(
+                f"could not build the model without allocating it: on the meta device it failed with "
+                f"{type(first).__name__}: {first}; building parameter by parameter failed with "
+                f"{type(second).__name__}: {second}") from second
+    if not isinstance(model, nn.Module):
+        raise ModelBuildError(f"the model builder returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+class _params_to_meta:
+    """Move each parameter and buffer to meta the moment a module registers it (like accelerate's
+    init_empty_weights, which we do not depend on for this one function)."""
+
+    def __enter__(self):
+        self._reg_p = nn.Module.register_parameter
+        self._reg_b = nn.Module.register_buffer
+        reg_p, reg_b = self._reg_p, self._reg_b
+
+        def register_parameter(mod, name, param):
+            reg_p(mod, name, param)
+            if param is not None and param.device.type != "meta":
+                p = mod._parameters[name]
+                mod._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+        def register_buffer(mod, name, tensor, persistent=True):
+            reg_b(mod, name, tensor if tensor is None else tensor.to("meta"), persistent)
+
+        nn.Module.register_parameter = register_parameter
+        nn.Module.register_buffer = register_buffer
+        return self
+
+    def __exit__(self, *exc):
+        nn.Module.register_parameter = self._reg_p
+        nn.Module.register_buffer = self._reg_b
+
+
+_MODULE_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+def fake_copy(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A copy of `model` sharing everything but its tensors, which are replaced by `make(t)`.
+
+    Modules are copied shallowly (their code, config and hooks are the user's own); parameters,
+    buffers and tensor attributes are replaced, each original once, so tied weights stay tied.
+    The original model is never modified.
+    """
+    made: dict[int, torch.Tensor] = {}
+    copies: dict[int, nn.Module] = {}
+
+    def tensor(t):
+        r = made.get(id(t))
+        if r is None:
+            r = made[id(t)] = make(t)
+        return r
+
+    def module(m: nn.Module) -> nn.Module:
+        if id(m) in copies:
+            return copies[id(m)]
+        new = copy.copy(m)
+        copies[id(m)] = new
+        d = new.__dict__
+        for k, v in list(d.items()):
+            if isinstance(v, torch.Tensor):
+                d[k] = tensor(v)
+            elif k.endswith("hooks") and isinstance(v, dict):
+                d[k] = type(v)(v)  # our copy may gain hooks; the user's module must not
+        d["_parameters"] = {k: None if p is None else tensor(p) for k, p in m._parameters.items()}
+        d["_buffers"] = {k: None if b is None else tensor(b) for k, b in m._buffers.items()}
+        d["_modules"] = {k: None if c is None else module(c) for k, c in m._modules.items()}
+        return new
+
+    return module(model)
+
+
+def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torch.Tensor:
+    """A fake tensor with t's shape, strides and autograd flags (call inside the fake mode)."""
+    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+    out = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(out, requires_grad=t.requires_grad)
+    if t.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def fake_inputs(inputs: Any, device, dtype: torch.dtype | None) -> Any:
+    """Replace every tensor and Spec in a nest of inputs by a fake tensor on `device`."""
+
+    def convert(x):
+        if isinstance(x, Spec):
+            dev = x.device or device
+            dt = dtype if (dtype is not None and x.dtype.is_floating_point) else x.dtype
+            t = torch.empty(x.shape, dtype=dt, device=dev)
+            return t.requires_grad_(True) if x.requires_grad else t
+        if isinstance(x, torch.Tensor):
+            return fake_tensor_like(x, device, dtype)
+        return x
+
+    return tree_map(convert, inputs, is_leaf=lambda x: isinstance(x, Spec))
+
+
+def real_inputs(inputs: Any, device, dtype: torch.dtype | None, generator: torch.Generator) -> Any:
+    """Real tensors for a real run of the step (validation): specs get random or zero data."""
+
+    def convert(x):
+        if isinstance(x, Spec):
+            dev = x.device or device
+            dt = dtype if (dtype is not None and x.dtype.is_floating_point) else x.dtype
+            if dt.is_floating_point:
+                t = torch.randn(x.shape, dtype=dt, generator=generator).to(dev)
+            elif dt == torch.bool:
+                t = torch.ones(x.shape, dtype=dt, device=dev)
+            else:
+                t = torch.randint(0, x.high or 1, x.shape, dtype=dt, generator=generator).to(dev)
+            return t.requires_grad_(True) if x.requires_grad else t
+        if isinstance(x, torch.Tensor):
+            t = x.detach().to(device=device, dtype=dtype if (dtype and x.is_floating_point()) else x.dtype)
+            return t.requires_grad_(x.requires_grad)
+        return x
+
+    return tree_map(convert, inputs, is_leaf=lambda x: isinstance(x, Spec))

@@ -1,0 +1,48 @@
+"""Which module is running: a stack of fully qualified names during forward.
+
+Backward ops are attributed through seq_nr to the forward op that recorded their autograd node, which
+is exact; hook-based backward tracking (ModTracker's multi-grad hooks) is not needed, and it would add
+a hook per module output to the graph we are measuring. So this tracks forward only, with the two
+global module hooks, removed on exit.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch.nn as nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+__all__ = ["track_modules", "module_names"]
+
+
+def module_names(model: nn.Module) -> dict[int, str]:
+    """id(module) -> fqn, the root being "" (a module reachable twice keeps its first name)."""
+    names: dict[int, str] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(mod), name)
+    return names
+
+
+@contextmanager
+def track_modules(stack: list[str], names: dict[int, str]):
+    """Keep `stack` equal to the fqns of the modules currently in forward, innermost last.
+
+    Modules outside the model (a loss module, say) appear under their class name.
+    """
+
+    def pre(mod, _args):
+        name = names.get(id(mod))
+        stack.append(type(mod).__name__ if name is None else name)
+
+    def post(mod, _args, _out):
+        if stack:
+            stack.pop()
+
+    h1 = register_module_forward_pre_hook(pre)
+    h2 = register_module_forward_hook(post, always_call=True)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()

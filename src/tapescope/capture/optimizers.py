@@ -1,0 +1,53 @@
+"""Optimizers by name, with the implementation torch would choose on the traced device.
+
+torch picks foreach kernels when every parameter is a plain tensor on a foreach-capable device
+(`torch.optim.optimizer._default_to_fused_or_foreach`). Our parameters are FakeTensors, which that
+check rejects, so a fake CUDA step would silently fall back to the per-parameter loop. We pass the
+choice torch makes for real tensors on the traced device instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+from ..errors import TapescopeError
+
+__all__ = ["OPTIMIZERS", "make_optimizer", "default_foreach"]
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+
+
+def default_foreach(device: torch.device) -> bool:
+    """What torch's optimizers default to for plain tensors on `device` (fused is never a default)."""
+    return device.type in _get_foreach_kernels_supported_devices()
+
+
+def make_optimizer(spec, params: list, device: torch.device) -> torch.optim.Optimizer | None:
+    """`spec`: None, a name ("sgd", "adam", "adamw"), an Optimizer class, or a factory params -> optimizer."""
+    if spec is None or (isinstance(spec, str) and spec.lower() == "none"):
+        return None
+    if isinstance(spec, str):
+        cls = OPTIMIZERS.get(spec.lower())
+        if cls is None:
+            raise TapescopeError(
+                f"unknown optimizer {spec!r}; use one of {', '.join(OPTIMIZERS)}, none, "
+                "an Optimizer class or a function params -> optimizer")
+        return cls(params, foreach=default_foreach(device))
+    if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
+        if "foreach" in inspect.signature(spec).parameters:
+            return spec(params, foreach=default_foreach(device))
+        return spec(params)
+    if callable(spec):
+        opt = spec(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TapescopeError(f"the optimizer factory returned {type(opt).__name__}, not a torch Optimizer")
+        return opt
+    raise TapescopeError(f"cannot make an optimizer from {spec!r}")

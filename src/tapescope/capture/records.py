@@ -1,0 +1,166 @@
+"""Plain records of a traced training step.
+
+Capture writes these and nothing else; every analysis (FLOPs, bytes, memory, graph) is a pure
+function of them. They hold shapes, dtypes and storage ids, never tensors: a trace of a 70B-parameter
+model stays small, and keeping no tensor alive means the recorder cannot change when memory is freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORWARD",
+    "BACKWARD",
+    "OPTIMIZER",
+    "PHASES",
+    "TensorRef",
+    "Frame",
+    "OpRecord",
+    "StorageRecord",
+    "Segment",
+    "Trace",
+]
+
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+PHASES = (FORWARD, BACKWARD, OPTIMIZER)
+
+# Roles a storage can play, in the order that decides a storage's memory category when it plays
+# several (a parameter saved for backward is a parameter).
+PARAMETER, BUFFER, INPUT, GRADIENT, OPTIMIZER_STATE = (
+    "parameters", "buffers", "inputs", "gradients", "optimizer state")
+SAVED, TEMPORARY = "saved activations", "temporaries"
+CATEGORIES = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT, SAVED, TEMPORARY)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """One tensor as an op saw it.
+
+    `value` names the tensor's version in the dataflow graph: every op output gets a new value, an
+    in-place op gives its mutated argument a new one. `storage` is the id of the memory it lives in
+    (views and in-place results share their base's storage).
+    """
+
+    shape: tuple
+    dtype: torch.dtype
+    storage: int
+    value: int
+
+    @property
+    def numel(self):
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self):
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """The user source line that issued an op."""
+
+    filename: str
+    lineno: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.function}"
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One aten op as it ran.
+
+    `seq_nr` follows AOTAutograd's convention: a forward op carries the sequence number of the last
+    autograd node created when it ran, a backward op the sequence number of the node running it, so
+    a backward op and the forward op that recorded its node share a number. `grad_fn` is the name of
+    that node; `owns_node` marks the forward op during which the node was created.
+    """
+
+    index: int
+    func: Any  # torch._ops.OpOverload
+    phase: str
+    step: int
+    args: tuple
+    kwargs: dict
+    outputs: tuple  # TensorRef, or None where the op returned no tensor in that position
+    module: str | None = None
+    seq_nr: int | None = None
+    owns_node: bool = False
+    grad_fn: str | None = None
+    frame: Frame | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.func)
+
+    def tensor_inputs(self):
+        """TensorRefs among the op's arguments, in argument order (lists flattened)."""
+        for a in (*self.args, *self.kwargs.values()):
+            if type(a) is TensorRef:
+                yield a
+            elif type(a) in (tuple, list):
+                for x in a:
+                    if type(x) is TensorRef:
+                        yield x
+
+    def tensor_outputs(self):
+        return (o for o in self.outputs if o is not None)
+
+
+@dataclass(slots=True)
+class StorageRecord:
+    """A block of memory: created by op `created_by` (None: existed before the trace)."""
+
+    id: int
+    nbytes: int
+    device: torch.device
+    created_by: int | None
+    roles: set = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous run of the trace: one phase of one step.
+
+    `label` tells apart the optimizer's step ("optimizer") from the gradient reset that ends a step
+    ("zero_grad"). `ops` and `events` are half-open ranges into Trace.ops and Trace.events.
+    """
+
+    step: int
+    phase: str
+    label: str
+    ops: range
+    events: range
+
+
+@dataclass
+class Trace:
+    """Everything capture recorded.
+
+    events: the order in which storages came to life and died: `(op_index, storage_id, +1 | -1)`.
+    A free is tagged with the last op recorded before it.
+    """
+
+    ops: list = field(default_factory=list)
+    storages: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    segments: list = field(default_factory=list)
+    # value id -> name of a tensor the step did not produce (parameter, buffer, input ...)
+    external_values: dict = field(default_factory=dict)
+    # value ids that autograd saved for backward
+    saved_values: set = field(default_factory=set)
+    # storage id -> fully qualified name of the parameter it holds (or its gradient/state)
+    storage_owner: dict = field(default_factory=dict)
+    # forward autograd node seq_nr -> node name (e.g. "MmBackward0")
+    node_names: dict = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")
+    # how steady-state step 2 was obtained: "traced" or "reused forward+backward of step 1"
+    step2: str = "none"

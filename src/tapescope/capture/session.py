@@ -1,0 +1,229 @@
+"""Capture: run training steps of a fake copy of the model on a Tape and return the Trace.
+
+Steps. Memory in the first step differs from later ones: the optimizer creates its state during the
+first `optimizer.step()`. Step 2 is the steady state. Its forward and backward run exactly the ops of
+step 1 when the step leaves the model as it found it (same tensors in the same storages), so we trace
+forward and backward once and the optimizer step twice, and build step 2 from step 1's forward and
+backward plus the second optimizer step. When the model changed (a cache built in the first forward,
+parameters replaced), step 2 is traced in full. `Trace.step2` says which happened.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from ..errors import DeviceError, TapescopeError, from_trace_failure
+from .model import build_on_meta, fake_copy, fake_inputs, fake_tensor_like
+from .modules import module_names, track_modules
+from .optimizers import make_optimizer
+from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER, OPTIMIZER_STATE,
+                      PARAMETER, Trace)
+from .step import train_step
+from .engine import PythonEngine
+from .hooks import HookRegistry, SavedTensors
+from .tape import Tape
+
+__all__ = ["capture", "check_device", "LOSS_MODULE"]
+
+LOSS_MODULE = "(loss)"  # the module name of ops computing the loss outside the model
+
+
+def check_device(device: torch.device) -> None:
+    """Fail before tracing where torch itself would abort the process."""
+    if device.type == "cuda" and not torch.backends.cuda.is_built():
+        # On a CPU-only build, any autograd op on a fake CUDA tensor aborts the process (SIGABRT
+        # from AccumulateGrad): this check must come first.
+        raise DeviceError(
+            f"device='cuda' needs a CUDA build of PyTorch, and this one ({torch.__version__}) is "
+            "CPU-only. A GPU is not needed, only the CUDA build: install one, e.g. "
+            "`pip install torch --index-url https://download.pytorch.org/whl/cu128`, "
+            "or profile with --device cpu.")
+    if device.type not in ("cpu", "cuda", "meta"):
+        raise DeviceError(f"unsupported device {device}; use cpu, cuda or meta")
+
+
+def _tensors_fingerprint(model: nn.Module) -> tuple:
+    """Which tensors the model holds and where they live; equal before and after a step unless the
+    step replaced or added tensors."""
+    out = []
+    for mod in model.modules():
+        for k, v in mod.__dict__.items():
+            if isinstance(v, torch.Tensor):
+                out.append((id(mod), k, id(v), v.untyped_storage()._cdata))
+        for d in (mod._parameters, mod._buffers):
+            for k, v in d.items():
+                out.append((id(mod), k, id(v), None if v is None else v.untyped_storage()._cdata))
+    return tuple(out)
+
+
+ENGINES = ("python", "torch")
+
+
+def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", device="cpu",
+            dtype=None, steps: int = 2, engine: str = "python", forward_context=None,
+            progress=None) -> tuple[Trace, dict]:
+    """Trace `steps` (1 or 2) training steps; returns the Trace and facts about the run.
+
+    engine: "python" runs backward with tapescope's engine (capture.engine), which needs no GPU and
+    decides like the C++ engine does for real tensors; "torch" calls loss.backward() (on a CUDA
+    device this needs a GPU).
+    """
+    if engine not in ENGINES:
+        raise TapescopeError(f"engine must be one of {ENGINES}, got {engine!r}")
+    device = torch.device(device)
+    check_device(device)
+    if steps not in (1, 2):
+        raise TapescopeError(f"steps must be 1 (first step only) or 2 (steady state), got {steps}")
+    kwargs = kwargs or {}
+    if not isinstance(model, nn.Module):
+        if not callable(model):
+            raise TapescopeError(f"model must be an nn.Module or a function that builds one, "
+                                 f"got {type(model).__name__}")
+        model = build_on_meta(model)
+
+    tape = Tape()
+    trace = tape.tape
+    trace.device = device
+    facts: dict = {}
+    with tape:
+        fmodel = fake_copy(model, lambda t: fake_tensor_like(t, device, dtype))
+        fargs, fkwargs = fake_inputs((tuple(args), kwargs), device, dtype)
+        names = module_names(fmodel)
+        param_fqn = {}
+        for fqn, p in fmodel.named_parameters(remove_duplicate=False):
+            param_fqn.setdefault(id(p), fqn)
+            sid = tape.register(p, fqn, PARAMETER)
+            trace.storage_owner.setdefault(sid, fqn)
+        for fqn, b in fmodel.named_buffers(remove_duplicate=False):
+            trace.storage_owner.setdefault(tape.register(b, fqn, BUFFER), fqn)
+        for i, t in enumerate(x for x in tree_leaves((fargs, fkwargs)) if isinstance(x, torch.Tensor)):
+            tape.register(t, f"input{i}", INPUT)
+        params = list(fmodel.parameters())
+        facts["parameters"] = sum(p.numel() for p in params)
+        opt = make_optimizer(optimizer, params, device)
+        facts["optimizer"] = None if opt is None else _describe_optimizer(opt)
+
+        saved = SavedTensors(tape)
+        hooks = HookRegistry()
+
+        def on_node(node):
+            tape.tape_backward_node = node
+
+        py_engine = PythonEngine(saved, hooks, on_node)
+
+        def run_backward(loss):
+            _name_forward_nodes(loss, trace)
+            if engine == "python":
+                py_engine.backward(loss)
+            else:
+                loss.backward()
+
+        def mark_grads_and_state():
+            for p in params:
+                if p.grad is not None:
+                    sid = tape.storage_id(p.grad)
+                    if sid is not None:
+                        trace.storages[sid].roles.add(GRADIENT)
+                        trace.storage_owner.setdefault(sid, param_fqn.get(id(p), "?"))
+            if opt is not None:
+                for p, state in opt.state.items():
+                    for t in tree_leaves(state):
+                        if isinstance(t, torch.Tensor):
+                            sid = tape.storage_id(t)
+                            if sid is not None:
+                                trace.storages[sid].roles.add(OPTIMIZER_STATE)
+                                trace.storage_owner.setdefault(sid, param_fqn.get(id(p), "?"))
+
+        @contextmanager
+        def phase(step, name):
+            with tape.phase(step, name):
+                yield
+            if name == BACKWARD:
+                mark_grads_and_state()
+            if progress is not None:
+                progress(step, name)
+
+        def zero_grad(step):
+            with tape.phase(step, OPTIMIZER, "zero_grad"):
+                if opt is not None:
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    for p in params:
+                        p.grad = None
+
+        @contextmanager
+        def in_loss():
+            tape.tape_modules.append(LOSS_MODULE)
+            try:
+                yield
+            finally:
+                tape.tape_modules.pop()
+
+        def one_step(step):
+            train_step(fmodel, fargs, fkwargs, loss_fn, opt, step=step, phase=phase,
+                       backward=run_backward, forward_context=forward_context or nullcontext,
+                       loss_context=in_loss)
+            mark_grads_and_state()
+
+        try:
+            with track_modules(tape.tape_modules, names), saved.active(), hooks.recording():
+                before = _tensors_fingerprint(fmodel)
+                one_step(1)
+                if steps == 2 and opt is not None:
+                    opt_seg = trace.segments[-1]
+                    if _tensors_fingerprint(fmodel) == before and _self_contained(trace, opt_seg):
+                        with phase(2, OPTIMIZER):
+                            opt.step()
+                        mark_grads_and_state()
+                        zero_grad(2)
+                        trace.step2 = "reused"
+                    else:
+                        zero_grad(1)
+                        one_step(2)
+                        zero_grad(2)
+                        trace.step2 = "traced"
+                else:
+                    zero_grad(1)
+        except TapescopeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure of user code becomes a message
+            raise from_trace_failure(e) from e
+    return trace, facts
+
+
+def _self_contained(trace: Trace, seg) -> bool:
+    """True if a segment frees only storages it allocated itself (its temporaries)."""
+    ops = seg.ops
+    for i in seg.events:
+        op, sid, delta = trace.events[i]
+        if delta < 0:
+            made = trace.storages[sid].created_by
+            if made is None or made not in ops:
+                return False
+    return True
+
+
+def _describe_optimizer(opt: torch.optim.Optimizer) -> dict:
+    d = opt.defaults
+    impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+    return {"name": type(opt).__name__, "implementation": impl}
+
+
+def _name_forward_nodes(loss: torch.Tensor, trace: Trace) -> None:
+    """Map seq_nr -> autograd node name for every node reachable from the loss."""
+    fn = loss.grad_fn
+    if fn is None:
+        raise TapescopeError("the loss does not require grad: no parameter of the model took part in "
+                             "computing it (are all parameters frozen, or is the forward under no_grad?)")
+    seen, stack, names = set(), [fn], trace.node_names
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.setdefault(node._sequence_nr(), node.name())
+        stack.extend(n for n, _ in node.next_functions)

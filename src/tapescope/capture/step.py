@@ -1,0 +1,68 @@
+"""One training step, written once and run both on fake tensors (capture) and for real (validation).
+
+The step: forward, loss, backward, optimizer.step(), optimizer.zero_grad(set_to_none=True). The
+model output is dropped as soon as the loss is computed, so it lives on only if autograd saved it
+(the convention of a loop that writes `loss = loss_fn(model(x), y)`).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..errors import TapescopeError
+from .records import BACKWARD, FORWARD, OPTIMIZER
+
+__all__ = ["default_loss", "forward_and_loss", "train_step"]
+
+
+def default_loss(output) -> torch.Tensor:
+    """The loss when none is given: a scalar output; else an output's scalar `loss` field (Hugging
+    Face models given labels); else the sum of all floating-point outputs that require grad."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
+        return loss
+    leaves = [t for t in tree_leaves(output)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if isinstance(output, dict) and not leaves:  # HF ModelOutput leaves are dict values
+        leaves = [t for t in output.values()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        raise TapescopeError(
+            "the model's output has no floating-point tensor that requires grad, so there is nothing "
+            "to backpropagate; pass loss_fn=... (CLI: use a zoo model or a build function that "
+            "returns a model producing a loss)")
+    loss = leaves[0].sum()
+    for t in leaves[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def forward_and_loss(model, args, kwargs, loss_fn, loss_context=nullcontext) -> torch.Tensor:
+    out = model(*args, **kwargs)
+    with loss_context():
+        loss = loss_fn(out, *args) if loss_fn is not None else default_loss(out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TapescopeError(f"the loss must be a one-element tensor, got {type(loss).__name__} "
+                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    return loss
+
+
+def train_step(model, args, kwargs, loss_fn, optimizer, *, step: int = 1,
+               phase: Callable = lambda step, name: nullcontext(),
+               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+               forward_context: Callable = nullcontext, loss_context: Callable = nullcontext) -> None:
+    """Forward, backward and optimizer step; `phase(step, name)` brackets each part."""
+    with phase(step, FORWARD), forward_context():
+        loss = forward_and_loss(model, args, kwargs, loss_fn, loss_context)
+    with phase(step, BACKWARD):
+        backward(loss)
+        del loss
+    if optimizer is not None:
+        with phase(step, OPTIMIZER):
+            optimizer.step()

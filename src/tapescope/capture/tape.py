@@ -1,0 +1,332 @@
+"""The recorder: a FakeTensorMode that writes a Trace of every aten op it runs.
+
+Why a FakeTensorMode subclass and not a second TorchDispatchMode stacked on top: every op would then
+cross the Python dispatcher twice, which costs about 15% of the whole trace. Overriding
+`__torch_dispatch__` records each op on the way out of the fake kernel at almost no cost.
+
+What it records, and how, so that the numbers follow real execution:
+- storage identity from `untyped_storage()` (views and in-place results share it), and storage death
+  from a weakref on the storage object, which fires exactly when the last reference goes, as the real
+  allocator's free would. The recorder holds no tensor, so it cannot delay a free or change what
+  autograd decides from reference counts (AccumulateGrad steals a gradient only if nobody else holds it);
+- only top-level ops: FakeTensorMode re-enters itself to run decompositions, and those inner ops are
+  an artefact of fake execution, not ops the real step runs;
+- the forward seq_nr from autograd's own counter and the backward node from the engine (see OpRecord).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from .records import BACKWARD, FORWARD, Frame, OpRecord, Segment, StorageRecord, TensorRef, Trace
+
+__all__ = ["Tape"]
+
+_VALUE_ATTR = "_tapescope_value"  # the dataflow value id, kept on our own fake tensors
+
+# Dispatcher-level queries that FakeTensor issues for itself; they are not ops of the program.
+_NOT_OPS = {torch.ops.prim.device.default, torch.ops.prim.layout.default}
+_NOT_OP_NAMESPACES = ("prim", "profiler")  # metadata queries and record_function markers
+_DETACH = torch.ops.aten.detach.default
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_AD_INPLACE = torch._C.DispatchKey.ADInplaceOrView
+
+# Frames inside these folders are never "the line that issued the op".
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TORCH_OPTIM_DIR = _TORCH_DIR + "optim" + os.sep  # an optimizer's update lines are worth showing
+_CAPTURE_DIR = os.path.dirname(__file__) + os.sep
+_API_FILE = os.path.join(os.path.dirname(_CAPTURE_DIR.rstrip(os.sep)), "api.py")
+_STDLIB_HELPERS = ("contextlib.py", "functools.py")
+
+
+def _inplace_fast_path_ok(func) -> bool:
+    """In-place ops whose result is their first argument (or nothing, for foreach ops).
+
+    Their fake result depends only on argument metadata, so once an op has run on a given metadata
+    signature, running it again can return `self` without the fake kernel. This halves the cost of
+    tracing optimizer steps, which are almost all in-place. Ops that change metadata in place
+    (`resize_`, `transpose_`, `set_`) are excluded.
+    """
+    tags = func.tags
+    if torch.Tag.inplace not in tags or torch.Tag.inplace_view in tags:
+        return False
+    rets = func._schema.returns
+    if len(rets) == 0:
+        return True
+    return (len(rets) == 1 and rets[0].alias_info is not None and rets[0].alias_info.is_write
+            and func._schema.arguments[0].alias_info is not None)
+
+
+class Tape(FakeTensorMode):
+    """Fake execution that records a Trace. Use one Tape per profile; nothing is shared."""
+
+    def __init__(self, shape_env=None):
+        super().__init__(allow_non_fake_inputs=False, shape_env=shape_env)
+        self.tape = Trace()
+        self.tape_recording = False
+        self.tape_modules: list[str] = []  # forward module stack, innermost last
+        self.tape_backward_node = None  # set by a Python-driven backward; else the engine's node
+        self._tape_depth = 0
+        self._tape_live: dict[int, tuple[int, weakref.ref]] = {}  # StorageImpl address -> (id, ref)
+        self._tape_phase = FORWARD
+        self._tape_step = 0
+        self._tape_last_seq = torch.autograd._get_sequence_nr()
+        self._tape_next_value = 0
+        self._tape_frames: dict = {}
+        self._tape_fast: dict = {}  # func -> eligible for the in-place fast path
+        self._tape_seen: set = set()  # in-place (func, signature) keys already run once
+
+    # ---- phases -----------------------------------------------------------------------------
+
+    @contextmanager
+    def phase(self, step: int, phase: str, label: str | None = None):
+        """Record ops of one phase of one step as a Segment."""
+        t = self.tape
+        self._tape_step, self._tape_phase = step, phase
+        self._tape_last_seq = torch.autograd._get_sequence_nr()
+        op0, ev0 = len(t.ops), len(t.events)
+        self.tape_recording = True
+        try:
+            yield
+        finally:
+            self.tape_recording = False
+            t.segments.append(Segment(step, phase, label or phase, range(op0, len(t.ops)),
+                                      range(ev0, len(t.events))))
+
+    # ---- tensors ----------------------------------------------------------------------------
+
+    def _new_value(self) -> int:
+        v = self._tape_next_value
+        self._tape_next_value = v + 1
+        return v
+
+    def _storage_of(self, t: torch.Tensor, created_by: int | None) -> tuple[int, bool]:
+        """Storage id of t's storage, registering it (and a weakref that records its death)."""
+        st = t.untyped_storage()
+        key = st._cdata
+        entry = self._tape_live.get(key)
+        if entry is not None:
+            return entry[0], False
+        trace = self.tape
+        sid = len(trace.storages)
+        trace.storages.append(StorageRecord(sid, st.nbytes(), t.device, created_by))
+
+        def on_free(_, key=key, sid=sid, trace=trace, live=self._tape_live):
+            live.pop(key, None)
+            if self.tape_recording:
+                trace.events.append((len(trace.ops) - 1, sid, -1))
+
+        self._tape_live[key] = (sid, weakref.ref(st, on_free))
+        return sid, True
+
+    def register(self, t: torch.Tensor, name: str, role: str | None = None) -> int:
+        """Name a tensor that exists before the step (parameter, buffer, input, state).
+
+        Returns its storage id; the storage is marked with `role` for the memory categories.
+        """
+        sid, _ = self._storage_of(t, None)
+        v = getattr(t, _VALUE_ATTR, None)
+        if v is None:
+            v = self._new_value()
+            setattr(t, _VALUE_ATTR, v)
+        self.tape.external_values.setdefault(v, name)
+        if role is not None:
+            self.tape.storages[sid].roles.add(role)
+        return sid
+
+    def storage_id(self, t: torch.Tensor) -> int | None:
+        """Storage id of a tensor the tape has seen, else None."""
+        entry = self._tape_live.get(t.untyped_storage()._cdata)
+        return None if entry is None else entry[0]
+
+    def _in_ref(self, t: torch.Tensor) -> TensorRef:
+        if not isinstance(t, FakeTensor):
+            # A real tensor entering the fake program: `torch.tensor(0.)` builds one outside the
+            # dispatcher and lifts it (aten.lift_fresh). The real run allocates only the lifted
+            # result, so this one is not device memory: storage -1.
+            return TensorRef(tuple(t.shape), t.dtype, -1, self._new_value())
+        sid, _ = self._storage_of(t, None)
+        v = getattr(t, _VALUE_ATTR, None)
+        if v is None:  # a tensor made before recording began and never registered
+            v = self._new_value()
+            setattr(t, _VALUE_ATTR, v)
+            self.tape.external_values[v] = "tensor"
+        return TensorRef(tuple(t.shape), t.dtype, sid, v)
+
+    def _out_ref(self, t: torch.Tensor, index: int) -> TensorRef:
+        sid, new = self._storage_of(t, index)
+        if new:
+            self.tape.events.append((index, sid, 1))
+        v = self._new_value()
+        setattr(t, _VALUE_ATTR, v)
+        return TensorRef(tuple(t.shape), t.dtype, sid, v)
+
+    def value_of(self, t: torch.Tensor) -> int | None:
+        return getattr(t, _VALUE_ATTR, None)
+
+    # ---- where an op comes from -------------------------------------------------------------
+
+    def _user_frame(self) -> Frame | None:
+        f = sys._getframe(2)
+        frames = self._tape_frames
+        while f is not None:
+            code = f.f_code
+            fn = code.co_filename
+            if not ((fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
+                    or fn.startswith(_CAPTURE_DIR) or fn == _API_FILE or fn.endswith(_STDLIB_HELPERS)):
+                key = (fn, f.f_lineno)
+                frame = frames.get(key)
+                if frame is None:
+                    frame = frames[key] = Frame(fn, f.f_lineno, code.co_name)
+                return frame
+            f = f.f_back
+        return None
+
+    # ---- dispatch ---------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (self._tape_depth or not self.tape_recording or func in _NOT_OPS
+                or func.namespace in _NOT_OP_NAMESPACES):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _DETACH and not torch._C._dispatch_tls_is_dispatch_key_excluded(_AD_INPLACE):
+            # Not an op of the program: C++ autograd copied a TensorImpl (saving or unpacking a
+            # tensor), which for a Python tensor subclass goes through `detach`. A genuine detach
+            # comes from the autograd kernel, below which ADInplaceOrView is excluded.
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            v = getattr(args[0], _VALUE_ATTR, None)
+            if v is not None:
+                setattr(out, _VALUE_ATTR, v)
+            return out
+        self._tape_depth += 1
+        try:
+            out = self._run(func, types, args, kwargs)
+        except Exception as e:
+            self._annotate(e, func)
+            raise
+        finally:
+            self._tape_depth -= 1
+        if func is _LIFT_FRESH and not isinstance(args[0], FakeTensor):
+            self._record_tensor_literal(args[0], out)
+        else:
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _record_tensor_literal(self, real, out) -> None:
+        """`torch.tensor(data)` builds a real tensor outside the dispatcher and lifts it into fake
+        mode. A real run dispatches empty -> lift_fresh -> detach_; record those three ops."""
+        empty = torch.ops.aten.empty.memory_format
+        self._record(empty, (list(real.shape),),
+                     {"dtype": real.dtype, "device": out.device, "pin_memory": False}, out)
+        self._record(_LIFT_FRESH, (out,), {}, out)
+        self._record(torch.ops.aten.detach_.default, (out,), {}, out)
+
+    def _run(self, func, types, args, kwargs):
+        fast = self._tape_fast.get(func)
+        if fast is None:
+            fast = self._tape_fast[func] = _inplace_fast_path_ok(func)
+        if not fast:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        key = _signature(func, args, kwargs)
+        if key is not None and key in self._tape_seen:
+            return args[0] if func._schema.returns else None
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if key is not None:
+            self._tape_seen.add(key)
+        return out
+
+    def _annotate(self, e: Exception, func) -> None:
+        """Remember where an error happened, for a message that names the op, module and line."""
+        if getattr(e, "tapescope_op", None) is None:
+            try:
+                e.tapescope_op = func
+                e.tapescope_module = self.tape_modules[-1] if self.tape_modules else None
+                e.tapescope_frame = self._user_frame()
+                e.tapescope_phase = self._tape_phase
+            except AttributeError:  # exception types that refuse attributes
+                pass
+
+    def _record(self, func, args, kwargs, out) -> None:
+        trace = self.tape
+        index = len(trace.ops)
+        rec_args = tuple(self._convert(a) for a in args)
+        rec_kwargs = {k: self._convert(v) for k, v in kwargs.items()} if kwargs else {}
+
+        if isinstance(out, torch.Tensor):
+            outputs = (self._out_ref(out, index),)
+        elif isinstance(out, (tuple, list)):
+            outputs = tuple(self._out_ref(o, index) if isinstance(o, torch.Tensor) else None for o in out)
+        else:
+            outputs = ()
+        if not outputs:  # ops that return nothing (foreach, fused optimizers) write their arguments
+            outputs = tuple(self._out_ref(t, index) for t in _written_tensors(func, args, kwargs))
+
+        rec = OpRecord(index, func, self._tape_phase, self._tape_step, rec_args, rec_kwargs, outputs)
+        if self._tape_phase == FORWARD:
+            peek = torch.autograd._get_sequence_nr()
+            rec.seq_nr = peek - 1
+            rec.owns_node = peek != self._tape_last_seq
+            self._tape_last_seq = peek
+            rec.module = self.tape_modules[-1] if self.tape_modules else None
+            rec.frame = self._user_frame()
+        elif self._tape_phase == BACKWARD:
+            node = self.tape_backward_node or torch._C._current_autograd_node()
+            if node is not None:
+                rec.seq_nr = node._sequence_nr()
+                rec.grad_fn = node.name()
+        else:
+            rec.frame = self._user_frame()
+        trace.ops.append(rec)
+
+    def _convert(self, a):
+        if isinstance(a, torch.Tensor):
+            return self._in_ref(a)
+        if type(a) in (list, tuple) and a and any(isinstance(x, torch.Tensor) for x in a):
+            return tuple(self._in_ref(x) if isinstance(x, torch.Tensor) else x for x in a)
+        return a
+
+
+def _written_tensors(func, args, kwargs):
+    """Tensors an op mutates, from its schema's write annotations (`Tensor(a!)[] self`)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        a = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _tensor_signature(t):
+    if not isinstance(t, FakeTensor) or t.constant is not None:
+        raise _NoSignature
+    return (t.shape, t.stride(), t.dtype, t.device, t.storage_offset())
+
+
+class _NoSignature(Exception):
+    pass
+
+
+def _signature(func, args, kwargs):
+    """A hashable key of everything the fake kernel of an in-place op looks at, or None."""
+    try:
+        key = [func]
+        for a in (*args, *kwargs.items()):
+            if isinstance(a, torch.Tensor):
+                key.append(_tensor_signature(a))
+            elif isinstance(a, (list, tuple)):
+                key.append(tuple(_tensor_signature(x) if isinstance(x, torch.Tensor) else x for x in a))
+            else:
+                key.append(a)
+        key = tuple(key)
+        hash(key)
+        return key
+    except (_NoSignature, TypeError):
+        return None

@@ -1,0 +1,47 @@
+"""Plain-text views of a Profile (the CLI renders richer ones)."""
+from __future__ import annotations
+
+__all__ = ["fmt_bytes", "fmt_flops", "summary_text", "ops_table_text"]
+
+
+def fmt_bytes(n) -> str:
+    if not isinstance(n, int):
+        return str(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def fmt_flops(n) -> str:
+    if n is None:
+        return "-"
+    if not isinstance(n, int):
+        return str(n)
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} FLOP"
+
+
+def summary_text(p) -> str:
+    lines = [f"{p.model} on {p.device}: peak {fmt_bytes(p.peak_bytes)} (first step {fmt_bytes(p.first_step_peak_bytes)})"]
+    peak = p.ops[p.memory.peak_op] if p.ops else None
+    if peak:
+        lines.append(f"  peak at op {peak.index} {peak.name} ({peak.phase}, {peak.module})")
+    for c, b in p.memory.at_peak.items():
+        if b:
+            lines.append(f"  {c:>18}: {fmt_bytes(b)}")
+    lines.append("  FLOPs: " + ", ".join(f"{k} {fmt_flops(v)}" for k, v in p.flops.items()))
+    if p.uncounted_ops:
+        lines.append("  uncounted ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(p.uncounted_ops.items())))
+    return "\n".join(lines)
+
+
+def ops_table_text(p) -> str:
+    rows = ["SeqNr|OrigAten|SrcFn"]
+    for op in p.ops:
+        if op.phase == "optimizer":
+            continue
+        rows.append(f"{'' if op.seq_nr is None else op.seq_nr}|{op.name}|{op.module or ''}")
+    return "\n".join(rows)

@@ -1,0 +1,157 @@
+"""Run the same training step for real and read what the allocator says: the ground truth.
+
+The step is `capture.step.train_step`, the very function tapescope traces. Everything the step
+touches (model copy, inputs, optimizer) is created inside `torch.profiler.profile(profile_memory=True)`,
+so the allocator's own running total (`total_allocated` on each allocation event) covers all of it;
+live bytes are that total minus its value before the first allocation.
+
+Each allocation event keeps the aten op that made it, so a disagreement with the trace can be
+followed to the op (see `real_allocations`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..analysis.dispatch import decomposes_above_autograd
+from ..capture.model import real_inputs, resolve_dtype
+from ..capture.optimizers import make_optimizer
+from ..capture.step import train_step
+
+__all__ = ["RealStep", "Allocation", "run_real_steps"]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    step: int        # 0: setup
+    phase: str | None
+    op: str | None   # the innermost aten op that allocated (or freed)
+    nbytes: int      # positive: allocation, negative: free
+    live: int        # live bytes after this event
+    top_op: int | None = None  # index in RealStep.ops of the dispatched op it happened in
+
+
+@dataclass
+class RealStep:
+    peaks: dict = field(default_factory=dict)       # step -> peak live bytes
+    events: list = field(default_factory=list)      # Allocation, in time order
+    ops: list = field(default_factory=list)         # (step, phase, "aten::name"), in order
+
+    def op_names(self, step: int, phases=("forward", "backward", "optimizer")) -> list[str]:
+        """The step's aten ops as tapescope names them without overload: 'aten.mm'."""
+        return [n.replace("::", ".") for s, p, n in self.ops if s == step and p in phases]
+
+
+def _build(model, device, dtype):
+    if isinstance(model, nn.Module):
+        m = copy.deepcopy(model)  # the user's model stays untouched
+    else:
+        with torch.device(device):
+            m = model()
+    m = m.to(device)
+    if dtype is not None:
+        m = m.to(dtype)
+    return m
+
+
+def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimizer="adamw",
+                   device="cpu", dtype=None, steps: int = 2, seed: int = 0) -> RealStep:
+    """Run `steps` real training steps on `device` and return each step's peak live bytes."""
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        with record_function("tapescope::step0"):
+            m = _build(model, device, dtype)
+            args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype, gen)
+            opt = make_optimizer(optimizer, list(m.parameters()), device)
+
+        def phase(step, name):
+            return record_function(f"tapescope::phase::{name}")
+
+        for s in range(1, steps + 1):
+            with record_function(f"tapescope::step{s}"):
+                train_step(m, args, kwargs, loss_fn, opt, step=s, phase=phase)
+                with record_function("tapescope::phase::zero_grad"):
+                    if opt is not None:
+                        opt.zero_grad(set_to_none=True)
+                    else:
+                        for p in m.parameters():
+                            p.grad = None
+    return _read_allocations(prof, device)
+
+
+def _overload_name(name: str) -> str:
+    """The profiler names ops without overload; any overload tells how the op is dispatched."""
+    packet = getattr(torch.ops.aten, name.split("::", 1)[1], None)
+    if packet is None:
+        return name
+    names = packet.overloads()
+    return getattr(packet, "default" if "default" in names else names[0]).name()
+
+
+def _read_allocations(prof, device: torch.device) -> RealStep:
+    from torch._C._profiler import _EventType
+
+    raw = []
+    out = RealStep()
+
+    def walk(e, step, phase, inside_op):
+        if e.tag == _EventType.Allocation:
+            f = e.extra_fields
+            if f.device.type == device.type:
+                raw.append((e.start_time_ns, f.alloc_size, f.total_allocated, e,
+                            inside_op if inside_op is not False else None))
+        elif e.tag == _EventType.TorchOp:
+            name = e.name
+            if name.startswith("tapescope::step"):
+                step = int(name[len("tapescope::step"):])
+            elif name.startswith("tapescope::phase::"):
+                phase = name[len("tapescope::phase::"):]
+            elif (name.startswith("aten::") and inside_op is False
+                  and not decomposes_above_autograd(_overload_name(name), device.type)):
+                inside_op = len(out.ops)
+                out.ops.append((step, phase, name))
+        for c in e.children:
+            walk(c, step, phase, inside_op)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, 0, None, False)
+    raw.sort(key=lambda r: r[0])
+    if not raw:
+        return out
+    base = raw[0][2] - raw[0][1]
+    level = {}
+    for _, size, total, e, top in raw:
+        step, phase, op = _context(e)
+        live = total - base
+        out.events.append(Allocation(step, phase, op, size, live, top))
+        out.peaks[step] = max(out.peaks.get(step, live), live)
+        level.setdefault(step, live - size)
+    # a step's peak is at least what was alive when it began
+    for step, start in level.items():
+        out.peaks[step] = max(out.peaks[step], start)
+    return out
+
+
+def _context(e):
+    step, phase, op = 0, None, None
+    p = e.parent
+    while p is not None:
+        name = p.name
+        if name.startswith("tapescope::step"):
+            step = int(name[len("tapescope::step"):])
+            break
+        if name.startswith("tapescope::phase::"):
+            phase = phase or name[len("tapescope::phase::"):]
+        elif op is None and name.startswith("aten::"):
+            op = name
+        p = p.parent
+    return step, phase, op
