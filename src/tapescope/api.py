@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
-from .analysis.memory import MemoryReport, memory_report, storage_categories
-from .analysis.ops import Op, step_ops
+from .analysis.memory import MemoryReport, memory_report, peak_bytes, storage_categories
+from .analysis.ops import Op, OpCosts, step_ops
 from .analysis.steps import step_views
 from .capture.model import resolve_dtype
 from .capture.records import BACKWARD, FORWARD, OPTIMIZER, Trace
@@ -33,7 +35,7 @@ class Profile:
     steps: int
     ops: list                    # Op
     memory: MemoryReport
-    first_step_memory: MemoryReport
+    first_step_peak_bytes: int
     facts: dict = field(default_factory=dict)
     trace: Trace | None = field(default=None, repr=False)
 
@@ -41,9 +43,14 @@ class Profile:
     def peak_bytes(self):
         return self.memory.peak_bytes
 
-    @property
-    def first_step_peak_bytes(self):
-        return self.first_step_memory.peak_bytes
+    @cached_property
+    def first_step_memory(self) -> MemoryReport:
+        """The first step's memory report (its op indices refer to the first step's ops)."""
+        if self.steps == 1:
+            return self.memory
+        view = step_views(self.trace)[1]
+        ops = step_ops(self.trace, view, self._costs)
+        return memory_report(self.trace, view, ops, self._categories)
 
     @cached_property
     def flops(self) -> dict:
@@ -148,24 +155,37 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device="cpu", dtype
     trace, facts = capture(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
                            device=device, dtype=dtype, steps=steps, engine=engine,
                            progress=progress)
-    return analyse(trace, facts, model=name or _model_name(model), device=str(device), dtype=dtype,
-                   inputs=[_describe_input(x) for x in inputs], steps=steps)
+    with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
+        return analyse(trace, facts, model=name or _model_name(model), device=str(device),
+                       dtype=dtype, inputs=[_describe_input(x) for x in inputs], steps=steps)
+
+
+@contextmanager
+def _gc_paused():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def analyse(trace: Trace, facts: dict, *, model: str, device: str, dtype, inputs, steps) -> Profile:
     views = step_views(trace)
     categories = storage_categories(trace)
+    costs = OpCosts(trace)
     main = views[max(views)]
-    ops = step_ops(trace, main)
+    ops = step_ops(trace, main, costs)
     memory = memory_report(trace, main, ops, categories)
-    if main.step == 1:
-        first = memory
-    else:
-        first = memory_report(trace, views[1], step_ops(trace, views[1]), categories)
+    first_peak = memory.peak_bytes if main.step == 1 else peak_bytes(trace, views[1])
     facts = dict(facts, step2=trace.step2)
-    return Profile(model=model, device=device, dtype=None if dtype is None else str(dtype).replace("torch.", ""),
-                   inputs=inputs, steps=main.step, ops=ops, memory=memory, first_step_memory=first,
-                   facts=facts, trace=trace)
+    p = Profile(model=model, device=device,
+                dtype=None if dtype is None else str(dtype).replace("torch.", ""),
+                inputs=inputs, steps=main.step, ops=ops, memory=memory,
+                first_step_peak_bytes=first_peak, facts=facts, trace=trace)
+    p._costs, p._categories = costs, categories
+    return p
 
 
 def _model_name(model) -> str:

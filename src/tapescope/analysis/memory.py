@@ -15,7 +15,8 @@ from ..capture.records import (BUFFER, CATEGORIES, GRADIENT, INPUT, OPTIMIZER_ST
 from .ops import Op
 from .steps import StepView
 
-__all__ = ["MemoryReport", "LiveTensor", "ModuleMemory", "storage_categories", "memory_report"]
+__all__ = ["MemoryReport", "LiveTensor", "ModuleMemory", "storage_categories", "memory_report",
+           "peak_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,26 @@ def storage_categories(trace: Trace) -> list[str]:
         else:
             cats.append(SAVED if s.id in saved_storages else TEMPORARY)
     return cats
+
+
+def peak_bytes(trace: Trace, view: StepView) -> int:
+    """Just the peak of a step's live bytes (what memory_report computes, without the details)."""
+    storages, device = trace.storages, trace.device
+    live = {sid for sid in view.initial if storages[sid].device == device}
+    total = peak = sum(storages[sid].nbytes for sid in live)
+    for _, sid, delta in view.events:
+        s = storages[sid]
+        if s.device != device:
+            continue
+        if delta > 0:
+            if sid not in live:
+                live.add(sid)
+                total += s.nbytes
+                peak = max(peak, total)
+        elif sid in live:
+            live.discard(sid)
+            total -= s.nbytes
+    return peak
 
 
 def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[str],

@@ -9,7 +9,7 @@ from .flops import op_flops
 from .steps import StepView
 from .traffic import op_traffic
 
-__all__ = ["Op", "step_ops"]
+__all__ = ["Op", "OpCosts", "step_ops"]
 
 _NO_NODE = 2**64 - 1  # seq_nr of AccumulateGrad and other nodes outside the forward sequence
 
@@ -75,7 +75,23 @@ def param_module(fqn: str) -> str:
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
-def step_ops(trace: Trace, view: StepView) -> list[Op]:
+class OpCosts:
+    """FLOPs and traffic of trace ops, computed once each (step 2 reuses step 1's forward)."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self._memo: dict[int, tuple] = {}
+
+    def __call__(self, index: int) -> tuple:
+        c = self._memo.get(index)
+        if c is None:
+            r = self.trace.ops[index]
+            c = self._memo[index] = (op_flops(r), *op_traffic(r, self.trace))
+        return c
+
+
+def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list[Op]:
+    costs = costs or OpCosts(trace)
     records = [trace.ops[i] for i in view.ops]
     owner: dict[int, int] = {}  # seq_nr -> local index of the forward op that created the node
     for k, r in enumerate(records):
@@ -105,12 +121,12 @@ def step_ops(trace: Trace, view: StepView) -> list[Op]:
             module = records[fwd].module if fwd is not None else owner_module(r)
         else:
             module = owner_module(r)
-        outputs = tuple(r.tensor_outputs())
-        read, written = op_traffic(r, trace)
+        outputs = r.tensor_outputs()
+        flops, read, written = costs(r.index)
         ops.append(Op(
             index=k, name=r.name, phase=r.phase, module=module,
             seq_nr=None if r.seq_nr == _NO_NODE else r.seq_nr, forward_op=fwd, autograd_node=node,
-            inputs=tuple(r.tensor_inputs()), outputs=outputs, flops=op_flops(r),
+            inputs=r.inputs, outputs=outputs, flops=flops,
             bytes_read=read, bytes_written=written,
             saved=any(o.value in saved for o in outputs),
             source=r.frame if r.frame is not None or fwd is None else records[fwd].frame,

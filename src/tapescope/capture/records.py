@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "op_name",
     "FORWARD",
     "BACKWARD",
     "OPTIMIZER",
@@ -91,6 +92,7 @@ class OpRecord:
     args: tuple
     kwargs: dict
     outputs: tuple  # TensorRef, or None where the op returned no tensor in that position
+    inputs: tuple = ()  # the TensorRefs among args and kwargs, in order (lists flattened)
     module: str | None = None
     seq_nr: int | None = None
     owns_node: bool = False
@@ -99,20 +101,24 @@ class OpRecord:
 
     @property
     def name(self) -> str:
-        return str(self.func)
+        return op_name(self.func)
 
-    def tensor_inputs(self):
-        """TensorRefs among the op's arguments, in argument order (lists flattened)."""
-        for a in (*self.args, *self.kwargs.values()):
-            if type(a) is TensorRef:
-                yield a
-            elif type(a) in (tuple, list):
-                for x in a:
-                    if type(x) is TensorRef:
-                        yield x
+    def tensor_inputs(self) -> tuple:
+        return self.inputs
 
-    def tensor_outputs(self):
-        return (o for o in self.outputs if o is not None)
+    def tensor_outputs(self) -> tuple:
+        return tuple(o for o in self.outputs if o is not None)
+
+
+_NAMES: dict = {}
+
+
+def op_name(func) -> str:
+    """'aten.mm.default' (cached: str() of an OpOverload is not free)."""
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
 
 
 @dataclass(slots=True)

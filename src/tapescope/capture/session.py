@@ -10,6 +10,7 @@ parameters replaced), step 2 is traced in full. `Trace.step2` says which happene
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -191,8 +192,25 @@ def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", dev
         except TapescopeError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure of user code becomes a message
+            if _raised_by_tapescope(e):
+                raise  # our bug, not the user's: keep the traceback
             raise from_trace_failure(e) from e
     return trace, facts
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_ZOO_DIR = _PACKAGE_DIR + "zoo" + os.sep
+
+
+def _raised_by_tapescope(e: BaseException) -> bool:
+    """True if the innermost Python frame of the error is tapescope's own code (not the zoo)."""
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return (last is not None and last.startswith(_PACKAGE_DIR) and not last.startswith(_ZOO_DIR)
+            and getattr(e, "tapescope_op", None) is None)
 
 
 def _self_contained(trace: Trace, seg) -> bool:

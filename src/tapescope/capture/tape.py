@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from .replay import DispatchReplay
 from .records import BACKWARD, FORWARD, Frame, OpRecord, Segment, StorageRecord, TensorRef, Trace
 
 __all__ = ["Tape"]
@@ -45,24 +46,6 @@ _API_FILE = os.path.join(os.path.dirname(_CAPTURE_DIR.rstrip(os.sep)), "api.py")
 _STDLIB_HELPERS = ("contextlib.py", "functools.py")
 
 
-def _inplace_fast_path_ok(func) -> bool:
-    """In-place ops whose result is their first argument (or nothing, for foreach ops).
-
-    Their fake result depends only on argument metadata, so once an op has run on a given metadata
-    signature, running it again can return `self` without the fake kernel. This halves the cost of
-    tracing optimizer steps, which are almost all in-place. Ops that change metadata in place
-    (`resize_`, `transpose_`, `set_`) are excluded.
-    """
-    tags = func.tags
-    if torch.Tag.inplace not in tags or torch.Tag.inplace_view in tags:
-        return False
-    rets = func._schema.returns
-    if len(rets) == 0:
-        return True
-    return (len(rets) == 1 and rets[0].alias_info is not None and rets[0].alias_info.is_write
-            and func._schema.arguments[0].alias_info is not None)
-
-
 class Tape(FakeTensorMode):
     """Fake execution that records a Trace. Use one Tape per profile; nothing is shared."""
 
@@ -79,8 +62,7 @@ class Tape(FakeTensorMode):
         self._tape_last_seq = torch.autograd._get_sequence_nr()
         self._tape_next_value = 0
         self._tape_frames: dict = {}
-        self._tape_fast: dict = {}  # func -> eligible for the in-place fast path
-        self._tape_seen: set = set()  # in-place (func, signature) keys already run once
+        self._tape_replay = DispatchReplay(self)
 
     # ---- phases -----------------------------------------------------------------------------
 
@@ -228,17 +210,19 @@ class Tape(FakeTensorMode):
         self._record(torch.ops.aten.detach_.default, (out,), {}, out)
 
     def _run(self, func, types, args, kwargs):
-        fast = self._tape_fast.get(func)
-        if fast is None:
-            fast = self._tape_fast[func] = _inplace_fast_path_ok(func)
-        if not fast:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        key = _signature(func, args, kwargs)
-        if key is not None and key in self._tape_seen:
-            return args[0] if func._schema.returns else None
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        replay = self._tape_replay
+        key = replay.key(func, args, kwargs)
         if key is not None:
-            self._tape_seen.add(key)
+            entry = replay.entries.get(key)
+            if entry is not None:
+                try:
+                    return replay.replay(entry, args)
+                except LookupError:
+                    pass
+            bypassed = replay.bypasses()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if key is not None and replay.bypasses() == bypassed:
+            replay.learn(key, func, args, out)
         return out
 
     def _annotate(self, e: Exception, func) -> None:
@@ -255,8 +239,9 @@ class Tape(FakeTensorMode):
     def _record(self, func, args, kwargs, out) -> None:
         trace = self.tape
         index = len(trace.ops)
-        rec_args = tuple(self._convert(a) for a in args)
-        rec_kwargs = {k: self._convert(v) for k, v in kwargs.items()} if kwargs else {}
+        tensors: list = []
+        rec_args = tuple(self._convert(a, tensors) for a in args)
+        rec_kwargs = {k: self._convert(v, tensors) for k, v in kwargs.items()} if kwargs else {}
 
         if isinstance(out, torch.Tensor):
             outputs = (self._out_ref(out, index),)
@@ -267,7 +252,8 @@ class Tape(FakeTensorMode):
         if not outputs:  # ops that return nothing (foreach, fused optimizers) write their arguments
             outputs = tuple(self._out_ref(t, index) for t in _written_tensors(func, args, kwargs))
 
-        rec = OpRecord(index, func, self._tape_phase, self._tape_step, rec_args, rec_kwargs, outputs)
+        rec = OpRecord(index, func, self._tape_phase, self._tape_step, rec_args, rec_kwargs, outputs,
+                       tuple(tensors))
         if self._tape_phase == FORWARD:
             peek = torch.autograd._get_sequence_nr()
             rec.seq_nr = peek - 1
@@ -284,11 +270,19 @@ class Tape(FakeTensorMode):
             rec.frame = self._user_frame()
         trace.ops.append(rec)
 
-    def _convert(self, a):
+    def _convert(self, a, tensors: list):
         if isinstance(a, torch.Tensor):
-            return self._in_ref(a)
+            r = self._in_ref(a)
+            tensors.append(r)
+            return r
         if type(a) in (list, tuple) and a and any(isinstance(x, torch.Tensor) for x in a):
-            return tuple(self._in_ref(x) if isinstance(x, torch.Tensor) else x for x in a)
+            out = []
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    x = self._in_ref(x)
+                    tensors.append(x)
+                out.append(x)
+            return tuple(out)
         return a
 
 
@@ -302,31 +296,3 @@ def _written_tensors(func, args, kwargs):
             yield a
         elif isinstance(a, (list, tuple)):
             yield from (x for x in a if isinstance(x, torch.Tensor))
-
-
-def _tensor_signature(t):
-    if not isinstance(t, FakeTensor) or t.constant is not None:
-        raise _NoSignature
-    return (t.shape, t.stride(), t.dtype, t.device, t.storage_offset())
-
-
-class _NoSignature(Exception):
-    pass
-
-
-def _signature(func, args, kwargs):
-    """A hashable key of everything the fake kernel of an in-place op looks at, or None."""
-    try:
-        key = [func]
-        for a in (*args, *kwargs.items()):
-            if isinstance(a, torch.Tensor):
-                key.append(_tensor_signature(a))
-            elif isinstance(a, (list, tuple)):
-                key.append(tuple(_tensor_signature(x) if isinstance(x, torch.Tensor) else x for x in a))
-            else:
-                key.append(a)
-        key = tuple(key)
-        hash(key)
-        return key
-    except (_NoSignature, TypeError):
-        return None

@@ -1,0 +1,130 @@
+"""A faster front for FakeTensorMode's dispatch cache.
+
+FakeTensorMode caches the output metadata of each op by the metadata of its arguments, but building
+its cache key costs more than running most meta kernels (~60% of a cached dispatch goes to
+`_cache_key`). A training step repeats the same op on the same shapes many times (every layer,
+every parameter of the optimizer), so we keep a second cache in front of it with a cheap key:
+the op, each tensor argument's (shape, stride, dtype, device, offset, requires_grad), the other
+arguments as they are, and the default dtype and device.
+
+Only what FakeTensorMode itself found cacheable is replayed (its bypass counter did not move while
+it ran the op): constants, symbolic sizes, data-dependent and metadata-mutating ops all go through
+it every time. A hit rebuilds the outputs the way FakeTensorMode rebuilds a cache hit (an empty
+meta tensor wrapped as a FakeTensor, sharing the input's storage for a view); an in-place op just
+returns the argument it mutates. If replaying ever fails (a torch version whose internals differ),
+the front switches itself off and every op goes through FakeTensorMode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+
+__all__ = ["DispatchReplay"]
+
+_INPLACE, _NONE = "inplace", "none"
+
+
+class _NoKey(Exception):
+    pass
+
+
+def _tensor_key(t):
+    if type(t) is not FakeTensor or t.constant is not None or t.layout is not torch.strided:
+        raise _NoKey
+    return (t.shape, t.stride(), t.dtype, t.device, t.storage_offset(), t.requires_grad,
+            t.is_conj(), t.is_neg())
+
+
+def _key(func, args, kwargs):
+    key = [func, torch.get_default_dtype(), torch._C._get_default_device()]
+    try:
+        for a in (*args, *kwargs.items()):
+            if isinstance(a, torch.Tensor):
+                key.append(_tensor_key(a))
+            elif isinstance(a, (list, tuple)):
+                key.append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor) else x for x in a))
+            else:
+                key.append(a)
+        key = tuple(key)
+        hash(key)
+        return key
+    except (_NoKey, TypeError):  # constants, sparse, SymInts (unhashable) ...
+        return None
+
+
+class DispatchReplay:
+    def __init__(self, mode: FakeTensorMode):
+        self.mode = mode
+        self.entries: dict = {}
+        self.enabled = True
+
+    def key(self, func, args, kwargs):
+        return _key(func, args, kwargs) if self.enabled else None
+
+    @staticmethod
+    def bypasses() -> int:
+        return sum(FakeTensorMode.cache_bypasses.values())
+
+    def replay(self, entry, args):
+        """Outputs for a cache hit, or raises LookupError to fall back."""
+        kind = entry[0]
+        if kind == _INPLACE:
+            return args[entry[1]]
+        if kind == _NONE:
+            return None
+        try:
+            outs = [self._make(info, args) for info in entry[2]]
+        except Exception:  # noqa: BLE001 - internals moved: stop replaying, use FakeTensorMode
+            self.enabled = False
+            raise LookupError from None
+        return outs[0] if kind == "tensor" else entry[1](outs)  # tuple or list
+
+    def _make(self, info, args):
+        if info is None:
+            return None
+        shape, stride, dtype, device, offset, rg, view_of = info
+        with in_kernel_invocation_manager(self.mode):
+            t = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=rg)
+            if view_of is not None:
+                t.set_(args[view_of].untyped_storage(), offset, shape, stride)
+        return FakeTensor(self.mode, t, device)
+
+    def learn(self, key, func, args, out) -> None:
+        """Remember how to rebuild `out` for this key (skip anything unusual)."""
+        entry = self._entry(func, args, out)
+        if entry is not None:
+            self.entries[key] = entry
+
+    def _entry(self, func, args, out):
+        if out is None:
+            return (_NONE,) if torch.Tag.inplace in func.tags or not func._schema.returns else None
+        for i, a in enumerate(args):
+            if out is a:
+                return (_INPLACE, i)
+        outs = [out] if isinstance(out, FakeTensor) else out
+        if not isinstance(outs, (tuple, list)) or not all(
+                o is None or isinstance(o, FakeTensor) for o in outs):
+            return None
+        # which argument's storage each output lives in (a view), if any
+        arg_storage = {a.untyped_storage()._cdata: i for i, a in enumerate(args)
+                       if isinstance(a, FakeTensor)}
+        seen = set()
+        infos = []
+        for o in outs:
+            if o is None:
+                infos.append(None)
+                continue
+            if any(o is a for a in args) or o.constant is not None or o.layout is not torch.strided:
+                return None
+            st = o.untyped_storage()._cdata
+            view_of = arg_storage.get(st)
+            if view_of is None:
+                if st in seen:  # two fresh outputs sharing memory: leave it to FakeTensorMode
+                    return None
+                seen.add(st)
+            infos.append((tuple(o.shape), tuple(o.stride()), o.dtype, o.device, o.storage_offset(),
+                          o.requires_grad, view_of))
+        if isinstance(out, FakeTensor):
+            return ("tensor", None, tuple(infos))
+        return ("seq", list if isinstance(out, list) else tuple, tuple(infos))
