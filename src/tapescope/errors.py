@@ -54,7 +54,7 @@ def _where(exc) -> str:
     phase = getattr(exc, "tapescope_phase", None)
     parts = []
     if module is not None:
-        parts.append(f"in module '{module or '<root>'}'")
+        parts.append(f"in module '{module or '(root)'}'")
     if phase:
         parts.append(f"during {phase}")
     if frame is not None:
@@ -94,7 +94,9 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
             f"{op} {where} has no meta/fake implementation, so it cannot run without real data. "
             f"Fix: register one with torch.library.register_fake('{_op_name(op)}') (it only has to "
             "return an empty tensor of the right shape), or replace the op.")
-    if isinstance(exc, NotImplementedError) and op is not None:
+    text = str(exc)
+    if op is not None and ("no fake impl" in text or "'Meta' backend" in text
+                           or isinstance(exc, NotImplementedError)):
         return UnsupportedOpError(
             f"{op} {where} cannot run on fake tensors: {exc}. Fix: register a fake implementation "
             f"with torch.library.register_fake('{_op_name(op)}').")

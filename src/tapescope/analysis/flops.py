@@ -393,23 +393,24 @@ def _foreach_numel(x) -> int:
 #        denom = sqrt(v) (1) / bc2_sqrt (1) + eps (1); p.addcdiv_(m, denom, -step_size) (3) = 14.
 # Adam: the same without the decay multiply, plus g = g + wd*p when weight_decay != 0.
 # SGD: p -= lr * g (2), with momentum: buf = m*buf + g (2), with weight decay g += wd*p (2).
-@flop_formula(aten._fused_adamw)
+@flop_formula(aten._fused_adamw, aten._fused_adamw_)
 def _fused_adamw(op, a):
     return 14 * _foreach_numel(a["self"])
 
 
-@flop_formula(aten._fused_adam)
+@flop_formula(aten._fused_adam, aten._fused_adam_)
 def _fused_adam(op, a):
     return (13 + 2 * (a.get("weight_decay", 0) != 0)) * _foreach_numel(a["self"])
 
 
-@flop_formula(aten._fused_sgd)
+@flop_formula(aten._fused_sgd, aten._fused_sgd_)
 def _fused_sgd(op, a):
     per = 2 + 2 * (a.get("momentum", 0) != 0) + 2 * (a.get("weight_decay", 0) != 0)
     return per * _foreach_numel(a["self"])
 
 
-@flop_formula(aten._amp_foreach_non_finite_check_and_unscale)
+@flop_formula(aten._amp_foreach_non_finite_check_and_unscale,
+              aten._amp_foreach_non_finite_check_and_unscale_)
 def _unscale(op, a):
     return 2 * _foreach_numel(a["self"])  # isfinite check and multiply
 
@@ -428,7 +429,7 @@ ZERO_FLOP_OPS = {getattr(aten, n) for n in (
     "random_", "multinomial",
     # copies, casts and layout
     "clone", "copy", "copy_", "_to_copy", "contiguous", "_copy_from", "_copy_from_and_resize",
-    "detach", "alias", "_unsafe_view", "cat", "stack", "_cat", "constant_pad_nd", "repeat",
+    "detach", "detach_", "alias", "_unsafe_view", "cat", "stack", "_cat", "constant_pad_nd", "repeat",
     "repeat_interleave", "flip", "roll", "tril", "triu", "masked_scatter", "slice_scatter",
     "select_scatter", "diagonal_scatter", "as_strided_scatter", "pixel_shuffle",
     "pixel_unshuffle", "im2col", "col2im", "unfold_backward", "channel_shuffle",

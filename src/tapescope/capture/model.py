@@ -155,9 +155,15 @@ def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torc
     dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
     out = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
     if isinstance(t, nn.Parameter):
-        return nn.Parameter(out, requires_grad=t.requires_grad)
-    if t.requires_grad:
+        out = nn.Parameter(out, requires_grad=t.requires_grad)
+    elif t.requires_grad:
         out.requires_grad_(True)
+    # the user's gradient hooks on this tensor run in the real step, so they run in ours
+    if t.requires_grad and t._backward_hooks:
+        out._backward_hooks = type(t._backward_hooks)(t._backward_hooks)
+    if t.requires_grad and getattr(t, "_post_accumulate_grad_hooks", None):
+        out._post_accumulate_grad_hooks = type(t._post_accumulate_grad_hooks)(
+            t._post_accumulate_grad_hooks)
     return out
 
 

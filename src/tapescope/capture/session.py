@@ -10,6 +10,7 @@ parameters replaced), step 2 is traced in full. `Trace.step2` says which happene
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager, nullcontext
 
@@ -171,7 +172,8 @@ def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", dev
             mark_grads_and_state()
 
         try:
-            with track_modules(tape.tape_modules, names), saved.active(), hooks.recording():
+            with track_modules(tape.tape_modules, names), saved.active(), hooks.recording(), \
+                    _quiet_fake_tensor_log():
                 before = _tensors_fingerprint(fmodel)
                 one_step(1)
                 if steps == 2 and opt is not None:
@@ -211,6 +213,19 @@ def _raised_by_tapescope(e: BaseException) -> bool:
         tb = tb.tb_next
     return (last is not None and last.startswith(_PACKAGE_DIR) and not last.startswith(_ZOO_DIR)
             and getattr(e, "tapescope_op", None) is None)
+
+
+@contextmanager
+def _quiet_fake_tensor_log():
+    """FakeTensorMode logs a traceback when a meta kernel rejects its inputs (a shape mismatch in
+    the user's model). We turn that error into a message; the log would only repeat it."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _self_contained(trace: Trace, seg) -> bool:

@@ -94,14 +94,14 @@ def render_summary(p, console: Console, top: int = 8) -> None:
 
 
 def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
-    """The forward<->backward table: seq_nr | aten op | module, forward rows then backward rows."""
-    t = Table(box=None)
-    for col in ("SeqNr", "OrigAten", "SrcFn", "node", "FLOPs", "saved"):
-        t.add_column(col)
+    """The forward<->backward table of the AOTAutograd seq_nr commit: SeqNr|OrigAten|SrcFn, forward
+    rows then backward rows, plus the autograd node, FLOPs and whether autograd saved the output."""
+    console.print("SeqNr|OrigAten|SrcFn|Node|FLOPs|Saved", highlight=False, soft_wrap=True)
     for op in p.ops:
         if op.phase not in phases:
             continue
-        t.add_row("" if op.seq_nr is None else str(op.seq_nr), op.name, _mod(op.module),
-                  op.autograd_node or "", fmt_flops(op.flops) if op.flops else "",
-                  "yes" if op.saved else "", style="dim" if op.phase == "backward" else None)
-    console.print(t)
+        seq = "" if op.seq_nr is None else str(op.seq_nr)
+        module = "" if op.module is None else _mod(op.module)
+        console.print(f"{seq}|{op.name}|{module}|{op.autograd_node or ''}|"
+                      f"{op.flops if op.flops is not None else '?'}|{'saved' if op.saved else ''}",
+                      highlight=False, soft_wrap=True, markup=False)

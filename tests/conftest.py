@@ -1,0 +1,34 @@
+"""Shared helpers: small models, and the real-run ground truth."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tapescope
+from tapescope.zoo import resolve
+
+# Small zoo configurations: every layer kind of the full models, at test speed.
+TINY_GPT2 = "zoo:gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=128,block_size=64"
+TINY_LLAMA = "zoo:llama:dim=64,n_layers=2,n_heads=4,n_kv_heads=2,ffn_dim=160,vocab_size=128"
+
+
+def tiny(spec, batch=2, seq=32):
+    return resolve(spec, batch=batch, seq=seq)
+
+
+def profile_spec(m, **kw):
+    return tapescope.profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn, **kw)
+
+
+class MLP(nn.Module):
+    def __init__(self, d=16, h=32, out=4):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, h), nn.GELU(), nn.Linear(h, out)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,162 @@
+"""Capture: the user's model is untouched, any batch size works, profiles are independent,
+and what is recorded (storage identity, saved tensors, seq_nr) matches autograd's own view."""
+
+import time
+
+import torch
+import torch.nn as nn
+
+import tapescope
+from tapescope.capture.records import SAVED
+
+from .conftest import MLP, TINY_GPT2, profile_spec, tiny
+
+
+def test_user_model_and_inputs_are_not_modified():
+    model = MLP()
+    model.fc1.register_forward_hook(lambda *a: None)
+    x = torch.randn(4, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {k: (id(v), v.data_ptr()) for k, v in model.named_parameters()}
+    hooks = dict(model.fc1._forward_hooks)
+    x_before = x.clone()
+    tapescope.profile(model, x)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert params == {k: (id(v), v.data_ptr()) for k, v in model.named_parameters()}
+    assert all(p.grad is None for p in model.parameters())
+    assert dict(model.fc1._forward_hooks) == hooks
+    assert torch.equal(x, x_before) and x.grad is None
+
+
+def test_meta_model_and_meta_inputs():
+    with torch.device("meta"):
+        model = MLP()
+    p = tapescope.profile(model, torch.empty(4, 16, device="meta"), device="cpu")
+    assert p.peak_bytes > 0 and p.device == "cpu"
+
+
+def test_model_with_data_dependent_init_builds_on_meta():
+    class TruncInit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(64, 64))
+            nn.init.trunc_normal_(self.w, std=0.02)
+
+        def forward(self, x):
+            return (x @ self.w).sum()
+
+    p = tapescope.profile(TruncInit, tapescope.spec((8, 64)))
+    assert p.facts["parameters"] == 64 * 64
+
+
+def test_huge_batch_costs_no_more_than_batch_one():
+    m1, m2 = tiny(TINY_GPT2, batch=1), tiny(TINY_GPT2, batch=10**10)
+    profile_spec(m1)  # warm caches
+    t = time.perf_counter()
+    p1 = profile_spec(m1)
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    p2 = profile_spec(m2)
+    t2 = time.perf_counter() - t
+    assert p2.peak_bytes > 10**9 * p1.peak_bytes / 10  # activations grow with the batch
+    assert len(p1.ops) == len(p2.ops)
+    assert t2 < 3 * t1 + 1.0  # same work: generous bound for a noisy machine (benchmarks measure it)
+
+
+def test_two_profiles_are_independent():
+    m = tiny(TINY_GPT2)
+    a = profile_spec(m).to_dict(with_ops=False)
+    profile_spec(tiny(TINY_GPT2, batch=4))
+    b = profile_spec(m).to_dict(with_ops=False)
+    assert a == b
+
+
+def test_views_share_storage_and_are_not_double_counted():
+    class Views(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(256))
+
+        def forward(self, x):
+            y = x * self.w               # 1 MiB... (1024 x 256 fp32)
+            a, b = y.view(2, 512, 256).unbind(0)
+            return (a.t().contiguous().sum() + b[:, :128].sum())
+
+    p = tapescope.profile(Views, tapescope.spec((1024, 256)), optimizer=None, steps=1)
+    mul = next(op for op in p.ops if op.name == "aten.mul.Tensor")
+    views = [op for op in p.ops if op.phase == "forward"
+             and op.name in ("aten.view.default", "aten.unbind.int", "aten.slice.Tensor")]
+    storages = {o.storage for op in views for o in op.outputs}
+    assert storages == {mul.outputs[0].storage}
+    assert all(op.bytes_written == 0 for op in views)
+
+
+def test_saved_tensors_come_from_autograd():
+    """What autograd saves for y = relu(x @ w): mm saves x (w's grad) and w (x's grad) when
+    both need grad; relu saves its output."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(32, 32))
+
+        def forward(self, x):
+            return torch.relu(x @ self.w).sum()
+
+    p = tapescope.profile(Net, tapescope.spec((8, 32), requires_grad=True), optimizer=None, steps=1)
+    saved = {op.name for op in p.ops if op.saved}
+    assert saved == {"aten.relu.default"}  # x and w are inputs/parameters, relu's output is an op's
+    cats = p.trace.storages
+    relu = next(op for op in p.ops if op.name == "aten.relu.default")
+    from tapescope.analysis.memory import storage_categories
+    assert storage_categories(p.trace)[relu.outputs[0].storage] == SAVED
+    # the mm output is not saved (relu saves its result), so it is a temporary
+    mm = next(op for op in p.ops if op.name == "aten.mm.default" and op.phase == "forward")
+    assert not mm.saved
+
+
+def test_backward_ops_point_to_their_forward_op():
+    p = tapescope.profile(MLP, tapescope.spec((4, 16)), optimizer=None, steps=1)
+    for op in p.ops:
+        if op.phase == "backward" and op.forward_op is not None:
+            fwd = p.ops[op.forward_op]
+            assert fwd.phase == "forward" and fwd.seq_nr == op.seq_nr
+            assert op.module == fwd.module
+    gelu_bwd = next(op for op in p.ops if op.name == "aten.gelu_backward.default")
+    assert p.ops[gelu_bwd.forward_op].name == "aten.gelu.default"
+    assert gelu_bwd.autograd_node == "GeluBackward0"
+    assert p.ops[gelu_bwd.forward_op].autograd_node == "GeluBackward0"
+
+
+def test_step2_reuses_forward_and_backward_only_when_the_model_is_unchanged():
+    class LazyCache(nn.Module):
+        """Builds a buffer on the first forward: step 2 runs different ops."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.cache = None
+
+        def forward(self, x):
+            if self.cache is None:
+                self.cache = torch.zeros(8)
+            return (self.fc(x) + self.cache).sum()
+
+    assert tapescope.profile(MLP, tapescope.spec((4, 16))).facts["step2"] == "reused"
+    p = tapescope.profile(LazyCache, tapescope.spec((4, 8)))
+    assert p.facts["step2"] == "traced"
+    assert not any(op.name == "aten.zeros.default" for op in p.ops if op.phase == "forward")
+
+
+def test_default_loss_rules():
+    class Tuple(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y, y.argmax(-1)  # the integer output is not part of the loss
+
+    p = tapescope.profile(Tuple, tapescope.spec((2, 4)), optimizer=None, steps=1)
+    assert [op.name for op in p.ops if op.module == "(loss)" and op.phase == "forward"] == [
+        "aten.sum.default"]

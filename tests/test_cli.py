@@ -1,0 +1,45 @@
+"""The command line: one command gives an answer; --json and ops work."""
+
+import json
+
+from typer.testing import CliRunner
+
+from tapescope.cli import app
+
+from .conftest import TINY_GPT2
+
+
+def test_profile_default_model_prints_a_summary():
+    r = CliRunner().invoke(app, ["profile"])
+    assert r.exit_code == 0, r.output
+    for text in ("zoo:gpt2", "Peak memory", "FLOPs", "Top modules by memory",
+                 "Largest tensors alive at the peak"):
+        assert text in r.output
+
+
+def test_profile_json_and_graph(tmp_path):
+    out, graph = tmp_path / "p.json", tmp_path / "g.py"
+    r = CliRunner().invoke(app, ["profile", TINY_GPT2, "--batch", "2", "--seq", "16",
+                                 "--json", str(out), "--graph", str(graph)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert d["peak_bytes"] > 0 and set(d["flops"]) == {"forward", "backward", "optimizer", "total"}
+    assert d["ops"][0]["phase"] == "forward"
+    assert "def forward" in graph.read_text()
+
+
+def test_ops_table():
+    r = CliRunner().invoke(app, ["ops", TINY_GPT2, "--batch", "2", "--seq", "8"])
+    assert r.exit_code == 0, r.output
+    assert "SeqNr" in r.output and "aten.addmm.default" in r.output
+    assert "aten._log_softmax_backward_data.default" in r.output
+
+
+def test_file_spec_with_inputs(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import torch.nn as nn\n"
+                 "def build():\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))\n")
+    r = CliRunner().invoke(app, ["profile", f"{f}:build", "--input", "4,8"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["profile", f"{f}:build"])
+    assert r.exit_code == 1 and "--input" in r.output

@@ -1,0 +1,116 @@
+"""User mistakes become messages that name the op, the module and the line, and say what to do."""
+
+import pytest
+import torch
+import torch.nn as nn
+from typer.testing import CliRunner
+
+import tapescope
+from tapescope.cli import app
+from tapescope.errors import (DataDependentError, DeviceError, ModelError, SpecError,
+                              UnsupportedOpError)
+
+
+class Item(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum().item() > 0:  # reads a value
+            y = y * 2
+        return y.sum()
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y[y > 0].sum()  # boolean mask: value-dependent shape
+
+
+class Nonzero(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.inner(x).nonzero().float().sum()
+
+
+class WrongShape(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+
+    def forward(self, x):
+        return self.fc(x).sum()
+
+
+@pytest.mark.parametrize("model,op", [(Item, "_local_scalar_dense"), (Masked, "aten.index"),
+                                      (Nonzero, "aten.nonzero")])
+def test_data_dependent_ops(model, op):
+    with pytest.raises(DataDependentError) as e:
+        tapescope.profile(model, tapescope.spec((2, 4)))
+    msg = str(e.value)
+    assert op in msg and "test_errors.py" in msg and "Fix:" in msg
+
+
+def test_data_dependent_names_the_module():
+    with pytest.raises(DataDependentError, match="module 'inner.0'|module '\\(root\\)'"):
+        tapescope.profile(Nonzero, tapescope.spec((2, 4)))
+
+
+def test_shape_mismatch_keeps_the_models_message_and_names_the_module():
+    with pytest.raises(ModelError) as e:
+        tapescope.profile(WrongShape, tapescope.spec((2, 4)))
+    assert "module 'fc'" in str(e.value) and "[2, 4] X [5, 4]" in str(e.value)
+
+
+def test_op_without_fake_kernel():
+    lib = torch.library.Library("tapescope_test", "DEF")  # noqa: F841 - kept alive for the test
+    lib.define("double(Tensor x) -> Tensor")
+    lib.impl("double", lambda x: x * 2, "CPU")
+
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.ops.tapescope_test.double(self.fc(x)).sum()
+
+    with pytest.raises(UnsupportedOpError, match="tapescope_test.double.*register_fake"):
+        tapescope.profile(Custom, tapescope.spec((2, 4)))
+
+
+def test_unknown_devices_and_specs():
+    with pytest.raises(DeviceError):
+        tapescope.profile(WrongShape, tapescope.spec((2, 5)), device="xla")
+    from tapescope.zoo import resolve
+    with pytest.raises(SpecError, match="Accepted forms"):
+        resolve("resnet")
+    with pytest.raises(SpecError, match="zoo has"):
+        resolve("zoo:gpt5")
+    with pytest.raises(SpecError, match="did you mean resnet18"):
+        resolve("torchvision:resnet81")
+
+
+def test_cli_reports_errors_without_traceback():
+    r = CliRunner().invoke(app, ["profile", "torchvision:resnet81"])
+    assert r.exit_code == 1
+    assert "did you mean" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["profile", "zoo:gpt2:n_layers=2"])
+    assert r.exit_code == 1 and "has no option n_layers" in r.output
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="needs a CPU-only torch build")
+def test_cuda_on_cpu_only_torch_fails_cleanly():
+    with pytest.raises(DeviceError, match="CUDA build"):
+        tapescope.profile(WrongShape, tapescope.spec((2, 5)), device="cuda")
+    r = CliRunner().invoke(app, ["profile", "zoo:gpt2:n_layer=1", "--device", "cuda"])
+    assert r.exit_code == 1 and "CUDA build" in r.output
