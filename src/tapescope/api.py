@@ -133,7 +133,7 @@ def _describe_input(x) -> object:
 
 
 def profile(model, *inputs, loss_fn=None, optimizer="adamw", device="cpu", dtype=None,
-            steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
+            amp=None, steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
             engine: str = "python", progress=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
@@ -147,14 +147,17 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device="cpu", dtype
         `device`), an Optimizer class, a function params -> optimizer, or None (no optimizer step).
     device: "cpu", "cuda" or "meta" - the device whose kernels and autograd formulas are traced.
     dtype: cast floating-point parameters and inputs (e.g. torch.bfloat16 or "bf16").
+    amp: run forward and loss under torch.autocast with this dtype ("bf16", "fp16"): mixed
+        precision with fp32 parameters (works for device="cuda" without a GPU).
     steps: 2 (default) reports the steady state, with optimizer state alive; 1 the first step.
     engine: "python" (default) runs backward with tapescope's own engine, which needs no GPU;
         "torch" calls loss.backward() (needs a GPU for device="cuda").
     """
-    dtype = resolve_dtype(dtype)
+    dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
     trace, facts = capture(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
-                           device=device, dtype=dtype, steps=steps, engine=engine,
+                           device=device, dtype=dtype, amp=amp, steps=steps, engine=engine,
                            progress=progress)
+    facts["amp"] = None if amp is None else str(amp).replace("torch.", "")
     with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
         return analyse(trace, facts, model=name or _model_name(model), device=str(device),
                        dtype=dtype, inputs=[_describe_input(x) for x in inputs], steps=steps)

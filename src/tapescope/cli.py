@@ -16,8 +16,8 @@ from .errors import TapescopeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="See a whole PyTorch training step before it runs.")
-out = Console(width=None if Console().is_terminal else 120)
-err = Console(stderr=True)
+out = Console(width=None if Console().is_terminal else 120, emoji=False)  # "zoo:llama:" is no emoji
+err = Console(stderr=True, emoji=False)
 
 DEFAULT_SPEC = "zoo:gpt2"
 
@@ -58,7 +58,7 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(1)
 
 
-def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs):
+def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None):
     from . import profile
     from .zoo import parse_input, resolve
 
@@ -66,14 +66,15 @@ def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs):
     with _progress(f"tracing {m.name} on fake {device} tensors") as progress:
         return profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
                        optimizer=None if optimizer == "none" else optimizer, device=device,
-                       dtype=dtype, steps=steps, name=m.name, progress=progress)
+                       dtype=dtype, amp=amp, steps=steps, name=m.name, progress=progress)
 
 
 SpecArg = typer.Argument(DEFAULT_SPEC, help=_spec_help, show_default=True)
 BatchOpt = typer.Option(None, "--batch", "-b", help="Batch size (default: the model's).")
 SeqOpt = typer.Option(None, "--seq", "-s", help="Sequence length (image size for vision models).")
 DeviceOpt = typer.Option("cpu", "--device", "-d", help="cpu, cuda or meta: whose kernels to trace.")
-DtypeOpt = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: the model's).")
+DtypeOpt = typer.Option(None, "--dtype", help="fp32, bf16 or fp16: cast the model (default: the model's).")
+AmpOpt = typer.Option(None, "--amp", help="bf16 or fp16: mixed precision (torch.autocast), fp32 weights.")
 OptimOpt = typer.Option("adamw", "--optimizer", "-o", help="adamw, adam, sgd or none.")
 StepsOpt = typer.Option(2, "--steps", help="2: steady state with optimizer state; 1: first step.")
 InputOpt = typer.Option(None, "--input", "-i", help="An input shape, e.g. 4,128 or 4,128:int64; repeat for several.")
@@ -82,8 +83,8 @@ InputOpt = typer.Option(None, "--input", "-i", help="An input shape, e.g. 4,128 
 @app.command("profile")
 def profile_cmd(
     spec: str = SpecArg, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
-    device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, optimizer: str = OptimOpt,
-    steps: int = StepsOpt, input: Optional[List[str]] = InputOpt,
+    device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
+    optimizer: str = OptimOpt, steps: int = StepsOpt, input: Optional[List[str]] = InputOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
     top: int = typer.Option(8, "--top", help="Rows in each table."),
@@ -93,7 +94,7 @@ def profile_cmd(
 
     try:
         t0 = time.perf_counter()
-        p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input)
+        p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp)
         elapsed = time.perf_counter() - t0
         render_summary(p, out, top=top)
         out.print(f"[dim]{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never allocated the model.[/]")
@@ -135,6 +136,87 @@ def ops_cmd(
         render_ops(p, out, phases=("forward", "backward", "optimizer") if optimizer else ("forward", "backward"))
     except TapescopeError as e:
         _fail(e)
+
+
+@app.command("explain")
+def explain_cmd(
+    op: Optional[str] = typer.Argument(None, help="An op: aten::rms_norm, aten.add.Tensor, ..."),
+    device: str = DeviceOpt, dtype: Optional[str] = typer.Option("fp32", "--dtype"),
+    model: Optional[str] = typer.Option(None, "--model", help="Explain every op of this model's step."),
+    batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
+):
+    """How the dispatcher handles an op on a device, what autograd records and what its backward runs."""
+    from .analysis.explain import describe_kernel, explain_op, explain_profile, render
+    from .capture.model import resolve_dtype
+
+    try:
+        if model is None:
+            if op is None:
+                raise TapescopeError("give an op (tapescope explain aten::rms_norm) or --model SPEC")
+            try:
+                e = explain_op(op, device, resolve_dtype(dtype))
+            except ValueError as exc:
+                raise TapescopeError(f"{exc}; to explain an op in context use --model SPEC") from None
+            out.print(render(e), highlight=False, markup=False)
+            return
+        p = _run_profile(model, batch, seq, device, dtype if dtype != "fp32" else None, "none", 1, None)
+        for name, autograd, backend, node, bwd in explain_profile(p):
+            if op and op not in name:
+                continue
+            out.print(f"{name}", style="bold", highlight=False)
+            out.print(f"  Autograd key: {describe_kernel(autograd)}", highlight=False, markup=False)
+            out.print(f"  backend key:  {describe_kernel(backend)}", highlight=False, markup=False)
+            if node:
+                out.print(f"  autograd records {node}; its backward runs: {', '.join(bwd) or 'nothing'}",
+                          highlight=False, markup=False)
+    except TapescopeError as e:
+        _fail(e)
+
+
+@app.command("diff")
+def diff_cmd(
+    spec: str = SpecArg, device: str = typer.Option("meta", "--device", help="First device."),
+    vs: str = typer.Option("cuda", "--vs", help="Second device."),
+    batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt, dtype: Optional[str] = DtypeOpt,
+    amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt, input: Optional[List[str]] = InputOpt,
+    top: int = typer.Option(12, "--top", help="Differences to show."),
+):
+    """The same step traced on two devices: aligned op sequences, each difference explained."""
+    from .analysis.diff import diff_profiles
+    from .report.text import fmt_bytes, fmt_flops
+
+    try:
+        a = _run_profile(spec, batch, seq, device, dtype, optimizer, 2, input, amp)
+        b = _run_profile(spec, batch, seq, vs, dtype, optimizer, 2, input, amp)
+    except TapescopeError as e:
+        _fail(e)
+    d = diff_profiles(a, b)
+    out.print(f"[bold]{a.model}: {device} vs {vs}[/]  ({len(a.ops)} vs {len(b.ops)} ops, "
+              f"{d.same_ops} forward/backward ops identical)")
+    out.print(f"peak      {fmt_bytes(a.peak_bytes):>12} vs {fmt_bytes(b.peak_bytes):>12}   "
+              f"delta {fmt_bytes(b.peak_bytes - a.peak_bytes)}")
+    for cat in a.memory.at_peak:
+        x, y = a.memory.at_peak[cat], b.memory.at_peak[cat]
+        if x or y:
+            out.print(f"  {cat:<18} {fmt_bytes(x):>12} vs {fmt_bytes(y):>12}")
+    for ph in ("forward", "backward", "optimizer", "total"):
+        out.print(f"FLOPs {ph:<9} {fmt_flops(a.flops[ph]):>12} vs {fmt_flops(b.flops[ph]):>12}")
+    groups: dict = {}
+    for h in d.hunks:
+        key = (h.phase, tuple(h.a_ops), tuple(h.b_ops))
+        groups.setdefault(key, []).append(h)
+    out.print(f"\n[bold]{len(d.hunks)} differences[/] ({len(groups)} distinct):")
+    for (phase, a_ops, b_ops), hs in list(groups.items())[:top]:
+        h = hs[0]
+        mods = sorted({m for x in hs for m in x.modules})
+        where = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+        out.print(f"\n[bold]{phase}[/] x{len(hs)} in {where or '-'}")
+        out.print(f"  {device}: {', '.join(a_ops) or '(nothing)'}", highlight=False, markup=False)
+        out.print(f"  {vs}: {', '.join(b_ops) or '(nothing)'}", highlight=False, markup=False)
+        for r in h.reasons:
+            out.print(f"  why: {r}", highlight=False, markup=False)
+        out.print(f"  FLOPs {fmt_flops(h.a_flops)} vs {fmt_flops(h.b_flops)}; saved for backward "
+                  f"{fmt_bytes(h.a_saved)} vs {fmt_bytes(h.b_saved)} (each)", highlight=False)
 
 
 def main() -> None:

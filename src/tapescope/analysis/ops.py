@@ -101,11 +101,17 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
     storage_owner = trace.storage_owner
 
     def owner_module(r) -> str | None:
+        """The module whose parameters (or their gradients / optimizer state) an op touches; None
+        for ops over many modules' parameters at once (foreach and fused optimizers)."""
+        found = None
         for t in (*r.tensor_outputs(), *r.tensor_inputs()):
             fqn = storage_owner.get(t.storage)
             if fqn is not None:
-                return param_module(fqn)
-        return None
+                m = param_module(fqn)
+                if found is not None and m != found:
+                    return None
+                found = m
+        return found
 
     ops = []
     for k, r in enumerate(records):

@@ -65,8 +65,23 @@ def _tensors_fingerprint(model: nn.Module) -> tuple:
 ENGINES = ("python", "torch")
 
 
+def autocast(device: torch.device, dtype: torch.dtype):
+    """torch.autocast for the traced device, also for CUDA on a machine without a GPU.
+
+    torch.autocast("cuda") switches itself off (with a warning) when no GPU is present; the
+    dispatcher's autocast keys work on fake CUDA tensors all the same, so we enable it anyway.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx = torch.autocast(device.type, dtype=dtype)
+    ctx._enabled = True
+    return ctx
+
+
 def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", device="cpu",
-            dtype=None, steps: int = 2, engine: str = "python", forward_context=None,
+            dtype=None, amp=None, steps: int = 2, engine: str = "python", forward_context=None,
             progress=None) -> tuple[Trace, dict]:
     """Trace `steps` (1 or 2) training steps; returns the Trace and facts about the run.
 
@@ -76,8 +91,12 @@ def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", dev
     """
     if engine not in ENGINES:
         raise TapescopeError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if amp is not None and forward_context is None:
+        forward_context = lambda: autocast(device, amp)  # noqa: E731
     device = torch.device(device)
     check_device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)  # what fake CUDA tensors report
     if steps not in (1, 2):
         raise TapescopeError(f"steps must be 1 (first step only) or 2 (steady state), got {steps}")
     kwargs = kwargs or {}

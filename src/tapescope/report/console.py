@@ -24,7 +24,10 @@ def _pattern(m: str) -> str:
 def _header(p) -> Text:
     f = p.facts
     opt = f.get("optimizer")
-    bits = [p.model, p.device, p.dtype or "model dtype",
+    precision = p.dtype or "model dtype"
+    if f.get("amp"):
+        precision += f" + autocast {f['amp']}"
+    bits = [p.model, p.device, precision,
             " × ".join("x".join(str(s) for s in i["shape"]) for i in p.inputs if isinstance(i, dict)) or "-",
             f"{opt['name']} ({opt['implementation']})" if opt else "no optimizer",
             f"{f.get('parameters', 0) / 1e6:.1f}M parameters"]

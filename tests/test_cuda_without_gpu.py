@@ -1,0 +1,76 @@
+"""Tracing device="cuda" on a machine with no GPU (needs a CUDA build of torch, not a GPU)."""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tapescope
+from tapescope.analysis.explain import explain_op, render
+
+from .conftest import TINY_LLAMA, profile_spec, tiny
+
+pytestmark = pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch")
+
+
+def _rmsnorm_step(device):
+    """The forum post's program: nn.RMSNorm(8) on x of shape (4, 8) that requires grad."""
+    return tapescope.profile(lambda: nn.RMSNorm(8), tapescope.spec((4, 8), requires_grad=True),
+                             device=device, optimizer=None, steps=1, loss_fn=lambda out, x: out.sum())
+
+
+def _model_backward(p):
+    """Backward ops of the model's own autograd nodes (not the loss's, not gradient bookkeeping)."""
+    return [op for op in p.ops if op.phase == "backward" and op.forward_op is not None
+            and p.ops[op.forward_op].module != "(loss)" and op.name != "aten.detach.default"]
+
+
+def _functional(name):
+    """AOTAutograd's graphs are functionalised: aten.add_.Tensor appears there as aten.add.Tensor."""
+    op, overload = name.split(".")[1:]
+    return f"{op.rstrip('_')}.{overload}"
+
+
+# The backward graph of the forum post for device='meta' (the decomposition), detaches left out.
+POST_META_BACKWARD = Counter({
+    "mul.Tensor": 6, "sum.dim_IntList": 2, "view.default": 1, "mul.Scalar": 2,
+    "pow.Tensor_Scalar": 2, "expand.default": 1, "div.Scalar": 1, "add.Tensor": 1})
+
+
+def test_forum_rmsnorm_cuda_backward_is_fused():
+    p = _rmsnorm_step("cuda")
+    fwd = [op.name for op in p.ops if op.phase == "forward" and op.module != "(loss)"]
+    bwd = _model_backward(p)
+    assert fwd == ["aten._fused_rms_norm.default"]
+    assert [op.name for op in bwd] == ["aten._fused_rms_norm_backward.default"]
+    assert bwd[0].autograd_node == "FusedRmsNormBackward0"
+
+
+def test_forum_rmsnorm_meta_backward_is_the_decomposition():
+    p = _rmsnorm_step("meta")
+    bwd = Counter(_functional(op.name) for op in _model_backward(p))
+    assert bwd == POST_META_BACKWARD
+    assert not any("fused_rms_norm" in op.name for op in p.ops)
+
+
+def test_explain_tells_both_stories():
+    cuda = render(explain_op("aten::rms_norm", "cuda"))
+    meta = render(explain_op("aten::rms_norm", "meta"))
+    assert "FusedRmsNormBackward0" in cuda and "aten._fused_rms_norm_backward" in cuda
+    assert "decomposes above autograd" in cuda  # rms_norm itself, on every device
+    assert "PowBackward0" in meta and "RsqrtBackward0" in meta and "FusedRmsNorm" not in meta
+
+
+def test_llama_on_cuda_uses_fused_norms_and_foreach_adamw():
+    m = tiny(TINY_LLAMA)
+    p = profile_spec(m, device="cuda", dtype="bf16")
+    names = {op.name for op in p.ops}
+    assert "aten._fused_rms_norm.default" in names
+    assert "aten._fused_rms_norm_backward.default" in names
+    assert p.facts["optimizer"]["implementation"] == "foreach"
+    assert any(n.startswith("aten._foreach_") for n in names)
+    assert p.peak_bytes > 0 and p.trace.device == torch.device("cuda", 0)
+    # parameters are bf16 on the GPU; the optimizer's step counters stay on the CPU (not counted)
+    cpu_steps = [s for s in p.trace.storages if s.device.type == "cpu" and "optimizer state" in s.roles]
+    assert cpu_steps and p.memory.at_peak["optimizer state"] == 2 * p.memory.at_peak["parameters"]
