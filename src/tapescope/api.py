@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -16,6 +16,7 @@ from .analysis.steps import step_views
 from .capture.model import resolve_dtype
 from .capture.records import BACKWARD, FORWARD, OPTIMIZER, Trace
 from .capture.session import capture
+from .errors import TapescopeError
 
 __all__ = ["profile", "Profile"]
 
@@ -38,6 +39,7 @@ class Profile:
     first_step_peak_bytes: int
     facts: dict = field(default_factory=dict)
     trace: Trace | None = field(default=None, repr=False)
+    symbolic: object = field(default=None, repr=False)  # analysis.symbolic.SymbolicProfile
 
     @property
     def peak_bytes(self):
@@ -86,6 +88,27 @@ class Profile:
 
         return build_graph(self)
 
+    def at(self, **sizes):
+        """Peak memory, first-step peak, FLOPs and the categories at the peak for other sizes of
+        the named dimensions (a symbolic profile: `profile(..., symbolic=("batch", "seq"))`).
+
+        Exact: the formulas are the trace's own arithmetic. Outside the range where the trace's
+        guards hold (or for a dimension a guard pinned) the step is traced again at those sizes.
+        """
+        from .analysis.symbolic import Estimate
+
+        sp = self.symbolic
+        if sp is None:
+            raise TapescopeError("at() needs a symbolic profile: profile(..., symbolic=('batch',))")
+        full = {**sp.hints, **sp.specialized, **sizes}
+        if sp.valid(full):
+            return sp.at(**full)
+        if self._retrace is None:
+            raise TapescopeError(f"sizes {sizes} are outside the range of the formulas {sp.ranges}")
+        p = self._retrace(full)
+        return Estimate(full, p.peak_bytes, p.first_step_peak_bytes, dict(p.flops),
+                        dict(p.memory.at_peak), p.memory.peak_op)
+
     def summary(self) -> str:
         from .report.text import summary_text
 
@@ -124,17 +147,20 @@ def _version() -> str:
     return __version__
 
 
-def _describe_input(x) -> object:
+def _describe_input(x, trace_hints=None) -> object:
     from .capture.model import Spec
 
     if isinstance(x, (Spec, torch.Tensor)):
-        return {"shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", "")}
+        shape = list(x.shape)
+        if trace_hints and isinstance(x, Spec):
+            shape = [trace_hints.get(n, d) if n else d for d, n in zip(shape, x.dim_names())]
+        return {"shape": shape, "dtype": str(x.dtype).replace("torch.", "")}
     return repr(x)
 
 
 def profile(model, *inputs, loss_fn=None, optimizer="adamw", device="cpu", dtype=None,
             amp=None, steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
-            engine: str = "python", progress=None) -> Profile:
+            engine: str = "python", symbolic=(), gpu=None, progress=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
@@ -146,21 +172,70 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device="cpu", dtype
     optimizer: "sgd", "adam", "adamw" (torch defaults, with the foreach/fused choice torch makes on
         `device`), an Optimizer class, a function params -> optimizer, or None (no optimizer step).
     device: "cpu", "cuda" or "meta" - the device whose kernels and autograd formulas are traced.
+    gpu: for device="cuda", the GPU whose kernel choices to follow ("h100", "a100", "l4", ...;
+        default H100): attention backends depend on its compute capability.
     dtype: cast floating-point parameters and inputs (e.g. torch.bfloat16 or "bf16").
     amp: run forward and loss under torch.autocast with this dtype ("bf16", "fp16"): mixed
         precision with fp32 parameters (works for device="cuda" without a GPU).
     steps: 2 (default) reports the steady state, with optimizer state alive; 1 the first step.
     engine: "python" (default) runs backward with tapescope's own engine, which needs no GPU;
         "torch" calls loss.backward() (needs a GPU for device="cuda").
+    symbolic: names of input dimensions to keep symbolic, e.g. ("batch", "seq"): one trace then
+        gives memory and FLOPs as formulas (`p.symbolic`) and `p.at(batch=..., seq=...)`. The
+        report itself is for the sizes the inputs have. Name dimensions with spec(..., dims=...).
     """
     dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
+    if isinstance(symbolic, str):
+        symbolic = (symbolic,)
+    symbolic = tuple(symbolic or ())
+    if not isinstance(model, torch.nn.Module) and callable(model) and symbolic:
+        from .capture.model import build_on_meta
+
+        model = build_on_meta(model)  # built once, traced again by at() outside the formulas
     trace, facts = capture(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
                            device=device, dtype=dtype, amp=amp, steps=steps, engine=engine,
-                           progress=progress)
+                           symbolic=symbolic, gpu=gpu, progress=progress)
     facts["amp"] = None if amp is None else str(amp).replace("torch.", "")
+    meta = dict(model=name or _model_name(model), device=str(device), dtype=dtype,
+                inputs=[_describe_input(x) for x in inputs], steps=steps)
+    sp = None
     with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
-        return analyse(trace, facts, model=name or _model_name(model), device=str(device),
-                       dtype=dtype, inputs=[_describe_input(x) for x in inputs], steps=steps)
+        if symbolic:
+            from .analysis.symbolic import instantiate, symbolic_profile
+
+            sp, sym_trace, conv = symbolic_profile(trace)
+            trace = instantiate(sym_trace, conv, trace.hints)
+            meta["inputs"] = [_describe_input(x, trace_hints=sp.hints) for x in inputs]
+        p = analyse(trace, facts, **meta)
+    p.symbolic = sp
+
+    def retrace(sizes):
+        resized = [_resize(x, sizes) for x in inputs]
+        return profile(model, *resized, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                       dtype=dtype, amp=amp, steps=steps, input_kwargs=_resize(input_kwargs, sizes),
+                       name=name, engine=engine, gpu=gpu)
+
+    p._retrace = retrace if symbolic else None
+    if sp is not None and sp.specialized:
+        from .analysis.symbolic import fit_pinned
+
+        fit_pinned(sp, retrace)
+    return p
+
+
+def _resize(x, sizes: dict):
+    """Specs with their named dimensions set to `sizes`."""
+    from torch.utils._pytree import tree_map
+
+    from .capture.model import Spec
+
+    def one(s):
+        if not isinstance(s, Spec):
+            return s
+        shape = tuple(sizes.get(n, d) if n else d for d, n in zip(s.shape, s.dim_names()))
+        return replace(s, shape=shape)
+
+    return tree_map(one, x, is_leaf=lambda s: isinstance(s, Spec))
 
 
 @contextmanager
@@ -187,7 +262,7 @@ def analyse(trace: Trace, facts: dict, *, model: str, device: str, dtype, inputs
                 dtype=None if dtype is None else str(dtype).replace("torch.", ""),
                 inputs=inputs, steps=main.step, ops=ops, memory=memory,
                 first_step_peak_bytes=first_peak, facts=facts, trace=trace)
-    p._costs, p._categories = costs, categories
+    p._costs, p._categories, p._retrace = costs, categories, None
     return p
 
 

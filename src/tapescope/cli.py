@@ -58,7 +58,7 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(1)
 
 
-def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None):
+def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None):
     from . import profile
     from .zoo import parse_input, resolve
 
@@ -66,7 +66,7 @@ def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=
     with _progress(f"tracing {m.name} on fake {device} tensors") as progress:
         return profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
                        optimizer=None if optimizer == "none" else optimizer, device=device,
-                       dtype=dtype, amp=amp, steps=steps, name=m.name, progress=progress)
+                       dtype=dtype, amp=amp, steps=steps, name=m.name, gpu=gpu, progress=progress)
 
 
 SpecArg = typer.Argument(DEFAULT_SPEC, help=_spec_help, show_default=True)
@@ -75,6 +75,7 @@ SeqOpt = typer.Option(None, "--seq", "-s", help="Sequence length (image size for
 DeviceOpt = typer.Option("cpu", "--device", "-d", help="cpu, cuda or meta: whose kernels to trace.")
 DtypeOpt = typer.Option(None, "--dtype", help="fp32, bf16 or fp16: cast the model (default: the model's).")
 AmpOpt = typer.Option(None, "--amp", help="bf16 or fp16: mixed precision (torch.autocast), fp32 weights.")
+GpuOpt = typer.Option(None, "--gpu", help="With --device cuda: the GPU whose kernels to follow (h100, a100, l4, ...).")
 OptimOpt = typer.Option("adamw", "--optimizer", "-o", help="adamw, adam, sgd or none.")
 StepsOpt = typer.Option(2, "--steps", help="2: steady state with optimizer state; 1: first step.")
 InputOpt = typer.Option(None, "--input", "-i", help="An input shape, e.g. 4,128 or 4,128:int64; repeat for several.")
@@ -84,6 +85,7 @@ InputOpt = typer.Option(None, "--input", "-i", help="An input shape, e.g. 4,128 
 def profile_cmd(
     spec: str = SpecArg, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
+    gpu: Optional[str] = GpuOpt,
     optimizer: str = OptimOpt, steps: int = StepsOpt, input: Optional[List[str]] = InputOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
@@ -94,7 +96,9 @@ def profile_cmd(
 
     try:
         t0 = time.perf_counter()
-        p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp)
+        if gpu and device == "cpu":
+            device = "cuda"  # naming a GPU means tracing what it runs
+        p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp, gpu)
         elapsed = time.perf_counter() - t0
         render_summary(p, out, top=top)
         out.print(f"[dim]{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never allocated the model.[/]")
@@ -217,6 +221,89 @@ def diff_cmd(
             out.print(f"  why: {r}", highlight=False, markup=False)
         out.print(f"  FLOPs {fmt_flops(h.a_flops)} vs {fmt_flops(h.b_flops)}; saved for backward "
                   f"{fmt_bytes(h.a_saved)} vs {fmt_bytes(h.b_saved)} (each)", highlight=False)
+
+
+@app.command("fit")
+def fit_cmd(
+    spec: str = SpecArg, gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU whose memory to fill (h100, a100, ...)."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget, e.g. 24GiB (default: the GPU's memory less a reserve)."),
+    seq: Optional[int] = SeqOpt, batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Fix the batch and find the longest sequence."),
+    device: Optional[str] = typer.Option(None, "--device", "-d", help="Default: cuda with --gpu, else cpu."),
+    dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt,
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Also print the peak for sizes A..B, e.g. 1..4096."),
+):
+    """The largest batch (or, with --batch, sequence length) whose step fits the memory budget."""
+    from .fit import ALLOCATOR_SLACK, CONTEXT_RESERVE, fit
+    from .report.text import fmt_bytes
+    from .zoo import resolve
+
+    try:
+        dim = "seq" if batch is not None else "batch"
+        m = resolve(spec, batch=batch, seq=seq)
+        dev = device or ("cuda" if gpu and _cuda_built() else "cpu")
+        with _progress(f"tracing {m.name} with a symbolic {dim}") as progress:
+            r = fit(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+                    optimizer=None if optimizer == "none" else optimizer, device=dev, dtype=dtype,
+                    amp=amp, gpu=gpu if dev == "cuda" else None, budget=budget, dim=dim,
+                    name=m.name, progress=progress)
+            if gpu and budget is None:
+                from .devices.gpus import get_gpu
+                r.budget_note = (f"{get_gpu(gpu).name} memory less {fmt_bytes(CONTEXT_RESERVE)} for the "
+                                 f"CUDA context and {ALLOCATOR_SLACK:.0%} for the caching allocator")
+    except TapescopeError as e:
+        _fail(e)
+    sp = r.profile.symbolic
+    shapes = " × ".join("x".join(str(s) for s in i["shape"]) for i in r.profile.inputs
+                        if isinstance(i, dict))
+    out.print(f"[bold]{m.name}[/] on {dev}{' (' + gpu + ')' if gpu else ''}, inputs {shapes} "
+              f"with {dim} varying")
+    out.print(f"budget {fmt_bytes(r.budget)}" + (f" ({r.budget_note})" if getattr(r, "budget_note", None) else ""))
+    out.print(f"peak memory = {sp.expr(sp.pieces[-1].bytes)} bytes for large {dim} "
+              f"({len(sp.pieces)} piece{'s' if len(sp.pieces) > 1 else ''}; formulas hold for "
+              f"{dim} in [{sp.ranges[dim][0]}, {sp.ranges[dim][1] or 'inf'}])", highlight=False)
+    for g in sp.guards:
+        out.print(f"  guard: {g.expr} at {g.where}" + (f" pins {g.pins}" if g.pins else ""), highlight=False)
+    if sp.fitted:
+        f = sp.fitted
+        out.print(f"  {', '.join(f['dims'])} pinned by a guard: traced at {len(f['traced_at'])} sizes, "
+                  f"fitted polynomials, {'verified' if f['verified'] else 'NOT verified'} at "
+                  f"{len(f['checked_at'])} more" + ("" if f["verified"] else "; tracing each size instead"),
+                  highlight=False)
+    if r.value is None:
+        out.print(f"[red]nothing fits[/]: {dim} {r.probes[0][0]} already needs {fmt_bytes(r.next_peak)}")
+    else:
+        out.print(f"[bold green]largest {dim} that fits: {r.value}[/] — peak {fmt_bytes(r.peak_bytes)}, "
+                  f"headroom {fmt_bytes(r.headroom)}")
+        if r.next_peak is not None:
+            out.print(f"  {dim} {r.value + 1} would need {fmt_bytes(r.next_peak)}")
+        elif r.limit is not None:
+            out.print(f"  the model accepts {dim} up to {r.limit}")
+    if sweep:
+        a, _, b = sweep.partition("..")
+        lo, hi = int(a), int(b or a)
+        sizes, n = [], lo
+        while n <= hi:
+            sizes.append(n)
+            n *= 2
+        if r.value and lo <= r.value <= hi:
+            sizes = sorted(set(sizes) | {r.value, r.value + 1})
+        peaks = []
+        for n in sizes:
+            if sp.ranges[dim][1] is not None and n > sp.ranges[dim][1]:
+                continue
+            e = r.profile.at(**{dim: n})
+            peaks.append((n, max(e.peak_bytes, e.first_step_peak_bytes)))
+        top = max(v for _, v in peaks) or 1
+        for n, v in peaks:
+            bar = "#" * max(1, int(40 * v / top))
+            mark = "fits" if v <= r.budget else "OOM "
+            out.print(f"  {dim} {n:>7}  {fmt_bytes(v):>12}  {mark}  {bar}", highlight=False)
+
+
+def _cuda_built() -> bool:
+    import torch
+
+    return torch.backends.cuda.is_built()
 
 
 def main() -> None:

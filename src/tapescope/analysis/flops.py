@@ -48,12 +48,12 @@ def flop_formula(*packets) -> Callable:
 
 
 def _shape(x):
-    return torch.Size(x.shape) if type(x) is TensorRef else x
+    return tuple(x.shape) if type(x) is TensorRef else x
 
 
 def _shapes(x):
     if type(x) is TensorRef:
-        return torch.Size(x.shape)
+        return tuple(x.shape)
     if type(x) in (tuple, list):
         return type(x)(_shape(i) for i in x)
     return x
@@ -72,9 +72,9 @@ def _torch_formula(packet):
 
     def formula(op, a):
         out = [_shape(o) for o in op.outputs]
-        return int(f(*(_shapes(x) for x in op.args),
-                     **{k: _shapes(v) for k, v in op.kwargs.items()},
-                     out_val=out[0] if len(out) == 1 else out))
+        n = f(*(_shapes(x) for x in op.args), **{k: _shapes(v) for k, v in op.kwargs.items()},
+              out_val=out[0] if len(out) == 1 else out)
+        return int(n) if isinstance(n, (int, float)) else n  # sympy in symbolic profiles
 
     return formula
 
@@ -86,6 +86,10 @@ for _p in _TORCH_SHAPE_FORMULAS:
 
 # ---- attention --------------------------------------------------------------------------------
 
+def _half(x):
+    return x // 2 if isinstance(x, int) else x / 2  # sympy: exact rational, L*(L+1) is even
+
+
 def attention_pairs(L, S, causal: str | None) -> int:
     """How many (query, key) pairs a mask keeps: all L*S, or a causal triangle.
 
@@ -96,12 +100,12 @@ def attention_pairs(L, S, causal: str | None) -> int:
         return L * S
     if causal == "bottom_right":
         if L == S:
-            return L * (L + 1) // 2
+            return _half(L * (L + 1))
         # rows i = 0..L-1 see min(max(i + S - L + 1, 0), S) keys
         return sum(min(max(i + S - L + 1, 0), S) for i in range(L))
     if L == S or L <= S:
-        return L * (L + 1) // 2
-    return S * (S + 1) // 2 + (L - S) * S
+        return _half(L * (L + 1))
+    return _half(S * (S + 1)) + (L - S) * S
 
 
 def _attention(q, k, v, causal, bhsd: bool, backward: bool) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .hooks import HookRegistry, SavedTensors
 
@@ -317,7 +318,7 @@ class PythonEngine:
             meta = nxt._input_metadata[nr]
             shape = tuple(meta.shape)
             new = g
-            if tuple(new.shape) != shape:
+            if not _same_shape(new.shape, shape):
                 new = new.sum_to_size(shape) if shape else new.sum()
             if new.dtype != meta.dtype:
                 new = new.to(meta.dtype)
@@ -328,6 +329,20 @@ class PythonEngine:
                 self._drop(g)
                 outputs[i] = new
         return outputs
+
+
+def _same_shape(a, b) -> bool:
+    """Shapes equal as expressions (symbolic sizes are compared without adding guards: the
+    engine's decision must not depend on the sizes a symbolic trace happens to run at)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, int) and isinstance(y, int):
+            if x != y:
+                return False
+        elif not statically_known_true(x == y):
+            return False
+    return True
 
 
 def _dense(t) -> bool:

@@ -39,6 +39,8 @@ class Spec:
 
     `high` bounds the values of an integer input when tapescope runs the step for real (validation):
     token ids must stay below the vocabulary size. Fake tracing never looks at values.
+    `dims` names the dimensions that vary between runs ("batch", "seq"); a symbolic profile makes
+    each named dimension one symbol, shared by every input. By default dim 0 is "batch".
     """
 
     shape: tuple
@@ -46,19 +48,32 @@ class Spec:
     device: str | None = None
     requires_grad: bool = False
     high: int | None = None
+    dims: tuple | None = None
+
+    def dim_names(self) -> tuple:
+        if self.dims is not None:
+            return self.dims
+        return ("batch",) + (None,) * (len(self.shape) - 1) if self.shape else ()
 
     def __repr__(self) -> str:
         return f"spec({tuple(self.shape)}, dtype={self.dtype})"
 
 
-def spec(shape, dtype=torch.float32, device=None, requires_grad=False, high=None) -> Spec:
-    """An input given by shape and dtype only: `tapescope.spec((8, 1024), dtype=torch.long)`."""
+def spec(shape, dtype=torch.float32, device=None, requires_grad=False, high=None,
+         dims=None) -> Spec:
+    """An input given by shape and dtype only: `tapescope.spec((8, 1024), dtype=torch.long)`.
+
+    dims: a name per dimension for symbolic profiles, e.g. ("batch", "seq"); None for fixed ones.
+    """
     if isinstance(shape, int):
         shape = (shape,)
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
         raise ValueError(f"negative size in input shape {shape}")
-    return Spec(shape, resolve_dtype(dtype), device, requires_grad, high)
+    if dims is not None and len(dims) != len(shape):
+        raise ValueError(f"dims {dims} must name each of the {len(shape)} dimensions (None for fixed)")
+    return Spec(shape, resolve_dtype(dtype), device, requires_grad, high,
+                None if dims is None else tuple(dims))
 
 
 def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
@@ -167,14 +182,19 @@ def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torc
     return out
 
 
-def fake_inputs(inputs: Any, device, dtype: torch.dtype | None) -> Any:
-    """Replace every tensor and Spec in a nest of inputs by a fake tensor on `device`."""
+def fake_inputs(inputs: Any, device, dtype: torch.dtype | None, sizes: dict | None = None) -> Any:
+    """Replace every tensor and Spec in a nest of inputs by a fake tensor on `device`.
+
+    sizes: dimension name -> size (a SymInt in a symbolic profile) for the named dims of Specs.
+    """
+    sizes = sizes or {}
 
     def convert(x):
         if isinstance(x, Spec):
             dev = x.device or device
             dt = dtype if (dtype is not None and x.dtype.is_floating_point) else x.dtype
-            t = torch.empty(x.shape, dtype=dt, device=dev)
+            shape = [sizes.get(n, s) for s, n in zip(x.shape, x.dim_names())]
+            t = torch.empty(shape, dtype=dt, device=dev)
             return t.requires_grad_(True) if x.requires_grad else t
         if isinstance(x, torch.Tensor):
             return fake_tensor_like(x, device, dtype)

@@ -170,3 +170,7 @@ class Trace:
     device: torch.device = torch.device("cpu")
     # how steady-state step 2 was obtained: "traced" or "reused forward+backward of step 1"
     step2: str = "none"
+    # symbolic profiles: dimension name -> sympy symbol, and the sizes the trace ran at
+    symbols: dict = field(default_factory=dict)
+    hints: dict = field(default_factory=dict)
+    shape_env: Any = None

@@ -36,16 +36,30 @@ def _tensor_key(t):
             t.is_conj(), t.is_neg())
 
 
-def _key(func, args, kwargs):
+def _sym(x):
+    """A size as a hashable key: SymInts by their expression (same expression, same size)."""
+    return x.node.expr if isinstance(x, torch.SymInt) else x
+
+
+def _tensor_key_symbolic(t):
+    if type(t) is not FakeTensor or t.constant is not None or t.layout is not torch.strided:
+        raise _NoKey
+    return (tuple(_sym(s) for s in t.shape), tuple(_sym(s) for s in t.stride()), t.dtype,
+            t.device, _sym(t.storage_offset()), t.requires_grad, t.is_conj(), t.is_neg())
+
+
+def _key(func, args, kwargs, symbolic: bool = False):
     key = [func, torch.get_default_dtype(), torch._C._get_default_device()]
+    tkey = _tensor_key_symbolic if symbolic else _tensor_key
+    other = _sym if symbolic else (lambda x: x)
     try:
         for a in (*args, *kwargs.items()):
             if isinstance(a, torch.Tensor):
-                key.append(_tensor_key(a))
+                key.append(tkey(a))
             elif isinstance(a, (list, tuple)):
-                key.append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor) else x for x in a))
+                key.append(tuple(tkey(x) if isinstance(x, torch.Tensor) else other(x) for x in a))
             else:
-                key.append(a)
+                key.append(other(a))
         key = tuple(key)
         hash(key)
         return key
@@ -60,7 +74,7 @@ class DispatchReplay:
         self.enabled = True
 
     def key(self, func, args, kwargs):
-        return _key(func, args, kwargs) if self.enabled else None
+        return _key(func, args, kwargs, self.mode.shape_env is not None) if self.enabled else None
 
     @staticmethod
     def bypasses() -> int:

@@ -16,10 +16,10 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import DeviceError, TapescopeError, from_trace_failure
-from .model import build_on_meta, fake_copy, fake_inputs, fake_tensor_like
+from .model import Spec, build_on_meta, fake_copy, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
 from .optimizers import make_optimizer
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER, OPTIMIZER_STATE,
@@ -32,6 +32,8 @@ from .tape import Tape
 __all__ = ["capture", "check_device", "LOSS_MODULE"]
 
 LOSS_MODULE = "(loss)"  # the module name of ops computing the loss outside the model
+DEFAULT_GPU = "h100"     # device="cuda" without a named GPU traces what an H100 would run
+INTERNAL_GUARD = "<tapescope>"  # a guard tapescope's own code placed (structural, not the model's)
 
 
 def check_device(device: torch.device) -> None:
@@ -80,9 +82,104 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return ctx
 
 
+def _symbols(shape_env, names, inputs) -> tuple[dict, dict]:
+    """One SymInt per named dimension, its hint the size the inputs give it (at least 2: the
+    shape environment specialises sizes 0 and 1)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    found: dict[str, int] = {}
+    for x in tree_leaves(inputs, is_leaf=lambda x: isinstance(x, Spec)):
+        if isinstance(x, Spec):
+            for size, name in zip(x.shape, x.dim_names()):
+                if name in names:
+                    found.setdefault(name, size)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise TapescopeError(
+            f"no input has a dimension named {', '.join(missing)}: name dimensions with "
+            "tapescope.spec(shape, dims=('batch', 'seq', ...)) (zoo models name theirs)")
+    sizes, hints = {}, {}
+    for name, size in found.items():
+        hint = max(size, 2)
+        sym = shape_env.create_symbol(hint, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        sizes[name] = shape_env.create_symintnode(sym, hint=hint, source=ConstantSource(name))
+        hints[name] = hint
+    return sizes, hints
+
+
+def _guards_name_user_lines(shape_env, tape: Tape) -> None:
+    """Make every guard remember the model's source line that asked for it (ShapeEnv finds user
+    frames only under dynamo). An instance attribute: no other ShapeEnv is affected."""
+    from torch._guards import SLoc
+
+    import sys
+
+    original = shape_env._get_sloc
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    ours = tuple(os.path.join(_PACKAGE_DIR, d) + os.sep for d in ("capture", "analysis", "devices"))
+
+    dispatch = tuple(os.path.join(_PACKAGE_DIR, "capture", f) for f in ("tape.py", "replay.py"))
+
+    def get_sloc(framework_loc=None):
+        sloc = original(framework_loc)
+        f = sys._getframe(1)
+        while f is not None and (f.f_code.co_filename.startswith(torch_dir)
+                                 or f.f_code.co_filename in dispatch):
+            f = f.f_back
+        if f is not None and f.f_code.co_filename.startswith(ours):
+            return SLoc(sloc.framework_loc, INTERNAL_GUARD)  # our own bookkeeping asked
+        frame = tape.user_frame()
+        return SLoc(sloc.framework_loc, str(frame) if frame is not None else sloc.maybe_user_loc)
+
+    shape_env._get_sloc = get_sloc
+
+
+def _as_specs(inputs):
+    """Tensors become Specs (dim 0 named "batch") so that a symbolic trace can size them."""
+
+    def convert(x):
+        if isinstance(x, torch.Tensor):
+            return Spec(tuple(x.shape), x.dtype, None, x.requires_grad)
+        return x
+
+    return tree_map(convert, inputs, is_leaf=lambda x: isinstance(x, Spec))
+
+
+@contextmanager
+def _gpu_attention(gpu, counts: dict):
+    """F.scaled_dot_product_attention as `gpu` would run it.
+
+    The C++ composite picks its backend by asking the device (sdp_utils.cpp), which a fake CUDA
+    tensor on a machine without a GPU cannot answer, so the trace would fall back to the math path.
+    devices.sdpa applies the same rules to the named GPU's compute capability and issues the ops
+    of the chosen backend. Patched on torch.nn.functional for the duration of the capture.
+    """
+    import torch.nn.functional as F
+
+    from ..devices.sdpa import SdpaRequest, call_backend, choose_backend
+
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        req = SdpaRequest.from_tensors(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                       enable_gqa)
+        backend, _ = choose_backend(req, gpu.compute_capability)
+        counts[backend] = counts.get(backend, 0) + 1
+        return call_backend(backend, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                            enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", device="cpu",
             dtype=None, amp=None, steps: int = 2, engine: str = "python", forward_context=None,
-            progress=None) -> tuple[Trace, dict]:
+            symbolic: tuple = (), gpu=None, progress=None) -> tuple[Trace, dict]:
     """Trace `steps` (1 or 2) training steps; returns the Trace and facts about the run.
 
     engine: "python" runs backward with tapescope's engine (capture.engine), which needs no GPU and
@@ -97,6 +194,13 @@ def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", dev
     check_device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)  # what fake CUDA tensors report
+    if device.type == "cuda" and not hasattr(gpu, "compute_capability"):
+        from ..devices.gpus import get_gpu
+
+        try:
+            gpu = get_gpu(gpu or DEFAULT_GPU)
+        except ValueError as e:  # an unknown name: say which ones we know
+            raise TapescopeError(str(e)) from None
     if steps not in (1, 2):
         raise TapescopeError(f"steps must be 1 (first step only) or 2 (steady state), got {steps}")
     kwargs = kwargs or {}
@@ -106,13 +210,30 @@ def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", dev
                                  f"got {type(model).__name__}")
         model = build_on_meta(model)
 
-    tape = Tape()
+    shape_env = None
+    if symbolic:
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        shape_env = ShapeEnv(duck_shape=False)  # batch 8 and seq 8 stay two symbols
+        args, kwargs = _as_specs((tuple(args), kwargs))
+    tape = Tape(shape_env=shape_env)
     trace = tape.tape
+    if shape_env is not None:
+        _guards_name_user_lines(shape_env, tape)
     trace.device = device
     facts: dict = {}
-    with tape:
+    if gpu is not None:
+        facts["gpu"] = gpu.key
+    attention = _gpu_attention(gpu, facts.setdefault("sdpa_backends", {})) if device.type == "cuda" \
+        else nullcontext()
+    with tape, attention:
         fmodel = fake_copy(model, lambda t: fake_tensor_like(t, device, dtype))
-        fargs, fkwargs = fake_inputs((tuple(args), kwargs), device, dtype)
+        sizes = {}
+        if symbolic:
+            sizes, trace.hints = _symbols(shape_env, tuple(symbolic), (args, kwargs))
+            trace.symbols = {name: s.node.expr for name, s in sizes.items()}
+            trace.shape_env = shape_env
+        fargs, fkwargs = fake_inputs((tuple(args), kwargs), device, dtype, sizes)
         names = module_names(fmodel)
         param_fqn = {}
         for fqn, p in fmodel.named_parameters(remove_duplicate=False):

@@ -154,8 +154,12 @@ class Tape(FakeTensorMode):
 
     # ---- where an op comes from -------------------------------------------------------------
 
-    def _user_frame(self) -> Frame | None:
-        f = sys._getframe(2)
+    def user_frame(self) -> Frame | None:
+        """The innermost frame of the user's code (not torch's, not tapescope's capture)."""
+        return self._user_frame(2)
+
+    def _user_frame(self, depth: int = 2) -> Frame | None:
+        f = sys._getframe(depth)
         frames = self._tape_frames
         while f is not None:
             code = f.f_code

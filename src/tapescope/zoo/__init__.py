@@ -94,7 +94,7 @@ def _gpt2(name, options, batch, seq):
 
     c = _with_options(GPT2Config(), options, name)
     seq = seq or c.block_size
-    tokens = make_spec((batch or 8, seq), dtype=torch.int64, high=c.vocab_size)
+    tokens = make_spec((batch or 8, seq), dtype=torch.int64, high=c.vocab_size, dims=("batch", "seq"))
     return ModelSpec(name, lambda: GPT2(c), (tokens, tokens))
 
 
@@ -104,7 +104,7 @@ def _llama(name, options, batch, seq):
     base = PRESETS[name.split(":", 1)[1]]
     c = _with_options(base, options, name)
     seq = seq or min(c.max_seq_len, 2048)
-    tokens = make_spec((batch or 4, seq), dtype=torch.int64, high=c.vocab_size)
+    tokens = make_spec((batch or 4, seq), dtype=torch.int64, high=c.vocab_size, dims=("batch", "seq"))
     return ModelSpec(name, lambda: Llama(c), (tokens, tokens))
 
 
@@ -137,7 +137,7 @@ def _torchvision(name, options, batch, seq):
     if model in ("inception_v3", "googlenet"):
         options = {"aux_logits": False, "init_weights": False, **options}
     size = seq or size
-    image = make_spec((batch or 32, 3, size, size))
+    image = make_spec((batch or 32, 3, size, size), dims=("batch", None, "size", "size"))
     return ModelSpec(name, lambda: tvm.get_model(model, weights=None, **options), (image,),
                      loss_fn=_classification_loss)
 
@@ -154,7 +154,7 @@ def _timm(name, options, batch, seq):
     size = tuple(cfg.input_size) if cfg is not None else (3, 224, 224)
     if seq:
         size = (size[0], seq, seq)
-    image = make_spec((batch or 32, *size))
+    image = make_spec((batch or 32, *size), dims=("batch", None, "size", "size"))
     return ModelSpec(name, lambda: timm.create_model(model, pretrained=False, **options), (image,),
                      loss_fn=_classification_loss)
 
@@ -196,7 +196,7 @@ def _hf(name, options, batch, seq):
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = seq or min(512, max_pos or 512)
     vocab = getattr(config, "vocab_size", None) or 1000
-    tokens = make_spec((batch or 8, seq), dtype=torch.int64, high=vocab)
+    tokens = make_spec((batch or 8, seq), dtype=torch.int64, high=vocab, dims=("batch", "seq"))
     kwargs = {"labels": tokens} if chosen is not auto.AutoModel else {}
     return ModelSpec(f"{name} ({chosen.__name__[len('AutoModel'):] or 'base'})",
                      lambda: chosen.from_config(config), (tokens,), kwargs)

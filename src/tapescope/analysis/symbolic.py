@@ -1,0 +1,433 @@
+"""Memory and FLOPs as formulas of the named dimensions (batch, seq), from one symbolic trace.
+
+The capture ran with PyTorch's ShapeEnv: every size that depends on a named input dimension is a
+SymInt, so every storage size and every op's shapes in the trace are expressions. Here they become
+sympy polynomials in the dimension names, and:
+- FLOPs per phase are sums of the ops' formulas, exact;
+- live bytes after each allocation are sums of storage sizes, exact; the peak is the largest of them,
+  which depends on the sizes, so we keep the allocations that can be the peak for some sizes (the
+  "pieces": one live-bytes polynomial each, with the op that reached it) and drop every one that
+  another bounds from above on the whole domain (checked on the polynomial's coefficients after
+  shifting each variable by its lower bound, which proves p >= q for all sizes, not just sampled ones);
+- `at(batch=..., seq=...)` evaluates the pieces, a few multiplications each, so a thousand sizes
+  take milliseconds.
+The formulas hold where the trace's guards hold: the ranges ShapeEnv recorded (sizes >= 2, and any
+bound the model checks, like seq <= block_size). A guard that pins a dimension to one value
+(specialisation) makes them hold at that value only; `at()` then traces each size concretely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import sympy
+
+from fractions import Fraction
+
+from ..capture.records import CATEGORIES, StorageRecord, TensorRef, Trace
+from .flops import op_flops
+from .memory import storage_categories
+from .steps import StepView, step_views
+
+__all__ = ["Guard", "Piece", "Estimate", "SymbolicProfile", "symbolic_profile", "sympify_trace",
+           "instantiate", "fit_pinned"]
+
+
+@dataclass(frozen=True)
+class Guard:
+    expr: str     # in the dimension names, e.g. "seq <= 1024"
+    where: str    # the source line that asked
+    pins: str | None = None  # the dimension this guard fixes to one value, if it does
+
+
+@dataclass
+class Piece:
+    """One allocation whose live bytes can be the step's peak for some sizes."""
+
+    bytes: dict          # polynomial: exponent tuple -> coefficient
+    op: int              # index of the op (in the step) that made the allocation
+    categories: dict     # category -> polynomial
+
+
+@dataclass(frozen=True)
+class Estimate:
+    sizes: dict
+    peak_bytes: int
+    first_step_peak_bytes: int
+    flops: dict
+    at_peak: dict        # category -> bytes, at the steady-state peak
+    peak_op: int | None = None
+
+
+@dataclass
+class SymbolicProfile:
+    names: tuple                 # dimension names, in polynomial order
+    symbols: tuple               # sympy symbols named after them
+    hints: dict                  # the sizes the trace ran at
+    ranges: dict                 # name -> (low, high or None) where the formulas hold
+    guards: list                 # Guard, from the model's own code
+    specialized: dict            # name -> the one value a guard pinned it to
+    pieces: list                 # Piece, steady state (or the only step)
+    first_pieces: list           # Piece, first step
+    flops_poly: dict             # phase -> polynomial
+    ops: list = field(default_factory=list, repr=False)   # the step's op names, for peak ops
+    fitted: dict | None = None   # when a dimension was pinned: how the formulas were fitted instead
+
+    # ---- expressions ----------------------------------------------------------------------
+
+    def expr(self, poly: dict) -> sympy.Expr:
+        return sympy.Add(*(sympy.Rational(Fraction(c).numerator, Fraction(c).denominator) * sympy.Mul(*(s ** e for s, e in zip(self.symbols, exps)))
+                           for exps, c in poly.items())) if poly else sympy.Integer(0)
+
+    @property
+    def flops(self) -> dict:
+        return {k: self.expr(v) for k, v in self.flops_poly.items()}
+
+    def peak_expr(self, first_step: bool = False) -> sympy.Expr:
+        """Piecewise: each piece where it is the largest (ties go to the earliest)."""
+        pieces = self.first_pieces if first_step else self.pieces
+        exprs = [self.expr(p.bytes) for p in pieces]
+        if len(exprs) == 1:
+            return exprs[0]
+        return sympy.Piecewise(*[
+            (e, sympy.And(*[e >= o for j, o in enumerate(exprs) if j != i]))
+            for i, e in enumerate(exprs[:-1])], (exprs[-1], True))
+
+    def category_exprs(self) -> list[dict]:
+        return [{c: self.expr(p.categories[c]) for c in CATEGORIES} for p in self.pieces]
+
+    # ---- evaluation -----------------------------------------------------------------------
+
+    def valid(self, sizes: dict) -> bool:
+        for name in self.names:
+            lo, hi = self.ranges[name]
+            v = sizes[name]
+            if v < lo or (hi is not None and v > hi):
+                return False
+            if name in self.specialized and v != self.specialized[name] and not (
+                    self.fitted and self.fitted["verified"]):
+                return False
+        return True
+
+    def _values(self, sizes: dict) -> tuple:
+        missing = [n for n in self.names if n not in sizes]
+        if missing:
+            raise ValueError(f"give a size for {', '.join(missing)}")
+        return tuple(int(sizes[n]) for n in self.names)
+
+    def at(self, **sizes) -> Estimate:
+        vals = self._values(sizes)
+        best, best_piece = _best(self.pieces, vals)
+        first, _ = _best(self.first_pieces, vals)
+        return Estimate(dict(zip(self.names, vals)), best, first,
+                        {k: _eval(v, vals) for k, v in self.flops_poly.items()},
+                        {c: _eval(best_piece.categories[c], vals) for c in CATEGORIES},
+                        best_piece.op)
+
+
+def fit_pinned(sp: SymbolicProfile, trace_at) -> None:
+    """A guard pinned some dimensions, so the trace's formulas hold at one size only. Trace the
+    step concretely on a grid of sizes of the pinned dimensions, fit the peak, the first-step peak
+    and the FLOPs as polynomials (degree <= 2 in each pinned dimension: attention is quadratic in
+    the sequence), check them at two more sizes, and say so in `sp.fitted`.
+
+    trace_at(sizes) -> Profile of a concrete trace.
+    """
+    import itertools
+
+    pinned = [n for n in sp.names if n in sp.specialized]
+    base = {n: sp.specialized.get(n, sp.hints[n]) for n in sp.names}
+    grid = {n: [base[n] * k for k in (1, 2, 3)] for n in pinned}
+    checks = [{**base, **{n: base[n] * 5 for n in pinned}}, {**base, **{n: base[n] * 7 for n in pinned}}]
+    points = [dict(base, **dict(zip(pinned, combo)))
+              for combo in itertools.product(*(grid[n] for n in pinned))]
+
+    def measure(sizes):
+        p = trace_at(sizes)
+        return {"peak": p.peak_bytes, "first": p.first_step_peak_bytes, **p.flops}
+
+    data = [measure(pt) for pt in points]
+    idx = [sp.names.index(n) for n in pinned]
+    exps = list(itertools.product(range(3), repeat=len(pinned)))
+    polys = {}
+    for q in data[0]:
+        coeffs = _solve([[_mono(pt, pinned, e) for e in exps] for pt in points], [d[q] for d in data])
+        polys[q] = {tuple(e[idx.index(i)] if i in idx else 0 for i in range(len(sp.names))): c
+                    for e, c in zip(exps, coeffs) if c}
+    verified = all(_eval(polys[q], tuple(ck[n] for n in sp.names)) == m[q]
+                   for ck in checks for m in [measure(ck)] for q in polys)
+    sp.fitted = {"dims": pinned, "traced_at": points, "checked_at": checks, "verified": verified}
+    if verified:
+        sp.pieces = [Piece(polys["peak"], -1, {c: {} for c in CATEGORIES})]
+        sp.first_pieces = [Piece(polys["first"], -1, {c: {} for c in CATEGORIES})]
+        sp.flops_poly = {k: polys[k] for k in ("forward", "backward", "optimizer", "total")}
+
+
+def _mono(pt: dict, names: list, exps: tuple) -> Fraction:
+    out = Fraction(1)
+    for n, e in zip(names, exps):
+        out *= pt[n] ** e
+    return out
+
+
+def _solve(a: list, b: list) -> list:
+    """Exact Gaussian elimination over the rationals (a small square system)."""
+    n = len(a)
+    m = [list(map(Fraction, row)) + [Fraction(v)] for row, v in zip(a, b)]
+    for col in range(n):
+        piv = next(r for r in range(col, n) if m[r][col] != 0)
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col and m[r][col] != 0:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _eval(poly: dict, vals: tuple) -> int:
+    total = Fraction(0)
+    for exps, c in poly.items():
+        term = c
+        for v, e in zip(vals, exps):
+            if e:
+                term *= v ** e
+        total += term
+    return int(total)  # exact: the polynomials take integer values at integer sizes
+
+
+def _best(pieces, vals):
+    best, piece = None, None
+    for p in pieces:
+        v = _eval(p.bytes, vals)
+        if best is None or v > best:
+            best, piece = v, p
+    return best, piece
+
+
+# ---- turning the trace into polynomials -----------------------------------------------------
+
+class _Converter:
+    """SymInts -> sympy expressions in the dimension names; sizes -> polynomials."""
+
+    def __init__(self, trace: Trace):
+        self.names = tuple(trace.symbols)
+        self.symbols = tuple(sympy.Symbol(n, integer=True, positive=True) for n in self.names)
+        self.rename = {trace.symbols[n]: s for n, s in zip(self.names, self.symbols)}
+        self.memo: dict = {}
+        self.polys: dict = {}
+
+    def expr(self, x):
+        if isinstance(x, int):
+            return x
+        node = getattr(x, "node", None)
+        if node is None:
+            return x
+        e = self.memo.get(id(x))
+        if e is None:
+            e = node.expr.xreplace(self.rename)
+            e = int(e) if e.is_Integer else e
+            self.memo[id(x)] = e
+        return e
+
+    def poly(self, e) -> dict:
+        if isinstance(e, int):
+            return {(0,) * len(self.names): e} if e else {}
+        p = self.polys.get(e)
+        if p is None:
+            try:  # rational coefficients (L*(L+1)/2 pairs of a causal mask) stay exact
+                p = {k: int(v.p) if v.q == 1 else Fraction(int(v.p), int(v.q))
+                     for k, v in sympy.Poly(e, *self.symbols).as_dict().items()}
+            except (sympy.PolynomialError, TypeError) as exc:
+                raise ValueError(f"size {e} is not a polynomial of {', '.join(self.names)}") from exc
+            self.polys[e] = p
+        return p
+
+
+def _ref(conv: _Converter, r):
+    if type(r) is TensorRef:
+        return TensorRef(tuple(conv.expr(s) for s in r.shape), r.dtype, r.storage, r.value)
+    if type(r) in (tuple, list):
+        return tuple(_ref(conv, x) for x in r)
+    return conv.expr(r) if hasattr(r, "node") else r
+
+
+def sympify_trace(trace: Trace) -> tuple[Trace, _Converter]:
+    """A copy of the trace whose sizes are sympy expressions in the dimension names."""
+    conv = _Converter(trace)
+    ops = []
+    for r in trace.ops:
+        ops.append(replace(r, args=tuple(_ref(conv, a) for a in r.args),
+                           kwargs={k: _ref(conv, v) for k, v in r.kwargs.items()},
+                           outputs=tuple(None if o is None else _ref(conv, o) for o in r.outputs),
+                           inputs=tuple(_ref(conv, t) for t in r.inputs)))
+    storages = [StorageRecord(s.id, conv.expr(s.nbytes), s.device, s.created_by, s.roles)
+                for s in trace.storages]
+    t = replace(trace, ops=ops, storages=storages)
+    return t, conv
+
+
+def instantiate(sym_trace: Trace, conv: _Converter, sizes: dict) -> Trace:
+    """The trace at concrete sizes: every expression evaluated (exact: polynomials in integers)."""
+    subs = {s: int(sizes[n]) for n, s in zip(conv.names, conv.symbols)}
+    memo: dict = {}
+
+    def val(x):
+        if isinstance(x, sympy.Expr):
+            v = memo.get(x)
+            if v is None:
+                v = memo[x] = int(x.xreplace(subs))
+            return v
+        return x
+
+    def ref(r):
+        if type(r) is TensorRef:
+            return TensorRef(tuple(val(s) for s in r.shape), r.dtype, r.storage, r.value)
+        if type(r) in (tuple, list):
+            return tuple(ref(x) for x in r)
+        return val(r)
+
+    ops = [replace(r, args=tuple(ref(a) for a in r.args),
+                   kwargs={k: ref(v) for k, v in r.kwargs.items()},
+                   outputs=tuple(None if o is None else ref(o) for o in r.outputs),
+                   inputs=tuple(ref(t) for t in r.inputs)) for r in sym_trace.ops]
+    storages = [StorageRecord(s.id, val(s.nbytes), s.device, s.created_by, s.roles)
+                for s in sym_trace.storages]
+    return replace(sym_trace, ops=ops, storages=storages, symbols={}, hints={}, shape_env=None)
+
+
+# ---- the analysis ---------------------------------------------------------------------------
+
+def _shift(poly: dict, lows: tuple) -> dict:
+    """poly(x) -> poly(low + y) as a polynomial in y (exact integer arithmetic)."""
+    out: dict = {}
+    for exps, c in poly.items():
+        terms = [((), c)]
+        for e, lo in zip(exps, lows):
+            # (lo + y)^e = sum_k C(e, k) lo^(e-k) y^k
+            terms = [(k_prev + (k,), coef * math.comb(e, k) * lo ** (e - k))
+                     for k_prev, coef in terms for k in range(e + 1)]
+        for k, coef in terms:
+            out[k] = out.get(k, 0) + coef
+    return out
+
+
+def _covers(p_shifted: dict, q_shifted: dict) -> bool:
+    """p >= q for every size >= the lower bounds, given both shifted to those bounds: then
+    p - q has no negative coefficient (a proof for all sizes, not a sample)."""
+    for k, v in q_shifted.items():
+        if p_shifted.get(k, 0) < v:
+            return False
+    return all(v >= 0 for k, v in p_shifted.items() if k not in q_shifted)
+
+
+def _add(total: dict, poly: dict, sign: int) -> None:
+    for k, v in poly.items():
+        n = total.get(k, 0) + sign * v
+        if n:
+            total[k] = n
+        else:
+            total.pop(k, None)
+
+
+def _pieces(trace: Trace, view: StepView, conv: _Converter, categories, lows) -> list[Piece]:
+    storages, device = trace.storages, trace.device
+    counted = [s.device == device for s in storages]
+    local = {t: k for k, t in enumerate(view.ops)}
+    live = {sid for sid in view.initial if counted[sid]}
+    shifted_of: dict = {}
+
+    def polys(sid):
+        p = conv.poly(storages[sid].nbytes)
+        key = id(p)
+        sp = shifted_of.get(key)
+        if sp is None:
+            sp = shifted_of[key] = (p, _shift(p, lows))  # shifting is linear: once per size
+        return sp
+
+    total, total_s = {}, {}
+    by_cat = {c: {} for c in CATEGORIES}
+    for sid in live:
+        p, ps = polys(sid)
+        _add(total, p, 1)
+        _add(total_s, ps, 1)
+        _add(by_cat[categories[sid]], p, 1)
+    pieces = [(dict(total_s), Piece(dict(total), 0, {c: dict(v) for c, v in by_cat.items()}))]
+    pos = 0
+    for op_index, sid, delta in view.events:
+        pos = local.get(op_index, pos)
+        if not counted[sid]:
+            continue
+        p, ps = polys(sid)
+        if delta > 0:
+            if sid in live:
+                continue
+            live.add(sid)
+            _add(total, p, 1)
+            _add(total_s, ps, 1)
+            _add(by_cat[categories[sid]], p, 1)
+            if any(_covers(qs, total_s) for qs, _ in pieces):
+                continue
+            pieces = [(qs, q) for qs, q in pieces if not _covers(total_s, qs)]
+            pieces.append((dict(total_s),
+                           Piece(dict(total), pos, {c: dict(v) for c, v in by_cat.items()})))
+        elif sid in live:
+            live.discard(sid)
+            _add(total, p, -1)
+            _add(total_s, ps, -1)
+            _add(by_cat[categories[sid]], p, -1)
+    return [q for _, q in pieces]
+
+
+def _guards(trace: Trace, conv: _Converter):
+    """Guards the model's own code placed on the dimensions, and the dimensions they pin."""
+    env = trace.shape_env
+    out, specialized = [], {}
+    for name, sym in trace.symbols.items():
+        r = env.replacements.get(sym)
+        if r is not None and getattr(r, "is_Integer", False):
+            specialized[name] = int(r)
+    from ..capture.session import INTERNAL_GUARD
+
+    for g in env.guards:
+        if g.sloc.maybe_user_loc == INTERNAL_GUARD:
+            continue  # tapescope's own bookkeeping, structural
+        where = g.sloc.maybe_user_loc or str(g.sloc).strip("() ")
+        expr = str(g.expr.xreplace(conv.rename))
+        pins = next((n for n, v in specialized.items()
+                     if expr in (f"Eq({n}, {v})", f"Eq({v}, {n})")), None)
+        out.append(Guard(expr, where, pins))
+    ranges = {}
+    for name, sym in trace.symbols.items():
+        vr = env.var_to_range.get(sym)
+        lo = int(vr.lower) if vr is not None and vr.lower.is_Integer else 2
+        hi = int(vr.upper) if vr is not None and vr.upper.is_Integer else None  # not int_oo
+        ranges[name] = (specialized.get(name, lo), specialized.get(name, hi))
+    return out, specialized, ranges
+
+
+def symbolic_profile(trace: Trace) -> tuple[SymbolicProfile, Trace, _Converter]:
+    """Formulas from a symbolic trace, plus the sympy-sized trace to instantiate later."""
+    sym_trace, conv = sympify_trace(trace)
+    guards, specialized, ranges = _guards(trace, conv)
+    lows = tuple(max(ranges[n][0], 1) for n in conv.names)
+    views = step_views(sym_trace)
+    categories = storage_categories(sym_trace)
+    main = views[max(views)]
+    pieces = _pieces(sym_trace, main, conv, categories, lows)
+    first = pieces if main.step == 1 else _pieces(sym_trace, views[1], conv, categories, lows)
+    flops: dict = {"forward": {}, "backward": {}, "optimizer": {}}
+    for i in main.ops:
+        r = sym_trace.ops[i]
+        f = op_flops(r)
+        if f:
+            _add(flops[r.phase], conv.poly(sympy.expand(f) if isinstance(f, sympy.Expr) else int(f)), 1)
+    total: dict = {}
+    for v in flops.values():
+        _add(total, v, 1)
+    flops["total"] = total
+    return (SymbolicProfile(conv.names, conv.symbols, dict(trace.hints), ranges, guards,
+                            specialized, pieces, first, flops,
+                            [sym_trace.ops[i].name for i in main.ops]),
+            sym_trace, conv)
+

@@ -1,0 +1,113 @@
+"""What fits: the largest batch (or sequence length) whose training step fits a memory budget.
+
+One symbolic trace gives the step's peak memory as a formula of the dimension; a binary search over
+that formula finds the largest size within budget in microseconds per probe. Sizes outside the range
+where the formula holds (a guard such as seq <= block_size, or a dimension the model pinned) are
+traced concretely instead.
+
+The default budget is the GPU's memory less a reserve: 1 GiB for the CUDA context and library
+workspaces (nvidia-smi shows 0.5-1 GiB before any tensor exists) and 10% for the caching
+allocator's rounding and fragmentation, which the predicted allocated bytes do not include.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .api import profile
+from .errors import TapescopeError
+
+__all__ = ["FitResult", "fit", "parse_bytes", "default_budget", "CONTEXT_RESERVE", "ALLOCATOR_SLACK"]
+
+CONTEXT_RESERVE = 2**30
+ALLOCATOR_SLACK = 0.10
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
+          "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text) -> int:
+    """'24GiB', '80GB', '80e9', 1e9 -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m[2].lower() not in _UNITS:
+        raise TapescopeError(f"cannot read a memory size from {text!r}; write e.g. 24GiB or 80GB")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
+def default_budget(gpu) -> int:
+    memory = gpu.reported_memory_bytes or gpu.memory_bytes
+    return int((memory - CONTEXT_RESERVE) / (1 + ALLOCATOR_SLACK))
+
+
+@dataclass
+class FitResult:
+    dim: str
+    value: int | None        # the largest size that fits (None: not even the smallest)
+    peak_bytes: int | None   # its predicted peak
+    budget: int
+    next_peak: int | None    # the peak at value + 1 (or at the smallest size when nothing fits)
+    limit: int | None        # the largest size the model accepts (a guard), if any
+    profile: object          # the symbolic Profile the search used
+    probes: list             # (size, peak) pairs evaluated
+
+    @property
+    def headroom(self) -> int | None:
+        return None if self.peak_bytes is None else self.budget - self.peak_bytes
+
+
+def fit(model, *inputs, budget=None, gpu=None, dim: str = "batch", low: int = 1,
+        high: int = 1 << 20, **kwargs) -> FitResult:
+    """Largest `dim` ("batch" or "seq") whose predicted peak fits `budget` (or `gpu`'s memory).
+
+    Other arguments are profile()'s. The other named dimensions keep the sizes the inputs give.
+    """
+    from .devices.gpus import get_gpu
+
+    if budget is None:
+        if gpu is None:
+            raise TapescopeError("give a budget (e.g. '24GiB') or a GPU (e.g. 'h100')")
+        budget = default_budget(get_gpu(gpu) if isinstance(gpu, str) else gpu)
+    budget = parse_bytes(budget)
+    p = profile(model, *inputs, symbolic=(dim,), **kwargs)
+    sp = p.symbolic
+    lo_ok, hi_ok = sp.ranges[dim]
+    limit = hi_ok
+    high = min(high, hi_ok) if hi_ok is not None else high
+    probes: list = []
+
+    def peak(n: int) -> int:
+        e = p.at(**{dim: n})
+        v = max(e.peak_bytes, e.first_step_peak_bytes)
+        probes.append((n, v))
+        return v
+
+    if peak(low) > budget:
+        return FitResult(dim, None, None, budget, probes[-1][1], limit, p, probes)
+    # peak grows with the size: double until it does not fit (or the limit), then bisect
+    good, bad = low, None
+    n = max(low + 1, 2)
+    while n <= high:
+        if peak(n) <= budget:
+            good, n = n, n * 2
+        else:
+            bad = n
+            break
+    if bad is None:
+        if good < high and peak(high) <= budget:
+            good = high
+        elif good < high:
+            bad = high
+    if bad is not None:
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if peak(mid) <= budget:
+                good = mid
+            else:
+                bad = mid
+    at_good = dict(probes)[good] if good in dict(probes) else peak(good)
+    nxt = None if good >= high and bad is None else (dict(probes).get(good + 1) or peak(good + 1))
+    return FitResult(dim, good, at_good, budget, nxt, limit, p, probes)

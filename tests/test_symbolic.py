@@ -1,0 +1,90 @@
+"""Memory and FLOPs as formulas of batch and sequence length: the formulas, evaluated at a size,
+equal a concrete trace at that size, byte for byte and FLOP for FLOP."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tapescope
+from tapescope.fit import fit
+from tapescope.zoo import resolve
+
+from .conftest import TINY_GPT2, TINY_LLAMA, profile_spec, tiny
+
+
+def _concrete(spec, batch, seq):
+    m = resolve(spec, batch=batch, seq=seq)
+    return profile_spec(m)
+
+
+@pytest.mark.parametrize("spec", [TINY_GPT2, TINY_LLAMA])
+def test_formulas_equal_concrete_traces(spec):
+    p = profile_spec(tiny(spec, batch=4, seq=16), symbolic=("batch", "seq"))
+    assert not p.symbolic.specialized
+    for batch, seq in [(4, 16), (2, 2), (3, 17), (9, 40), (16, 64)]:
+        e = p.at(batch=batch, seq=seq)
+        c = _concrete(spec, batch, seq)
+        assert e.peak_bytes == c.peak_bytes
+        assert e.first_step_peak_bytes == c.first_step_peak_bytes
+        assert e.flops == c.flops
+        assert e.at_peak == c.memory.at_peak
+
+
+def test_vision_batch_formula():
+    spec = "torchvision:resnet18"
+    p = profile_spec(tiny(spec, batch=2, seq=32), symbolic=("batch",))
+    for batch in (2, 5, 8):
+        c = _concrete(spec, batch, 32)
+        e = p.at(batch=batch)
+        assert (e.peak_bytes, e.flops) == (c.peak_bytes, c.flops)
+
+
+def test_report_is_for_the_given_sizes():
+    m = tiny(TINY_GPT2, batch=4, seq=16)
+    sym = profile_spec(m, symbolic=("batch", "seq"))
+    con = profile_spec(m)
+    assert sym.peak_bytes == con.peak_bytes and sym.flops == con.flops
+    assert [op.name for op in sym.ops] == [op.name for op in con.ops]
+
+
+def test_guards_give_the_range_and_the_source_line():
+    p = profile_spec(tiny(TINY_GPT2, batch=2, seq=16), symbolic=("seq",))
+    sp = p.symbolic
+    assert sp.ranges["seq"] == (2, 64)  # GPT-2 checks T <= block_size
+    assert any(g.expr == "seq <= 64" and "gpt2.py" in g.where for g in sp.guards)
+    with pytest.raises(tapescope.TapescopeError, match="exceeds block_size"):
+        p.at(seq=65)  # outside the formulas: traced concretely, and the model refuses
+
+
+class Pinned(nn.Module):
+    """view(4, -1) pins the batch to 4: a symbolic trace holds at that size only."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x).view(4, -1).sum()
+
+
+def test_pinned_dimension_is_reported_and_fitted():
+    p = tapescope.profile(Pinned, tapescope.spec((4, 16)), symbolic=("batch",))
+    sp = p.symbolic
+    assert sp.specialized == {"batch": 4}
+    assert any(g.pins == "batch" and "test_symbolic.py" in g.where for g in sp.guards)
+    assert sp.fitted["verified"]
+    for b in (4, 12, 40):
+        c = tapescope.profile(Pinned, tapescope.spec((b, 16)))
+        e = p.at(batch=b)
+        assert (e.peak_bytes, e.flops) == (c.peak_bytes, c.flops)
+
+
+def test_fit_finds_the_largest_batch_that_fits():
+    m = tiny(TINY_GPT2, batch=4, seq=32)
+    budget = 12 * 2**20
+    r = fit(m.build, *m.inputs, loss_fn=m.loss_fn, budget=budget)
+    assert r.value is not None
+    fits = _concrete(TINY_GPT2, r.value, 32)
+    over = _concrete(TINY_GPT2, r.value + 1, 32)
+    assert max(fits.peak_bytes, fits.first_step_peak_bytes) <= budget
+    assert max(over.peak_bytes, over.first_step_peak_bytes) > budget
