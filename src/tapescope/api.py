@@ -82,6 +82,27 @@ class Profile:
         return dict(out)
 
     @cached_property
+    def gpu(self):
+        """The GPU whose kernels the trace follows (device="cuda"), a devices.gpus.GPU."""
+        from .devices.gpus import get_gpu
+
+        return get_gpu(self.facts["gpu"]) if self.facts.get("gpu") else None
+
+    @cached_property
+    def cuda_memory(self):
+        """What torch.cuda would report: the caching allocator replayed over the steps (cuda)."""
+        from .analysis.gpu_memory import predict_cuda_memory
+
+        return predict_cuda_memory(self.trace, self.gpu) if self.gpu is not None else None
+
+    @cached_property
+    def time(self):
+        """Estimated wall time of the step on the GPU (analysis.timing), None off CUDA."""
+        from .analysis.timing import estimate_step_time
+
+        return estimate_step_time(self, self.gpu) if self.gpu is not None else None
+
+    @cached_property
     def graph(self) -> torch.fx.GraphModule:
         """The step as one FX graph: forward, backward and optimizer nodes in execution order."""
         from .analysis.graph import build_graph
@@ -132,6 +153,20 @@ class Profile:
             "first_step_memory": self.first_step_memory.to_dict(False),
             "module_flops": {k: _n(v) for k, v in self.module_flops.items()},
         }
+        if self.gpu is not None:
+            d["gpu"] = {"key": self.gpu.key, "name": self.gpu.name}
+            d["cuda_memory"] = {k: getattr(self.cuda_memory, k) for k in (
+                "max_allocated", "max_reserved", "steady_allocated", "steady_reserved",
+                "fragmentation", "context_bytes", "capacity", "oom", "oom_at")}
+            d["cuda_memory"]["nvidia_smi"] = self.cuda_memory.nvidia_smi
+            d["time"] = self.time.to_dict()
+        if self.symbolic is not None:
+            sp = self.symbolic
+            d["symbolic"] = {"dims": list(sp.names), "ranges": sp.ranges,
+                             "peak_bytes": str(sp.peak_expr()),
+                             "flops": {k: str(v) for k, v in sp.flops.items()},
+                             "guards": [g.__dict__ for g in sp.guards],
+                             "specialized": sp.specialized, "fitted": sp.fitted}
         if with_ops:
             d["ops"] = [op.to_dict() for op in self.ops]
         return d

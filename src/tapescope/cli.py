@@ -300,6 +300,46 @@ def fit_cmd(
             out.print(f"  {dim} {n:>7}  {fmt_bytes(v):>12}  {mark}  {bar}", highlight=False)
 
 
+@app.command("validate")
+def validate_cmd(
+    spec: str = SpecArg, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
+    device: Optional[str] = typer.Option(None, "--device", "-d",
+                                         help="The device to run on for real (default: a GPU if present)."),
+    dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt,
+    input: Optional[List[str]] = InputOpt,
+    warmup: int = typer.Option(2, "--warmup"), steps: int = typer.Option(5, "--steps"),
+):
+    """Predict the step, run it for real on this machine's device, and compare."""
+    from .report.text import fmt_bytes
+    from .validate.harness import validate
+    from .zoo import parse_input, resolve
+
+    device = device or ("cuda" if _cuda_present() else "cpu")
+    try:
+        m = resolve(spec, batch=batch, seq=seq, inputs=[parse_input(i) for i in input or []])
+        with _progress(f"validating {m.name} on {device}"):
+            v = validate(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+                         optimizer=None if optimizer == "none" else optimizer, device=device,
+                         dtype=dtype, amp=amp, warmup=warmup, steps=steps, name=m.name)
+    except TapescopeError as e:
+        _fail(e)
+    out.print(f"[bold]{v.model}[/] on {v.device}{' (' + v.gpu + ')' if v.gpu else ''}, torch {v.torch_version}")
+    for q, pred, meas in v.rows:
+        fmt = (lambda x: f"{x * 1e3:.2f} ms") if q.endswith(" s") else fmt_bytes
+        err = "" if pred is None or not meas else f"{(pred - meas) / meas:+.2%}"
+        out.print(f"  {q:<32} predicted {fmt(pred) if pred is not None else '-':>12}   "
+                  f"measured {fmt(meas) if meas is not None else '-':>12}   {err}", highlight=False)
+    out.print(f"  op sequence: {'identical' if v.ops_match else 'differs'}")
+    for d in v.ops_diff[:10]:
+        out.print(f"    {d}", highlight=False, markup=False)
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _cuda_built() -> bool:
     import torch
 

@@ -66,6 +66,16 @@ def render_summary(p, console: Console, top: int = 8) -> None:
     fl = p.flops
     console.print("[bold]FLOPs[/] " + " | ".join(f"{k} {fmt_flops(fl[k])}" for k in
                                                   ("forward", "backward", "optimizer", "total")))
+    if p.gpu is not None:
+        cm, t = p.cuda_memory, p.time
+        verdict = "[red]does not fit[/]" if cm.oom else "fits"
+        console.print(f"[bold]On {p.gpu.name}[/]: max_memory_allocated {fmt_bytes(cm.max_allocated)}, "
+                      f"max_memory_reserved {fmt_bytes(cm.max_reserved)}, nvidia-smi about "
+                      f"{fmt_bytes(cm.nvidia_smi)} of {fmt_bytes(cm.capacity)}: {verdict}")
+        phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())
+        console.print(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
+                      f"{t.mfu:.0%}" + ("" if t.calibrated else
+                                        " [dim](timing constants not yet calibrated on a GPU)[/]"))
 
     mods = Table(title="Top modules by memory", title_justify="left", box=None)
     for col in ("module", "peak while running", "saved for backward"):

@@ -60,10 +60,11 @@ def _build(model, device, dtype):
 
 
 def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimizer="adamw",
-                   device="cpu", dtype=None, steps: int = 2, seed: int = 0) -> RealStep:
+                   device="cpu", dtype=None, amp=None, steps: int = 2, seed: int = 0) -> RealStep:
     """Run `steps` real training steps on `device` and return each step's peak live bytes."""
     device = torch.device(device)
-    dtype = resolve_dtype(dtype)
+    dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
+    extra = {"forward_context": lambda: torch.autocast(device.type, dtype=amp)} if amp else {}
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -78,7 +79,7 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
 
         for s in range(1, steps + 1):
             with record_function(f"tapescope::step{s}"):
-                train_step(m, args, kwargs, loss_fn, opt, step=s, phase=phase)
+                train_step(m, args, kwargs, loss_fn, opt, step=s, phase=phase, **extra)
                 with record_function("tapescope::phase::zero_grad"):
                     if opt is not None:
                         opt.zero_grad(set_to_none=True)

@@ -1,0 +1,122 @@
+"""What torch.cuda would report for the traced steps: the caching allocator replayed over them.
+
+The trace gives every storage's size and lifetime; real CUDA memory adds what the allocator and the
+libraries do with them:
+- the caching allocator (analysis.allocator): 512-byte rounding, 2 MiB / 20 MiB segments, splitting,
+  and the cache that keeps freed segments reserved;
+- the cuBLAS workspace: the first matmul on a stream allocates it through the caching allocator and
+  keeps it (CublasHandlePool.cpp, parseChosenWorkspaceSize: 32 MiB on compute capability 9.x, 10.x
+  and 12.x, else 8 MiB + 128 KiB; cuBLASLt shares it by default, TORCH_CUBLASLT_UNIFIED_WORKSPACE);
+- the CUDA context, outside the allocator: what nvidia-smi shows beyond max_memory_reserved.
+
+The run replayed is the validation harness's: the model and inputs are created, then step 1, then
+the steady step twice (the allocator's cache reaches its steady state on the second). `max_*` are
+over the whole run (what torch reports without a reset); `steady_*` are over the last step (what it
+reports after torch.cuda.reset_peak_memory_stats() following warm-up steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..capture.records import Trace
+from .allocator import AllocatorConfig, simulate
+from .steps import step_views
+
+__all__ = ["CudaMemory", "predict_cuda_memory", "cublas_workspace_bytes", "CONTEXT_BYTES"]
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "matmul", "linear", "_int_mm"}
+
+# CUDA context + kernel images, outside the allocator, as nvidia-smi shows them before any tensor
+# (lazy module loading, CUDA 12/13). Typical values; the driver and the libraries loaded vary them.
+CONTEXT_BYTES = {"hopper": 530 << 20, "blackwell": 600 << 20, "ampere": 430 << 20,
+                 "ada": 420 << 20, "turing": 300 << 20, "volta": 300 << 20}
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
+    if compute_capability[0] in (9, 10, 12):
+        return 32 << 20
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    max_allocated: int       # torch.cuda.max_memory_allocated() over the run
+    max_reserved: int        # torch.cuda.max_memory_reserved() over the run
+    steady_allocated: int    # ... over the last steady step (after a peak reset)
+    steady_reserved: int
+    fragmentation: float     # 1 - allocated / reserved at the reserved peak
+    context_bytes: int       # outside the allocator
+    capacity: int | None     # the GPU's memory
+    oom: bool                # the allocator could not satisfy a request within capacity
+    oom_at: str | None       # which op / phase hit it
+
+    @property
+    def nvidia_smi(self) -> int:
+        """What nvidia-smi would show for this process at the peak."""
+        return self.max_reserved + self.context_bytes
+
+
+def _events(trace: Trace, gpu=None):
+    """(key, nbytes) / (key, None) for setup, step 1 and the steady step twice, plus labels."""
+    storages, device = trace.storages, trace.device
+    views = step_views(trace)
+    steady = views[max(views)]
+    out, labels = [], []
+    for s in storages:  # the model and inputs, created before the first step
+        if s.created_by is None and s.device == device:
+            out.append((("setup", s.id), s.nbytes))
+            labels.append("setup")
+    workspace_at = None
+    if gpu is not None:
+        for i in views[1].ops:
+            if trace.ops[i].func.overloadpacket.__name__ in _MATMULS:
+                workspace_at = i
+                break
+    for run, view in (("step1", views[1]), ("step2", steady), ("step3", steady)):
+        live_keys = {}
+        for op, sid, delta in view.events:
+            s = storages[sid]
+            if s.device != device:
+                continue
+            if delta > 0:
+                key = (run, sid)
+                live_keys[sid] = key
+                out.append((key, s.nbytes))
+            else:
+                key = live_keys.pop(sid, None)
+                if key is None:  # alive before this step: setup, or a previous step's state
+                    key = _previous_key(out, sid)
+                out.append((key, None))
+            labels.append(f"{run}: {trace.ops[op].name}" if 0 <= op < len(trace.ops) else run)
+            if run == "step1" and op == workspace_at and delta > 0 and gpu is not None:
+                out.append((("cublas", 0), cublas_workspace_bytes(gpu.compute_capability)))
+                labels.append("cuBLAS workspace")
+                workspace_at = None
+    return out, labels
+
+
+def _previous_key(events, sid):
+    for key, n in reversed(events):
+        if n is not None and key[1] == sid:
+            return key
+    return ("setup", sid)
+
+
+def predict_cuda_memory(trace: Trace, gpu=None, config: AllocatorConfig | None = None) -> CudaMemory:
+    events, labels = _events(trace, gpu)
+    capacity = None
+    context = 0
+    if gpu is not None:
+        context = CONTEXT_BYTES.get(gpu.arch, 500 << 20)
+        capacity = (gpu.reported_memory_bytes or gpu.memory_bytes) - context
+    r = simulate(events, capacity, config or AllocatorConfig())
+    last = max(i for i, lab in enumerate(labels) if lab.startswith("step3")) if any(
+        lab.startswith("step3") for lab in labels) else len(labels) - 1
+    first_step3 = next((i for i, lab in enumerate(labels) if lab.startswith("step3")), 0)
+    steady_alloc = max(r.allocated_timeline[first_step3:last + 1], default=r.max_allocated)
+    steady_res = max(r.reserved_timeline[first_step3:last + 1], default=r.max_reserved)
+    return CudaMemory(r.max_allocated, r.max_reserved, steady_alloc, steady_res, r.fragmentation,
+                      context, None if gpu is None else gpu.reported_memory_bytes or gpu.memory_bytes,
+                      r.oom, labels[r.first_oom_event] if r.oom and r.first_oom_event is not None
+                      else None)

@@ -1,0 +1,127 @@
+"""Step time on a named GPU: a roofline per op, and the host that launches the ops in eager mode.
+
+Each op that launches a kernel takes max(FLOPs / (peak FLOP/s x compute efficiency),
+bytes moved / (bandwidth x memory efficiency)) plus a kernel overhead. The peak is the tensor-core
+rate of the op's dtype for matmuls, convolutions and attention (fp32 matmuls run on CUDA cores:
+torch.backends.cuda.matmul.allow_tf32 is off by default; convolutions use TF32: cudnn.allow_tf32 is
+on), the vector rate otherwise. Small kernels cannot fill the GPU: their efficiency falls off below
+the class's saturation size. Views and metadata ops launch nothing.
+
+The host issues ops one after another (eager PyTorch) and the GPU runs them in order on one stream,
+starting each when the host has launched it and the previous one has finished; a read of a GPU value
+on the host (`.item()`) waits for the GPU. The step takes until both are done, so a step of many
+small ops is host-bound, as real eager steps are.
+
+Constants come from devices.efficiency (priors until measured on a GPU; the result says which).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, KERNEL_OVERHEAD_S, efficiency_for
+
+__all__ = ["StepTime", "estimate_step_time", "op_class"]
+
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm"}
+_CONV = {"convolution", "_convolution", "convolution_backward", "cudnn_convolution",
+         "cudnn_convolution_transpose"}
+_NO_KERNEL = {"empty", "empty_strided", "new_empty", "new_empty_strided", "detach", "detach_",
+              "alias", "lift_fresh", "_unsafe_view", "_reshape_alias", "set_", "resize_"}
+_TENSOR_CORE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8",
+                torch.float8_e5m2: "fp8"}
+
+
+def op_class(name: str) -> str:
+    base = name.split(".")[1] if name.startswith("aten.") else name
+    if base in _MATMUL:
+        return "matmul"
+    if base in _CONV:
+        return "convolution"
+    if "attention" in base:
+        return "attention"
+    return "other"
+
+
+def _launches_kernel(op) -> bool:
+    if op.record.func.is_view:
+        return False
+    base = op.name.split(".")[1]
+    return base not in _NO_KERNEL
+
+
+def _peak(gpu, cls: str, dtype) -> float:
+    if cls != "other" and dtype in _TENSOR_CORE and gpu.peak(_TENSOR_CORE[dtype]):
+        return gpu.peak(_TENSOR_CORE[dtype])
+    if cls == "convolution" and dtype == torch.float32 and gpu.peak("tf32"):
+        return gpu.peak("tf32")
+    return gpu.peak("fp32")
+
+
+@dataclass
+class StepTime:
+    seconds: float
+    gpu_busy: float                 # sum of kernel times
+    host: float                     # host time to issue the step's ops
+    by_phase: dict                  # phase -> seconds of the step's wall time
+    by_module: dict                 # module -> GPU seconds of its ops (and its submodules')
+    op_seconds: list = field(repr=False, default_factory=list)   # per op, GPU time
+    mfu: float = 0.0
+    calibrated: bool = False
+    bound: str = ""                 # "gpu", or "host" when the GPU idles half the step or more
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "gpu_busy": self.gpu_busy, "host": self.host,
+                "by_phase": self.by_phase, "mfu": self.mfu, "calibrated": self.calibrated,
+                "bound": self.bound}
+
+
+def estimate_step_time(profile, gpu) -> StepTime:
+    """Wall time of the profiled (steady) step on `gpu` (a devices.gpus.GPU)."""
+    from .memory import _ancestors
+
+    host = gpu_t = busy = 0.0
+    calibrated = True
+    op_seconds, by_module = [], {}
+    phase_end: dict = {}
+    model_dtype = None
+    for op in profile.ops:
+        kernel = _launches_kernel(op)
+        host += HOST_OP_S if kernel else HOST_VIEW_S
+        t = 0.0
+        if kernel:
+            cls = op_class(op.name)
+            eff = efficiency_for(cls, gpu.key)
+            calibrated &= eff.gpu is not None
+            dtype = (op.inputs[0].dtype if op.inputs else
+                     op.outputs[0].dtype if op.outputs else torch.float32)
+            if cls == "matmul" and model_dtype is None:
+                model_dtype = dtype
+            flops = op.flops or 0
+            fill = min(1.0, flops / eff.saturation_flops) if flops else 1.0
+            compute = flops / (_peak(gpu, cls, dtype) * eff.compute * max(fill, 0.05)) if flops else 0.0
+            memory = (op.bytes_read + op.bytes_written) / (gpu.memory_bandwidth * eff.memory)
+            t = max(compute, memory) + KERNEL_OVERHEAD_S
+            gpu_t = max(gpu_t, host) + t
+            busy += t
+            if op.module is not None:
+                for m in _ancestors(op.module):
+                    by_module[m] = by_module.get(m, 0.0) + t
+        if op.name.startswith("aten._local_scalar_dense") and op.inputs and \
+                op.inputs[0].storage >= 0 and profile.trace.storages[op.inputs[0].storage].device.type == "cuda":
+            host = max(host, gpu_t)  # .item() waits for the GPU
+        op_seconds.append(t)
+        phase_end[op.phase] = max(gpu_t, host)
+    total = max(gpu_t, host)
+    by_phase, start = {}, 0.0
+    for phase in ("forward", "backward", "optimizer"):
+        if phase in phase_end:
+            by_phase[phase] = phase_end[phase] - start
+            start = phase_end[phase]
+    peak = gpu.peak(_TENSOR_CORE.get(model_dtype, "fp32")) or gpu.peak("fp32")
+    mfu = (profile.flops["total"] / total / peak) if total and peak else 0.0
+    # host-bound: the GPU waits for launches more than half the step
+    return StepTime(total, busy, host, by_phase, by_module, op_seconds, mfu, calibrated,
+                    "gpu" if busy >= total / 2 else "host")

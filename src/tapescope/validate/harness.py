@@ -1,0 +1,133 @@
+"""`tapescope validate`: predict a step, run it for real on the device present, compare.
+
+Measured, on CPU: the allocator's peak bytes of the first and the steady step (torch.profiler memory
+events, validate.real) and the median wall time of steady steps. On CUDA: max_memory_allocated and
+max_memory_reserved over warm-up and steps (and after a peak reset, over the steady steps alone),
+the median step time between synchronisations, and whether the op sequence a GPU-less trace
+predicted is the op sequence the GPU ran (torch.profiler, outermost dispatched ops).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..capture.model import real_inputs
+from ..capture.optimizers import make_optimizer
+from ..capture.step import train_step
+from .real import _build, run_real_steps
+
+__all__ = ["Validation", "validate", "same_ops"]
+
+
+@dataclass
+class Validation:
+    model: str
+    device: str
+    gpu: str | None
+    rows: list = field(default_factory=list)     # (quantity, predicted, measured)
+    ops_match: bool | None = None
+    ops_diff: list = field(default_factory=list)
+    torch_version: str = torch.__version__
+
+    def error(self, quantity: str) -> float | None:
+        for q, p, m in self.rows:
+            if q == quantity and p is not None and m:
+                return (p - m) / m
+        return None
+
+
+def same_ops(profile, real_names: list[str]) -> tuple[bool, list[str]]:
+    """Compare a profile's op sequence with the profiler's (names without overload). Known naming
+    differences are normalised: reshape takes `view` for tensor subclasses where real tensors take
+    `_reshape_alias`, and the clone an in-place op's autograd kernel makes is nested inside that op
+    in the profiler."""
+    import difflib
+
+    ops = profile.ops
+    fake = []
+    for i, op in enumerate(ops):
+        nxt = ops[i + 1] if i + 1 < len(ops) else None
+        if (op.name == "aten.clone.default" and nxt is not None and nxt.name.endswith("_.default")
+                and nxt.inputs and op.inputs and nxt.inputs[0].value == op.inputs[0].value):
+            continue
+        fake.append(f"{op.phase} {op.name.rsplit('.', 1)[0]}")
+    real = [n.replace("aten._reshape_alias", "aten.view") for n in real_names]
+    diff = [d for d in difflib.unified_diff(real, fake, "measured", "predicted", lineterm="", n=0)
+            if not d.startswith(("---", "+++", "@@"))]
+    return not diff, diff[:20]
+
+
+def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, warmup, steps,
+                amp=None):
+    device = torch.device(device)
+    m = _build(build, device, dtype)
+    args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype,
+                               torch.Generator().manual_seed(0))
+    opt = make_optimizer(optimizer, list(m.parameters()), device)
+    ctx = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else None
+    cuda = device.type == "cuda"
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize()
+            if i == warmup:
+                torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        train_step(m, args, kwargs, loss_fn, opt, **({"forward_context": ctx} if ctx else {}))
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    out = {"time": statistics.median(times)}
+    if cuda:
+        out["steady_allocated"] = torch.cuda.max_memory_allocated()
+        out["steady_reserved"] = torch.cuda.max_memory_reserved()
+    return out
+
+
+def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw", device="cpu",
+             dtype=None, amp=None, warmup: int = 2, steps: int = 5, name: str | None = None,
+             gpu=None) -> Validation:
+    from ..api import profile
+    from ..capture.model import build_on_meta, resolve_dtype
+
+    dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
+    dev = torch.device(device)
+    if dev.type == "cuda" and gpu is None:
+        from ..devices.gpus import resolve_gpu_key
+
+        gpu = resolve_gpu_key(torch.cuda.get_device_name())
+    p = profile(model if isinstance(model, torch.nn.Module) else build_on_meta(model), *inputs,
+                loss_fn=loss_fn, input_kwargs=input_kwargs, optimizer=optimizer, device=device,
+                dtype=dtype, amp=amp, name=name, gpu=gpu)
+    v = Validation(p.model, str(dev), gpu)
+    if dev.type == "cpu":
+        real = run_real_steps(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
+                              device=dev, dtype=dtype, amp=amp)
+        v.rows += [("first-step peak bytes", p.first_step_peak_bytes, real.peaks.get(1)),
+                   ("steady peak bytes", p.peak_bytes, real.peaks.get(2))]
+        v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
+                                               for s, ph, n in real.ops if s == 2 and ph])
+        t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp)
+        v.rows.append(("step time s", None, t["time"]))
+        return v
+    # CUDA: a real GPU is present
+    real = run_real_steps(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
+                          device=dev, dtype=dtype, amp=amp)
+    v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
+                                           for s, ph, n in real.ops if s == 2 and ph])
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp)
+    cm = p.cuda_memory
+    v.rows += [("steady peak bytes (tensors)", p.peak_bytes, real.peaks.get(2)),
+               ("max_memory_allocated (steady)", cm.steady_allocated, t["steady_allocated"]),
+               ("max_memory_reserved (steady)", cm.steady_reserved, t["steady_reserved"]),
+               ("step time s", p.time.seconds, t["time"])]
+    return v

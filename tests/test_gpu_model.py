@@ -1,0 +1,81 @@
+"""The CUDA memory prediction and the step-time model, against hand-derived numbers."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tapescope
+from tapescope.analysis.gpu_memory import cublas_workspace_bytes, predict_cuda_memory
+from tapescope.analysis.timing import estimate_step_time
+from tapescope.devices.efficiency import HOST_OP_S, KERNEL_OVERHEAD_S, PRIORS
+from tapescope.devices.gpus import get_gpu
+
+pytestmark = pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch")
+
+
+class OneMatmul(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(n, n))
+
+    def forward(self, x):
+        return (x @ self.w).sum()
+
+
+def _profile(n=4096, gpu="h100"):
+    return tapescope.profile(lambda: OneMatmul(n), tapescope.spec((n, n), dtype=torch.bfloat16),
+                             device="cuda", dtype="bf16", gpu=gpu, optimizer=None, steps=1)
+
+
+def test_cublas_workspace_by_compute_capability():
+    # CublasHandlePool.cpp parseChosenWorkspaceSize: 32 MiB on sm 9.x/10.x/12.x, else :4096:2:16:8
+    assert cublas_workspace_bytes((9, 0)) == 32 * 2**20
+    assert cublas_workspace_bytes((8, 0)) == 2 * 4096 * 1024 + 8 * 16 * 1024
+
+
+def test_allocator_replay_of_one_matmul_by_hand():
+    n = 4096
+    p = _profile(n)
+    cm = predict_cuda_memory(p.trace, get_gpu("h100"))
+    block = n * n * 2  # 32 MiB bf16, a multiple of 2 MiB: one segment each, no rounding
+    # Live at the peak: weight and input (setup), the cuBLAS workspace (kept from the first matmul),
+    # in backward the weight's gradient (x^T @ grad: 32 MiB; the mm output died after the sum),
+    # and two 2-byte scalars (the loss and the ones it is differentiated with), 512 bytes each.
+    assert cm.max_allocated == 4 * block + 2 * 512
+    # one 32 MiB segment per large block (sizes over 10 MiB are rounded to 2 MiB), one 2 MiB
+    # segment holding the small blocks
+    assert cm.max_reserved == 4 * block + 2 * 2**20 and not cm.oom
+    tiny = tapescope.profile(lambda: OneMatmul(n), tapescope.spec((n, n), dtype=torch.bfloat16),
+                             device="cuda", dtype="bf16", gpu="l4", optimizer=None, steps=1)
+    assert cublas_workspace_bytes(get_gpu("l4").compute_capability) < 32 * 2**20
+    assert predict_cuda_memory(tiny.trace, get_gpu("l4")).max_allocated < cm.max_allocated
+
+
+def test_roofline_of_one_matmul_by_hand():
+    n = 8192
+    p = _profile(n)
+    t = estimate_step_time(p, get_gpu("h100"))
+    mm = next(i for i, op in enumerate(p.ops) if op.name == "aten.mm.default")
+    flops = 2 * n ** 3
+    eff = PRIORS["matmul"]
+    expected = max(flops / (get_gpu("h100").peak("bf16") * eff.compute),
+                   3 * n * n * 2 / (get_gpu("h100").memory_bandwidth * eff.memory)) + KERNEL_OVERHEAD_S
+    assert t.op_seconds[mm] == pytest.approx(expected, rel=1e-12)
+    assert not t.calibrated and t.bound == "gpu"
+    assert t.seconds >= t.gpu_busy and t.host >= len(p.ops) * 0  # host adds up per op
+    assert 0 < t.mfu < 1
+
+
+def test_host_bound_when_ops_are_tiny():
+    p = tapescope.profile(lambda: OneMatmul(8), tapescope.spec((8, 8)), device="cuda", gpu="h100",
+                          optimizer="adamw")
+    t = estimate_step_time(p, get_gpu("h100"))
+    assert t.bound == "host" and t.gpu_busy < t.seconds / 2
+    assert t.seconds >= t.host >= HOST_OP_S
+
+
+def test_oom_verdict():
+    # 70k x 70k bf16 = 9.1 GiB per tensor; weight, input and output (30 GB) cannot fit an L4 (24 GB)
+    p = _profile(70000, gpu="l4")
+    assert p.cuda_memory.oom and p.cuda_memory.oom_at is not None
+    assert not _profile(4096, gpu="l4").cuda_memory.oom
