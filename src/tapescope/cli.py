@@ -89,6 +89,8 @@ def profile_cmd(
     optimizer: str = OptimOpt, steps: int = StepsOpt, input: Optional[List[str]] = InputOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
+    html_file: Optional[str] = typer.Option(None, "--html", help="Write an interactive, self-contained HTML report."),
+    png_file: Optional[str] = typer.Option(None, "--png", help="Write the memory timeline as a PNG figure."),
     top: int = typer.Option(8, "--top", help="Rows in each table."),
 ):
     """Peak memory and what causes it, FLOPs by phase, top modules, uncounted ops."""
@@ -109,6 +111,19 @@ def profile_cmd(
         if graph_file:
             _write_graph(p, graph_file)
             out.print(f"wrote {graph_file}")
+        if html_file:
+            from .report.html import write_html
+
+            write_html(p, html_file)
+            out.print(f"wrote {html_file}")
+        if png_file:
+            try:
+                from .report.png import write_png
+
+                write_png(p, png_file)
+            except ImportError as e:  # matplotlib is optional
+                raise TapescopeError(str(e)) from None
+            out.print(f"wrote {png_file}")
     except TapescopeError as e:
         _fail(e)
 

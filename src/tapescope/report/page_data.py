@@ -1,0 +1,227 @@
+"""The data the HTML report embeds: a lean, JSON-ready digest of a Profile.
+
+Columns, not records: a 100k-op step is two integer arrays (name id, module id) and two string
+tables, not 100k objects with repeated keys. The memory timeline is downsampled (see downsample.py)
+with its peak kept exactly. Nothing here is escaped for HTML: the page builds its DOM with
+textContent, and html.py escapes the JSON for the <script> element that carries it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..analysis.memory import _ancestors
+from ..analysis.ops import param_module
+from ..capture.records import BACKWARD, CATEGORIES, FORWARD, PARAMETER
+from .downsample import downsample
+from .palette import PHASE_COLORS, category_color
+from .phases import phase_runs
+
+__all__ = ["page_data", "op_times"]
+
+
+def page_data(p, max_points: int = 4000) -> dict:
+    names, modules = _Interner(), _Interner()
+    op_name = [names(op.name) for op in p.ops]
+    op_module = [modules(op.module) for op in p.ops]
+    times = op_times(p)
+    return {
+        "meta": _meta(p, times),
+        "categories": [{"name": c, "color": category_color(c)} for c in CATEGORIES],
+        "phase_colors": PHASE_COLORS,
+        "phases": phase_runs(p.ops),
+        "ops": {"name": op_name, "module": op_module, "names": names.table,
+                "modules": modules.table},
+        "timeline": _timeline(p, max_points),
+        "peak": _peak(p),
+        "live": _live(p),
+        "modules": _modules(p, times),
+        "fwd_map": _fwd_map(p),
+        "uncounted": sorted(([k, v] for k, v in p.uncounted_ops.items()), key=lambda r: (-r[1], r[0])),
+    }
+
+
+class _Interner:
+    """Strings -> small ints, so that a repeated op or module name is stored once."""
+
+    def __init__(self):
+        self.table: list = []
+        self._ids: dict = {}
+
+    def __call__(self, s) -> int:
+        i = self._ids.get(s)
+        if i is None:
+            i = self._ids[s] = len(self.table)
+            self.table.append(s)
+        return i
+
+
+def _num(x):
+    """JSON-safe number: ints stay exact; symbolic sizes become their text; NaN/inf become None."""
+    if x is None or isinstance(x, (bool, int)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    return str(x)
+
+
+def op_times(p) -> list | None:
+    """Per-op time estimates in seconds, or None when the profile has none.
+
+    Read from `op.time_s` when ops carry it, else from `p.timing`: an object with `op_seconds`
+    (analysis.timing.StepTime), a sequence of seconds per op, or a mapping op index -> seconds.
+    The page shows a time column only when this is not None.
+    """
+    times = [getattr(op, "time_s", None) for op in p.ops]
+    if any(t is not None for t in times):
+        return times
+    timing = getattr(p, "timing", None)
+    timing = getattr(timing, "op_seconds", timing)
+    if isinstance(timing, Mapping):
+        return [timing.get(op.index) for op in p.ops]
+    if isinstance(timing, Sequence) and not isinstance(timing, str) and len(timing) == len(p.ops):
+        return list(timing)
+    return None
+
+
+def _time_fact(p, times) -> dict | None:
+    """The step's estimated time: the time model's own total (host and GPU overlapped) when it
+    gives one, else the sum over ops."""
+    if times is None:
+        return None
+    timing = getattr(p, "timing", None)
+    seconds = getattr(timing, "seconds", None)
+    if not isinstance(seconds, (int, float)):
+        seconds = sum(t for t in times if t is not None)
+    mfu = getattr(timing, "mfu", None)
+    return {"seconds": _num(seconds), "bound": getattr(timing, "bound", None) or None,
+            "mfu": _num(mfu) if isinstance(mfu, (int, float)) and mfu else None}
+
+
+def _meta(p, times) -> dict:
+    from .. import __version__
+
+    f = p.facts or {}
+    counts = dict.fromkeys(("forward", "backward", "optimizer"), 0)
+    for op in p.ops:
+        counts[op.phase] = counts.get(op.phase, 0) + 1
+    gpu = f.get("gpu")
+    if isinstance(gpu, Mapping):
+        gpu = gpu.get("name") or ", ".join(f"{k}={v}" for k, v in gpu.items())
+    return {
+        "model": str(p.model), "device": str(p.device), "dtype": p.dtype, "amp": f.get("amp"),
+        "gpu": None if gpu is None else str(gpu),
+        "inputs": [i if isinstance(i, Mapping) else {"repr": str(i)} for i in p.inputs],
+        "steps": p.steps, "step2": f.get("step2"), "parameters": _num(f.get("parameters")),
+        "optimizer": f.get("optimizer"),
+        "peak_bytes": _num(p.peak_bytes), "first_step_peak_bytes": _num(p.first_step_peak_bytes),
+        "flops": {k: _num(v) for k, v in p.flops.items()},
+        "n_ops": len(p.ops), "ops_by_phase": counts,
+        "time": _time_fact(p, times),
+        "tapescope_version": __version__, "torch_version": torch.__version__,
+    }
+
+
+def _timeline(p, max_points) -> dict:
+    mem = p.memory
+    total = mem.timeline
+    keep = [mem.peak_op] if total else []
+    idx = downsample(total, max_points, keep)
+    series = {}
+    for c in CATEGORIES:
+        values = mem.timeline_by_category.get(c)
+        if values and any(values):  # a category never alive in the step takes no space
+            series[c] = [_num(values[i]) for i in idx]
+    return {"x": idx, "series": series, "n": len(total)}
+
+
+def _peak(p) -> dict:
+    mem = p.memory
+    return {"op": mem.peak_op if p.ops else None, "bytes": _num(mem.peak_bytes),
+            "at_peak": {k: _num(v) for k, v in mem.at_peak.items()},
+            "initial_bytes": _num(mem.initial_bytes), "final_bytes": _num(mem.final_bytes)}
+
+
+def _live(p) -> list:
+    return [{"bytes": _num(t.nbytes), "category": t.category, "op": t.op, "op_name": t.op_name,
+             "module": t.module, "owner": t.owner, "source": t.source}
+            for t in p.memory.live_at_peak]
+
+
+def _modules(p, times) -> dict:
+    """Module rows: [fqn, first op, parameter bytes, saved bytes, peak bytes, FLOPs, seconds], each
+    value including the module's submodules (the page shows them as a tree). The first op that ran
+    in a module gives the default order: execution order."""
+    rows: dict[str, list] = {}
+
+    def row(fqn):
+        r = rows.get(fqn)
+        if r is None:
+            r = rows[fqn] = [fqn, None, 0, 0, None, 0, None if times is None else 0.0]
+            if fqn:  # every ancestor gets a row, so the page can always hang a row on its parent
+                row(fqn.rsplit(".", 1)[0] if "." in fqn else "")
+        return r
+
+    row("")
+    for op in p.ops:
+        if op.module is not None:
+            for m in _ancestors(op.module):
+                r = row(m)
+                if r[1] is not None:
+                    break  # its ancestors ran earlier still
+                r[1] = op.index
+    for fqn, nbytes in _parameter_bytes(p).items():
+        for m in _ancestors(fqn):
+            row(m)[2] += nbytes
+    for mm in p.memory.modules:
+        r = row(mm.module)
+        r[3], r[4] = _num(mm.saved_bytes), _num(mm.peak_bytes)
+    for fqn, flops in p.module_flops.items():
+        row(fqn)[5] = _num(flops)
+    if times is not None:
+        for op, t in zip(p.ops, times):
+            if t is not None and op.module is not None:
+                for m in _ancestors(op.module):
+                    row(m)[6] += t
+    columns = ["module", "first_op", "parameters", "saved", "peak", "flops", "time_s"]
+    return {"columns": columns, "has_time": times is not None,
+            "rows": [[_num(v) if k else v for k, v in enumerate(r)] for r in rows.values()]}
+
+
+def _parameter_bytes(p) -> dict:
+    """Owning module fqn -> bytes of its own parameters (each storage once: tied weights count once)."""
+    out: dict[str, int] = defaultdict(int)
+    trace = getattr(p, "trace", None)
+    if trace is None:
+        return out
+    for s in trace.storages:
+        fqn = trace.storage_owner.get(s.id)
+        if fqn is not None and PARAMETER in s.roles:
+            out[param_module(fqn)] += s.nbytes
+    return out
+
+
+def _fwd_map(p) -> dict:
+    """For each forward op that created an autograd node: [op, node id, [backward ops]]; and the
+    backward ops that no forward op explains."""
+    nodes = _Interner()
+    bwd: dict[int, list] = defaultdict(list)
+    for op in p.ops:
+        if op.phase == BACKWARD and op.forward_op is not None:
+            bwd[op.forward_op].append(op.index)
+    rows = [[op.index, nodes(op.autograd_node), bwd.get(op.index, [])]
+            for op in p.ops if op.phase == FORWARD and op.autograd_node is not None]
+    return {"rows": rows, "nodes": nodes.table, "unmapped": _unmapped_backward(p)}
+
+
+def _unmapped_backward(p) -> list:
+    """Backward ops that no forward op explains (gradient accumulation, ...): [name, count]."""
+    counts: dict[str, int] = defaultdict(int)
+    for op in p.ops:
+        if op.phase == BACKWARD and op.forward_op is None:
+            counts[op.name] += 1
+    return sorted(([k, v] for k, v in counts.items()), key=lambda r: (-r[1], r[0]))
