@@ -1,6 +1,7 @@
 """How long a profile takes, against the bare fake trace it builds on and against the rivals.
 
-In one process, for each model, alternating so that machine noise hits all methods alike:
+In one process, for each model, alternating so that machine noise hits all methods alike (ratios
+are medians of per-round ratios):
   bare       FakeTensorMode: forward + backward + AdamW step of the same fake model, nothing recorded
   tapescope  tapescope.profile (two steps: first and steady state, analyses included)
   rivals     MemTracker + FlopCounterMode around forward + backward + AdamW step
@@ -98,9 +99,13 @@ def main():
             times["huge"].append(ours(meta_model, huge))
             times["rivals"].append(rivals(meta_model, m))
         med = {k: statistics.median(v) for k, v in times.items()}
+
+        def ratio(a, b):  # per round, so that a slow stretch of a noisy machine hits both
+            return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
         print(f"| {spec} (batch {batch}) | {med['bare']:.3f} s | {med['ours']:.3f} s | "
-              f"{med['ours'] / med['bare']:.2f}x | {med['rivals']:.3f} s | "
-              f"{med['rivals'] / med['bare']:.2f}x | {med['huge'] / med['ours']:.2f} |")
+              f"{ratio('ours', 'bare'):.2f}x | {med['rivals']:.3f} s | "
+              f"{ratio('rivals', 'bare'):.2f}x | {ratio('huge', 'ours'):.2f} |")
     f = footprint("zoo:llama-70b", 1, 4096)
     print(f"\nzoo:llama-70b ({f['params'] / 1e9:.1f}B parameters, batch 1, seq 4096, AdamW): "
           f"{f['ops']} ops profiled in {f['seconds']:.1f} s, predicted peak "

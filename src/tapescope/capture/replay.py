@@ -77,6 +77,36 @@ class DispatchReplay:
         return _key(func, args, kwargs, self.mode.shape_env is not None) if self.enabled else None
 
     @staticmethod
+    def constant_op(func, args, kwargs):
+        """(True, result) for an op on tensors that all carry constants (an optimizer's `step`
+        counter: `step += 1`, `step.item()`) that mutates its first argument or returns a number;
+        else (False, None). FakeTensorMode would compute the same on the constants, after the
+        metadata work that makes it the slowest op of a for-loop optimizer step."""
+        tags = func.tags
+        if torch.Tag.nondeterministic_seeded in tags or torch.Tag.inplace_view in tags:
+            return False, None
+        returns = func._schema.returns
+        inplace = torch.Tag.inplace in tags and len(returns) == 1
+        scalar = len(returns) == 1 and not isinstance(returns[0].type, torch.TensorType)
+        if not (inplace or scalar):
+            return False, None
+        consts = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if type(a) is not FakeTensor or a.constant is None:
+                    return False, None
+                consts.append(a.constant)
+            elif isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+                return False, None
+            else:
+                consts.append(a)
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            return False, None
+        with torch.utils._python_dispatch._disable_current_modes():
+            out = func(*consts, **kwargs)
+        return True, (args[0] if inplace else out)
+
+    @staticmethod
     def bypasses() -> int:
         return sum(FakeTensorMode.cache_bypasses.values())
 

@@ -214,6 +214,10 @@ class Tape(FakeTensorMode):
         self._record(torch.ops.aten.detach_.default, (out,), {}, out)
 
     def _run(self, func, types, args, kwargs):
+        if args and type(args[0]) is FakeTensor and args[0].constant is not None:
+            done, out = self._tape_replay.constant_op(func, args, kwargs)
+            if done:
+                return out
         replay = self._tape_replay
         key = replay.key(func, args, kwargs)
         if key is not None:

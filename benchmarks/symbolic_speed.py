@@ -1,0 +1,58 @@
+"""Cost of a symbolic profile against a concrete one, and of evaluating its formulas.
+
+In one process, alternating, medians of --repeat runs:
+  concrete   tapescope.profile at one batch and sequence length
+  symbolic   tapescope.profile(..., symbolic=("batch", "seq")): formulas for every size
+  1000 sizes p.at(batch=b, seq=s) for 1,000 (b, s) pairs
+Prints a Markdown table (docs/benchmarks.md keeps the last one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import tapescope
+from tapescope.capture.model import build_on_meta
+from tapescope.zoo import resolve
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    print("| model | concrete profile | symbolic profile (batch, seq) | ratio | 1,000 sizes evaluated |")
+    print("|---|---|---|---|---|")
+    for spec, batch, seq in (("zoo:gpt2", 8, 1024), ("zoo:llama", 4, 2048)):
+        m = resolve(spec, batch=batch, seq=seq)
+        meta = build_on_meta(m.build)
+
+        def concrete():
+            t = time.perf_counter()
+            tapescope.profile(meta, *m.inputs, loss_fn=m.loss_fn)
+            return time.perf_counter() - t
+
+        def symbolic():
+            t = time.perf_counter()
+            p = tapescope.profile(meta, *m.inputs, loss_fn=m.loss_fn, symbolic=("batch", "seq"))
+            return time.perf_counter() - t, p
+
+        concrete()
+        symbolic()
+        c, s = [], []
+        for _ in range(args.repeat):
+            c.append(concrete())
+            dt, p = symbolic()
+            s.append(dt)
+        hi = p.symbolic.ranges["seq"][1] or 4096
+        t = time.perf_counter()
+        for i in range(1000):
+            p.at(batch=2 + i % 100, seq=2 + (37 * i) % (hi - 1))
+        evals = time.perf_counter() - t
+        mc, ms = statistics.median(c), statistics.median(s)
+        print(f"| {spec} ({batch} x {seq}) | {mc:.2f} s | {ms:.2f} s | {ms / mc:.2f}x | {evals * 1e3:.0f} ms |")
+
+
+if __name__ == "__main__":
+    main()
