@@ -1,6 +1,8 @@
 """Cost of a symbolic profile against a concrete one, and of evaluating its formulas.
 
 In one process, alternating, medians of --repeat runs:
+  bare       FakeTensorMode with a ShapeEnv, batch and seq symbolic: forward + backward + AdamW step
+             of the same model, nothing recorded (what any symbolic fake trace pays)
   concrete   tapescope.profile at one batch and sequence length
   symbolic   tapescope.profile(..., symbolic=("batch", "seq")): formulas for every size
   1000 sizes p.at(batch=b, seq=s) for 1,000 (b, s) pairs
@@ -13,17 +15,36 @@ import argparse
 import statistics
 import time
 
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
 import tapescope
-from tapescope.capture.model import build_on_meta
+from tapescope.capture.model import build_on_meta, fake_copy, fake_inputs, fake_tensor_like
+from tapescope.capture.session import _symbols
+from tapescope.capture.step import train_step
 from tapescope.zoo import resolve
+
+
+def bare_symbolic(meta_model, m) -> float:
+    shape_env = ShapeEnv(duck_shape=False)
+    with FakeTensorMode(shape_env=shape_env):
+        model = fake_copy(meta_model, lambda t: fake_tensor_like(t, torch.device("cpu"), None))
+        sizes, _ = _symbols(shape_env, ("batch", "seq"), m.inputs)
+        args, kwargs = fake_inputs((m.inputs, m.input_kwargs), torch.device("cpu"), None, sizes)
+        opt = torch.optim.AdamW(model.parameters())
+        t = time.perf_counter()
+        train_step(model, args, kwargs, m.loss_fn, opt)
+        return time.perf_counter() - t
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    print("| model | concrete profile | symbolic profile (batch, seq) | ratio | 1,000 sizes evaluated |")
-    print("|---|---|---|---|---|")
+    print("| model | bare symbolic fake trace | concrete profile | symbolic profile (batch, seq) "
+          "| symbolic / concrete | symbolic / bare symbolic | 1,000 sizes evaluated |")
+    print("|---|---|---|---|---|---|---|")
     for spec, batch, seq in (("zoo:gpt2", 8, 1024), ("zoo:llama", 4, 2048)):
         m = resolve(spec, batch=batch, seq=seq)
         meta = build_on_meta(m.build)
@@ -40,8 +61,10 @@ def main():
 
         concrete()
         symbolic()
-        c, s = [], []
+        bare_symbolic(meta, m)
+        b, c, s = [], [], []
         for _ in range(args.repeat):
+            b.append(bare_symbolic(meta, m))
             c.append(concrete())
             dt, p = symbolic()
             s.append(dt)
@@ -50,8 +73,9 @@ def main():
         for i in range(1000):
             p.at(batch=2 + i % 100, seq=2 + (37 * i) % (hi - 1))
         evals = time.perf_counter() - t
-        mc, ms = statistics.median(c), statistics.median(s)
-        print(f"| {spec} ({batch} x {seq}) | {mc:.2f} s | {ms:.2f} s | {ms / mc:.2f}x | {evals * 1e3:.0f} ms |")
+        mb, mc, ms = statistics.median(b), statistics.median(c), statistics.median(s)
+        print(f"| {spec} ({batch} x {seq}) | {mb:.2f} s | {mc:.2f} s | {ms:.2f} s | {ms / mc:.2f}x "
+              f"| {ms / mb:.2f}x | {evals * 1e3:.0f} ms |")
 
 
 if __name__ == "__main__":

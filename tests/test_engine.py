@@ -117,3 +117,34 @@ def test_gradient_accumulation_steals_or_copies_like_the_engine():
     p = profile_spec(m, optimizer="sgd", steps=1)
     r = run_real_steps(m.build, m.inputs, loss_fn=None, optimizer="sgd", steps=1)
     assert p.first_step_peak_bytes == r.peaks[1]
+
+
+class _Linear(nn.Module):
+    """A linear layer applied to its input after a permutation (as nn.MultiheadAttention does)."""
+
+    def __init__(self, dims, shape):
+        super().__init__()
+        self.proj = nn.Linear(shape[-1], 8)
+        self.dims = dims
+
+    def forward(self, x):
+        return self.proj(x.permute(*self.dims) if self.dims else x)
+
+
+@pytest.mark.parametrize("shape,dims", [
+    ((4, 6), None),                # addmm
+    ((2, 4, 6), None),             # contiguous 3-d: one addmm on the flattened input
+    ((4, 2, 6), (1, 0, 2)),        # transposed 3-d: matmul, then add_ for a plain tensor
+    ((2, 3, 4, 6), None),          # contiguous 4-d: flattened
+    ((3, 2, 4, 6), (1, 0, 2, 3)),  # non-contiguous 4-d: matmul + add_
+    ((6,), None),                  # 1-d input
+])
+def test_linear_takes_the_plain_tensor_branch(shape, dims):
+    """aten::linear adds the bias out of place for tensor subclasses (FakeTensor) and in place for
+    plain tensors; the trace must run what the real step runs."""
+    from tapescope.capture.model import spec as input_spec
+    from tapescope.zoo import ModelSpec
+
+    m = ModelSpec("linear", lambda: _Linear(dims, shape), (input_spec(shape, requires_grad=True),))
+    fake, real = _same_ops(m, steps=1, optimizer=None)
+    assert fake == real

@@ -340,9 +340,15 @@ def _same_shape(a, b) -> bool:
         if isinstance(x, int) and isinstance(y, int):
             if x != y:
                 return False
+        elif _expr(x) == _expr(y):  # the common case, without building a SymBool
+            continue
         elif not statically_known_true(x == y):
             return False
     return True
+
+
+def _expr(x):
+    return x.node.expr if isinstance(x, torch.SymInt) else x
 
 
 def _dense(t) -> bool:

@@ -25,6 +25,7 @@ from .optimizers import make_optimizer
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER, OPTIMIZER_STATE,
                       PARAMETER, Trace)
 from .step import train_step
+from .composites import RealTensorBranches
 from .engine import PythonEngine
 from .hooks import HookRegistry, SavedTensors
 from .tape import Tape
@@ -119,7 +120,9 @@ def _guards_name_user_lines(shape_env, tape: Tape) -> None:
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     ours = tuple(os.path.join(_PACKAGE_DIR, d) + os.sep for d in ("capture", "analysis", "devices"))
 
-    dispatch = tuple(os.path.join(_PACKAGE_DIR, "capture", f) for f in ("tape.py", "replay.py"))
+    # frames that only pass an op through to the dispatcher: the guard belongs to their caller
+    dispatch = tuple(os.path.join(_PACKAGE_DIR, "capture", f)
+                     for f in ("tape.py", "replay.py", "composites.py"))
 
     def get_sloc(framework_loc=None):
         sloc = original(framework_loc)
@@ -313,7 +316,7 @@ def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", dev
 
         try:
             with track_modules(tape.tape_modules, names), saved.active(), hooks.recording(), \
-                    _quiet_fake_tensor_log():
+                    _quiet_fake_tensor_log(), RealTensorBranches():
                 before = _tensors_fingerprint(fmodel)
                 one_step(1)
                 if steps == 2 and opt is not None:

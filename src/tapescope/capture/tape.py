@@ -185,7 +185,11 @@ class Tape(FakeTensorMode):
             # Not an op of the program: C++ autograd copied a TensorImpl (saving or unpacking a
             # tensor), which for a Python tensor subclass goes through `detach`. A genuine detach
             # comes from the autograd kernel, below which ADInplaceOrView is excluded.
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self._tape_depth += 1
+            try:
+                out = self._run(func, types, args, kwargs)  # through the replay front: it is fast
+            finally:
+                self._tape_depth -= 1
             v = getattr(args[0], _VALUE_ATTR, None)
             if v is not None:
                 setattr(out, _VALUE_ATTR, v)
