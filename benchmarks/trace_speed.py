@@ -1,7 +1,8 @@
 """How long a profile takes, against the bare fake trace it builds on and against the rivals.
 
-In one process, for each model, alternating so that machine noise hits all methods alike (ratios
-are medians of per-round ratios):
+In one process, for each model, alternating (the order turning each round, garbage collected
+before each run) so that machine noise hits all methods alike (ratios are medians of per-round
+ratios):
   bare       FakeTensorMode: forward + backward + AdamW step of the same fake model, nothing recorded
   tapescope  tapescope.profile (two steps: first and steady state, analyses included)
   rivals     MemTracker + FlopCounterMode around forward + backward + AdamW step
@@ -14,6 +15,7 @@ Also: tapescope at batch 1 vs batch 1e10, and (in a subprocess) the resident mem
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -93,11 +95,15 @@ def main():
         for f in (bare, ours, rivals):  # warm caches once
             f(meta_model, m)
         times = {"bare": [], "ours": [], "rivals": [], "huge": []}
-        for _ in range(args.repeat):
-            times["bare"].append(bare(meta_model, m))
-            times["ours"].append(ours(meta_model, m))
-            times["huge"].append(ours(meta_model, huge))
-            times["rivals"].append(rivals(meta_model, m))
+        runs = {"bare": lambda: bare(meta_model, m), "ours": lambda: ours(meta_model, m),
+                "huge": lambda: ours(meta_model, huge), "rivals": lambda: rivals(meta_model, m)}
+        for r in range(args.repeat):
+            # the order turns each round and garbage is collected before each run, so that no
+            # method pays for the previous one's garbage
+            names = list(runs)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                gc.collect()
+                times[name].append(runs[name]())
         med = {k: statistics.median(v) for k, v in times.items()}
 
         def ratio(a, b):  # per round, so that a slow stretch of a noisy machine hits both

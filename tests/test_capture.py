@@ -3,6 +3,7 @@ and what is recorded (storage identity, saved tensors, seq_nr) matches autograd'
 
 import time
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -160,3 +161,28 @@ def test_default_loss_rules():
     p = tapescope.profile(Tuple, tapescope.spec((2, 4)), optimizer=None, steps=1)
     assert [op.name for op in p.ops if op.module == "(loss)" and op.phase == "forward"] == [
         "aten.sum.default"]
+
+
+@pytest.mark.parametrize("value", [0.0, [1.5], [1.5, 2.5], 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.float64])
+def test_tensor_literal_fake_is_the_one_fake_tensor_mode_makes(value, dtype):
+    """The replay front's fast lift of `torch.tensor(...)` against FakeTensorMode's own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import DispatchReplay
+
+    real = torch.tensor(value, dtype=dtype)
+    mode = FakeTensorMode()
+    ours = DispatchReplay(mode).literal(real)
+    with mode:
+        theirs = torch.ops.aten.lift_fresh.default(real)
+    if ours is None:  # FakeTensorMode keeps no constant, or memoises .item(): its own path runs
+        assert theirs.constant is None or (real.dim() == 0 and dtype in (torch.int64, torch.float64))
+        return
+    assert (ours.shape, ours.stride(), ours.dtype, ours.device) == (
+        theirs.shape, theirs.stride(), theirs.dtype, theirs.device)
+    assert torch.equal(ours.constant, theirs.constant)
+    assert ours.constant.untyped_storage().data_ptr() != real.untyped_storage().data_ptr()
+    with mode:
+        ours_next, theirs_next = ours.add_(1), theirs.add_(1)  # constants propagate alike
+    assert torch.equal(ours_next.constant, theirs_next.constant)

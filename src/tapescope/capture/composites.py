@@ -11,6 +11,12 @@ contiguous input into one addmm, it computes `matmul(input, weight.t())` and the
 with `add_` for a plain tensor, `add` for a subclass. nn.MultiheadAttention's in-projection of a
 transposed (non-contiguous) input takes this path. tests/test_engine.py checks the op sequence
 against real tensors run under the profiler, input layout by input layout.
+
+Not reached: a linear called from inside a Python function that itself dispatched through this
+mode (F.multi_head_attention_forward): torch pops the mode while the function's body runs, and the
+body cannot be entered without dispatching again. nn.MultiheadAttention with batch_first=True and
+batch > 1 therefore still traces `add` where a real run takes `add_` (one extra transient
+output-sized tensor; docs/validation.md, vit_b_16).
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 
+# 0-d literals of these dtypes get an `.item()` memo from FakeTensorMode (fake_tensor.py)
+_ITEM_MEMO_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.float64)
+
 __all__ = ["DispatchReplay"]
 
 _INPLACE, _NONE = "inplace", "none"
@@ -87,6 +90,29 @@ class DispatchReplay:
 
     def key(self, func, args, kwargs):
         return _key(func, args, kwargs, self.mode.shape_env is not None) if self.enabled else None
+
+    def literal(self, real):
+        """The fake of a tensor literal (`torch.tensor(0.)`, lifted by aten.lift_fresh), as
+        FakeTensorMode makes it: a constant holding a copy of the value. FakeTensorMode builds it
+        through MetaConverter, ~1 ms a literal, and a for-loop Adam step makes one per parameter
+        (its `step` counters); this is ~20 us. None where FakeTensorMode would do more than that:
+        no constant, or a 0-d integer / float64 literal, for which it also memoises `.item()`."""
+        mode = self.mode
+        if (type(real) is not torch.Tensor or not mode.may_turn_const(real) or real.requires_grad
+                or real.layout != torch.strided or real.is_conj() or real.is_neg()
+                or (real.dim() == 0 and real.dtype in _ITEM_MEMO_DTYPES)):
+            return None
+        try:
+            with torch.utils._mode_utils.no_dispatch():
+                const = real.clone()
+                meta = torch.empty_strided(const.shape, const.stride(), dtype=const.dtype,
+                                           device="meta")
+                out = FakeTensor(mode, meta, const.device, constant=const)
+            mode.fake_tensor_converter.add_constant_storage_mapping(out)
+        except Exception:  # noqa: BLE001 - internals moved: let FakeTensorMode do it
+            self.enabled = False
+            return None
+        return out
 
     @staticmethod
     def constant_op(func, args, kwargs):

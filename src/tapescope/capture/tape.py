@@ -218,6 +218,10 @@ class Tape(FakeTensorMode):
         self._record(torch.ops.aten.detach_.default, (out,), {}, out)
 
     def _run(self, func, types, args, kwargs):
+        if func is _LIFT_FRESH and self._tape_replay.enabled:
+            out = self._tape_replay.literal(args[0])
+            if out is not None:
+                return out
         if args and type(args[0]) is FakeTensor and args[0].constant is not None:
             done, out = self._tape_replay.constant_op(func, args, kwargs)
             if done:
