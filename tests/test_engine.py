@@ -148,3 +148,26 @@ def test_linear_takes_the_plain_tensor_branch(shape, dims):
     m = ModelSpec("linear", lambda: _Linear(dims, shape), (input_spec(shape, requires_grad=True),))
     fake, real = _same_ops(m, steps=1, optimizer=None)
     assert fake == real
+
+
+@pytest.mark.parametrize("batch_first,batch", [(True, 2), (True, 1), (False, 2)])
+def test_multihead_attention_takes_the_plain_tensor_branch(batch_first, batch):
+    """nn.MultiheadAttention calls linear from inside F.multi_head_attention_forward (a Python
+    function a TorchFunctionMode does not see into); batch_first transposes the in-projection's
+    input, so a plain tensor ends in add_. The whole step, against the real one."""
+    from tapescope.capture.model import spec as input_spec
+    from tapescope.zoo import ModelSpec
+
+    shape = (batch, 5, 8) if batch_first else (5, batch, 8)
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    m = ModelSpec("mha", SelfAttention, (input_spec(shape),))
+    fake, real = _same_ops(m, steps=2, optimizer="adamw")
+    assert fake == real

@@ -12,19 +12,22 @@ with `add_` for a plain tensor, `add` for a subclass. nn.MultiheadAttention's in
 transposed (non-contiguous) input takes this path. tests/test_engine.py checks the op sequence
 against real tensors run under the profiler, input layout by input layout.
 
-Not reached: a linear called from inside a Python function that itself dispatched through this
-mode (F.multi_head_attention_forward): torch pops the mode while the function's body runs, and the
-body cannot be entered without dispatching again. nn.MultiheadAttention with batch_first=True and
-batch > 1 therefore still traces `add` where a real run takes `add_` (one extra transient
-output-sized tensor; docs/validation.md, vit_b_16).
+A TorchFunctionMode does not see inside a Python function that itself dispatches through the
+mode: torch pops the mode while the function's body runs. torch.nn.functional's only internal
+callers of linear are MultiheadAttention's (`multi_head_attention_forward` and its in-projection
+helpers), whose in-projection gets a transposed input when batch_first=True. For them this mode
+runs private copies of those functions, made from their own code with a namespace in which
+`linear` is the branch above; torch's module is not touched.
 """
 
 from __future__ import annotations
 
 import os
+import types as pytypes
 
 import torch
-from torch.overrides import TorchFunctionMode
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, has_torch_function
 
 __all__ = ["RealTensorBranches"]
 
@@ -52,15 +55,44 @@ def _linear_adds_in_place(input, weight, bias) -> bool:
 
 
 class RealTensorBranches(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self._mha = None  # the private multi_head_attention_forward, made on first use
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _LINEAR:
-            input, weight, bias = _linear_args(*args, **kwargs)
-            if _linear_adds_in_place(input, weight, bias):
-                output = torch.matmul(input, weight.t())
-                return output.add_(bias)
+            return linear(*args, **kwargs)
+        if func is F.multi_head_attention_forward and not has_torch_function(
+                [a for a in args if isinstance(a, torch.Tensor)]):
+            if self._mha is None:
+                self._mha = _with_real_linear(F.multi_head_attention_forward)
+            if self._mha is not None:
+                return self._mha(*args, **kwargs)
         return func(*args, **kwargs)
 
 
-def _linear_args(input, weight, bias=None):
-    return input, weight, bias
+def linear(input, weight, bias=None):
+    """aten::linear as Linear.cpp runs it for plain tensors."""
+    if _linear_adds_in_place(input, weight, bias):
+        return torch.matmul(input, weight.t()).add_(bias)
+    return _LINEAR(input, weight, bias)
+
+
+_LINEAR_CALLERS = ("multi_head_attention_forward", "_in_projection_packed", "_in_projection")
+
+
+def _with_real_linear(fn):
+    """A copy of torch.nn.functional's `fn` whose module namespace is a private copy in which
+    `linear` and its callers are ours (None if torch's code is not laid out as expected)."""
+    namespace = dict(vars(F))
+    namespace["linear"] = linear
+    for name in _LINEAR_CALLERS:
+        f = namespace.get(name)
+        if not isinstance(f, pytypes.FunctionType):
+            return None
+        copy = pytypes.FunctionType(f.__code__, namespace, f.__name__, f.__defaults__,
+                                    f.__closure__)
+        copy.__kwdefaults__ = f.__kwdefaults__
+        namespace[name] = copy
+    return namespace[fn.__name__]
