@@ -90,6 +90,51 @@ def test_mlp_forward_by_hand():
     assert p.flops["forward"] == sum(expected.values())
 
 
+def test_hard_activations_by_hand():
+    """hardswish_ (in place) and the hard activations' backward ops carry no pointwise tag in
+    aten; they are still elementwise: x * relu6(x + 3) / 6 is 4 operations per element,
+    relu6(x + 3) / 6 is 3, and their gradients 4 and 2."""
+    B, d = 4, 10
+    model = lambda: nn.Sequential(nn.Linear(d, d), nn.Hardswish(inplace=True),  # noqa: E731
+                                  nn.Linear(d, d), nn.Hardsigmoid())
+    p = tapescope.profile(model, tapescope.spec((B, d)), optimizer=None, steps=1)
+    got = {}
+    for op in p.ops:
+        if "hard" in op.name:
+            got[op.name] = got.get(op.name, 0) + op.flops
+    n = B * d
+    assert got == {"aten.hardswish_.default": 4 * n, "aten.hardsigmoid.default": 3 * n,
+                   "aten.hardsigmoid_backward.default": 2 * n,
+                   "aten.hardswish_backward.default": 4 * n}
+    assert not p.uncounted_ops
+
+
+class _Interpolate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        y = F.interpolate(self.conv(x), scale_factor=2, mode="bilinear")
+        y = y.masked_fill(y > 0, 0.0)
+        return torch.ops.aten._safe_softmax(y.flatten(1), -1)
+
+
+def test_interpolation_selection_and_safe_softmax_by_hand():
+    """Bilinear: each output is 4 multiply-adds (8 FLOPs), its backward scatters each output
+    gradient to the same 4 taps; masked_fill is a selection per element (1); _safe_softmax is
+    softmax (5) plus the all-masked-row check (x == -inf, all, where: 3)."""
+    p = tapescope.profile(_Interpolate, tapescope.spec((1, 2, 4, 4)), optimizer=None, steps=1)
+    out = 1 * 2 * 8 * 8
+    got = {op.name: op.flops for op in p.ops
+           if any(k in op.name for k in ("upsample", "masked_fill", "safe_softmax"))}
+    assert got == {"aten.upsample_bilinear2d.default": 8 * out,
+                   "aten.upsample_bilinear2d_backward.default": 8 * out,
+                   "aten.masked_fill.Scalar": out,
+                   "aten._safe_softmax.default": 8 * out}
+    assert not p.uncounted_ops
+
+
 @pytest.mark.parametrize("opt", ["adam", "adamw", "sgd"])
 def test_optimizer_flops_do_not_depend_on_the_implementation(opt):
     """The for-loop, foreach and fused kernels do the same arithmetic per element."""

@@ -16,6 +16,10 @@ from .conftest import profile_spec
     ("timm:resnet18", 2, 64),
     ("hf:BertConfig:num_hidden_layers=1,hidden_size=64,num_attention_heads=2,intermediate_size=128,vocab_size=100", 2, 16),
     ("hf:GPT2Config:n_layer=1,n_embd=64,n_head=2,vocab_size=100", 2, 16),
+    ("hf:T5Config:num_layers=1,num_decoder_layers=1,d_model=32,d_kv=8,d_ff=64,num_heads=2,"
+     "vocab_size=100", 2, 16),
+    ("hf:ViTConfig:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,"
+     "image_size=32,patch_size=8", 2, None),
 ])
 def test_specs_trace(spec, batch, seq):
     p = profile_spec(resolve(spec, batch=batch, seq=seq), steps=1)
@@ -43,3 +47,20 @@ def test_presets_are_big():
     m = resolve("zoo:llama-70b", batch=1, seq=8)
     p = tapescope.profile(m.build, *m.inputs, optimizer=None, steps=1)
     assert 68e9 < p.facts["parameters"] < 71e9
+
+
+def test_hf_heads_and_inputs_follow_the_config():
+    """An encoder trains as a masked LM, a decoder as a causal LM, a vision config classifies
+    images; the inputs are made to match."""
+    bert = resolve("hf:BertConfig:num_hidden_layers=1,hidden_size=64,num_attention_heads=2,"
+                   "intermediate_size=128,vocab_size=100", batch=2, seq=8)
+    assert "MaskedLM" in bert.name and bert.inputs[0].shape == (2, 8)
+    vit = resolve("hf:ViTConfig:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,"
+                  "intermediate_size=64,image_size=32,patch_size=8", batch=2)
+    assert "ImageClassification" in vit.name and vit.inputs[0].shape == (2, 3, 32, 32)
+    assert vit.input_kwargs["labels"].shape == (2,)
+
+
+def test_hf_option_errors_are_clear():
+    with pytest.raises(tapescope.TapescopeError, match="separated by commas"):
+        resolve("hf:LlamaConfig:num_hidden_layers=2:hidden_size=256")

@@ -190,6 +190,7 @@ POINTWISE_COST = {
     "mish": 5, "softplus": 3, "elu": 3, "leaky_relu": 2, "leaky_relu_backward": 2,
     "log_sigmoid_forward": 4, "logit": 3,
     "xlogy": 2, "hypot": 4, "atan2": 1, "rsub": 1, "erfinv": 1,
+    "masked_fill": 1,                    # a selection per element (not tagged pointwise)
 }
 
 # Pointwise-tagged ops that do no arithmetic: copies.
@@ -223,6 +224,13 @@ def _numel(x) -> int:
 @flop_formula(aten._softmax, aten._log_softmax)
 def _softmax(op, a):
     return 5 * a["self"].numel  # max, subtract, exp, sum, divide (log-softmax: log instead)
+
+
+@flop_formula(aten._safe_softmax)
+def _safe_softmax(op, a):
+    # softmax (5), then rows that are all -inf become 0: x == -inf (1), all() over the row (1),
+    # where (1)
+    return 8 * a["self"].numel
 
 
 @flop_formula(aten._softmax_backward_data, aten._log_softmax_backward_data)
@@ -385,6 +393,24 @@ def _adaptive_pool_backward(op, a):
     return a["self"].numel
 
 
+# Interpolation: each output element is a weighted sum of this many input elements (multiply-adds,
+# 2 FLOPs each); the backward scatters each output gradient to the same taps (multiply + add).
+_INTERPOLATION_TAPS = {"upsample_linear1d": 2, "upsample_bilinear2d": 4, "_upsample_bilinear2d_aa": 4,
+                       "upsample_trilinear3d": 8, "upsample_bicubic2d": 16, "_upsample_bicubic2d_aa": 16}
+
+
+@flop_formula(*(getattr(aten, n) for n in _INTERPOLATION_TAPS if hasattr(aten, n)))
+def _interpolate(op, a):
+    return 2 * _INTERPOLATION_TAPS[op.func.overloadpacket.__name__] * _out_numel(op)
+
+
+@flop_formula(*(getattr(aten, n + "_backward") for n in _INTERPOLATION_TAPS
+                if hasattr(aten, n + "_backward")))
+def _interpolate_backward(op, a):
+    taps = _INTERPOLATION_TAPS[op.func.overloadpacket.__name__[:-len("_backward")]]
+    return 2 * taps * a["grad_output"].numel
+
+
 # ---- optimizers -------------------------------------------------------------------------------
 
 def _foreach_numel(x) -> int:
@@ -437,7 +463,7 @@ ZERO_FLOP_OPS = {getattr(aten, n) for n in (
     "repeat_interleave", "flip", "roll", "tril", "triu", "masked_scatter", "slice_scatter",
     "select_scatter", "diagonal_scatter", "as_strided_scatter", "pixel_shuffle",
     "pixel_unshuffle", "im2col", "col2im", "unfold_backward", "channel_shuffle",
-    "_reshape_alias", "resize_", "set_", "split_with_sizes_copy", "unbind_copy",
+    "_reshape_alias", "resize_", "set_", "split_with_sizes_copy", "unbind_copy", "as_strided_",
     # gathers and lookups
     "embedding", "index", "index_select", "gather", "take", "masked_select", "_embedding_bag",
     "scatter", "index_copy", "index_fill", "upsample_nearest1d", "upsample_nearest2d",
@@ -492,6 +518,8 @@ def op_flops(op: OpRecord) -> int | None:
         return _pointwise_cost(name, _bind(func, op.args, op.kwargs)) * _out_numel(op)
     if torch.Tag.reduction in tags:
         return sum(t.numel for t in op.tensor_inputs())
+    if name.rstrip("_") in POINTWISE_COST:  # elementwise, but not tagged so (hardswish_, ...)
+        return _pointwise_cost(name, _bind(func, op.args, op.kwargs)) * _out_numel(op)
     return None
 
 

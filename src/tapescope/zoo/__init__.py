@@ -170,7 +170,12 @@ def _hf_config(name, options):
         if cls is None or not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
             known = [n for n in dir(transformers) if n.endswith("Config") and n[0].isupper()]
             raise SpecError(f"transformers has no config class {cls_name!r}" + _suggest(cls_name, known))
-        config = cls(**options)
+        try:
+            config = cls(**options)
+        except Exception as e:  # noqa: BLE001 - transformers validates options its own way
+            raise SpecError(f"{cls_name} refused the options {options}: {type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0]} (options are name=value, separated "
+                            f"by commas: hf:{cls_name}:num_hidden_layers=2,hidden_size=256)") from None
     else:
         file = os.path.join(name, "config.json") if os.path.isdir(name) else name
         try:
@@ -185,21 +190,44 @@ def _hf_config(name, options):
 def _hf(name, options, batch, seq):
     transformers, config = _hf_config(name, options)
     auto = transformers
-    heads = ([auto.AutoModelForSeq2SeqLM] if getattr(config, "is_encoder_decoder", False) else []) + [
-        auto.AutoModelForCausalLM, auto.AutoModelForMaskedLM, auto.AutoModel]
+    vision = hasattr(config, "image_size") and hasattr(config, "num_channels") \
+        and not hasattr(config, "vocab_size")
+    if vision:
+        heads = [auto.AutoModelForImageClassification, auto.AutoModel]
+    elif getattr(config, "is_encoder_decoder", False):
+        heads = [auto.AutoModelForSeq2SeqLM, auto.AutoModelForCausalLM, auto.AutoModel]
+    elif type(config) in auto.AutoModelForMaskedLM._model_mapping.keys() and not config.is_decoder:
+        heads = [auto.AutoModelForMaskedLM]  # an encoder (BERT & co): trained as a masked LM
+    else:
+        heads = [auto.AutoModelForCausalLM, auto.AutoModelForMaskedLM, auto.AutoModel]
     for head in heads:
         if type(config) in head._model_mapping.keys():
             chosen = head
             break
     else:
         raise SpecError(f"transformers has no model for {type(config).__name__}")
+    label = f"{name} ({chosen.__name__[len('AutoModel'):].replace('For', '') or 'base'})"
+    if vision:
+        size = seq or config.image_size
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        image = make_spec((batch or 32, config.num_channels, size, size),
+                          dims=("batch", None, "size", "size"))
+        if chosen is auto.AutoModel:
+            return ModelSpec(label, lambda: chosen.from_config(config), (image,))
+        labels = make_spec((batch or 32,), dtype=torch.int64, high=config.num_labels,
+                           dims=("batch",))
+        return ModelSpec(label, lambda: chosen.from_config(config), (image,), {"labels": labels})
+    if getattr(config, "is_encoder_decoder", False) and \
+            getattr(config, "decoder_start_token_id", None) is None:
+        # The model shifts the labels right to make the decoder's input, starting with this
+        # token; a default config may leave it unset (T5's published configs use the pad token)
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = seq or min(512, max_pos or 512)
     vocab = getattr(config, "vocab_size", None) or 1000
     tokens = make_spec((batch or 8, seq), dtype=torch.int64, high=vocab, dims=("batch", "seq"))
     kwargs = {"labels": tokens} if chosen is not auto.AutoModel else {}
-    return ModelSpec(f"{name} ({chosen.__name__[len('AutoModel'):] or 'base'})",
-                     lambda: chosen.from_config(config), (tokens,), kwargs)
+    return ModelSpec(label, lambda: chosen.from_config(config), (tokens,), kwargs)
 
 
 def _file(name, options, batch, seq):
