@@ -171,3 +171,27 @@ def test_multihead_attention_takes_the_plain_tensor_branch(batch_first, batch):
     m = ModelSpec("mha", SelfAttention, (input_spec(shape),))
     fake, real = _same_ops(m, steps=2, optimizer="adamw")
     assert fake == real
+
+
+class _Gather(nn.Module):
+    """Advanced indexing: the backward is IndexBackward0 (a relative-position-bias table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 4))
+        self.register_buffer("index", torch.tensor([[0, 3, 5], [7, 7, 1]]))
+
+    def forward(self, x):
+        return x + self.table[self.index].sum(-1)
+
+
+def test_index_backward_accumulates_in_place_as_for_plain_tensors():
+    """index_backward runs `_index_put_impl_` into its zeros for plain tensors, `index_put` (one
+    more self-sized tensor) for subclasses; the trace runs the plain-tensor branch."""
+    from tapescope.capture.model import spec as input_spec
+    from tapescope.zoo import ModelSpec
+
+    m = ModelSpec("gather", _Gather, (input_spec((2, 3), requires_grad=True),))
+    fake, real = _same_ops(m, steps=2, optimizer="adamw")
+    assert ("backward", "aten._index_put_impl_") in real
+    assert fake == real

@@ -16,6 +16,7 @@ from .conftest import profile_spec
     ("timm:resnet18", 2, 64),
     ("hf:BertConfig:num_hidden_layers=1,hidden_size=64,num_attention_heads=2,intermediate_size=128,vocab_size=100", 2, 16),
     ("hf:GPT2Config:n_layer=1,n_embd=64,n_head=2,vocab_size=100", 2, 16),
+    ("hf:DistilBertConfig:n_layers=1,dim=32,hidden_dim=64,n_heads=2,vocab_size=100", 2, 16),
     ("hf:T5Config:num_layers=1,num_decoder_layers=1,d_model=32,d_kv=8,d_ff=64,num_heads=2,"
      "vocab_size=100", 2, 16),
     ("hf:ViTConfig:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,"

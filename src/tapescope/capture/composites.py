@@ -96,3 +96,27 @@ def _with_real_linear(fn):
         copy.__kwdefaults__ = f.__kwdefaults__
         namespace[name] = copy
     return namespace[fn.__name__]
+
+
+# ---- backward formulas ---------------------------------------------------------------------------
+# FunctionsManual.cpp has the same kind of branch in backward formulas, run by C++ autograd nodes
+# where no TorchFunctionMode can reach. They are rewritten at dispatch, knowing the node that runs.
+
+_INDEX_PUT = torch.ops.aten.index_put.default
+_INDEX_PUT_IMPL = torch.ops.aten._index_put_impl_.default
+
+
+def plain_tensor_backward_op(node, func, args, kwargs):
+    """(func, args, kwargs) as a backward formula runs them for plain tensors.
+
+    index_backward (IndexBackward0, the gradient of `x[idx]`): for plain tensors
+    `at::_index_put_impl_(zeros_like_self, indices, grad, true, true)` accumulates into the zeros
+    the formula just made; for subclasses `zeros_like_self.index_put(indices, grad, true)`, a
+    second self-sized tensor.
+    """
+    if func is _INDEX_PUT and node is not None and type(node).__name__ == "IndexBackward0":
+        self, indices, values, *rest = args
+        accumulate = rest[0] if rest else kwargs.get("accumulate", False)
+        if accumulate:
+            return _INDEX_PUT_IMPL, (self, indices, values, True, True), {}
+    return func, args, kwargs

@@ -318,10 +318,15 @@ def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", dev
             with track_modules(tape.tape_modules, names), saved.active(), hooks.recording(), \
                     _quiet_fake_tensor_log(), RealTensorBranches():
                 before = _tensors_fingerprint(fmodel)
+                inputs_gather_grads = any(isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
+                                          for t in tree_leaves((fargs, fkwargs)))
                 one_step(1)
                 if steps == 2 and opt is not None:
                     opt_seg = trace.segments[-1]
-                    if _tensors_fingerprint(fmodel) == before and _self_contained(trace, opt_seg):
+                    # step 2 repeats step 1's forward and backward when the model kept its
+                    # tensors and no input gathers a .grad (which step 2 would accumulate into)
+                    if _tensors_fingerprint(fmodel) == before and not inputs_gather_grads \
+                            and _self_contained(trace, opt_seg):
                         with phase(2, OPTIMIZER):
                             opt.step()
                         mark_grads_and_state()

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from .composites import plain_tensor_backward_op
 from .replay import DispatchReplay
 from .records import BACKWARD, FORWARD, Frame, OpRecord, Segment, StorageRecord, TensorRef, Trace
 
@@ -194,6 +195,8 @@ class Tape(FakeTensorMode):
             if v is not None:
                 setattr(out, _VALUE_ATTR, v)
             return out
+        if self._tape_phase == BACKWARD:
+            func, args, kwargs = plain_tensor_backward_op(self._backward_node(), func, args, kwargs)
         self._tape_depth += 1
         try:
             out = self._run(func, types, args, kwargs)
@@ -278,13 +281,17 @@ class Tape(FakeTensorMode):
             rec.module = self.tape_modules[-1] if self.tape_modules else None
             rec.frame = self._user_frame()
         elif self._tape_phase == BACKWARD:
-            node = self.tape_backward_node or torch._C._current_autograd_node()
+            node = self._backward_node()
             if node is not None:
                 rec.seq_nr = node._sequence_nr()
                 rec.grad_fn = node.name()
         else:
             rec.frame = self._user_frame()
         trace.ops.append(rec)
+
+    def _backward_node(self):
+        """The autograd node whose backward is running (our engine's, or the C++ engine's)."""
+        return self.tape_backward_node or torch._C._current_autograd_node()
 
     def _convert(self, a, tensors: list):
         if isinstance(a, torch.Tensor):

@@ -196,7 +196,8 @@ def _hf(name, options, batch, seq):
         heads = [auto.AutoModelForImageClassification, auto.AutoModel]
     elif getattr(config, "is_encoder_decoder", False):
         heads = [auto.AutoModelForSeq2SeqLM, auto.AutoModelForCausalLM, auto.AutoModel]
-    elif type(config) in auto.AutoModelForMaskedLM._model_mapping.keys() and not config.is_decoder:
+    elif type(config) in auto.AutoModelForMaskedLM._model_mapping.keys() and \
+            not getattr(config, "is_decoder", False):
         heads = [auto.AutoModelForMaskedLM]  # an encoder (BERT & co): trained as a masked LM
     else:
         heads = [auto.AutoModelForCausalLM, auto.AutoModelForMaskedLM, auto.AutoModel]
