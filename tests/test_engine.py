@@ -195,3 +195,73 @@ def test_index_backward_accumulates_in_place_as_for_plain_tensors():
     fake, real = _same_ops(m, steps=2, optimizer="adamw")
     assert ("backward", "aten._index_put_impl_") in real
     assert fake == real
+
+
+class _NormThenPermute(nn.Module):
+    """A norm whose output is consumed transposed (Swin's tail: norm, then channels first), and
+    whose input came through a view, so the backward reshapes the norm's grad_input."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.kind = norm
+        self.proj = nn.Linear(24, 24)
+        self.norm = nn.LayerNorm(8) if norm == "layer" else nn.GroupNorm(2, 8)
+        self.head = nn.Linear(3, 4) if norm == "layer" else nn.Linear(8, 4)
+
+    def forward(self, x):
+        if self.kind == "layer":
+            x = self.norm(self.proj(x).view(-1, 3, 8))   # (B, 3, 8), normalised over 8
+            return self.head(x.transpose(1, 2))         # consumed as (B, 8, 3)
+        x = self.norm(self.proj(x).view(-1, 8, 3))       # (B, C=8, L=3)
+        return self.head(x.transpose(1, 2))             # consumed as (B, 3, 8)
+
+
+@pytest.mark.parametrize("norm", ["layer", "group"])
+def test_norm_backward_gives_grad_input_the_real_kernels_layout(norm):
+    """The norm backward's decomposition lays grad_input out like grad_out (transposed here); the
+    real kernels make it contiguous, so the view's backward reshapes it without a copy."""
+    from tapescope.capture.model import spec as input_spec
+    from tapescope.zoo import ModelSpec
+
+    m = ModelSpec("norm", lambda: _NormThenPermute(norm), (input_spec((2, 24)),))
+    fake, real = _same_ops(m, steps=2, optimizer="adamw")
+    assert fake == real
+
+
+class _MaskedAttention(nn.Module):
+    """Attention with a learnt additive mask (T5's relative position bias): SDPA's math path."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.bias = nn.Parameter(torch.zeros(1, 2, 5, 5))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+class _Literals(nn.Module):
+    """Tensor literals made three ways: torch.tensor, torch.as_tensor, a scalar assigned in."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scale = torch.ones(4, device=x.device)
+        scale[0] = 3  # into a tensor autograd does not track (no view regeneration)
+        return self.proj(x) * scale * torch.as_tensor(2.0) + torch.tensor(0.5)
+
+
+@pytest.mark.parametrize("model", [_MaskedAttention, _Literals])
+def test_composite_branches_and_literals_run_as_for_plain_tensors(model):
+    """SDPA's math path adds the mask in place for plain tensors (`add` for subclasses); tensor
+    literals dispatch different ops by how they are made. The whole step against the real one."""
+    from tapescope.capture.model import spec as input_spec
+    from tapescope.zoo import ModelSpec
+
+    shape = (2, 5, 8) if model is _MaskedAttention else (2, 4)
+    m = ModelSpec("m", model, (input_spec(shape),))
+    fake, real = _same_ops(m, steps=2, optimizer="adamw")
+    assert fake == real

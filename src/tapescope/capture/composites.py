@@ -33,6 +33,15 @@ __all__ = ["RealTensorBranches"]
 
 _LINEAR = torch._C._nn.linear
 
+# How a real run dispatches the ops that make a tensor literal (aten::lift_fresh under fake
+# tensors), by the function that makes it; the profiler shows these (tests/test_capture.py).
+LITERAL_OPS = {
+    torch.tensor: ("empty", "lift_fresh", "detach_"),
+    torch.as_tensor: ("empty", "lift_fresh"),
+    torch.Tensor.__setitem__: ("lift_fresh",),  # x[i] = 3: the scalar, lifted
+}
+_SDPA = torch._C._nn.scaled_dot_product_attention
+
 
 def _flatten_3d_forced() -> bool:
     return os.environ.get("TORCH_LINEAR_FLATTEN_3D") == "1"  # read the way Linear.cpp reads it
@@ -55,21 +64,41 @@ def _linear_adds_in_place(input, weight, bias) -> bool:
 
 
 class RealTensorBranches(TorchFunctionMode):
+    """The mode; `in_sdpa` counts the scaled_dot_product_attention calls running (see
+    `plain_tensor_forward_op`)."""
+
     def __init__(self):
         super().__init__()
         self._mha = None  # the private multi_head_attention_forward, made on first use
+        self.in_sdpa = 0
+        self.literal_maker = None  # torch.tensor, torch.as_tensor or Tensor.__setitem__, running
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _LINEAR:
             return linear(*args, **kwargs)
+        if func is _SDPA:
+            return self.sdpa(*args, **kwargs)
+        if func in LITERAL_OPS:
+            outer, self.literal_maker = self.literal_maker, func
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.literal_maker = outer
         if func is F.multi_head_attention_forward and not has_torch_function(
                 [a for a in args if isinstance(a, torch.Tensor)]):
             if self._mha is None:
-                self._mha = _with_real_linear(F.multi_head_attention_forward)
+                self._mha = _with_real_linear(F.multi_head_attention_forward, self.sdpa)
             if self._mha is not None:
                 return self._mha(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def sdpa(self, *args, **kwargs):
+        self.in_sdpa += 1
+        try:
+            return _SDPA(*args, **kwargs)
+        finally:
+            self.in_sdpa -= 1
 
 
 def linear(input, weight, bias=None):
@@ -82,11 +111,13 @@ def linear(input, weight, bias=None):
 _LINEAR_CALLERS = ("multi_head_attention_forward", "_in_projection_packed", "_in_projection")
 
 
-def _with_real_linear(fn):
+def _with_real_linear(fn, sdpa):
     """A copy of torch.nn.functional's `fn` whose module namespace is a private copy in which
-    `linear` and its callers are ours (None if torch's code is not laid out as expected)."""
+    `linear`, `scaled_dot_product_attention` and their callers are ours (None if torch's code is
+    not laid out as expected)."""
     namespace = dict(vars(F))
     namespace["linear"] = linear
+    namespace["scaled_dot_product_attention"] = sdpa
     for name in _LINEAR_CALLERS:
         f = namespace.get(name)
         if not isinstance(f, pytypes.FunctionType):
@@ -96,6 +127,28 @@ def _with_real_linear(fn):
         copy.__kwdefaults__ = f.__kwdefaults__
         namespace[name] = copy
     return namespace[fn.__name__]
+
+
+# ---- inside C++ composites ------------------------------------------------------------------------
+# Branches inside a C++ kernel that no TorchFunctionMode reaches are rewritten at dispatch, knowing
+# which kernel is running.
+
+_ADD = torch.ops.aten.add.Tensor
+_ADD_ = torch.ops.aten.add_.Tensor
+
+
+def plain_tensor_forward_op(mode: RealTensorBranches, func, args, kwargs):
+    """(func, args, kwargs) as a forward composite runs them for plain tensors.
+
+    _scaled_dot_product_attention_math (attention.cpp) adds the mask to the scores with
+    `attn.add_(mask)` for plain tensors, `attn.add(mask)` (one more scores-sized tensor) for
+    subclasses; it is the only `add` the math path runs (the fused backends run none).
+    """
+    if func is _ADD and mode.in_sdpa and not kwargs and len(args) == 2 \
+            and isinstance(args[1], torch.Tensor) \
+            and torch.broadcast_shapes(args[0].shape, args[1].shape) == args[0].shape:
+        return _ADD_, args, kwargs
+    return func, args, kwargs
 
 
 # ---- backward formulas ---------------------------------------------------------------------------

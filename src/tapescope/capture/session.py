@@ -316,7 +316,8 @@ def capture(model, args=(), kwargs=None, *, loss_fn=None, optimizer="adamw", dev
 
         try:
             with track_modules(tape.tape_modules, names), saved.active(), hooks.recording(), \
-                    _quiet_fake_tensor_log(), RealTensorBranches():
+                    _quiet_fake_tensor_log(), RealTensorBranches() as branches:
+                tape.tape_branches = branches
                 before = _tensors_fingerprint(fmodel)
                 inputs_gather_grads = any(isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
                                           for t in tree_leaves((fargs, fkwargs)))

@@ -24,7 +24,8 @@ from contextlib import contextmanager
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .composites import plain_tensor_backward_op
+from .kernel_layouts import real_kernel_layout
+from .composites import LITERAL_OPS, plain_tensor_backward_op, plain_tensor_forward_op
 from .replay import DispatchReplay
 from .records import BACKWARD, FORWARD, Frame, OpRecord, Segment, StorageRecord, TensorRef, Trace
 
@@ -56,6 +57,7 @@ class Tape(FakeTensorMode):
         self.tape_recording = False
         self.tape_modules: list[str] = []  # forward module stack, innermost last
         self.tape_backward_node = None  # set by a Python-driven backward; else the engine's node
+        self.tape_branches = None  # the RealTensorBranches mode of the capture, when one runs
         self._tape_depth = 0
         self._tape_live: dict[int, tuple[int, weakref.ref]] = {}  # StorageImpl address -> (id, ref)
         self._tape_phase = FORWARD
@@ -197,9 +199,11 @@ class Tape(FakeTensorMode):
             return out
         if self._tape_phase == BACKWARD:
             func, args, kwargs = plain_tensor_backward_op(self._backward_node(), func, args, kwargs)
+        elif self.tape_branches is not None:
+            func, args, kwargs = plain_tensor_forward_op(self.tape_branches, func, args, kwargs)
         self._tape_depth += 1
         try:
-            out = self._run(func, types, args, kwargs)
+            out = real_kernel_layout(func, args, self._run(func, types, args, kwargs))
         except Exception as e:
             self._annotate(e, func)
             raise
@@ -213,12 +217,16 @@ class Tape(FakeTensorMode):
 
     def _record_tensor_literal(self, real, out) -> None:
         """`torch.tensor(data)` builds a real tensor outside the dispatcher and lifts it into fake
-        mode. A real run dispatches empty -> lift_fresh -> detach_; record those three ops."""
-        empty = torch.ops.aten.empty.memory_format
-        self._record(empty, (list(real.shape),),
-                     {"dtype": real.dtype, "device": out.device, "pin_memory": False}, out)
+        mode. A real run dispatches empty -> lift_fresh -> detach_ for it, fewer for as_tensor
+        and a scalar assigned into a tensor (LITERAL_OPS); record those."""
+        maker = self.tape_branches.literal_maker if self.tape_branches is not None else None
+        names = LITERAL_OPS.get(maker, LITERAL_OPS[torch.tensor])
+        if "empty" in names:
+            self._record(torch.ops.aten.empty.memory_format, (list(real.shape),),
+                         {"dtype": real.dtype, "device": out.device, "pin_memory": False}, out)
         self._record(_LIFT_FRESH, (out,), {}, out)
-        self._record(torch.ops.aten.detach_.default, (out,), {}, out)
+        if "detach_" in names:
+            self._record(torch.ops.aten.detach_.default, (out,), {}, out)
 
     def _run(self, func, types, args, kwargs):
         if func is _LIFT_FRESH and self._tape_replay.enabled:

@@ -68,7 +68,8 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
+    # record_shapes: the recorded inputs tell an op's overload (and so how it is dispatched)
+    with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
         with record_function("tapescope::step0"):
             m = _build(model, device, dtype)
             args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype, gen)
@@ -89,12 +90,20 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
     return _read_allocations(prof, device)
 
 
-def _overload_name(name: str) -> str:
-    """The profiler names ops without overload; any overload tells how the op is dispatched."""
+def _overload_name(name: str, inputs=()) -> str:
+    """The profiler names ops without overload: the overload whose arguments match the recorded
+    inputs (tensors where the schema has tensors; `min(a, b)` is min.other, `min(a)` min.default),
+    else the default one."""
     packet = getattr(torch.ops.aten, name.split("::", 1)[1], None)
     if packet is None:
         return name
     names = packet.overloads()
+    is_tensor = [type(i).__name__ == "_TensorMetadata" for i in inputs]
+    for n in names:
+        args = getattr(packet, n)._schema.arguments
+        if inputs and len(args) == len(inputs) and all(
+                t == isinstance(a.type, torch.TensorType) for a, t in zip(args, is_tensor)):
+            return getattr(packet, n).name()
     return getattr(packet, "default" if "default" in names else names[0]).name()
 
 
@@ -117,7 +126,8 @@ def _read_allocations(prof, device: torch.device) -> RealStep:
             elif name.startswith("tapescope::phase::"):
                 phase = name[len("tapescope::phase::"):]
             elif (name.startswith("aten::") and inside_op is False
-                  and not decomposes_above_autograd(_overload_name(name), device.type)):
+                  and not decomposes_above_autograd(_overload_name(name, e.extra_fields.inputs),
+                                                    device.type)):
                 inside_op = len(out.ops)
                 out.ops.append((step, phase, name))
         for c in e.children:
