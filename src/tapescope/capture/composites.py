@@ -1,23 +1,24 @@
-"""The branch a real tensor takes where a C++ composite asks "is this a tensor subclass?".
+"""The branches a real tensor takes where PyTorch's C++ code asks "is this a tensor subclass?".
 
-Some CompositeImplicitAutograd kernels pick an out-of-place op for tensor subclasses ("composite
+Some C++ kernels and backward formulas pick an out-of-place op for tensor subclasses ("composite
 compliance") and an in-place one for plain tensors. A FakeTensor is a subclass, so a fake trace
-would run ops that the real step does not, and hold an extra output-sized tensor. A
-TorchFunctionMode is the one place above the composite where we can run the real branch instead;
-FakeTensorMode offers no hook for it.
+would run ops that the real step does not, and hold an extra output-sized tensor. FakeTensorMode
+offers no hook for this; tapescope runs the plain-tensor branch at one of two places:
 
-Handled: `aten::linear` (Linear.cpp). When it neither calls addmm on a 2-d input nor flattens a
-contiguous input into one addmm, it computes `matmul(input, weight.t())` and then adds the bias
-with `add_` for a plain tensor, `add` for a subclass. nn.MultiheadAttention's in-projection of a
-transposed (non-contiguous) input takes this path. tests/test_engine.py checks the op sequence
-against real tensors run under the profiler, input layout by input layout.
+- Above the kernel, in a TorchFunctionMode (`RealTensorBranches`): `aten::linear` (Linear.cpp).
+  When it neither calls addmm on a 2-d input nor flattens a contiguous input into one addmm, it
+  computes `matmul(input, weight.t())` and adds the bias with `add_` for a plain tensor, `add`
+  for a subclass. A TorchFunctionMode does not see inside a Python function that dispatches
+  through it (torch pops the mode while the body runs); torch.nn.functional's only internal
+  callers of linear are MultiheadAttention's, whose in-projection gets a transposed input when
+  batch_first=True, so the mode runs private copies of those functions, made from their own code
+  with a namespace in which `linear` (and `scaled_dot_product_attention`) are ours; torch's
+  module is not touched.
+- At dispatch, knowing which kernel runs: SDPA's math path adds the mask in place
+  (`plain_tensor_forward_op`); index_backward accumulates in place (`plain_tensor_backward_op`).
 
-A TorchFunctionMode does not see inside a Python function that itself dispatches through the
-mode: torch pops the mode while the function's body runs. torch.nn.functional's only internal
-callers of linear are MultiheadAttention's (`multi_head_attention_forward` and its in-projection
-helpers), whose in-projection gets a transposed input when batch_first=True. For them this mode
-runs private copies of those functions, made from their own code with a namespace in which
-`linear` is the branch above; torch's module is not touched.
+Also here: which ops a tensor literal dispatches, by the function that makes it (`LITERAL_OPS`).
+tests/test_engine.py checks each case's op sequence against real tensors under the profiler.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, has_torch_function
 
-__all__ = ["RealTensorBranches"]
+__all__ = ["RealTensorBranches", "LITERAL_OPS", "plain_tensor_forward_op", "plain_tensor_backward_op"]
 
 _LINEAR = torch._C._nn.linear
 
 # How a real run dispatches the ops that make a tensor literal (aten::lift_fresh under fake
-# tensors), by the function that makes it; the profiler shows these (tests/test_capture.py).
+# tensors), by the function that makes it, as the profiler shows them.
 LITERAL_OPS = {
     torch.tensor: ("empty", "lift_fresh", "detach_"),
     torch.as_tensor: ("empty", "lift_fresh"),
