@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from tapescope.cli import app
@@ -33,6 +35,17 @@ def test_ops_table():
     assert r.exit_code == 0, r.output
     assert "SeqNr" in r.output and "aten.addmm.default" in r.output
     assert "aten._log_softmax_backward_data.default" in r.output
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch")
+def test_ops_table_follows_the_named_gpu():
+    """The attention kernels in the table are the named GPU's (sdp_utils' rules)."""
+    args = ["ops", "zoo:llama:dim=64,n_layers=1,n_heads=4,n_kv_heads=1,ffn_dim=128,vocab_size=64",
+            "--batch", "2", "--seq", "16", "--device", "cuda", "--dtype", "bf16"]
+    a100 = CliRunner().invoke(app, [*args, "--gpu", "a100"])
+    assert a100.exit_code == 0, a100.output
+    assert "_scaled_dot_product_flash_attention" in a100.output
+    assert "aten._fused_rms_norm.default" in a100.output
 
 
 def test_file_spec_with_inputs(tmp_path):

@@ -144,14 +144,16 @@ def _write_graph(p, path: str) -> None:
 @app.command("ops")
 def ops_cmd(
     spec: str = SpecArg, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
-    device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, input: Optional[List[str]] = InputOpt,
+    device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
+    gpu: Optional[str] = GpuOpt, input: Optional[List[str]] = InputOpt,
     optimizer: bool = typer.Option(False, "--with-optimizer", help="Also list the optimizer's ops."),
 ):
     """The forward<->backward op table: seq_nr | aten op | module, forward rows then backward."""
     from .report.console import render_ops
 
     try:
-        p = _run_profile(spec, batch, seq, device, dtype, "adamw" if optimizer else "none", 1, input)
+        p = _run_profile(spec, batch, seq, device, dtype, "adamw" if optimizer else "none", 1, input,
+                         amp=amp, gpu=gpu)
         render_ops(p, out, phases=("forward", "backward", "optimizer") if optimizer else ("forward", "backward"))
     except TapescopeError as e:
         _fail(e)
