@@ -24,8 +24,8 @@ from contextlib import contextmanager
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .kernel_layouts import real_kernel_layout
 from .composites import LITERAL_OPS, plain_tensor_backward_op, plain_tensor_forward_op
+from .kernel_layouts import real_kernel_layout
 from .replay import DispatchReplay
 from .records import BACKWARD, FORWARD, Frame, OpRecord, Segment, StorageRecord, TensorRef, Trace
 
