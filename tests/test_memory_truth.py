@@ -5,6 +5,7 @@ profile_memory=True and reads the allocator's own running total of allocated byt
 """
 
 import pytest
+import torch
 
 from tapescope.validate.real import run_real_steps
 
@@ -64,3 +65,29 @@ def test_steady_state_holds_optimizer_state():
     assert state == 2 * params + 4 * n_params
     assert p.memory.initial_bytes >= params + state
     assert param_bytes is not None
+
+
+class _InPlaceOnView(torch.nn.Module):
+    """An in-place op on a view of an activation (`x.view(...).relu_()`, Dropout(inplace) after
+    flatten): autograd rebases the view onto a CopySlices node, and the op's saved output is
+    unpacked from inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)
+
+    def forward(self, x):
+        v = self.lin(x).view(-1, 16, 16)
+        v.relu_()
+        return self.out(v.flatten(1))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", None])
+def test_in_place_op_on_a_view_matches_allocator(optimizer):
+    import tapescope
+
+    inputs = (tapescope.spec((32, 64)),)
+    p = tapescope.profile(_InPlaceOnView, *inputs, optimizer=optimizer)
+    real = run_real_steps(_InPlaceOnView, inputs, optimizer=optimizer)
+    assert _rel(p.first_step_peak_bytes, real.peaks[1]) < 1e-3
+    assert _rel(p.peak_bytes, real.peaks[2]) < 1e-3

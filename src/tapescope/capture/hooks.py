@@ -6,7 +6,8 @@ saved tensors right after running it (`release_variables`), which no Python API 
 node's holders does the same. Which node owns a holder is learnt when the node unpacks it while it
 runs (the sequence number at pack time can belong to another node: `hardtanh_` creates its node,
 then clones `self` - a second node - and saves the clone); holders never unpacked are released with
-the node whose number was current when they were packed.
+the node whose number was current when they were packed, except the output an in-place op on a view
+saves: it belongs to the base's CopySlices, which runs the op's node (see `pack`).
 
 Hooks. C++ keeps backward hooks where Python cannot list them, and our engine calls nodes from Python,
 where the C++ engine's hook calls do not happen. So while the step runs, the Python entry points
@@ -46,6 +47,13 @@ class SavedTensors:
         seq = torch.autograd._get_sequence_nr() - 1
         gf = t.grad_fn
         if gf is not None and gf._sequence_nr() == seq:
+            base = t._base if t._is_view() else None
+            base_fn = base.grad_fn if base is not None else None
+            if base_fn is not None and base_fn.name().endswith("CopySlices"):
+                # An in-place op on a view saved its output after autograd rebased the view: the
+                # newest node is the view's regenerated grad_fn, but the op's node runs inside
+                # its base's CopySlices, which is the node that unpacks the tensor
+                seq = base_fn._sequence_nr()
             # A saved output: packing the tensor itself would make tensor -> grad_fn -> saved
             # tensor a cycle through C++ that never frees. Autograd saves outputs without their
             # grad_fn; an unrecorded detach() keeps the storage and the value id the same way.
