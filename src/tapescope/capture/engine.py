@@ -29,6 +29,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .hooks import HookRegistry, SavedTensors
+from .view_replay import as_strided_backward, emulable
 
 __all__ = ["PythonEngine"]
 
@@ -240,6 +241,11 @@ class PythonEngine:
                 outputs = []
             elif isinstance(node, torch.autograd.function.BackwardCFunction):
                 outputs = self._call_python_function(node, inputs)
+            elif node in self.saved.tape.tape_views.nodes and inputs and inputs[0] is not None \
+                    and emulable(self.saved.tape.tape_views.nodes[node]):
+                # a view regenerated after an in-place op: AsStridedBackward0 for a plain tensor
+                outputs = [as_strided_backward(inputs[0], self.saved.tape.tape_views.nodes[node])]
+                self._hold(outputs[0])
             else:
                 outputs = self._call_cpp(node, inputs)
             outputs = self._validate(node, outputs)

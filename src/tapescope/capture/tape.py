@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .composites import LITERAL_OPS, plain_tensor_backward_op, plain_tensor_forward_op
 from .kernel_layouts import real_kernel_layout
+from .view_replay import ViewRegeneration, copy_slices_view
 from .replay import DispatchReplay
 from .records import BACKWARD, FORWARD, Frame, OpRecord, Segment, StorageRecord, TensorRef, Trace
 
@@ -58,6 +59,7 @@ class Tape(FakeTensorMode):
         self.tape_modules: list[str] = []  # forward module stack, innermost last
         self.tape_backward_node = None  # set by a Python-driven backward; else the engine's node
         self.tape_branches = None  # the RealTensorBranches mode of the capture, when one runs
+        self.tape_views = ViewRegeneration()  # views autograd regenerates after in-place ops
         self._tape_depth = 0
         self._tape_live: dict[int, tuple[int, weakref.ref]] = {}  # StorageImpl address -> (id, ref)
         self._tape_phase = FORWARD
@@ -197,8 +199,16 @@ class Tape(FakeTensorMode):
             if v is not None:
                 setattr(out, _VALUE_ATTR, v)
             return out
+        if self._tape_phase != BACKWARD and self.tape_views.busy:
+            out = self.tape_views.intercept(lambda: self._run_quietly(func, types, args, kwargs),
+                                            self._record, func, args)
+            if out is not None:
+                return out
         if self._tape_phase == BACKWARD:
-            func, args, kwargs = plain_tensor_backward_op(self._backward_node(), func, args, kwargs)
+            node = self._backward_node()
+            func, args, kwargs = plain_tensor_backward_op(node, func, args, kwargs)
+            if self.tape_views.copy_slices:
+                func, args, kwargs = copy_slices_view(self.tape_views, node, func, args, kwargs)
         elif self.tape_branches is not None:
             func, args, kwargs = plain_tensor_forward_op(self.tape_branches, func, args, kwargs)
         self._tape_depth += 1
@@ -213,7 +223,16 @@ class Tape(FakeTensorMode):
             self._record_tensor_literal(args[0], out)
         else:
             self._record(func, args, kwargs, out)
+            if self._tape_phase != BACKWARD and args:
+                self.tape_views.after_op(func, args)
         return out
+
+    def _run_quietly(self, func, types, args, kwargs):
+        self._tape_depth += 1
+        try:
+            return self._run(func, types, args, kwargs)
+        finally:
+            self._tape_depth -= 1
 
     def _record_tensor_literal(self, real, out) -> None:
         """`torch.tensor(data)` builds a real tensor outside the dispatcher and lifts it into fake
