@@ -241,13 +241,16 @@ class PythonEngine:
                 outputs = []
             elif isinstance(node, torch.autograd.function.BackwardCFunction):
                 outputs = self._call_python_function(node, inputs)
-            elif node in self.saved.tape.tape_views.nodes and inputs and inputs[0] is not None \
-                    and emulable(self.saved.tape.tape_views.nodes[node]):
-                # a view regenerated after an in-place op: AsStridedBackward0 for a plain tensor
-                outputs = [as_strided_backward(inputs[0], self.saved.tape.tape_views.nodes[node])]
-                self._hold(outputs[0])
             else:
-                outputs = self._call_cpp(node, inputs)
+                # a view regenerated after an in-place op runs AsStridedBackward0's ops, as for a
+                # plain tensor (view_replay.py)
+                regenerated = self.saved.tape.tape_views.nodes.get(node)
+                if regenerated is not None and inputs and inputs[0] is not None \
+                        and emulable(regenerated):
+                    outputs = [as_strided_backward(inputs[0], regenerated)]
+                    self._hold(outputs[0])
+                else:
+                    outputs = self._call_cpp(node, inputs)
             outputs = self._validate(node, outputs)
         post = hooks.post_hooks.get(node)
         if post:

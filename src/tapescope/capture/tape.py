@@ -201,7 +201,7 @@ class Tape(FakeTensorMode):
             return out
         if self._tape_phase != BACKWARD and self.tape_views.busy:
             out = self.tape_views.intercept(lambda: self._run_quietly(func, types, args, kwargs),
-                                            self._record, func, args)
+                                            self._record, func, args, kwargs)
             if out is not None:
                 return out
         if self._tape_phase == BACKWARD:

@@ -76,7 +76,7 @@ class ViewRegeneration:
             view = args[0]
             self._replay = (view._base, _geometry(view), view, [])
 
-    def intercept(self, run, record, func, args):
+    def intercept(self, run, record, func, args, kwargs):
         """The output of autograd's replay of a view op (run, not recorded), else None; `run()`
         runs the op, `record(func, args, kwargs, out)` records one."""
         if self._resolve is not None:
@@ -89,7 +89,7 @@ class ViewRegeneration:
         base, target, view, ops = self._replay
         if func.is_view and args and (args[0] is base or (ops and args[0] is ops[-1][3])):
             out = run()
-            ops.append((func, args, {}, out))
+            ops.append((func, args, kwargs, out))
             if _same(_geometry(out), target):
                 self._replay = None
                 if len(ops) == 1:
