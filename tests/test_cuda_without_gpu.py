@@ -74,3 +74,36 @@ def test_llama_on_cuda_uses_fused_norms_and_foreach_adamw():
     # parameters are bf16 on the GPU; the optimizer's step counters stay on the CPU (not counted)
     cpu_steps = [s for s in p.trace.storages if s.device.type == "cpu" and "optimizer state" in s.roles]
     assert cpu_steps and p.memory.at_peak["optimizer state"] == 2 * p.memory.at_peak["parameters"]
+
+
+class _Attention(torch.nn.Module):
+    """Self-attention that calls SDPA by the name it was given."""
+
+    def __init__(self, sdpa, d=64, heads=4):
+        super().__init__()
+        self.sdpa, self.heads = sdpa, heads
+        self.qkv = torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return self.sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d).sum()
+
+
+def test_prebound_sdpa_gets_the_same_kernel_as_F_sdpa():
+    """`from torch.nn.functional import scaled_dot_product_attention` binds the builtin before
+    tapescope runs; the GPU's backend choice must reach it all the same (a patch of
+    torch.nn.functional's attribute would not)."""
+    from torch.nn.functional import scaled_dot_product_attention as prebound
+
+    x = tapescope.spec((2, 32, 64), dtype="bf16")
+    ops = {}
+    for label, fn in (("F", lambda *a, **k: torch.nn.functional.scaled_dot_product_attention(*a, **k)),
+                      ("prebound", prebound)):
+        p = tapescope.profile(_Attention(fn), x, device="cuda", gpu="h100", dtype="bf16")
+        ops[label] = [op.name for op in p.ops if op.phase != "optimizer"]
+        assert p.facts["sdpa_backends"] == {"cudnn": 1}  # sm90, bf16, head dim 16: cuDNN
+    assert ops["F"] == ops["prebound"]
+    assert "aten._scaled_dot_product_cudnn_attention.default" in ops["prebound"]
+    p = tapescope.profile(_Attention(prebound), x, device="cuda", gpu="a100", dtype="bf16")
+    assert p.facts["sdpa_backends"] == {"flash": 1}  # sm80: flash

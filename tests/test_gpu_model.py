@@ -54,7 +54,7 @@ def test_allocator_replay_of_one_matmul_by_hand():
 def test_roofline_of_one_matmul_by_hand():
     n = 8192
     p = _profile(n)
-    t = estimate_step_time(p, get_gpu("h100"))
+    t = estimate_step_time(p.ops, p.trace, get_gpu("h100"))
     mm = next(i for i, op in enumerate(p.ops) if op.name == "aten.mm.default")
     flops = 2 * n ** 3
     eff = PRIORS["matmul"]
@@ -69,7 +69,7 @@ def test_roofline_of_one_matmul_by_hand():
 def test_host_bound_when_ops_are_tiny():
     p = tapescope.profile(lambda: OneMatmul(8), tapescope.spec((8, 8)), device="cuda", gpu="h100",
                           optimizer="adamw")
-    t = estimate_step_time(p, get_gpu("h100"))
+    t = estimate_step_time(p.ops, p.trace, get_gpu("h100"))
     assert t.bound == "host" and t.gpu_busy < t.seconds / 2
     assert t.seconds >= t.host >= HOST_OP_S
 
@@ -79,3 +79,41 @@ def test_oom_verdict():
     p = _profile(70000, gpu="l4")
     assert p.cuda_memory.oom and p.cuda_memory.oom_at is not None
     assert not _profile(4096, gpu="l4").cuda_memory.oom
+
+
+def _one_matmul(n=3000, **kw):
+    return tapescope.profile(lambda: OneMatmul(n), tapescope.spec((n, n), dtype=torch.bfloat16),
+                             device="cuda", dtype="bf16", gpu="h100", optimizer=None, steps=1, **kw)
+
+
+def test_allocator_settings_change_the_prediction_as_the_allocator_rules_say(monkeypatch):
+    """The weight, the input and the weight's gradient are 3000x3000 bf16 = 18,000,000 bytes each;
+    with the cuBLAS workspace (32 MiB) and two 2-byte scalars they are the peak. By default
+    round_size rounds a request to 512 bytes (18,000,384), get_allocation_size gives it an 18 MiB
+    segment, and the block is not split (873,984 bytes would remain, not more than 1 MiB): each
+    takes 18 MiB. With roundup_power2_divisions:4 round_size rounds to the next quarter of the
+    request's power-of-two interval [16 MiB, 32 MiB): 20 MiB."""
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    scalars, workspace = 2 * 512, 32 * 2**20
+    assert _one_matmul().cuda_memory.max_allocated == 3 * 18 * 2**20 + workspace + scalars
+    rounded = 3 * 20 * 2**20 + workspace + scalars
+    p = _one_matmul(alloc_conf="roundup_power2_divisions:4")
+    assert p.cuda_memory.max_allocated == rounded
+    assert p.cuda_memory.settings == "roundup_power2_divisions:4"
+    # read from the environment as torch reads it: PYTORCH_ALLOC_CONF first, then the CUDA one
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4")
+    assert _one_matmul().cuda_memory.max_allocated == rounded
+    # PYTORCH_ALLOC_CONF wins; with expandable segments should_split splits whenever 512 bytes
+    # or more remain, so each block is the rounded request: 18,000,384
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    env = _one_matmul().cuda_memory
+    assert env.max_allocated == 3 * 18_000_384 + workspace + scalars
+    assert env.settings == "expandable_segments:True"
+
+
+def test_bad_allocator_settings_are_a_clear_error():
+    with pytest.raises(tapescope.TapescopeError, match="max_split_size must be >= 20 MB"):
+        _one_matmul(alloc_conf="max_split_size_mb:4")
+    with pytest.raises(tapescope.TapescopeError, match="Unrecognized key 'nonsense'"):
+        _one_matmul(alloc_conf="nonsense:1")

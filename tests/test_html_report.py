@@ -6,14 +6,15 @@ hostile module name stays text, and a 100k-op step opens in under 3 seconds.
 """
 
 import copy
+import json
 import os
 import random
 import shutil
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.nn as nn
 
 import tapescope
@@ -26,7 +27,7 @@ from tapescope.report.html import render_html, write_html
 from tapescope.report.png import write_png
 from tapescope.report.text import fmt_bytes, fmt_flops
 
-from .conftest import TINY_GPT2, profile_spec, tiny
+from .conftest import TINY_GPT2, TINY_LLAMA, profile_spec, tiny
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CHROMIUM = os.environ.get("TAPESCOPE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -252,28 +253,48 @@ def test_time_column_only_with_a_time_estimate(browser, gpt2, tmp_path):
     assert o.page.locator("#module-table th", has_text="Time").count() == 0
     o.page.close()
 
-    timed = copy.copy(gpt2)
-    timed.timing = [1e-6] * len(gpt2.ops)  # what a time model will attach: seconds per op
-    timed.facts = dict(gpt2.facts, gpu={"name": "NVIDIA H100 80GB HBM3"})
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch")
+def test_gpu_profile_page_shows_what_the_console_prints(browser, tmp_path):
+    """Through the real command: `profile zoo:llama --gpu h100 --amp bf16 --html` shows the same
+    step time, MFU, allocator figures and verdict in the page as in the console."""
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    html, js = tmp_path / "r.html", tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["profile", TINY_LLAMA, "--batch", "2", "--seq", "32", "--gpu",
+                                 "h100", "--amp", "bf16", "--html", str(html), "--json", str(js)],
+                           terminal_width=200)
+    assert r.exit_code == 0, r.output
+    d = json.loads(js.read_text())
+    t, cm = d["time"], d["cuda_memory"]
+    console = " ".join(r.output.split())
+    o = opened(browser, html)
+    header = " ".join(o.page.locator("header").inner_text().split())
+    assert f"step time {t['seconds'] * 1e3:.1f} ms" in console
+    assert f"{t['seconds'] * 1e3:.3f} ms, {t['bound']}-bound, MFU {100 * t['mfu']:.1f}%" in header
+    for figure in (cm["max_allocated"], cm["max_reserved"], cm["nvidia_smi"], cm["capacity"]):
+        assert fmt_bytes(figure) in console and fmt_bytes(figure) in header
+    verdict = "does not fit" if cm["oom"] else "fits"
+    assert verdict in console and verdict in header
+    assert d["gpu"]["name"] in header and d["gpu"]["key"] not in header
+    assert not o.errors
+    o.page.close()
+
+
+def test_module_time_column_rolls_up_the_step_time(browser, tmp_path):
+    p = profile_spec(tiny(TINY_LLAMA), name="llama", device="cuda", gpu="h100", amp="bf16") \
+        if torch.backends.cuda.is_built() else None
+    if p is None:
+        pytest.skip("needs a CUDA build of torch")
     path = tmp_path / "timed.html"
-    write_html(timed, path)
+    write_html(p, path)
     o = opened(browser, path)
     assert o.page.locator("#module-table th", has_text="Time (est.)").count() == 1
     root = o.page.locator('#module-table tr[data-fqn=""] td').last.inner_text()
-    n_root = sum(1 for op in gpt2.ops if op.module is not None)
-    assert root == f"{n_root:.2f} µs"
-    assert "Time estimate" in o.page.locator("header").inner_text()
-    assert "NVIDIA H100 80GB HBM3" in o.page.locator("header").inner_text()
-    o.page.close()
-
-    # the time model's result (analysis.timing.StepTime): per-op GPU seconds and its own total
-    timed.timing = SimpleNamespace(op_seconds=[2e-6] * len(gpt2.ops), seconds=0.0125,
-                                   bound="host", mfu=0.25)
-    write_html(timed, path)
-    o = opened(browser, path)
-    assert "12.500 ms, host-bound, MFU 25.0%" in o.page.locator("header").inner_text()
-    root = o.page.locator('#module-table tr[data-fqn=""] td').last.inner_text()
-    assert root == f"{2 * n_root:.2f} µs"
+    expected = sum(t for op, t in zip(p.ops, p.time.op_seconds) if op.module is not None)
+    assert root == (f"{expected * 1e6:.2f} µs" if expected < 1e-3 else f"{expected * 1e3:.3f} ms")
     o.page.close()
 
 

@@ -1,4 +1,10 @@
-"""`tapescope.profile`: capture a training step on fake tensors, then analyse it."""
+"""`tapescope.profile`: capture a training step on fake tensors, then analyse it.
+
+The pipeline: `Options.create` checks and resolves what the user asked for -> `capture` runs the
+steps on fake tensors and returns a Trace (plain records) -> `analyse` turns the trace into the
+op table and the memory report -> a `Profile` holds them, and computes the rest (the FX graph, the
+GPU's allocator and step time, the module roll-ups) from the same records when first asked.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +17,16 @@ from functools import cached_property
 import torch
 
 from .analysis.memory import MemoryReport, memory_report, peak_bytes, storage_categories
-from .analysis.ops import Op, OpCosts, step_ops
+from .analysis.modules import module_rollup
+from .analysis.ops import OpCosts, step_ops
 from .analysis.steps import step_views
-from .capture.model import resolve_dtype
 from .capture.records import BACKWARD, FORWARD, OPTIMIZER, Trace
 from .capture.session import capture
 from .errors import TapescopeError
+from .options import Options, Workload
+from .torch_compat import tree_map
 
-__all__ = ["profile", "Profile"]
+__all__ = ["profile", "profile_workload", "Profile"]
 
 
 @dataclass
@@ -40,6 +48,7 @@ class Profile:
     facts: dict = field(default_factory=dict)
     trace: Trace | None = field(default=None, repr=False)
     symbolic: object = field(default=None, repr=False)  # analysis.symbolic.SymbolicProfile
+    options: Options | None = field(default=None, repr=False)
 
     @property
     def peak_bytes(self):
@@ -72,42 +81,43 @@ class Profile:
     @cached_property
     def module_flops(self) -> dict:
         """Module fqn -> FLOPs of its ops and its submodules' ops (forward and backward)."""
-        from .analysis.memory import _ancestors
-
-        out: Counter = Counter()
-        for op in self.ops:
-            if op.flops and op.module is not None:
-                for m in _ancestors(op.module):
-                    out[m] += op.flops
-        return dict(out)
+        return module_rollup(self.ops, lambda op: op.flops)
 
     @cached_property
     def gpu(self):
         """The GPU whose kernels the trace follows (device="cuda"), a devices.gpus.GPU."""
         from .devices.gpus import get_gpu
 
+        if self.options is not None and self.options.gpu is not None:
+            return self.options.gpu
         return get_gpu(self.facts["gpu"]) if self.facts.get("gpu") else None
 
     @cached_property
     def cuda_memory(self):
-        """What torch.cuda would report: the caching allocator replayed over the steps (cuda)."""
+        """What torch.cuda would report: the caching allocator replayed over the steps (cuda),
+        with the allocator settings of the options (PYTORCH_ALLOC_CONF by default)."""
         from .analysis.gpu_memory import predict_cuda_memory
 
-        return predict_cuda_memory(self.trace, self.gpu) if self.gpu is not None else None
+        if self.gpu is None or self.trace.device.type != "cuda":
+            return None
+        config = self.options.alloc_conf if self.options is not None else None
+        return predict_cuda_memory(self.trace, self.gpu, config)
 
     @cached_property
     def time(self):
         """Estimated wall time of the step on the GPU (analysis.timing), None off CUDA."""
         from .analysis.timing import estimate_step_time
 
-        return estimate_step_time(self, self.gpu) if self.gpu is not None else None
+        if self.gpu is None or self.trace.device.type != "cuda":
+            return None
+        return estimate_step_time(self.ops, self.trace, self.gpu)
 
     @cached_property
     def graph(self) -> torch.fx.GraphModule:
         """The step as one FX graph: forward, backward and optimizer nodes in execution order."""
         from .analysis.graph import build_graph
 
-        return build_graph(self)
+        return build_graph(self.ops, self.trace)
 
     def at(self, **sizes):
         """Peak memory, first-step peak, FLOPs and the categories at the peak for other sizes of
@@ -141,45 +151,101 @@ class Profile:
         return ops_table_text(self)
 
     def to_dict(self, with_ops: bool = True, with_timeline: bool = True) -> dict:
-        d = {
-            "tapescope_version": _version(), "torch_version": torch.__version__,
-            "model": self.model, "device": self.device, "dtype": self.dtype,
-            "inputs": self.inputs, "steps": self.steps,
-            "peak_bytes": _n(self.peak_bytes), "first_step_peak_bytes": _n(self.first_step_peak_bytes),
-            "flops": {k: _n(v) for k, v in self.flops.items()},
-            "uncounted_ops": self.uncounted_ops,
-            "facts": self.facts,
-            "memory": self.memory.to_dict(with_timeline),
-            "first_step_memory": self.first_step_memory.to_dict(False),
-            "module_flops": {k: _n(v) for k, v in self.module_flops.items()},
-        }
-        if self.gpu is not None:
-            d["gpu"] = {"key": self.gpu.key, "name": self.gpu.name}
-            d["cuda_memory"] = {k: getattr(self.cuda_memory, k) for k in (
-                "max_allocated", "max_reserved", "steady_allocated", "steady_reserved",
-                "fragmentation", "context_bytes", "capacity", "oom", "oom_at")}
-            d["cuda_memory"]["nvidia_smi"] = self.cuda_memory.nvidia_smi
-            d["time"] = self.time.to_dict()
-        if self.symbolic is not None:
-            sp = self.symbolic
-            d["symbolic"] = {"dims": list(sp.names), "ranges": sp.ranges,
-                             "peak_bytes": str(sp.peak_expr()),
-                             "flops": {k: str(v) for k, v in sp.flops.items()},
-                             "guards": [g.__dict__ for g in sp.guards],
-                             "specialized": sp.specialized, "fitted": sp.fitted}
-        if with_ops:
-            d["ops"] = [op.to_dict() for op in self.ops]
-        return d
+        from .report.json import profile_dict
+
+        return profile_dict(self, with_ops, with_timeline)
 
 
-def _n(x):
-    return x if isinstance(x, int) else str(x)
+def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=None,
+            amp=None, steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
+            engine: str = "python", symbolic=(), gpu=None, alloc_conf=None,
+            progress=None) -> Profile:
+    """Trace a training step of `model` on fake tensors and analyse it.
+
+    model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
+        (it is built on the meta device, so init code never allocates).
+    inputs: tensors (real or meta) or `tapescope.spec(shape, dtype=...)`; `input_kwargs` for keyword
+        inputs. Their values are never read.
+    loss_fn: `loss_fn(output, *inputs) -> scalar`. Default: a scalar output is the loss; else an
+        output's scalar `.loss`; else the sum of the floating-point outputs.
+    optimizer: "sgd", "adam", "adamw" (torch defaults, with the foreach/fused choice torch makes on
+        `device`), an Optimizer class, a function params -> optimizer, or None (no optimizer step).
+    device: "cpu", "cuda" or "meta" - the device whose kernels and autograd formulas are traced.
+        Default: "cuda" when a `gpu` is named, else "cpu".
+    gpu: for device="cuda", the GPU whose kernel choices to follow ("h100", "a100", "l4", ...;
+        default H100): attention backends depend on its compute capability.
+    dtype: cast floating-point parameters and inputs (e.g. torch.bfloat16 or "bf16").
+    amp: run forward and loss under torch.autocast with this dtype ("bf16", "fp16"): mixed
+        precision with fp32 parameters (works for device="cuda" without a GPU).
+    steps: 2 (default) reports the steady state, with optimizer state alive; 1 the first step.
+    engine: "python" (default) runs backward with tapescope's own engine, which needs no GPU;
+        "torch" calls loss.backward() (needs a GPU for device="cuda").
+    symbolic: names of input dimensions to keep symbolic, e.g. ("batch", "seq"): one trace then
+        gives memory and FLOPs as formulas (`p.symbolic`) and `p.at(batch=..., seq=...)`. The
+        report itself is for the sizes the inputs have. Name dimensions with spec(..., dims=...).
+    alloc_conf: CUDA caching-allocator settings for the predicted torch.cuda figures, written as
+        PYTORCH_ALLOC_CONF is ("expandable_segments:True,max_split_size_mb:512"); default: the
+        environment's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF.
+    progress: progress(step, phase) is called as each phase of each step is traced.
+    """
+    options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, gpu=gpu,
+                             dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
+                             alloc_conf=alloc_conf)
+    return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
+                            options, progress)
 
 
-def _version() -> str:
-    from . import __version__
+def profile_workload(workload: Workload, options: Options, progress=None) -> Profile:
+    """`profile` for an already resolved workload and options (what the CLI calls)."""
+    if options.symbolic and not isinstance(workload.model, torch.nn.Module) \
+            and callable(workload.model):
+        from .capture.model import build_on_meta
 
-    return __version__
+        # built once: at() traces it again outside the formulas' range
+        workload = replace(workload, model=build_on_meta(workload.model))
+    trace, facts = capture(workload, options, progress)
+    inputs = [_describe_input(x) for x in workload.args]
+    sp = None
+    with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
+        if options.symbolic:
+            from .analysis.symbolic import instantiate, symbolic_profile
+
+            sp, sym_trace, conv = symbolic_profile(trace)
+            trace = instantiate(sym_trace, conv, trace.hints)
+            inputs = [_describe_input(x, trace_hints=sp.hints) for x in workload.args]
+        p = analyse(trace, facts, model=workload.display_name, options=options, inputs=inputs)
+    p.symbolic = sp
+    if options.symbolic:
+        def retrace(sizes):
+            resized = replace(workload, args=_resize(workload.args, sizes),
+                              kwargs=_resize(workload.kwargs, sizes))
+            return profile_workload(resized, options.but(symbolic=()))
+
+        p._retrace = retrace
+        if sp.specialized:
+            from .analysis.symbolic import fit_pinned
+
+            fit_pinned(sp, retrace)
+    return p
+
+
+def analyse(trace: Trace, facts: dict, *, model: str, options: Options, inputs) -> Profile:
+    """The op table and memory report of the traced steps (pure functions of the trace)."""
+    views = step_views(trace)
+    categories = storage_categories(trace)
+    costs = OpCosts(trace)
+    main = views[max(views)]
+    ops = step_ops(trace, main, costs)
+    memory = memory_report(trace, main, ops, categories)
+    first_peak = memory.peak_bytes if main.step == 1 else peak_bytes(trace, views[1])
+    facts = dict(facts, step2=trace.step2)
+    dtype = options.dtype
+    p = Profile(model=model, device=str(options.device),
+                dtype=None if dtype is None else str(dtype).replace("torch.", ""),
+                inputs=inputs, steps=main.step, ops=ops, memory=memory,
+                first_step_peak_bytes=first_peak, facts=facts, trace=trace, options=options)
+    p._costs, p._categories, p._retrace = costs, categories, None
+    return p
 
 
 def _describe_input(x, trace_hints=None) -> object:
@@ -193,75 +259,8 @@ def _describe_input(x, trace_hints=None) -> object:
     return repr(x)
 
 
-def profile(model, *inputs, loss_fn=None, optimizer="adamw", device="cpu", dtype=None,
-            amp=None, steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
-            engine: str = "python", symbolic=(), gpu=None, progress=None) -> Profile:
-    """Trace a training step of `model` on fake tensors and analyse it.
-
-    model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
-        (it is built on the meta device, so init code never allocates).
-    inputs: tensors (real or meta) or `tapescope.spec(shape, dtype=...)`; `input_kwargs` for keyword
-        inputs. Their values are never read.
-    loss_fn: `loss_fn(output, *inputs) -> scalar`. Default: a scalar output is the loss; else an
-        output's scalar `.loss`; else the sum of the floating-point outputs.
-    optimizer: "sgd", "adam", "adamw" (torch defaults, with the foreach/fused choice torch makes on
-        `device`), an Optimizer class, a function params -> optimizer, or None (no optimizer step).
-    device: "cpu", "cuda" or "meta" - the device whose kernels and autograd formulas are traced.
-    gpu: for device="cuda", the GPU whose kernel choices to follow ("h100", "a100", "l4", ...;
-        default H100): attention backends depend on its compute capability.
-    dtype: cast floating-point parameters and inputs (e.g. torch.bfloat16 or "bf16").
-    amp: run forward and loss under torch.autocast with this dtype ("bf16", "fp16"): mixed
-        precision with fp32 parameters (works for device="cuda" without a GPU).
-    steps: 2 (default) reports the steady state, with optimizer state alive; 1 the first step.
-    engine: "python" (default) runs backward with tapescope's own engine, which needs no GPU;
-        "torch" calls loss.backward() (needs a GPU for device="cuda").
-    symbolic: names of input dimensions to keep symbolic, e.g. ("batch", "seq"): one trace then
-        gives memory and FLOPs as formulas (`p.symbolic`) and `p.at(batch=..., seq=...)`. The
-        report itself is for the sizes the inputs have. Name dimensions with spec(..., dims=...).
-    """
-    dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
-    if isinstance(symbolic, str):
-        symbolic = (symbolic,)
-    symbolic = tuple(symbolic or ())
-    if not isinstance(model, torch.nn.Module) and callable(model) and symbolic:
-        from .capture.model import build_on_meta
-
-        model = build_on_meta(model)  # built once, traced again by at() outside the formulas
-    trace, facts = capture(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
-                           device=device, dtype=dtype, amp=amp, steps=steps, engine=engine,
-                           symbolic=symbolic, gpu=gpu, progress=progress)
-    facts["amp"] = None if amp is None else str(amp).replace("torch.", "")
-    meta = dict(model=name or _model_name(model), device=str(device), dtype=dtype,
-                inputs=[_describe_input(x) for x in inputs], steps=steps)
-    sp = None
-    with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
-        if symbolic:
-            from .analysis.symbolic import instantiate, symbolic_profile
-
-            sp, sym_trace, conv = symbolic_profile(trace)
-            trace = instantiate(sym_trace, conv, trace.hints)
-            meta["inputs"] = [_describe_input(x, trace_hints=sp.hints) for x in inputs]
-        p = analyse(trace, facts, **meta)
-    p.symbolic = sp
-
-    def retrace(sizes):
-        resized = [_resize(x, sizes) for x in inputs]
-        return profile(model, *resized, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                       dtype=dtype, amp=amp, steps=steps, input_kwargs=_resize(input_kwargs, sizes),
-                       name=name, engine=engine, gpu=gpu)
-
-    p._retrace = retrace if symbolic else None
-    if sp is not None and sp.specialized:
-        from .analysis.symbolic import fit_pinned
-
-        fit_pinned(sp, retrace)
-    return p
-
-
 def _resize(x, sizes: dict):
     """Specs with their named dimensions set to `sizes`."""
-    from torch.utils._pytree import tree_map
-
     from .capture.model import Spec
 
     def one(s):
@@ -282,26 +281,3 @@ def _gc_paused():
     finally:
         if was:
             gc.enable()
-
-
-def analyse(trace: Trace, facts: dict, *, model: str, device: str, dtype, inputs, steps) -> Profile:
-    views = step_views(trace)
-    categories = storage_categories(trace)
-    costs = OpCosts(trace)
-    main = views[max(views)]
-    ops = step_ops(trace, main, costs)
-    memory = memory_report(trace, main, ops, categories)
-    first_peak = memory.peak_bytes if main.step == 1 else peak_bytes(trace, views[1])
-    facts = dict(facts, step2=trace.step2)
-    p = Profile(model=model, device=device,
-                dtype=None if dtype is None else str(dtype).replace("torch.", ""),
-                inputs=inputs, steps=main.step, ops=ops, memory=memory,
-                first_step_peak_bytes=first_peak, facts=facts, trace=trace)
-    p._costs, p._categories, p._retrace = costs, categories, None
-    return p
-
-
-def _model_name(model) -> str:
-    if isinstance(model, torch.nn.Module):
-        return type(model).__name__
-    return getattr(model, "__name__", type(model).__name__)

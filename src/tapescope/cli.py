@@ -58,27 +58,46 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(1)
 
 
-def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None):
-    from . import profile
+def _workload(spec, batch, seq, inputs):
+    from .options import Workload
     from .zoo import parse_input, resolve
 
     m = resolve(spec, batch=batch, seq=seq, inputs=[parse_input(i) for i in inputs or []])
-    with _progress(f"tracing {m.name} on fake {device} tensors") as progress:
-        return profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
-                       optimizer=None if optimizer == "none" else optimizer, device=device,
-                       dtype=dtype, amp=amp, steps=steps, name=m.name, gpu=gpu, progress=progress)
+    return Workload(m.build, tuple(m.inputs), dict(m.input_kwargs), m.name), m.loss_fn
+
+
+def _options(loss_fn, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None, symbolic=()):
+    from .options import Options
+
+    return Options.create(loss_fn=loss_fn, optimizer=None if optimizer == "none" else optimizer,
+                          device=device, gpu=gpu, dtype=dtype, amp=amp, steps=steps,
+                          alloc_conf=alloc_conf, symbolic=symbolic)
+
+
+def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
+                 alloc_conf=None):
+    from .api import profile_workload
+
+    workload, loss_fn = _workload(spec, batch, seq, inputs)
+    options = _options(loss_fn, optimizer, device, gpu, dtype, amp, steps, alloc_conf)
+    with _progress(f"tracing {workload.name} on fake {options.device.type} tensors") as progress:
+        return profile_workload(workload, options, progress)
 
 
 SpecArg = typer.Argument(DEFAULT_SPEC, help=_spec_help, show_default=True)
 BatchOpt = typer.Option(None, "--batch", "-b", help="Batch size (default: the model's).")
 SeqOpt = typer.Option(None, "--seq", "-s", help="Sequence length (image size for vision models).")
-DeviceOpt = typer.Option("cpu", "--device", "-d", help="cpu, cuda or meta: whose kernels to trace.")
+DeviceOpt = typer.Option(None, "--device", "-d",
+                         help="cpu, cuda or meta: whose kernels to trace (default: cuda with --gpu, else cpu).")
 DtypeOpt = typer.Option(None, "--dtype", help="fp32, bf16 or fp16: cast the model (default: the model's).")
 AmpOpt = typer.Option(None, "--amp", help="bf16 or fp16: mixed precision (torch.autocast), fp32 weights.")
 GpuOpt = typer.Option(None, "--gpu", help="With --device cuda: the GPU whose kernels to follow (h100, a100, l4, ...).")
 OptimOpt = typer.Option("adamw", "--optimizer", "-o", help="adamw, adam, sgd or none.")
 StepsOpt = typer.Option(2, "--steps", help="2: steady state with optimizer state; 1: first step.")
 InputOpt = typer.Option(None, "--input", "-i", help="An input shape, e.g. 4,128 or 4,128:int64; repeat for several.")
+AllocConfOpt = typer.Option(None, "--alloc-conf",
+                            help="CUDA caching-allocator settings as PYTORCH_ALLOC_CONF writes them, "
+                                 "e.g. expandable_segments:True (default: the environment's).")
 
 
 @app.command("profile")
@@ -87,6 +106,7 @@ def profile_cmd(
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
     gpu: Optional[str] = GpuOpt,
     optimizer: str = OptimOpt, steps: int = StepsOpt, input: Optional[List[str]] = InputOpt,
+    alloc_conf: Optional[str] = AllocConfOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
     html_file: Optional[str] = typer.Option(None, "--html", help="Write an interactive, self-contained HTML report."),
@@ -98,9 +118,8 @@ def profile_cmd(
 
     try:
         t0 = time.perf_counter()
-        if gpu and device == "cpu":
-            device = "cuda"  # naming a GPU means tracing what it runs
-        p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp, gpu)
+        p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp, gpu,
+                         alloc_conf)
         elapsed = time.perf_counter() - t0
         render_summary(p, out, top=top)
         out.print(f"[dim]{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never allocated the model.[/]")
@@ -168,20 +187,20 @@ def explain_cmd(
 ):
     """How the dispatcher handles an op on a device, what autograd records and what its backward runs."""
     from .analysis.explain import describe_kernel, explain_op, explain_profile, render
-    from .capture.model import resolve_dtype
+    from .options import resolve_dtype
 
     try:
         if model is None:
             if op is None:
                 raise TapescopeError("give an op (tapescope explain aten::rms_norm) or --model SPEC")
             try:
-                e = explain_op(op, device, resolve_dtype(dtype))
+                e = explain_op(op, device or "cuda", resolve_dtype(dtype))
             except ValueError as exc:
                 raise TapescopeError(f"{exc}; to explain an op in context use --model SPEC") from None
             out.print(render(e), highlight=False, markup=False)
             return
         p = _run_profile(model, batch, seq, device, dtype if dtype != "fp32" else None, "none", 1, None)
-        for name, autograd, backend, node, bwd in explain_profile(p):
+        for name, autograd, backend, node, bwd in explain_profile(p.ops, p.trace.device.type):
             if op and op not in name:
                 continue
             out.print(f"{name}", style="bold", highlight=False)
@@ -203,41 +222,16 @@ def diff_cmd(
     top: int = typer.Option(12, "--top", help="Differences to show."),
 ):
     """The same step traced on two devices: aligned op sequences, each difference explained."""
-    from .analysis.diff import diff_profiles
-    from .report.text import fmt_bytes, fmt_flops
+    from .analysis.diff import diff_steps
+    from .report.console import render_diff
 
     try:
         a = _run_profile(spec, batch, seq, device, dtype, optimizer, 2, input, amp)
         b = _run_profile(spec, batch, seq, vs, dtype, optimizer, 2, input, amp)
     except TapescopeError as e:
         _fail(e)
-    d = diff_profiles(a, b)
-    out.print(f"[bold]{a.model}: {device} vs {vs}[/]  ({len(a.ops)} vs {len(b.ops)} ops, "
-              f"{d.same_ops} forward/backward ops identical)")
-    out.print(f"peak      {fmt_bytes(a.peak_bytes):>12} vs {fmt_bytes(b.peak_bytes):>12}   "
-              f"delta {fmt_bytes(b.peak_bytes - a.peak_bytes)}")
-    for cat in a.memory.at_peak:
-        x, y = a.memory.at_peak[cat], b.memory.at_peak[cat]
-        if x or y:
-            out.print(f"  {cat:<18} {fmt_bytes(x):>12} vs {fmt_bytes(y):>12}")
-    for ph in ("forward", "backward", "optimizer", "total"):
-        out.print(f"FLOPs {ph:<9} {fmt_flops(a.flops[ph]):>12} vs {fmt_flops(b.flops[ph]):>12}")
-    groups: dict = {}
-    for h in d.hunks:
-        key = (h.phase, tuple(h.a_ops), tuple(h.b_ops))
-        groups.setdefault(key, []).append(h)
-    out.print(f"\n[bold]{len(d.hunks)} differences[/] ({len(groups)} distinct):")
-    for (phase, a_ops, b_ops), hs in list(groups.items())[:top]:
-        h = hs[0]
-        mods = sorted({m for x in hs for m in x.modules})
-        where = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
-        out.print(f"\n[bold]{phase}[/] x{len(hs)} in {where or '-'}")
-        out.print(f"  {device}: {', '.join(a_ops) or '(nothing)'}", highlight=False, markup=False)
-        out.print(f"  {vs}: {', '.join(b_ops) or '(nothing)'}", highlight=False, markup=False)
-        for r in h.reasons:
-            out.print(f"  why: {r}", highlight=False, markup=False)
-        out.print(f"  FLOPs {fmt_flops(h.a_flops)} vs {fmt_flops(h.b_flops)}; saved for backward "
-                  f"{fmt_bytes(h.a_saved)} vs {fmt_bytes(h.b_saved)} (each)", highlight=False)
+    d = diff_steps(a.ops, b.ops, a.trace.device.type, b.trace.device.type)
+    render_diff(a, b, d, out, top=top)
 
 
 @app.command("fit")
@@ -250,71 +244,26 @@ def fit_cmd(
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Also print the peak for sizes A..B, e.g. 1..4096."),
 ):
     """The largest batch (or, with --batch, sequence length) whose step fits the memory budget."""
-    from .fit import ALLOCATOR_SLACK, CONTEXT_RESERVE, fit
-    from .report.text import fmt_bytes
-    from .zoo import resolve
+    from .fit import fit_workload, sweep as sweep_sizes
+    from .report.console import render_fit
 
     try:
         dim = "seq" if batch is not None else "batch"
-        m = resolve(spec, batch=batch, seq=seq)
-        dev = device or ("cuda" if gpu and _cuda_built() else "cpu")
-        with _progress(f"tracing {m.name} with a symbolic {dim}") as progress:
-            r = fit(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
-                    optimizer=None if optimizer == "none" else optimizer, device=dev, dtype=dtype,
-                    amp=amp, gpu=gpu if dev == "cuda" else None, budget=budget, dim=dim,
-                    name=m.name, progress=progress)
-            if gpu and budget is None:
-                from .devices.gpus import get_gpu
-                r.budget_note = (f"{get_gpu(gpu).name} memory less {fmt_bytes(CONTEXT_RESERVE)} for the "
-                                 f"CUDA context and {ALLOCATOR_SLACK:.0%} for the caching allocator")
+        workload, loss_fn = _workload(spec, batch, seq, None)
+        options = _options(loss_fn, optimizer, device, gpu, dtype, amp)
+        with _progress(f"tracing {workload.name} with a symbolic {dim}") as progress:
+            r = fit_workload(workload, options, budget=budget, dim=dim, progress=progress)
+        rows = None
+        if sweep:
+            a, _, b = sweep.partition("..")
+            try:
+                lo, hi = int(a), int(b or a)
+            except ValueError:
+                raise TapescopeError(f"--sweep takes A..B, e.g. 1..4096, not {sweep!r}") from None
+            rows = sweep_sizes(r, lo, hi)
     except TapescopeError as e:
         _fail(e)
-    sp = r.profile.symbolic
-    shapes = " × ".join("x".join(str(s) for s in i["shape"]) for i in r.profile.inputs
-                        if isinstance(i, dict))
-    out.print(f"[bold]{m.name}[/] on {dev}{' (' + gpu + ')' if gpu else ''}, inputs {shapes} "
-              f"with {dim} varying")
-    out.print(f"budget {fmt_bytes(r.budget)}" + (f" ({r.budget_note})" if getattr(r, "budget_note", None) else ""))
-    out.print(f"peak memory = {sp.expr(sp.pieces[-1].bytes)} bytes for large {dim} "
-              f"({len(sp.pieces)} piece{'s' if len(sp.pieces) > 1 else ''}; formulas hold for "
-              f"{dim} in [{sp.ranges[dim][0]}, {sp.ranges[dim][1] or 'inf'}])", highlight=False)
-    for g in sp.guards:
-        out.print(f"  guard: {g.expr} at {g.where}" + (f" pins {g.pins}" if g.pins else ""), highlight=False)
-    if sp.fitted:
-        f = sp.fitted
-        out.print(f"  {', '.join(f['dims'])} pinned by a guard: traced at {len(f['traced_at'])} sizes, "
-                  f"fitted polynomials, {'verified' if f['verified'] else 'NOT verified'} at "
-                  f"{len(f['checked_at'])} more" + ("" if f["verified"] else "; tracing each size instead"),
-                  highlight=False)
-    if r.value is None:
-        out.print(f"[red]nothing fits[/]: {dim} {r.probes[0][0]} already needs {fmt_bytes(r.next_peak)}")
-    else:
-        out.print(f"[bold green]largest {dim} that fits: {r.value}[/] — peak {fmt_bytes(r.peak_bytes)}, "
-                  f"headroom {fmt_bytes(r.headroom)}")
-        if r.next_peak is not None:
-            out.print(f"  {dim} {r.value + 1} would need {fmt_bytes(r.next_peak)}")
-        elif r.limit is not None:
-            out.print(f"  the model accepts {dim} up to {r.limit}")
-    if sweep:
-        a, _, b = sweep.partition("..")
-        lo, hi = int(a), int(b or a)
-        sizes, n = [], lo
-        while n <= hi:
-            sizes.append(n)
-            n *= 2
-        if r.value and lo <= r.value <= hi:
-            sizes = sorted(set(sizes) | {r.value, r.value + 1})
-        peaks = []
-        for n in sizes:
-            if sp.ranges[dim][1] is not None and n > sp.ranges[dim][1]:
-                continue
-            e = r.profile.at(**{dim: n})
-            peaks.append((n, max(e.peak_bytes, e.first_step_peak_bytes)))
-        top = max(v for _, v in peaks) or 1
-        for n, v in peaks:
-            bar = "#" * max(1, int(40 * v / top))
-            mark = "fits" if v <= r.budget else "OOM "
-            out.print(f"  {dim} {n:>7}  {fmt_bytes(v):>12}  {mark}  {bar}", highlight=False)
+    render_fit(r, workload.name, options, out, rows)
 
 
 @app.command("validate")
@@ -355,12 +304,6 @@ def _cuda_present() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _cuda_built() -> bool:
-    import torch
-
-    return torch.backends.cuda.is_built()
 
 
 def main() -> None:

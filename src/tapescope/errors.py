@@ -64,16 +64,8 @@ def _where(exc) -> str:
 
 def from_trace_failure(exc: BaseException) -> TapescopeError:
     """Turn an exception raised while tracing the step into a message that says what to do."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        UnsupportedOperatorException,
-    )
-
-    try:
-        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-    except ImportError:  # pragma: no cover - older torch
-        GuardOnDataDependentSymNode = ()
+    from .torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
+                               GuardOnDataDependentSymNode, UnsupportedOperatorException)
 
     op = getattr(exc, "tapescope_op", None) or getattr(exc, "func", None)
     where = _where(exc)

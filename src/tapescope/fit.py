@@ -5,22 +5,23 @@ that formula finds the largest size within budget in microseconds per probe. Siz
 where the formula holds (a guard such as seq <= block_size, or a dimension the model pinned) are
 traced concretely instead.
 
-The default budget is the GPU's memory less a reserve: 1 GiB for the CUDA context and library
-workspaces (nvidia-smi shows 0.5-1 GiB before any tensor exists) and 10% for the caching
-allocator's rounding and fragmentation, which the predicted allocated bytes do not include.
+The default budget is the GPU's memory less the CUDA context (devices.gpus.cuda_context_bytes,
+the one model of it that the allocator prediction uses too) and 10% for the caching allocator's
+rounding and fragmentation, which the predicted allocated bytes do not include.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .api import profile
+from .api import profile_workload
 from .errors import TapescopeError
+from .options import Options, Workload
 
-__all__ = ["FitResult", "fit", "parse_bytes", "default_budget", "CONTEXT_RESERVE", "ALLOCATOR_SLACK"]
+__all__ = ["FitResult", "fit", "fit_workload", "sweep", "parse_bytes", "default_budget",
+           "ALLOCATOR_SLACK"]
 
-CONTEXT_RESERVE = 2**30
 ALLOCATOR_SLACK = 0.10
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -39,8 +40,17 @@ def parse_bytes(text) -> int:
 
 
 def default_budget(gpu) -> int:
-    memory = gpu.reported_memory_bytes or gpu.memory_bytes
-    return int((memory - CONTEXT_RESERVE) / (1 + ALLOCATOR_SLACK))
+    from .devices.gpus import usable_memory_bytes
+
+    return int(usable_memory_bytes(gpu) / (1 + ALLOCATOR_SLACK))
+
+
+def _budget_note(gpu) -> str:
+    from .devices.gpus import cuda_context_bytes
+    from .report.text import fmt_bytes
+
+    return (f"{gpu.name} memory less {fmt_bytes(cuda_context_bytes(gpu))} for the CUDA context "
+            f"and {ALLOCATOR_SLACK:.0%} for the caching allocator")
 
 
 @dataclass
@@ -53,6 +63,7 @@ class FitResult:
     limit: int | None        # the largest size the model accepts (a guard), if any
     profile: object          # the symbolic Profile the search used
     probes: list             # (size, peak) pairs evaluated
+    budget_note: str = ""    # where the budget comes from, when it was not given
 
     @property
     def headroom(self) -> int | None:
@@ -60,19 +71,25 @@ class FitResult:
 
 
 def fit(model, *inputs, budget=None, gpu=None, dim: str = "batch", low: int = 1,
-        high: int = 1 << 20, **kwargs) -> FitResult:
+        high: int = 1 << 20, input_kwargs=None, name=None, progress=None, **options) -> FitResult:
     """Largest `dim` ("batch" or "seq") whose predicted peak fits `budget` (or `gpu`'s memory).
 
     Other arguments are profile()'s. The other named dimensions keep the sizes the inputs give.
     """
-    from .devices.gpus import get_gpu
+    opts = Options.create(gpu=gpu, **options)
+    return fit_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name), opts,
+                        budget=budget, dim=dim, low=low, high=high, progress=progress)
 
+
+def fit_workload(workload: Workload, options: Options, *, budget=None, dim: str = "batch",
+                 low: int = 1, high: int = 1 << 20, progress=None) -> FitResult:
+    note = ""
     if budget is None:
-        if gpu is None:
+        if options.gpu is None:
             raise TapescopeError("give a budget (e.g. '24GiB') or a GPU (e.g. 'h100')")
-        budget = default_budget(get_gpu(gpu) if isinstance(gpu, str) else gpu)
+        budget, note = default_budget(options.gpu), _budget_note(options.gpu)
     budget = parse_bytes(budget)
-    p = profile(model, *inputs, symbolic=(dim,), **kwargs)
+    p = profile_workload(workload, replace(options, symbolic=(dim,)), progress)
     sp = p.symbolic
     lo_ok, hi_ok = sp.ranges[dim]
     limit = hi_ok
@@ -86,7 +103,7 @@ def fit(model, *inputs, budget=None, gpu=None, dim: str = "batch", low: int = 1,
         return v
 
     if peak(low) > budget:
-        return FitResult(dim, None, None, budget, probes[-1][1], limit, p, probes)
+        return FitResult(dim, None, None, budget, probes[-1][1], limit, p, probes, note)
     # peak grows with the size: double until it does not fit (or the limit), then bisect
     good, bad = low, None
     n = max(low + 1, 2)
@@ -110,4 +127,23 @@ def fit(model, *inputs, budget=None, gpu=None, dim: str = "batch", low: int = 1,
                 bad = mid
     at_good = dict(probes)[good] if good in dict(probes) else peak(good)
     nxt = None if good >= high and bad is None else (dict(probes).get(good + 1) or peak(good + 1))
-    return FitResult(dim, good, at_good, budget, nxt, limit, p, probes)
+    return FitResult(dim, good, at_good, budget, nxt, limit, p, probes, note)
+
+
+def sweep(r: FitResult, lo: int, hi: int) -> list[tuple[int, int]]:
+    """(size, peak) for powers of two from lo to hi (and the fitting size and the next), within
+    the range the model accepts; the peak is the larger of the first and steady steps'."""
+    sp = r.profile.symbolic
+    sizes, n = [], lo
+    while n <= hi:
+        sizes.append(n)
+        n *= 2
+    if r.value and lo <= r.value <= hi:
+        sizes = sorted(set(sizes) | {r.value, r.value + 1})
+    out = []
+    for n in sizes:
+        if sp.ranges[r.dim][1] is not None and n > sp.ranges[r.dim][1]:
+            continue
+        e = r.profile.at(**{r.dim: n})
+        out.append((n, max(e.peak_bytes, e.first_step_peak_bytes)))
+    return out

@@ -74,6 +74,29 @@ class AllocatorConfig:
             raise ValueError(f"roundup_power2_divisions needs 1 or {_INTERVALS} values")
         object.__setattr__(self, "roundup_power2_divisions", divs)
 
+    def describe(self) -> str:
+        """The settings that differ from torch's defaults, as PYTORCH_ALLOC_CONF writes them
+        ("" for the defaults)."""
+        parts = []
+        if self.max_split_size is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size // _MB}")
+        if self.expandable_segments:
+            parts.append("expandable_segments:True")
+        if self.garbage_collection_threshold is not None:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
+        divs = self.roundup_power2_divisions
+        if any(divs):
+            parts.append(f"roundup_power2_divisions:{divs[0]}" if len(set(divs)) == 1 else
+                         "roundup_power2_divisions:[" + ",".join(
+                             f"{1 << i}:{d}" for i, d in enumerate(divs)) + "]")
+        if self.max_non_split_rounding_size is not None:
+            parts.append(f"max_non_split_rounding_mb:{self.max_non_split_rounding_size // _MB}")
+        if self.large_segment_size != K_LARGE_BUFFER:
+            parts.append(f"large_segment_size_mb:{self.large_segment_size // _MB}")
+        if self.per_process_memory_fraction != 1.0:
+            parts.append(f"per_process_memory_fraction:{self.per_process_memory_fraction}")
+        return ",".join(parts)
+
     @classmethod
     def from_env(cls, value: str) -> "AllocatorConfig":
         """Parse a `PYTORCH_CUDA_ALLOC_CONF` / `PYTORCH_ALLOC_CONF` string, as

@@ -9,7 +9,7 @@ from difflib import SequenceMatcher
 from ..capture.records import BACKWARD, FORWARD
 from .explain import _kernels
 
-__all__ = ["Hunk", "StepDiff", "diff_profiles"]
+__all__ = ["Hunk", "StepDiff", "diff_steps"]
 
 
 @dataclass
@@ -27,14 +27,8 @@ class Hunk:
 
 @dataclass
 class StepDiff:
-    a: object
-    b: object
     hunks: list
-    same_ops: int
-
-    @property
-    def peak_delta(self) -> int:
-        return self.b.peak_bytes - self.a.peak_bytes
+    same_ops: int       # forward and backward ops the two steps share, in order
 
 
 def _kind(op: str, device_type: str) -> str | None:
@@ -42,11 +36,12 @@ def _kind(op: str, device_type: str) -> str | None:
     return None if k is None else k.kind
 
 
-def _forward_of(p, ops):
-    return [p.ops[o.forward_op] for o in ops if o.forward_op is not None]
+def _forward_of(step_ops, ops):
+    return [step_ops[o.forward_op] for o in ops if o.forward_op is not None]
 
 
 def _reasons(a_ops, b_ops, a_dev: str, b_dev: str, a_nodes, b_nodes, a=None, b=None) -> list[str]:
+    """a, b: the two steps' whole op lists (to find a backward op's forward op)."""
     out = []
     if a is not None and a_ops and a_ops[0].phase == BACKWARD:
         # a backward difference follows from the forward ops whose nodes these are
@@ -84,16 +79,16 @@ def _reasons(a_ops, b_ops, a_dev: str, b_dev: str, a_nodes, b_nodes, a=None, b=N
     return out
 
 
-def _seq(p, phase):
-    return [op for op in p.ops if op.phase == phase]
+def _seq(ops, phase):
+    return [op for op in ops if op.phase == phase]
 
 
-def diff_profiles(a, b) -> StepDiff:
-    """Align forward and backward op sequences of two profiles and explain each difference."""
+def diff_steps(a_ops: list, b_ops: list, a_device: str, b_device: str) -> StepDiff:
+    """Align the forward and backward op sequences of two traced steps (analysis.ops.Op lists)
+    on two device types and explain each difference from the dispatch tables."""
     hunks, same = [], 0
-    a_dev, b_dev = a.trace.device.type, b.trace.device.type
     for phase in (FORWARD, BACKWARD):
-        sa, sb = _seq(a, phase), _seq(b, phase)
+        sa, sb = _seq(a_ops, phase), _seq(b_ops, phase)
         sm = SequenceMatcher(a=[o.name for o in sa], b=[o.name for o in sb], autojunk=False)
         for tag, i1, i2, j1, j2 in sm.get_opcodes():
             if tag == "equal":
@@ -105,8 +100,8 @@ def diff_profiles(a, b) -> StepDiff:
             b_nodes = {o.autograd_node for o in bo if o.autograd_node}
             hunks.append(Hunk(
                 phase, mods, [o.name for o in ao], [o.name for o in bo],
-                _reasons(ao, bo, a_dev, b_dev, a_nodes, b_nodes, a, b),
+                _reasons(ao, bo, a_device, b_device, a_nodes, b_nodes, a_ops, b_ops),
                 sum(o.flops or 0 for o in ao), sum(o.flops or 0 for o in bo),
                 sum(t.nbytes for o in ao if o.saved for t in o.outputs),
                 sum(t.nbytes for o in bo if o.saved for t in o.outputs)))
-    return StepDiff(a, b, hunks, same)
+    return StepDiff(hunks, same)

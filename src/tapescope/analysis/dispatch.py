@@ -14,6 +14,8 @@ from functools import lru_cache
 
 import torch
 
+from ..torch_compat import dispatch_dump_table
+
 __all__ = ["Kernel", "dispatch_table", "decomposes_above_autograd"]
 
 _LINE = re.compile(r"^(?P<key>[\w\[\]]+): (?:registered at )?(?P<where>.*?)\s*\[(?P<kind>[^\]]+)\]\s*$")
@@ -30,7 +32,7 @@ class Kernel:
 def dispatch_table(op: str) -> dict[str, Kernel]:
     """Computed dispatch table of an op ('aten::rms_norm', 'aten::add.Tensor'), by key."""
     try:
-        text = torch._C._dispatch_dump_table(op)
+        text = dispatch_dump_table(op)
     except RuntimeError:
         return {}
     table = {}

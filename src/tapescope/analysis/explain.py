@@ -74,7 +74,9 @@ def _qualified(name: str) -> str:
 def _call_tree(prof, device_type: str, recorded: list) -> list:
     """The profiler's op tree; a call that reached the dispatch mode takes the exact overload of the
     op the tape recorded there (the profiler names ops without their overload)."""
-    from torch._C._profiler import _EventType
+    from ..torch_compat import profiler_event_tree, profiler_event_types
+
+    _EventType = profiler_event_types()
 
     recorded = list(recorded)
 
@@ -93,12 +95,14 @@ def _call_tree(prof, device_type: str, recorded: list) -> list:
             node.children = [c for ch in e.children for c in build(ch)]
         return [node]
 
-    return [n for root in prof.profiler.kineto_results.experimental_event_tree() for n in build(root)]
+    return [n for root in profiler_event_tree(prof) for n in build(root)]
 
 
 def _sample_args(func, device, dtype):
     """Small inputs from an op's schema: tensors (4, 8), an 8-wide last dimension, defaults."""
-    C = torch._C
+    from ..torch_compat import schema_types
+
+    C = schema_types()
 
     def tensor(shape=(4, 8)):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=dtype.is_floating_point)
@@ -136,11 +140,9 @@ def explain_op(op: str, device: str = "cuda", dtype=torch.float32) -> Explanatio
     """Run one op (sample inputs from its schema) on fake tensors of `device` and explain it."""
     from torch.profiler import profile as torch_profile
 
-    from ..capture.engine import PythonEngine
-    from ..capture.hooks import HookRegistry, SavedTensors
     from ..capture.records import BACKWARD, FORWARD
-    from ..capture.session import check_device
-    from ..capture.tape import Tape
+    from ..capture.session import trace_call
+    from ..options import check_device_build, resolve_device
 
     name = op if "::" in op else op.replace(".", "::", 1)
     ns, _, rest = name.partition("::")
@@ -150,24 +152,11 @@ def explain_op(op: str, device: str = "cuda", dtype=torch.float32) -> Explanatio
         raise ValueError(f"no operator {op!r} (write it like aten::rms_norm or aten.add.Tensor)")
     func = getattr(packet, overload or ("default" if "default" in packet.overloads()
                                         else packet.overloads()[0]))
-    dev = torch.device(device)
-    check_device(dev)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", 0)
-    tape = Tape()
-    saved, hooks = SavedTensors(tape), HookRegistry()
-    engine = PythonEngine(saved, hooks, lambda n: setattr(tape, "tape_backward_node", n))
-    with tape:
-        args = _sample_args(func, dev, dtype)
-        with saved.active(), torch_profile() as prof:
-            with tape.phase(1, FORWARD):
-                out = func(*args)
-        calls = _call_tree(prof, dev.type, [r.func.name() for r in tape.tape.ops])
-        loss = _as_loss(out)  # not recorded: outside any phase
-        if loss is not None:
-            with saved.active(), tape.phase(1, BACKWARD):
-                engine.backward(loss)
-    trace = tape.tape
+    dev = resolve_device(device)
+    check_device_build(dev)
+    prof = torch_profile()
+    trace = trace_call(dev, lambda: _sample_args(func, dev, dtype), func, observe=lambda: prof)
+    calls = _call_tree(prof, dev.type, [r.func.name() for r in trace.ops if r.phase == FORWARD])
     fwd = [r for r in trace.ops if r.phase == FORWARD]
     owners = {r.seq_nr: r.name for r in fwd if r.owns_node}
     nodes: dict = {}
@@ -179,31 +168,15 @@ def explain_op(op: str, device: str = "cuda", dtype=torch.float32) -> Explanatio
                        [n for _, n in sorted(nodes.items())])
 
 
-def _floats(out):
-    outs = out if isinstance(out, (tuple, list)) else [out]
-    return [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
-
-
-def _as_loss(out):
-    fl = _floats(out)
-    if not fl:
-        return None
-    loss = fl[0].sum()
-    for t in fl[1:]:
-        loss = loss + t.sum()
-    return loss
-
-
-def explain_profile(p) -> list[tuple]:
-    """For every distinct forward op of a profile: (op, autograd kernel, backend kernel, autograd
-    node, backward ops)."""
-    device_type = p.trace.device.type
+def explain_profile(ops: list, device_type: str) -> list[tuple]:
+    """For every distinct forward op of a step's ops (analysis.ops.Op): (op, autograd kernel,
+    backend kernel, autograd node, backward ops)."""
     rows, seen = [], set()
     backward: dict = {}
-    for op in p.ops:
+    for op in ops:
         if op.phase == "backward" and op.forward_op is not None:
             backward.setdefault(op.forward_op, []).append(op.name)
-    for op in p.ops:
+    for op in ops:
         if op.phase != "forward" or op.name in seen:
             continue
         seen.add(op.name)

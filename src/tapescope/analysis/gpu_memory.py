@@ -20,17 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..capture.records import Trace
+from ..devices.gpus import cuda_context_bytes
 from .allocator import AllocatorConfig, simulate
+from .events import device_events
+from .op_classes import MATMUL
 from .steps import step_views
 
-__all__ = ["CudaMemory", "predict_cuda_memory", "cublas_workspace_bytes", "CONTEXT_BYTES"]
-
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "matmul", "linear", "_int_mm"}
-
-# CUDA context + kernel images, outside the allocator, as nvidia-smi shows them before any tensor
-# (lazy module loading, CUDA 12/13). Typical values; the driver and the libraries loaded vary them.
-CONTEXT_BYTES = {"hopper": 530 << 20, "blackwell": 600 << 20, "ampere": 430 << 20,
-                 "ada": 420 << 20, "turing": 300 << 20, "volta": 300 << 20}
+__all__ = ["CudaMemory", "predict_cuda_memory", "cublas_workspace_bytes"]
 
 
 def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
@@ -50,6 +46,7 @@ class CudaMemory:
     capacity: int | None     # the GPU's memory
     oom: bool                # the allocator could not satisfy a request within capacity
     oom_at: str | None       # which op / phase hit it
+    settings: str = ""       # the allocator settings replayed (PYTORCH_ALLOC_CONF form)
 
     @property
     def nvidia_smi(self) -> int:
@@ -68,28 +65,24 @@ def _events(trace: Trace, gpu=None):
             out.append((("setup", s.id), s.nbytes))
             labels.append("setup")
     workspace_at = None
-    if gpu is not None:
-        for i in views[1].ops:
-            if trace.ops[i].func.overloadpacket.__name__ in _MATMULS:
-                workspace_at = i
-                break
+    if gpu is not None:  # the first matmul on the stream allocates cuBLAS's workspace
+        workspace_at = next((i for i in views[1].ops
+                             if trace.ops[i].func.overloadpacket in MATMUL), None)
     for run, view in (("step1", views[1]), ("step2", steady), ("step3", steady)):
         live_keys = {}
-        for op, sid, delta in view.events:
-            s = storages[sid]
-            if s.device != device:
-                continue
+        for e, _, sid, delta in device_events(trace, view):
+            op = view.events[e][0]
             if delta > 0:
                 key = (run, sid)
                 live_keys[sid] = key
-                out.append((key, s.nbytes))
+                out.append((key, storages[sid].nbytes))
             else:
                 key = live_keys.pop(sid, None)
                 if key is None:  # alive before this step: setup, or a previous step's state
                     key = _previous_key(out, sid)
                 out.append((key, None))
             labels.append(f"{run}: {trace.ops[op].name}" if 0 <= op < len(trace.ops) else run)
-            if run == "step1" and op == workspace_at and delta > 0 and gpu is not None:
+            if run == "step1" and op == workspace_at and delta > 0:
                 out.append((("cublas", 0), cublas_workspace_bytes(gpu.compute_capability)))
                 labels.append("cuBLAS workspace")
                 workspace_at = None
@@ -108,9 +101,10 @@ def predict_cuda_memory(trace: Trace, gpu=None, config: AllocatorConfig | None =
     capacity = None
     context = 0
     if gpu is not None:
-        context = CONTEXT_BYTES.get(gpu.arch, 500 << 20)
+        context = cuda_context_bytes(gpu)
         capacity = (gpu.reported_memory_bytes or gpu.memory_bytes) - context
-    r = simulate(events, capacity, config or AllocatorConfig())
+    config = config or AllocatorConfig()
+    r = simulate(events, capacity, config)
     last = max(i for i, lab in enumerate(labels) if lab.startswith("step3")) if any(
         lab.startswith("step3") for lab in labels) else len(labels) - 1
     first_step3 = next((i for i, lab in enumerate(labels) if lab.startswith("step3")), 0)
@@ -119,4 +113,4 @@ def predict_cuda_memory(trace: Trace, gpu=None, config: AllocatorConfig | None =
     return CudaMemory(r.max_allocated, r.max_reserved, steady_alloc, steady_res, r.fragmentation,
                       context, None if gpu is None else gpu.reported_memory_bytes or gpu.memory_bytes,
                       r.oom, labels[r.first_oom_event] if r.oom and r.first_oom_event is not None
-                      else None)
+                      else None, config.describe())

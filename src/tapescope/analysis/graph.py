@@ -14,13 +14,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..capture.records import TensorRef
+from ..capture.records import TensorRef, Trace
 
 __all__ = ["build_graph"]
 
 
-def build_graph(profile) -> fx.GraphModule:
-    trace = profile.trace
+def build_graph(ops: list, trace: Trace) -> fx.GraphModule:
+    """One FX graph of a step's ops (analysis.ops.Op, in order) from the trace they came from."""
     g = fx.Graph()
     nodes: dict[int, object] = {}  # value id -> fx.Node, or (node, index) until a getitem is needed
 
@@ -33,7 +33,7 @@ def build_graph(profile) -> fx.GraphModule:
         return n
 
     # placeholders first, in order of first use
-    for op in profile.ops:
+    for op in ops:
         for ref in op.inputs:
             if ref.value not in nodes:
                 name = trace.external_values.get(ref.value)
@@ -53,7 +53,7 @@ def build_graph(profile) -> fx.GraphModule:
             return type(a)(convert(x) for x in a)
         return a
 
-    for op in profile.ops:
+    for op in ops:
         rec = op.record
         node = g.call_function(rec.func, tuple(convert(a) for a in rec.args),
                                {k: convert(v) for k, v in rec.kwargs.items()})

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from ..capture.records import (BUFFER, CATEGORIES, GRADIENT, INPUT, OPTIMIZER_STATE, PARAMETER,
                                SAVED, TEMPORARY, Trace)
+from .events import device_events, initially_live, live_after
+from .modules import ancestors
 from .ops import Op
 from .steps import StepView
 
@@ -98,76 +100,44 @@ def storage_categories(trace: Trace) -> list[str]:
 
 def peak_bytes(trace: Trace, view: StepView) -> int:
     """Just the peak of a step's live bytes (what memory_report computes, without the details)."""
-    storages, device = trace.storages, trace.device
-    live = {sid for sid in view.initial if storages[sid].device == device}
-    total = peak = sum(storages[sid].nbytes for sid in live)
-    for _, sid, delta in view.events:
-        s = storages[sid]
-        if s.device != device:
-            continue
-        if delta > 0:
-            if sid not in live:
-                live.add(sid)
-                total += s.nbytes
-                peak = max(peak, total)
-        elif sid in live:
-            live.discard(sid)
-            total -= s.nbytes
+    storages = trace.storages
+    total = peak = sum(storages[sid].nbytes for sid in initially_live(trace, view))
+    for _, _, sid, delta in device_events(trace, view):
+        total += storages[sid].nbytes if delta > 0 else -storages[sid].nbytes
+        if total > peak:
+            peak = total
     return peak
 
 
 def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[str],
                   top: int = 20) -> MemoryReport:
-    device = trace.device
     storages = trace.storages
-    counted = [s.device == device for s in storages]
     local = {t: k for k, t in enumerate(view.ops)}
     n_ops = len(view.ops)
 
-    live = {sid for sid in view.initial if counted[sid]}
+    initial = initially_live(trace, view)
     by_cat = dict.fromkeys(CATEGORIES, 0)
-    for sid in live:
+    for sid in initial:
         by_cat[categories[sid]] += storages[sid].nbytes
     total = sum(by_cat.values())
     initial_bytes = total
+    initial_cat = dict(by_cat)
 
     timeline = [None] * n_ops
     timeline_cat = {c: [None] * n_ops for c in CATEGORIES}
     peak, peak_event, peak_pos = total, -1, 0
-    pos = 0
-
-    def sample(p):
-        if timeline[p] is None or total > timeline[p]:
-            timeline[p] = total
+    for e, pos, sid, delta in device_events(trace, view):
+        nbytes = storages[sid].nbytes if delta > 0 else -storages[sid].nbytes
+        total += nbytes
+        by_cat[categories[sid]] += nbytes
+        if total > peak:
+            peak, peak_event, peak_pos = total, e, pos
+        if n_ops and (timeline[pos] is None or total > timeline[pos]):
+            timeline[pos] = total  # the highest level while the op ran
             for c in CATEGORIES:
-                timeline_cat[c][p] = by_cat[c]
-
-    for e, (op_index, sid, delta) in enumerate(view.events):
-        pos = local.get(op_index, pos)
-        if not counted[sid]:
-            continue
-        if delta > 0:
-            if sid in live:
-                continue
-            live.add(sid)
-            nbytes = storages[sid].nbytes
-            total += nbytes
-            by_cat[categories[sid]] += nbytes
-            if total > peak:
-                peak, peak_event, peak_pos = total, e, pos
-        else:
-            if sid not in live:
-                continue
-            live.discard(sid)
-            nbytes = storages[sid].nbytes
-            total -= nbytes
-            by_cat[categories[sid]] -= nbytes
-        if n_ops:
-            sample(pos)
+                timeline_cat[c][pos] = by_cat[c]
     # ops that allocated and freed nothing carry the level of the op before them
-    last, last_cat = initial_bytes, {c: 0 for c in CATEGORIES}
-    for c in CATEGORIES:
-        last_cat[c] = sum(storages[s].nbytes for s in view.initial if counted[s] and categories[s] == c)
+    last, last_cat = initial_bytes, initial_cat
     for p in range(n_ops):
         if timeline[p] is None:
             timeline[p] = last
@@ -177,7 +147,10 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
             last = timeline[p]
             last_cat = {c: timeline_cat[c][p] for c in CATEGORIES}
 
-    live_at_peak, at_peak = _live_at(view, peak_event, counted, storages, categories)
+    live_at_peak = live_after(trace, view, peak_event)
+    at_peak = dict.fromkeys(CATEGORIES, 0)
+    for sid in live_at_peak:
+        at_peak[categories[sid]] += storages[sid].nbytes
     tensors = []
     for sid in sorted(live_at_peak, key=lambda s: storages[s].nbytes, reverse=True)[:top]:
         k = local.get(storages[sid].created_by)  # None: made before this step
@@ -195,22 +168,6 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
     )
 
 
-def _live_at(view: StepView, event: int, counted, storages, categories):
-    """Storages alive right after event number `event` (-1: at the start of the step)."""
-    live = {sid for sid in view.initial if counted[sid]}
-    for _, sid, delta in view.events[:event + 1]:
-        if not counted[sid]:
-            continue
-        if delta > 0:
-            live.add(sid)
-        else:
-            live.discard(sid)
-    at = dict.fromkeys(CATEGORIES, 0)
-    for sid in live:
-        at[categories[sid]] += storages[sid].nbytes
-    return live, at
-
-
 def _module_memory(view, ops, timeline, categories, storages) -> list[ModuleMemory]:
     """Per module: the highest live bytes while its ops ran, and the saved activations whose
     memory its ops allocated (a view that autograd saves keeps its base's allocation alive)."""
@@ -220,22 +177,14 @@ def _module_memory(view, ops, timeline, categories, storages) -> list[ModuleMemo
     for op in ops:
         if op.module is None:
             continue
-        for m in _ancestors(op.module):
+        for m in ancestors(op.module):
             if m not in peak or timeline[op.index] > peak[m]:
                 peak[m] = timeline[op.index]
     for s in storages:
         k = local.get(s.created_by)
         if k is not None and categories[s.id] == SAVED and ops[k].module is not None:
-            for m in _ancestors(ops[k].module):
+            for m in ancestors(ops[k].module):
                 saved[m] = saved.get(m, 0) + s.nbytes
     out = [ModuleMemory(m, p, saved.get(m, 0)) for m, p in peak.items()]
     out.sort(key=lambda m: m.peak_bytes, reverse=True)
     return out
-
-
-def _ancestors(fqn: str) -> list[str]:
-    """'a.b.c' -> ['a.b.c', 'a.b', 'a', ''] (the root last)."""
-    if fqn == "":
-        return [""]
-    parts = fqn.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]

@@ -30,16 +30,6 @@ def _ops(segs) -> tuple:
     return tuple(i for s in segs for i in s.ops)
 
 
-def _replay(live: set, events) -> set:
-    live = set(live)
-    for _, sid, delta in events:
-        if delta > 0:
-            live.add(sid)
-        else:
-            live.discard(sid)
-    return live
-
-
 def step_views(trace: Trace) -> dict[int, StepView]:
     """StepView of step 1 and, when traced, step 2 (the steady state)."""
     by_step: dict[int, list[Segment]] = {}
@@ -58,10 +48,10 @@ def step_views(trace: Trace) -> dict[int, StepView]:
         step1_segs = by_step.get(1, [])
         step2_segs = by_step.get(2, [])
 
-    views = {}
-    ev1 = _events(trace, step1_segs)
-    views[1] = StepView(1, _ops(step1_segs), tuple(ev1), initial)
+    from .events import live_after
+
+    views = {1: StepView(1, _ops(step1_segs), tuple(_events(trace, step1_segs)), initial)}
     if step2_segs:
-        start2 = frozenset(_replay(initial, ev1))
+        start2 = frozenset(live_after(trace, views[1], all_devices=True))
         views[2] = StepView(2, _ops(step2_segs), tuple(_events(trace, step2_segs)), start2)
     return views

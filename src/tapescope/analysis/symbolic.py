@@ -26,6 +26,7 @@ import sympy
 from fractions import Fraction
 
 from ..capture.records import CATEGORIES, StorageRecord, TensorRef, Trace
+from .events import device_events, initially_live
 from .flops import op_flops
 from .memory import storage_categories
 from .steps import StepView, step_views
@@ -293,7 +294,8 @@ def instantiate(sym_trace: Trace, conv: _Converter, sizes: dict) -> Trace:
                    inputs=tuple(ref(t) for t in r.inputs)) for r in sym_trace.ops]
     storages = [StorageRecord(s.id, val(s.nbytes), s.device, s.created_by, s.roles)
                 for s in sym_trace.storages]
-    return replace(sym_trace, ops=ops, storages=storages, symbols={}, hints={}, shape_env=None)
+    return replace(sym_trace, ops=ops, storages=storages, symbols={}, hints={}, guards=[],
+                   replacements={}, ranges={})
 
 
 # ---- the analysis ---------------------------------------------------------------------------
@@ -331,10 +333,7 @@ def _add(total: dict, poly: dict, sign: int) -> None:
 
 
 def _pieces(trace: Trace, view: StepView, conv: _Converter, categories, lows) -> list[Piece]:
-    storages, device = trace.storages, trace.device
-    counted = [s.device == device for s in storages]
-    local = {t: k for k, t in enumerate(view.ops)}
-    live = {sid for sid in view.initial if counted[sid]}
+    storages = trace.storages
     shifted_of: dict = {}
 
     def polys(sid):
@@ -347,62 +346,45 @@ def _pieces(trace: Trace, view: StepView, conv: _Converter, categories, lows) ->
 
     total, total_s = {}, {}
     by_cat = {c: {} for c in CATEGORIES}
-    for sid in live:
+    for sid in initially_live(trace, view):
         p, ps = polys(sid)
         _add(total, p, 1)
         _add(total_s, ps, 1)
         _add(by_cat[categories[sid]], p, 1)
     pieces = [(dict(total_s), Piece(dict(total), 0, {c: dict(v) for c, v in by_cat.items()}))]
-    pos = 0
-    for op_index, sid, delta in view.events:
-        pos = local.get(op_index, pos)
-        if not counted[sid]:
-            continue
+    for _, pos, sid, delta in device_events(trace, view):
         p, ps = polys(sid)
-        if delta > 0:
-            if sid in live:
-                continue
-            live.add(sid)
-            _add(total, p, 1)
-            _add(total_s, ps, 1)
-            _add(by_cat[categories[sid]], p, 1)
-            if any(_covers(qs, total_s) for qs, _ in pieces):
-                continue
-            pieces = [(qs, q) for qs, q in pieces if not _covers(total_s, qs)]
-            pieces.append((dict(total_s),
-                           Piece(dict(total), pos, {c: dict(v) for c, v in by_cat.items()})))
-        elif sid in live:
-            live.discard(sid)
-            _add(total, p, -1)
-            _add(total_s, ps, -1)
-            _add(by_cat[categories[sid]], p, -1)
+        _add(total, p, delta)
+        _add(total_s, ps, delta)
+        _add(by_cat[categories[sid]], p, delta)
+        if delta < 0:
+            continue
+        if any(_covers(qs, total_s) for qs, _ in pieces):
+            continue
+        pieces = [(qs, q) for qs, q in pieces if not _covers(total_s, qs)]
+        pieces.append((dict(total_s),
+                       Piece(dict(total), pos, {c: dict(v) for c, v in by_cat.items()})))
     return [q for _, q in pieces]
 
 
 def _guards(trace: Trace, conv: _Converter):
     """Guards the model's own code placed on the dimensions, and the dimensions they pin."""
-    env = trace.shape_env
-    out, specialized = [], {}
-    for name, sym in trace.symbols.items():
-        r = env.replacements.get(sym)
-        if r is not None and getattr(r, "is_Integer", False):
+    specialized = {}
+    for name, r in trace.replacements.items():
+        if getattr(r, "is_Integer", False):
             specialized[name] = int(r)
-    from ..capture.session import INTERNAL_GUARD
-
-    for g in env.guards:
-        if g.sloc.maybe_user_loc == INTERNAL_GUARD:
+    out = []
+    for g in trace.guards:
+        if g.internal:
             continue  # tapescope's own bookkeeping, structural
-        where = g.sloc.maybe_user_loc or str(g.sloc).strip("() ")
         expr = str(g.expr.xreplace(conv.rename))
         pins = next((n for n, v in specialized.items()
                      if expr in (f"Eq({n}, {v})", f"Eq({v}, {n})")), None)
-        out.append(Guard(expr, where, pins))
+        out.append(Guard(expr, g.where, pins))
     ranges = {}
-    for name, sym in trace.symbols.items():
-        vr = env.var_to_range.get(sym)
-        lo = int(vr.lower) if vr is not None and vr.lower.is_Integer else 2
-        hi = int(vr.upper) if vr is not None and vr.upper.is_Integer else None  # not int_oo
-        ranges[name] = (specialized.get(name, lo), specialized.get(name, hi))
+    for name in trace.symbols:
+        lo, hi = trace.ranges.get(name, (None, None))
+        ranges[name] = (specialized.get(name, 2 if lo is None else lo), specialized.get(name, hi))
     return out, specialized, ranges
 
 

@@ -21,35 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..capture.records import Trace
 from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, KERNEL_OVERHEAD_S, efficiency_for
+from .op_classes import launches_kernel, op_class
 
-__all__ = ["StepTime", "estimate_step_time", "op_class"]
+__all__ = ["StepTime", "estimate_step_time"]
 
-_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm"}
-_CONV = {"convolution", "_convolution", "convolution_backward", "cudnn_convolution",
-         "cudnn_convolution_transpose"}
-_NO_KERNEL = {"empty", "empty_strided", "new_empty", "new_empty_strided", "detach", "detach_",
-              "alias", "lift_fresh", "_unsafe_view", "_reshape_alias", "set_", "resize_"}
 _TENSOR_CORE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8",
                 torch.float8_e5m2: "fp8"}
-
-
-def op_class(name: str) -> str:
-    base = name.split(".")[1] if name.startswith("aten.") else name
-    if base in _MATMUL:
-        return "matmul"
-    if base in _CONV:
-        return "convolution"
-    if "attention" in base:
-        return "attention"
-    return "other"
-
-
-def _launches_kernel(op) -> bool:
-    if op.record.func.is_view:
-        return False
-    base = op.name.split(".")[1]
-    return base not in _NO_KERNEL
+_ITEM = torch.ops.aten._local_scalar_dense
 
 
 def _peak(gpu, cls: str, dtype) -> float:
@@ -66,7 +46,6 @@ class StepTime:
     gpu_busy: float                 # sum of kernel times
     host: float                     # host time to issue the step's ops
     by_phase: dict                  # phase -> seconds of the step's wall time
-    by_module: dict                 # module -> GPU seconds of its ops (and its submodules')
     op_seconds: list = field(repr=False, default_factory=list)   # per op, GPU time
     mfu: float = 0.0
     calibrated: bool = False
@@ -78,21 +57,23 @@ class StepTime:
                 "bound": self.bound}
 
 
-def estimate_step_time(profile, gpu) -> StepTime:
-    """Wall time of the profiled (steady) step on `gpu` (a devices.gpus.GPU)."""
-    from .memory import _ancestors
-
+def estimate_step_time(ops: list, trace: Trace, gpu) -> StepTime:
+    """Wall time of a step's ops (analysis.ops.Op, in order) on `gpu` (a devices.gpus.GPU)."""
     host = gpu_t = busy = 0.0
     calibrated = True
-    op_seconds, by_module = [], {}
+    op_seconds = []
     phase_end: dict = {}
     model_dtype = None
-    for op in profile.ops:
-        kernel = _launches_kernel(op)
+    total_flops = 0
+    storages = trace.storages
+    for op in ops:
+        func = op.record.func
+        kernel = launches_kernel(func)
         host += HOST_OP_S if kernel else HOST_VIEW_S
         t = 0.0
+        total_flops += op.flops or 0
         if kernel:
-            cls = op_class(op.name)
+            cls = op_class(func)
             eff = efficiency_for(cls, gpu.key)
             calibrated &= eff.gpu is not None
             dtype = (op.inputs[0].dtype if op.inputs else
@@ -106,11 +87,8 @@ def estimate_step_time(profile, gpu) -> StepTime:
             t = max(compute, memory) + KERNEL_OVERHEAD_S
             gpu_t = max(gpu_t, host) + t
             busy += t
-            if op.module is not None:
-                for m in _ancestors(op.module):
-                    by_module[m] = by_module.get(m, 0.0) + t
-        if op.name.startswith("aten._local_scalar_dense") and op.inputs and \
-                op.inputs[0].storage >= 0 and profile.trace.storages[op.inputs[0].storage].device.type == "cuda":
+        if func.overloadpacket is _ITEM and op.inputs and op.inputs[0].storage >= 0 \
+                and storages[op.inputs[0].storage].device.type == "cuda":
             host = max(host, gpu_t)  # .item() waits for the GPU
         op_seconds.append(t)
         phase_end[op.phase] = max(gpu_t, host)
@@ -121,7 +99,7 @@ def estimate_step_time(profile, gpu) -> StepTime:
             by_phase[phase] = phase_end[phase] - start
             start = phase_end[phase]
     peak = gpu.peak(_TENSOR_CORE.get(model_dtype, "fp32")) or gpu.peak("fp32")
-    mfu = (profile.flops["total"] / total / peak) if total and peak else 0.0
+    mfu = (total_flops / total / peak) if total and peak else 0.0
     # host-bound: the GPU waits for launches more than half the step
-    return StepTime(total, busy, host, by_phase, by_module, op_seconds, mfu, calibrated,
+    return StepTime(total, busy, host, by_phase, op_seconds, mfu, calibrated,
                     "gpu" if busy >= total / 2 else "host")

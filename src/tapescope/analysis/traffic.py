@@ -8,24 +8,16 @@ broadcast). Views, aliases and uninitialised allocations move nothing. Kernel-in
 
 from __future__ import annotations
 
-import torch
-
 from ..capture.records import OpRecord, Trace
+from .op_classes import NO_TRAFFIC
 
 __all__ = ["op_traffic"]
-
-aten = torch.ops.aten
-
-_NO_TRAFFIC = {getattr(aten, n) for n in (
-    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias",
-    "_unsafe_view", "lift_fresh", "_local_scalar_dense", "set_", "resize_", "_reshape_alias",
-) if hasattr(aten, n)}
 
 
 def op_traffic(op: OpRecord, trace: Trace) -> tuple[int, int]:
     """(bytes read, bytes written) of one op."""
     func = op.func
-    if func.is_view or func.overloadpacket in _NO_TRAFFIC:
+    if func.is_view or func.overloadpacket in NO_TRAFFIC:
         return 0, 0
     storages = trace.storages
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..torch_compat import (is_zerotensor, node_input_metadata, node_sequence_nr,
+                            post_accumulate_grad_hooks, statically_known_true, storage_use_count,
+                            tensor_backward_hooks, use_count)
 from .hooks import HookRegistry, SavedTensors
-from .view_replay import as_strided_backward, emulable
+from .view_replay import ViewRegeneration, as_strided_backward, emulable
 
 __all__ = ["PythonEngine"]
 
@@ -41,7 +43,7 @@ class _Task:
 
     def __init__(self, node, inputs):
         self.node, self.inputs = node, inputs
-        self.seq = node._sequence_nr()
+        self.seq = node_sequence_nr(node)
 
 
 class _ReadyQueue:
@@ -95,10 +97,17 @@ class _ReadyQueue:
 
 
 class PythonEngine:
-    """Runs `loss.backward()`'s graph from Python; `on_node(node)` is told which node runs."""
+    """Runs `loss.backward()`'s graph from Python.
 
-    def __init__(self, saved: SavedTensors, hooks: HookRegistry, on_node=None):
-        self.saved, self.hooks, self.on_node = saved, hooks, on_node
+    saved: the saved tensors of the step (released node by node, as the C++ engine does);
+    hooks: the backward hooks the step registered; views: the views autograd regenerated after
+    in-place ops (their nodes run what AsStridedBackward0 runs); on_node(node) is told which node
+    runs (None at the end).
+    """
+
+    def __init__(self, saved: SavedTensors, hooks: HookRegistry, views: ViewRegeneration,
+                 on_node=None):
+        self.saved, self.hooks, self.views, self.on_node = saved, hooks, views, on_node
         self._refs: dict[int, int] = defaultdict(int)  # id(tensor) -> places in this engine holding it
 
     # ---- reference counts as the C++ engine sees them -----------------------------------------
@@ -116,19 +125,17 @@ class PythonEngine:
 
     def _use_count(self, t) -> int:
         """What `t.use_count()` would be inside the C++ engine."""
-        return t._use_count() - 1 + self._refs.get(id(t), 0)
+        return use_count(t) - 1 + self._refs.get(id(t), 0)
 
     @staticmethod
     def _storage_use_count(t) -> int:
-        st = t.untyped_storage()
-        # less the UntypedStorage Python object (which counts once) and our temporary reference
-        return torch._C._storage_Use_Count(st._cdata) - 1
+        return storage_use_count(t)
 
     def _stealable(self, t, expected: int) -> bool:
         return self._use_count(t) <= expected
 
     def _can_accumulate_inplace(self, t) -> bool:
-        return (not t._is_zerotensor() and not t.is_nested
+        return (not is_zerotensor(t) and not t.is_nested
                 and _dense(t)
                 and self._stealable(t, 1) and self._storage_use_count(t) == 1)
 
@@ -166,7 +173,7 @@ class PythonEngine:
                 is_ready = deps[nxt] == 0
                 buf = not_ready.get(nxt)
                 if buf is None:
-                    buf = [None] * len(nxt._input_metadata)
+                    buf = [None] * len(node_input_metadata(nxt))
                 self._add(buf, input_nr, out)
                 del out
                 if is_ready:
@@ -244,7 +251,7 @@ class PythonEngine:
             else:
                 # a view regenerated after an in-place op runs AsStridedBackward0's ops, as for a
                 # plain tensor (view_replay.py)
-                regenerated = self.saved.tape.tape_views.nodes.get(node)
+                regenerated = self.views.nodes.get(node)
                 if regenerated is not None and inputs and inputs[0] is not None \
                         and emulable(regenerated):
                     outputs = [as_strided_backward(inputs[0], regenerated)]
@@ -277,7 +284,7 @@ class PythonEngine:
     def _call_python_function(self, node, inputs: list) -> list:
         """PyNode::apply: materialise missing gradients, call the user's backward."""
         if getattr(node, "materialize_grads", True):
-            metas = node._input_metadata if hasattr(node, "_input_metadata") else ()
+            metas = node_input_metadata(node) if hasattr(node, "_input_metadata") else ()
             for i, g in enumerate(inputs):
                 if g is None and i < len(metas):
                     m = metas[i]
@@ -297,7 +304,7 @@ class PythonEngine:
         new_grad = inputs[0] if inputs else None
         if new_grad is None or not variable.requires_grad:
             return
-        hooks = variable._backward_hooks
+        hooks = tensor_backward_hooks(variable)
         if hooks:
             for hook in list(hooks.values()):
                 new = hook(new_grad)
@@ -305,7 +312,7 @@ class PythonEngine:
                     self._hold(new)
                     self._drop(new_grad)
                     inputs[0] = new_grad = new
-        post = variable._post_accumulate_grad_hooks
+        post = post_accumulate_grad_hooks(variable)
         if variable.grad is None:
             expected = 1 + bool(post)
             if self._stealable(new_grad, expected) and _obeys_layout_contract(new_grad, variable):
@@ -324,7 +331,7 @@ class PythonEngine:
             if i >= len(outputs) or nxt is None or outputs[i] is None:
                 continue
             g = outputs[i]
-            meta = nxt._input_metadata[nr]
+            meta = node_input_metadata(nxt)[nr]
             shape = tuple(meta.shape)
             new = g
             if not _same_shape(new.shape, shape):

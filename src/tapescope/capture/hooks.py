@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from ..torch_compat import node_sequence_nr, sequence_nr
 from .tape import _VALUE_ATTR, Tape
 
 __all__ = ["SavedTensors", "HookRegistry"]
@@ -42,26 +43,22 @@ class SavedTensors:
     def pack(self, t: torch.Tensor):
         tape = self.tape
         v = tape.value_of(t)
-        if v is not None:
-            tape.tape.saved_values.add(v)
-        seq = torch.autograd._get_sequence_nr() - 1
+        tape.mark_saved(t)
+        seq = sequence_nr() - 1
         gf = t.grad_fn
-        if gf is not None and gf._sequence_nr() == seq:
+        if gf is not None and node_sequence_nr(gf) == seq:
             base = t._base if t._is_view() else None
             base_fn = base.grad_fn if base is not None else None
             if base_fn is not None and base_fn.name().endswith("CopySlices"):
                 # An in-place op on a view saved its output after autograd rebased the view: the
                 # newest node is the view's regenerated grad_fn, but the op's node runs inside
                 # its base's CopySlices, which is the node that unpacks the tensor
-                seq = base_fn._sequence_nr()
+                seq = node_sequence_nr(base_fn)
             # A saved output: packing the tensor itself would make tensor -> grad_fn -> saved
             # tensor a cycle through C++ that never frees. Autograd saves outputs without their
             # grad_fn; an unrecorded detach() keeps the storage and the value id the same way.
-            was, tape.tape_recording = tape.tape_recording, False
-            try:
+            with tape.unrecorded():
                 t = t.detach()
-            finally:
-                tape.tape_recording = was
             if v is not None:
                 setattr(t, _VALUE_ATTR, v)
         holder = [t]

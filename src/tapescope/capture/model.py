@@ -8,30 +8,11 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
-
 from ..errors import ModelBuildError
+from ..options import resolve_dtype
+from ..torch_compat import post_accumulate_grad_hooks, tensor_backward_hooks, tree_map
 
 __all__ = ["spec", "Spec", "build_on_meta", "fake_copy", "fake_inputs", "resolve_dtype"]
-
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp64": torch.float64, "float64": torch.float64,
-    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
-    "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8,
-}
-
-
-def resolve_dtype(d) -> torch.dtype | None:
-    if d is None or isinstance(d, torch.dtype):
-        return d
-    try:
-        return _DTYPES[str(d).lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {d!r}; use one of {', '.join(sorted(_DTYPES))}") from None
-
 
 @dataclass(frozen=True)
 class Spec:
@@ -174,11 +155,12 @@ def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torc
     elif t.requires_grad:
         out.requires_grad_(True)
     # the user's gradient hooks on this tensor run in the real step, so they run in ours
-    if t.requires_grad and t._backward_hooks:
-        out._backward_hooks = type(t._backward_hooks)(t._backward_hooks)
-    if t.requires_grad and getattr(t, "_post_accumulate_grad_hooks", None):
-        out._post_accumulate_grad_hooks = type(t._post_accumulate_grad_hooks)(
-            t._post_accumulate_grad_hooks)
+    hooks = tensor_backward_hooks(t) if t.requires_grad else None
+    if hooks:
+        out._backward_hooks = type(hooks)(hooks)
+    post = post_accumulate_grad_hooks(t) if t.requires_grad else None
+    if post:
+        out._post_accumulate_grad_hooks = type(post)(post)
     return out
 
 

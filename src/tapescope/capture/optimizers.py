@@ -12,9 +12,9 @@ import inspect
 from typing import Callable
 
 import torch
-from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from ..errors import TapescopeError
+from ..torch_compat import foreach_devices
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "default_foreach"]
 
@@ -27,7 +27,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 
 def default_foreach(device: torch.device) -> bool:
     """What torch's optimizers default to for plain tensors on `device` (fused is never a default)."""
-    return device.type in _get_foreach_kernels_supported_devices()
+    return device.type in foreach_devices()
 
 
 def make_optimizer(spec, params: list, device: torch.device) -> torch.optim.Optimizer | None:

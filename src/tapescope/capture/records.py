@@ -23,11 +23,16 @@ __all__ = [
     "OpRecord",
     "StorageRecord",
     "Segment",
+    "GuardRecord",
     "Trace",
+    "LOSS_MODULE",
+    "INTERNAL_GUARD",
 ]
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
+LOSS_MODULE = "(loss)"  # the module name of ops computing the loss outside the model
+INTERNAL_GUARD = "<tapescope>"  # where a guard tapescope's own code placed comes from
 
 # Roles a storage can play, in the order that decides a storage's memory category when it plays
 # several (a parameter saved for backward is a parameter).
@@ -147,6 +152,17 @@ class Segment:
     events: range
 
 
+@dataclass(frozen=True, slots=True)
+class GuardRecord:
+    """A guard the symbolic trace placed on the named dimensions: `expr` a sympy boolean in the
+    trace's symbols, `where` the source line that asked, `internal` when tapescope's own
+    bookkeeping asked (structural, not a limit of the model)."""
+
+    expr: Any
+    where: str
+    internal: bool = False
+
+
 @dataclass
 class Trace:
     """Everything capture recorded.
@@ -170,7 +186,11 @@ class Trace:
     device: torch.device = torch.device("cpu")
     # how steady-state step 2 was obtained: "traced" or "reused forward+backward of step 1"
     step2: str = "none"
-    # symbolic profiles: dimension name -> sympy symbol, and the sizes the trace ran at
+    # symbolic profiles: dimension name -> sympy symbol, and the sizes the trace ran at; the
+    # guards the trace placed, the symbols it replaced (name -> sympy expr: a pinned dimension is
+    # an Integer), and name -> (low, high) ranges where the trace holds (None: unbounded)
     symbols: dict = field(default_factory=dict)
     hints: dict = field(default_factory=dict)
-    shape_env: Any = None
+    guards: list = field(default_factory=list)
+    replacements: dict = field(default_factory=dict)
+    ranges: dict = field(default_factory=dict)

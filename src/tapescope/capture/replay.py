@@ -18,7 +18,9 @@ the front switches itself off and every op goes through FakeTensorMode.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+from ..torch_compat import (FakeTensor, FakeTensorMode, default_device, disable_current_modes,
+                            fake_cache_bypasses, in_kernel_invocation_manager, no_dispatch,
+                            untyped_storage_key)
 
 # 0-d literals of these dtypes get an `.item()` memo from FakeTensorMode (fake_tensor.py)
 _ITEM_MEMO_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.float64)
@@ -52,7 +54,7 @@ def _tensor_key_symbolic(t):
 
 
 def _key(func, args, kwargs, symbolic: bool = False):
-    key = [func, torch.get_default_dtype(), torch._C._get_default_device()]
+    key = [func, torch.get_default_dtype(), default_device()]
     tkey = _tensor_key_symbolic if symbolic else _tensor_key
     other = _sym if symbolic else (lambda x: x)
     try:
@@ -103,7 +105,7 @@ class DispatchReplay:
                 or (real.dim() == 0 and real.dtype in _ITEM_MEMO_DTYPES)):
             return None
         try:
-            with torch.utils._mode_utils.no_dispatch():
+            with no_dispatch():
                 const = real.clone()
                 meta = torch.empty_strided(const.shape, const.stride(), dtype=const.dtype,
                                            device="meta")
@@ -140,7 +142,7 @@ class DispatchReplay:
                 consts.append(a)
         if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
             return False, None
-        with torch.utils._python_dispatch._disable_current_modes():
+        with disable_current_modes():
             out = func(*consts, **kwargs)
         return True, (args[0] if inplace else out)
 
@@ -149,7 +151,7 @@ class DispatchReplay:
         """How many ops FakeTensorMode refused to cache, less `_unsafe_view`: it refuses that one
         only because the schema hides that the output aliases the input, which `_entry` sees from
         the storages (every linear on a 3-d input ends in one)."""
-        counts = FakeTensorMode.cache_bypasses
+        counts = fake_cache_bypasses()
         return sum(counts.values()) - counts.get("unsafe view", 0)
 
     def replay(self, entry, args):
@@ -206,7 +208,7 @@ class DispatchReplay:
                 o is None or isinstance(o, FakeTensor) for o in outs):
             return None
         # which argument's storage each output lives in (a view), if any
-        arg_storage = {a.untyped_storage()._cdata: i for i, a in enumerate(args)
+        arg_storage = {untyped_storage_key(a.untyped_storage()): i for i, a in enumerate(args)
                        if isinstance(a, FakeTensor)}
         seen = set()
         infos = []
@@ -216,7 +218,7 @@ class DispatchReplay:
                 continue
             if any(o is a for a in args) or o.constant is not None or o.layout is not torch.strided:
                 return None
-            st = o.untyped_storage()._cdata
+            st = untyped_storage_key(o.untyped_storage())
             view_of = arg_storage.get(st)
             if view_of is None:
                 if st in seen:  # two fresh outputs sharing memory: leave it to FakeTensorMode

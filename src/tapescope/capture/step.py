@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from typing import Callable
 
 import torch
-from torch.utils._pytree import tree_leaves
+from ..torch_compat import tree_leaves
 
 from ..errors import TapescopeError
 from .records import BACKWARD, FORWARD, OPTIMIZER

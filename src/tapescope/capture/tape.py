@@ -22,15 +22,17 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .composites import LITERAL_OPS, plain_tensor_backward_op, plain_tensor_forward_op
-from .kernel_layouts import real_kernel_layout
-from .view_replay import ViewRegeneration, copy_slices_view
-from .replay import DispatchReplay
+from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
+                            current_autograd_node, node_sequence_nr, sequence_nr, storage_key,
+                            untyped_storage_key)
+from .fidelity import BACKWARD_OP, FORWARD_OP, FidelityContext, RuleSet
+from .fidelity.literals import literal_ops
 from .records import BACKWARD, FORWARD, Frame, OpRecord, Segment, StorageRecord, TensorRef, Trace
+from .replay import DispatchReplay
+from .view_replay import ViewRegeneration
 
-__all__ = ["Tape"]
+__all__ = ["Tape", "ModuleStack"]
 
 _VALUE_ATTR = "_tapescope_value"  # the dataflow value id, kept on our own fake tensors
 
@@ -39,50 +41,99 @@ _NOT_OPS = {torch.ops.prim.device.default, torch.ops.prim.layout.default}
 _NOT_OP_NAMESPACES = ("prim", "profiler")  # metadata queries and record_function markers
 _DETACH = torch.ops.aten.detach.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
-_AD_INPLACE = torch._C.DispatchKey.ADInplaceOrView
 
 # Frames inside these folders are never "the line that issued the op".
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_OPTIM_DIR = _TORCH_DIR + "optim" + os.sep  # an optimizer's update lines are worth showing
 _CAPTURE_DIR = os.path.dirname(__file__) + os.sep
-_API_FILE = os.path.join(os.path.dirname(_CAPTURE_DIR.rstrip(os.sep)), "api.py")
+_PACKAGE_DIR = os.path.dirname(_CAPTURE_DIR.rstrip(os.sep))
+_OWN_FILES = (os.path.join(_PACKAGE_DIR, "api.py"), os.path.join(_PACKAGE_DIR, "torch_compat.py"))
 _STDLIB_HELPERS = ("contextlib.py", "functools.py")
 
 
-class Tape(FakeTensorMode):
-    """Fake execution that records a Trace. Use one Tape per profile; nothing is shared."""
+class ModuleStack(list):
+    """The fqns of the modules whose forward is running, innermost last (capture.modules fills
+    it; the tape reads it to name each op's module)."""
 
-    def __init__(self, shape_env=None):
+    @contextmanager
+    def entered(self, name: str):
+        self.append(name)
+        try:
+            yield
+        finally:
+            self.pop()
+
+
+class Tape(FakeTensorMode):
+    """Fake execution that records a Trace. Use one Tape per profile; nothing is shared.
+
+    Collaborators, given by the capture session: `rules` (the fidelity rules of the traced
+    device) and `fidelity` (their per-capture context), `views` (autograd's view regeneration,
+    which the backward rules and the engine also read) and `modules` (the forward module stack).
+    The trace it writes is `self.trace`; nothing else writes it.
+    """
+
+    def __init__(self, *, rules: RuleSet, fidelity: FidelityContext, views: ViewRegeneration,
+                 modules: ModuleStack, shape_env=None):
         super().__init__(allow_non_fake_inputs=False, shape_env=shape_env)
-        self.tape = Trace()
-        self.tape_recording = False
-        self.tape_modules: list[str] = []  # forward module stack, innermost last
-        self.tape_backward_node = None  # set by a Python-driven backward; else the engine's node
-        self.tape_branches = None  # the RealTensorBranches mode of the capture, when one runs
-        self.tape_views = ViewRegeneration()  # views autograd regenerates after in-place ops
+        self.trace = Trace(device=fidelity.device)
+        self.rules, self.fidelity, self.views, self.modules = rules, fidelity, views, modules
+        self._tape_recording = False
+        self._tape_backward_node = None  # set by tapescope's engine; else the C++ engine's node
         self._tape_depth = 0
         self._tape_live: dict[int, tuple[int, weakref.ref]] = {}  # StorageImpl address -> (id, ref)
         self._tape_phase = FORWARD
         self._tape_step = 0
-        self._tape_last_seq = torch.autograd._get_sequence_nr()
+        self._tape_last_seq = sequence_nr()
         self._tape_next_value = 0
         self._tape_frames: dict = {}
         self._tape_replay = DispatchReplay(self)
+
+    def set_backward_node(self, node) -> None:
+        """The autograd node whose backward is running (None when the backward is done): the ops
+        until the next call belong to it, as in the C++ engine."""
+        self._tape_backward_node = node
+
+    @contextmanager
+    def unrecorded(self):
+        """Ops inside are run but not recorded (tapescope's own bookkeeping)."""
+        was, self._tape_recording = self._tape_recording, False
+        try:
+            yield
+        finally:
+            self._tape_recording = was
+
+    def mark_saved(self, t: torch.Tensor) -> None:
+        """Autograd saved `t` for backward."""
+        v = getattr(t, _VALUE_ATTR, None)
+        if v is not None:
+            self.trace.saved_values.add(v)
+
+    def mark_role(self, t: torch.Tensor, role: str, owner: str | None = None) -> bool:
+        """Mark the storage of a tensor the tape has seen as playing `role` (gradient, optimizer
+        state) for parameter `owner`; False if the tape never saw it."""
+        sid = self.storage_id(t)
+        if sid is None:
+            return False
+        self.trace.storages[sid].roles.add(role)
+        if owner is not None:
+            self.trace.storage_owner.setdefault(sid, owner)
+        return True
 
     # ---- phases -----------------------------------------------------------------------------
 
     @contextmanager
     def phase(self, step: int, phase: str, label: str | None = None):
         """Record ops of one phase of one step as a Segment."""
-        t = self.tape
+        t = self.trace
         self._tape_step, self._tape_phase = step, phase
-        self._tape_last_seq = torch.autograd._get_sequence_nr()
+        self._tape_last_seq = sequence_nr()
         op0, ev0 = len(t.ops), len(t.events)
-        self.tape_recording = True
+        self._tape_recording = True
         try:
             yield
         finally:
-            self.tape_recording = False
+            self._tape_recording = False
             t.segments.append(Segment(step, phase, label or phase, range(op0, len(t.ops)),
                                       range(ev0, len(t.events))))
 
@@ -96,40 +147,44 @@ class Tape(FakeTensorMode):
     def _storage_of(self, t: torch.Tensor, created_by: int | None) -> tuple[int, bool]:
         """Storage id of t's storage, registering it (and a weakref that records its death)."""
         st = t.untyped_storage()
-        key = st._cdata
+        key = untyped_storage_key(st)
         entry = self._tape_live.get(key)
         if entry is not None:
             return entry[0], False
-        trace = self.tape
+        trace = self.trace
         sid = len(trace.storages)
         trace.storages.append(StorageRecord(sid, st.nbytes(), t.device, created_by))
 
         def on_free(_, key=key, sid=sid, trace=trace, live=self._tape_live):
             live.pop(key, None)
-            if self.tape_recording:
+            if self._tape_recording:
                 trace.events.append((len(trace.ops) - 1, sid, -1))
 
         self._tape_live[key] = (sid, weakref.ref(st, on_free))
         return sid, True
 
-    def register(self, t: torch.Tensor, name: str, role: str | None = None) -> int:
+    def register(self, t: torch.Tensor, name: str, role: str | None = None,
+                 owner: str | None = None) -> int:
         """Name a tensor that exists before the step (parameter, buffer, input, state).
 
-        Returns its storage id; the storage is marked with `role` for the memory categories.
+        Returns its storage id; the storage is marked with `role` for the memory categories and
+        `owner` (a parameter's fqn) for the reports.
         """
         sid, _ = self._storage_of(t, None)
         v = getattr(t, _VALUE_ATTR, None)
         if v is None:
             v = self._new_value()
             setattr(t, _VALUE_ATTR, v)
-        self.tape.external_values.setdefault(v, name)
+        self.trace.external_values.setdefault(v, name)
         if role is not None:
-            self.tape.storages[sid].roles.add(role)
+            self.trace.storages[sid].roles.add(role)
+        if owner is not None:
+            self.trace.storage_owner.setdefault(sid, owner)
         return sid
 
     def storage_id(self, t: torch.Tensor) -> int | None:
         """Storage id of a tensor the tape has seen, else None."""
-        entry = self._tape_live.get(t.untyped_storage()._cdata)
+        entry = self._tape_live.get(storage_key(t))
         return None if entry is None else entry[0]
 
     def _in_ref(self, t: torch.Tensor) -> TensorRef:
@@ -143,13 +198,13 @@ class Tape(FakeTensorMode):
         if v is None:  # a tensor made before recording began and never registered
             v = self._new_value()
             setattr(t, _VALUE_ATTR, v)
-            self.tape.external_values[v] = "tensor"
+            self.trace.external_values[v] = "tensor"
         return TensorRef(tuple(t.shape), t.dtype, sid, v)
 
     def _out_ref(self, t: torch.Tensor, index: int) -> TensorRef:
         sid, new = self._storage_of(t, index)
         if new:
-            self.tape.events.append((index, sid, 1))
+            self.trace.events.append((index, sid, 1))
         v = self._new_value()
         setattr(t, _VALUE_ATTR, v)
         return TensorRef(tuple(t.shape), t.dtype, sid, v)
@@ -170,7 +225,7 @@ class Tape(FakeTensorMode):
             code = f.f_code
             fn = code.co_filename
             if not ((fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
-                    or fn.startswith(_CAPTURE_DIR) or fn == _API_FILE or fn.endswith(_STDLIB_HELPERS)):
+                    or fn.startswith(_CAPTURE_DIR) or fn in _OWN_FILES or fn.endswith(_STDLIB_HELPERS)):
                 key = (fn, f.f_lineno)
                 frame = frames.get(key)
                 if frame is None:
@@ -183,10 +238,10 @@ class Tape(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (self._tape_depth or not self.tape_recording or func in _NOT_OPS
+        if (self._tape_depth or not self._tape_recording or func in _NOT_OPS
                 or func.namespace in _NOT_OP_NAMESPACES):
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if func is _DETACH and not torch._C._dispatch_tls_is_dispatch_key_excluded(_AD_INPLACE):
+        if func is _DETACH and not adinplaceorview_excluded():
             # Not an op of the program: C++ autograd copied a TensorImpl (saving or unpacking a
             # tensor), which for a Python tensor subclass goes through `detach`. A genuine detach
             # comes from the autograd kernel, below which ADInplaceOrView is excluded.
@@ -199,21 +254,21 @@ class Tape(FakeTensorMode):
             if v is not None:
                 setattr(out, _VALUE_ATTR, v)
             return out
-        if self._tape_phase != BACKWARD and self.tape_views.busy:
-            out = self.tape_views.intercept(lambda: self._run_quietly(func, types, args, kwargs),
-                                            self._record, func, args, kwargs)
+        backward = self._tape_phase == BACKWARD
+        if not backward and self.views.busy:
+            out = self.views.intercept(lambda: self._run_quietly(func, types, args, kwargs),
+                                       self._record, func, args, kwargs)
             if out is not None:
                 return out
-        if self._tape_phase == BACKWARD:
-            node = self._backward_node()
-            func, args, kwargs = plain_tensor_backward_op(node, func, args, kwargs)
-            if self.tape_views.copy_slices:
-                func, args, kwargs = copy_slices_view(self.tape_views, node, func, args, kwargs)
-        elif self.tape_branches is not None:
-            func, args, kwargs = plain_tensor_forward_op(self.tape_branches, func, args, kwargs)
+        ctx = self.fidelity
+        if backward:
+            ctx.node = self._backward_node()
+            func, args, kwargs = self.rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
+        else:
+            func, args, kwargs = self.rules.rewrite(FORWARD_OP, ctx, func, args, kwargs)
         self._tape_depth += 1
         try:
-            out = real_kernel_layout(func, args, self._run(func, types, args, kwargs))
+            out = self.rules.output(ctx, func, args, self._run(func, types, args, kwargs))
         except Exception as e:
             self._annotate(e, func)
             raise
@@ -223,8 +278,8 @@ class Tape(FakeTensorMode):
             self._record_tensor_literal(args[0], out)
         else:
             self._record(func, args, kwargs, out)
-            if self._tape_phase != BACKWARD and args:
-                self.tape_views.after_op(func, args)
+            if not backward and args:
+                self.views.after_op(func, args)
         return out
 
     def _run_quietly(self, func, types, args, kwargs):
@@ -238,8 +293,7 @@ class Tape(FakeTensorMode):
         """`torch.tensor(data)` builds a real tensor outside the dispatcher and lifts it into fake
         mode. A real run dispatches empty -> lift_fresh -> detach_ for it, fewer for as_tensor
         and a scalar assigned into a tensor (LITERAL_OPS); record those."""
-        maker = self.tape_branches.literal_maker if self.tape_branches is not None else None
-        names = LITERAL_OPS.get(maker, LITERAL_OPS[torch.tensor])
+        names = literal_ops(self.fidelity)
         if "empty" in names:
             self._record(torch.ops.aten.empty.memory_format, (list(real.shape),),
                          {"dtype": real.dtype, "device": out.device, "pin_memory": False}, out)
@@ -276,14 +330,14 @@ class Tape(FakeTensorMode):
         if getattr(e, "tapescope_op", None) is None:
             try:
                 e.tapescope_op = func
-                e.tapescope_module = self.tape_modules[-1] if self.tape_modules else None
+                e.tapescope_module = self.modules[-1] if self.modules else None
                 e.tapescope_frame = self._user_frame()
                 e.tapescope_phase = self._tape_phase
             except AttributeError:  # exception types that refuse attributes
                 pass
 
     def _record(self, func, args, kwargs, out) -> None:
-        trace = self.tape
+        trace = self.trace
         index = len(trace.ops)
         tensors: list = []
         rec_args = tuple(self._convert(a, tensors) for a in args)
@@ -301,16 +355,16 @@ class Tape(FakeTensorMode):
         rec = OpRecord(index, func, self._tape_phase, self._tape_step, rec_args, rec_kwargs, outputs,
                        tuple(tensors))
         if self._tape_phase == FORWARD:
-            peek = torch.autograd._get_sequence_nr()
+            peek = sequence_nr()
             rec.seq_nr = peek - 1
             rec.owns_node = peek != self._tape_last_seq
             self._tape_last_seq = peek
-            rec.module = self.tape_modules[-1] if self.tape_modules else None
+            rec.module = self.modules[-1] if self.modules else None
             rec.frame = self._user_frame()
         elif self._tape_phase == BACKWARD:
             node = self._backward_node()
             if node is not None:
-                rec.seq_nr = node._sequence_nr()
+                rec.seq_nr = node_sequence_nr(node)
                 rec.grad_fn = node.name()
         else:
             rec.frame = self._user_frame()
@@ -318,7 +372,7 @@ class Tape(FakeTensorMode):
 
     def _backward_node(self):
         """The autograd node whose backward is running (our engine's, or the C++ engine's)."""
-        return self.tape_backward_node or torch._C._current_autograd_node()
+        return self._tape_backward_node or current_autograd_node()
 
     def _convert(self, a, tensors: list):
         if isinstance(a, torch.Tensor):

@@ -11,7 +11,8 @@ the view ops on the base instead (a `view` in the forward, ViewBackward0 in the 
   (`ViewRegeneration.intercept`);
 - backward: for a view regenerated from a single view op, the engine runs what
   AsStridedBackward0 runs (`as_strided_backward`), which allocates the base-sized buffer the real
-  step allocates, and the base's CopySlices takes its view with as_strided (`copy_slices_view`).
+  step allocates, and the base's CopySlices takes its view with as_strided (the fidelity rule in
+  capture/fidelity/views.py).
 
 The real AsStridedBackward0's overlap handling (index_add_ for expanded or self-overlapping
 geometries) is not emulated: those views keep the replayed node. tests/test_engine.py compares
@@ -21,9 +22,10 @@ the op sequence with the real step's.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["ViewRegeneration", "as_strided_backward", "emulable", "copy_slices_view"]
+from ..torch_compat import statically_known_true
+
+__all__ = ["ViewRegeneration", "as_strided_backward", "emulable"]
 
 
 def _geometry(t) -> tuple:
@@ -135,16 +137,3 @@ def as_strided_backward(grad, geometries):
     storage = grad.new_zeros((size,))
     storage.as_strided(out_sizes, out_strides, out_eff).copy_(grad)
     return storage.as_strided(in_sizes, in_strides, in_eff)
-
-
-_AS_STRIDED = torch.ops.aten.as_strided.default
-
-
-def copy_slices_view(views: ViewRegeneration, node, func, args, kwargs):
-    """CopySlices takes the view of its gradient buffer with `as_strided` for a plain tensor and
-    by replaying the view op for a subclass: the first view op the node runs is that one."""
-    if func.is_view and node is not None:
-        geometry = views.copy_slices.pop(node, None)
-        if geometry is not None:
-            return _AS_STRIDED, (args[0], *geometry), {}
-    return func, args, kwargs

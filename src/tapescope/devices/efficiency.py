@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Efficiency", "PRIORS", "efficiency_for"]
+__all__ = ["Efficiency", "PRIORS", "MEASURED", "efficiency_for"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,15 @@ HOST_OP_S = 9e-6
 HOST_VIEW_S = 3e-6
 
 
+# (GPU catalogue key, op class) -> Efficiency measured on that GPU (gpu, torch and date set).
+# Empty until a session with a GPU runs the calibration (docs/validation.md, issue "GPU").
+MEASURED: dict = {}
+
+
 def efficiency_for(op_class: str, gpu_key: str | None = None) -> Efficiency:
-    """The constants for an op class on a GPU (measured ones when a calibration exists)."""
+    """The constants for an op class on a GPU: the ones measured on that GPU when a calibration
+    exists, else the priors."""
+    measured = MEASURED.get((gpu_key, op_class))
+    if measured is not None:
+        return measured
     return PRIORS.get(op_class, PRIORS["other"])

@@ -45,6 +45,8 @@ __all__ = [
     "normalize_name",
     "resolve_gpu_key",
     "get_gpu",
+    "cuda_context_bytes",
+    "usable_memory_bytes",
 ]
 
 DTYPES: tuple[str, ...] = ("fp64", "fp64_tensor", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
@@ -383,3 +385,20 @@ def resolve_gpu_key(name: str) -> str:
 def get_gpu(name: str) -> GPU:
     """The catalogue entry for a key, alias or torch device name, e.g. "h100", "A100", "NVIDIA L4"."""
     return GPUS[resolve_gpu_key(name)]
+
+
+# CUDA context + kernel images, outside the caching allocator, as nvidia-smi shows them before any
+# tensor exists (lazy module loading, CUDA 12/13). Typical values; the driver and the libraries
+# loaded vary them. The one model of this memory: gpu_memory adds it to the reserved bytes for
+# nvidia-smi, fit subtracts it from the GPU's memory for a default budget.
+_CONTEXT_BYTES = {"hopper": 530 << 20, "blackwell": 600 << 20, "ampere": 430 << 20,
+                  "ada": 420 << 20, "turing": 300 << 20, "volta": 300 << 20}
+
+
+def cuda_context_bytes(gpu: GPU) -> int:
+    return _CONTEXT_BYTES.get(gpu.arch, 500 << 20)
+
+
+def usable_memory_bytes(gpu: GPU) -> int:
+    """What the caching allocator can take: the memory torch reports, less the CUDA context."""
+    return (gpu.reported_memory_bytes or gpu.memory_bytes) - cuda_context_bytes(gpu)

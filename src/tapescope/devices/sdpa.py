@@ -39,6 +39,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..errors import TapescopeError
+from ..torch_compat import fa3_sdp_enabled, overrideable_sdp_enabled, sdp_priority_order
 
 __all__ = [
     "BACKENDS",
@@ -178,12 +179,12 @@ class SdpaEnv:
 
     @classmethod
     def from_torch(cls) -> SdpaEnv:
-        order = tuple(_BACKEND_IDS.get(int(i), str(i)) for i in torch._C._get_sdp_priority_order())
+        order = tuple(_BACKEND_IDS.get(int(i), str(i)) for i in sdp_priority_order())
         return cls(
             cudnn_version=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
             deterministic=torch.are_deterministic_algorithms_enabled(),
             deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
-            fa3_enabled=bool(getattr(torch._C, "_get_fa3_sdp_enabled", lambda: False)()),
+            fa3_enabled=fa3_sdp_enabled(),
             # An order someone set (sdpa_kernel(..., set_priority=True)) is kept as is.
             priority=None if order == _CONTEXT_DEFAULT_ORDER else order,
             cudnn_deprioritized=os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1",
@@ -757,7 +758,7 @@ def _enabled_from_torch() -> frozenset[str]:
         "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
         "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
         "math": torch.backends.cuda.math_sdp_enabled(),
-        "overrideable": torch._C._get_overrideable_sdp_enabled(),
+        "overrideable": overrideable_sdp_enabled(),
     }
     return frozenset(name for name, on in flags.items() if on)
 

@@ -6,19 +6,15 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from ..analysis.modules import module_pattern, module_rollup
 from ..capture.records import CATEGORIES
 from .text import fmt_bytes, fmt_flops
 
-__all__ = ["render_summary", "render_ops"]
+__all__ = ["render_summary", "render_ops", "render_diff", "render_fit"]
 
 
 def _mod(m) -> str:
     return "(root)" if m == "" else ("-" if m is None else m)
-
-
-def _pattern(m: str) -> str:
-    """'h.3.mlp.c_fc' -> 'h.*.mlp.c_fc': repeated blocks add up in the FLOPs table."""
-    return ".".join("*" if part.isdigit() else part for part in m.split("."))
 
 
 def _header(p) -> Text:
@@ -66,7 +62,7 @@ def render_summary(p, console: Console, top: int = 8) -> None:
     fl = p.flops
     console.print("[bold]FLOPs[/] " + " | ".join(f"{k} {fmt_flops(fl[k])}" for k in
                                                   ("forward", "backward", "optimizer", "total")))
-    if p.gpu is not None:
+    if p.cuda_memory is not None:
         cm, t = p.cuda_memory, p.time
         verdict = "[red]does not fit[/]" if cm.oom else "fits"
         console.print(f"[bold]On {p.gpu.name}[/]: max_memory_allocated {fmt_bytes(cm.max_allocated)}, "
@@ -88,11 +84,9 @@ def render_summary(p, console: Console, top: int = 8) -> None:
     for col in ("module", "instances", "FLOPs (fwd+bwd+opt)", "share"):
         by_flops.add_column(col)
     total = fl["total"] or 1
-    own: dict = {}
-    for op in p.ops:
-        if op.flops and op.module is not None:
-            own.setdefault(_pattern(op.module), {}).setdefault(op.module, 0)
-            own[_pattern(op.module)][op.module] += op.flops
+    own: dict = {}  # pattern -> {instance fqn -> FLOPs of its own ops}
+    for fqn, v in module_rollup(p.ops, lambda op: op.flops, own=True).items():
+        own.setdefault(module_pattern(fqn), {})[fqn] = v
     ranked = sorted(own.items(), key=lambda kv: -sum(kv[1].values()))
     for pattern, per in ranked[:top]:
         v = sum(per.values())
@@ -118,3 +112,73 @@ def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
         console.print(f"{seq}|{op.name}|{module}|{op.autograd_node or ''}|"
                       f"{op.flops if op.flops is not None else '?'}|{'saved' if op.saved else ''}",
                       highlight=False, soft_wrap=True, markup=False)
+
+
+def render_diff(a, b, d, console: Console, top: int = 12) -> None:
+    """Two profiles of one step on two devices (analysis.diff.StepDiff d between them)."""
+    da, db = a.trace.device.type, b.trace.device.type
+    console.print(f"[bold]{a.model}: {da} vs {db}[/]  ({len(a.ops)} vs {len(b.ops)} ops, "
+                  f"{d.same_ops} forward/backward ops identical)")
+    console.print(f"peak      {fmt_bytes(a.peak_bytes):>12} vs {fmt_bytes(b.peak_bytes):>12}   "
+                  f"delta {fmt_bytes(b.peak_bytes - a.peak_bytes)}")
+    for cat in a.memory.at_peak:
+        x, y = a.memory.at_peak[cat], b.memory.at_peak[cat]
+        if x or y:
+            console.print(f"  {cat:<18} {fmt_bytes(x):>12} vs {fmt_bytes(y):>12}")
+    for ph in ("forward", "backward", "optimizer", "total"):
+        console.print(f"FLOPs {ph:<9} {fmt_flops(a.flops[ph]):>12} vs {fmt_flops(b.flops[ph]):>12}")
+    groups: dict = {}
+    for h in d.hunks:
+        groups.setdefault((h.phase, tuple(h.a_ops), tuple(h.b_ops)), []).append(h)
+    console.print(f"\n[bold]{len(d.hunks)} differences[/] ({len(groups)} distinct):")
+    for (phase, a_ops, b_ops), hs in list(groups.items())[:top]:
+        h = hs[0]
+        mods = sorted({m for x in hs for m in x.modules})
+        where = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+        console.print(f"\n[bold]{phase}[/] x{len(hs)} in {where or '-'}", highlight=False)
+        console.print(f"  {da}: {', '.join(a_ops) or '(nothing)'}", highlight=False, markup=False)
+        console.print(f"  {db}: {', '.join(b_ops) or '(nothing)'}", highlight=False, markup=False)
+        for r in h.reasons:
+            console.print(f"  why: {r}", highlight=False, markup=False)
+        console.print(f"  FLOPs {fmt_flops(h.a_flops)} vs {fmt_flops(h.b_flops)}; saved for backward "
+                      f"{fmt_bytes(h.a_saved)} vs {fmt_bytes(h.b_saved)} (each)", highlight=False)
+
+
+def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None:
+    """A fit.FitResult: the formula, its guards, the largest size that fits, and a sweep."""
+    sp, dim = r.profile.symbolic, r.dim
+    shapes = " × ".join("x".join(str(s) for s in i["shape"]) for i in r.profile.inputs
+                        if isinstance(i, dict))
+    gpu = f" ({options.gpu.name})" if options.gpu is not None else ""
+    console.print(f"[bold]{name}[/] on {options.device.type}{gpu}, inputs {shapes} with {dim} varying",
+                  highlight=False)
+    console.print(f"budget {fmt_bytes(r.budget)}" + (f" ({r.budget_note})" if r.budget_note else ""),
+                  highlight=False)
+    console.print(f"peak memory = {sp.expr(sp.pieces[-1].bytes)} bytes for large {dim} "
+                  f"({len(sp.pieces)} piece{'s' if len(sp.pieces) > 1 else ''}; formulas hold for "
+                  f"{dim} in [{sp.ranges[dim][0]}, {sp.ranges[dim][1] or 'inf'}])", highlight=False)
+    for g in sp.guards:
+        console.print(f"  guard: {g.expr} at {g.where}" + (f" pins {g.pins}" if g.pins else ""),
+                      highlight=False, markup=False)
+    if sp.fitted:
+        f = sp.fitted
+        console.print(f"  {', '.join(f['dims'])} pinned by a guard: traced at {len(f['traced_at'])} "
+                      f"sizes, fitted polynomials, {'verified' if f['verified'] else 'NOT verified'} "
+                      f"at {len(f['checked_at'])} more" +
+                      ("" if f["verified"] else "; tracing each size instead"), highlight=False)
+    if r.value is None:
+        console.print(f"[red]nothing fits[/]: {dim} {r.probes[0][0]} already needs "
+                      f"{fmt_bytes(r.next_peak)}")
+    else:
+        console.print(f"[bold green]largest {dim} that fits: {r.value}[/] — peak "
+                      f"{fmt_bytes(r.peak_bytes)}, headroom {fmt_bytes(r.headroom)}")
+        if r.next_peak is not None:
+            console.print(f"  {dim} {r.value + 1} would need {fmt_bytes(r.next_peak)}")
+        elif r.limit is not None:
+            console.print(f"  the model accepts {dim} up to {r.limit}")
+    if sweep_rows:
+        top = max(v for _, v in sweep_rows) or 1
+        for n, v in sweep_rows:
+            bar = "#" * max(1, int(40 * v / top))
+            mark = "fits" if v <= r.budget else "OOM "
+            console.print(f"  {dim} {n:>7}  {fmt_bytes(v):>12}  {mark}  {bar}", highlight=False)

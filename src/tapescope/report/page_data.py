@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
-from ..analysis.memory import _ancestors
+from ..analysis.modules import ancestors, module_rollup
 from ..analysis.ops import param_module
 from ..capture.records import BACKWARD, CATEGORIES, FORWARD, PARAMETER
 from .downsample import downsample
@@ -72,20 +72,13 @@ def _num(x):
 def op_times(p) -> list | None:
     """Per-op time estimates in seconds, or None when the profile has none.
 
-    Read from `op.time_s` when ops carry it, else from `p.timing`: an object with `op_seconds`
-    (analysis.timing.StepTime), a sequence of seconds per op, or a mapping op index -> seconds.
-    The page shows a time column only when this is not None.
+    Read from the profile's step-time estimate (`p.time`, analysis.timing.StepTime: its per-op
+    GPU seconds); the page shows a time column only when there is one (CUDA profiles).
     """
-    times = [getattr(op, "time_s", None) for op in p.ops]
-    if any(t is not None for t in times):
-        return times
-    timing = getattr(p, "timing", None)
-    timing = getattr(timing, "op_seconds", timing)
-    if isinstance(timing, Mapping):
-        return [timing.get(op.index) for op in p.ops]
-    if isinstance(timing, Sequence) and not isinstance(timing, str) and len(timing) == len(p.ops):
-        return list(timing)
-    return None
+    step_time = p.time
+    if step_time is None or len(step_time.op_seconds) != len(p.ops):
+        return None
+    return list(step_time.op_seconds)
 
 
 def _time_fact(p, times) -> dict | None:
@@ -93,13 +86,9 @@ def _time_fact(p, times) -> dict | None:
     gives one, else the sum over ops."""
     if times is None:
         return None
-    timing = getattr(p, "timing", None)
-    seconds = getattr(timing, "seconds", None)
-    if not isinstance(seconds, (int, float)):
-        seconds = sum(t for t in times if t is not None)
-    mfu = getattr(timing, "mfu", None)
-    return {"seconds": _num(seconds), "bound": getattr(timing, "bound", None) or None,
-            "mfu": _num(mfu) if isinstance(mfu, (int, float)) and mfu else None}
+    t = p.time
+    return {"seconds": _num(t.seconds), "bound": t.bound or None,
+            "mfu": _num(t.mfu) if t.mfu else None, "calibrated": t.calibrated}
 
 
 def _meta(p, times) -> dict:
@@ -109,9 +98,8 @@ def _meta(p, times) -> dict:
     counts = dict.fromkeys(("forward", "backward", "optimizer"), 0)
     for op in p.ops:
         counts[op.phase] = counts.get(op.phase, 0) + 1
-    gpu = f.get("gpu")
-    if isinstance(gpu, Mapping):
-        gpu = gpu.get("name") or ", ".join(f"{k}={v}" for k, v in gpu.items())
+    gpu = p.gpu.name if p.gpu is not None else None
+    cm = p.cuda_memory
     return {
         "model": str(p.model), "device": str(p.device), "dtype": p.dtype, "amp": f.get("amp"),
         "gpu": None if gpu is None else str(gpu),
@@ -122,6 +110,10 @@ def _meta(p, times) -> dict:
         "flops": {k: _num(v) for k, v in p.flops.items()},
         "n_ops": len(p.ops), "ops_by_phase": counts,
         "time": _time_fact(p, times),
+        "cuda_memory": None if cm is None else {
+            "max_allocated": cm.max_allocated, "max_reserved": cm.max_reserved,
+            "nvidia_smi": cm.nvidia_smi, "capacity": cm.capacity, "oom": cm.oom,
+            "oom_at": cm.oom_at, "settings": cm.settings},
         "tapescope_version": __version__, "torch_version": torch.__version__,
     }
 
@@ -169,13 +161,13 @@ def _modules(p, times) -> dict:
     row("")
     for op in p.ops:
         if op.module is not None:
-            for m in _ancestors(op.module):
+            for m in ancestors(op.module):
                 r = row(m)
                 if r[1] is not None:
                     break  # its ancestors ran earlier still
                 r[1] = op.index
     for fqn, nbytes in _parameter_bytes(p).items():
-        for m in _ancestors(fqn):
+        for m in ancestors(fqn):
             row(m)[2] += nbytes
     for mm in p.memory.modules:
         r = row(mm.module)
@@ -183,10 +175,8 @@ def _modules(p, times) -> dict:
     for fqn, flops in p.module_flops.items():
         row(fqn)[5] = _num(flops)
     if times is not None:
-        for op, t in zip(p.ops, times):
-            if t is not None and op.module is not None:
-                for m in _ancestors(op.module):
-                    row(m)[6] += t
+        for fqn, t in module_rollup(p.ops, lambda op: times[op.index]).items():
+            row(fqn)[6] = t
     columns = ["module", "first_op", "parameters", "saved", "peak", "flops", "time_s"]
     return {"columns": columns, "has_time": times is not None,
             "rows": [[_num(v) if k else v for k, v in enumerate(r)] for r in rows.values()]}

@@ -95,7 +95,8 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
              dtype=None, amp=None, warmup: int = 2, steps: int = 5, name: str | None = None,
              gpu=None) -> Validation:
     from ..api import profile
-    from ..capture.model import build_on_meta, resolve_dtype
+    from ..capture.model import build_on_meta
+    from ..options import resolve_dtype
 
     dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
     dev = torch.device(device)

@@ -19,7 +19,8 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..analysis.dispatch import decomposes_above_autograd
-from ..capture.model import real_inputs, resolve_dtype
+from ..capture.model import real_inputs
+from ..options import resolve_dtype
 from ..capture.optimizers import make_optimizer
 from ..capture.step import train_step
 
@@ -108,8 +109,9 @@ def _overload_name(name: str, inputs=()) -> str:
 
 
 def _read_allocations(prof, device: torch.device) -> RealStep:
-    from torch._C._profiler import _EventType
+    from ..torch_compat import profiler_event_tree, profiler_event_types
 
+    _EventType = profiler_event_types()
     raw = []
     out = RealStep()
 
@@ -133,7 +135,7 @@ def _read_allocations(prof, device: torch.device) -> RealStep:
         for c in e.children:
             walk(c, step, phase, inside_op)
 
-    for root in prof.profiler.kineto_results.experimental_event_tree():
+    for root in profiler_event_tree(prof):
         walk(root, 0, None, False)
     raw.sort(key=lambda r: r[0])
     if not raw:

@@ -141,10 +141,19 @@
     const c = m.ops_by_phase;
     const n = (k) => k.toLocaleString("en-US");
     add("Ops", n(m.n_ops) + " (" + n(c.forward) + " fwd, " + n(c.backward) + " bwd, " + n(c.optimizer) + " opt)");
+    if (m.cuda_memory) {
+      const cm = m.cuda_memory;
+      add("max_memory_allocated / reserved", fmtBytes(cm.max_allocated) + " / " + fmtBytes(cm.max_reserved));
+      add("nvidia-smi (about)", fmtBytes(cm.nvidia_smi) + " of " + fmtBytes(cm.capacity) + ": " +
+        (cm.oom ? "does not fit" + (cm.oom_at ? " (" + cm.oom_at + ")" : "") : "fits"),
+        cm.oom ? "bad" : null);
+      if (cm.settings) add("Allocator settings", cm.settings);
+    }
     if (m.time) {
       const t = m.time;
       add("Time estimate", fmtTime(t.seconds) + (t.bound ? ", " + t.bound + "-bound" : "") +
-        (t.mfu != null ? ", MFU " + (100 * t.mfu).toFixed(1) + "%" : ""));
+        (t.mfu != null ? ", MFU " + (100 * t.mfu).toFixed(1) + "%" : "") +
+        (t.calibrated === false ? " (timing constants not yet calibrated on a GPU)" : ""));
     }
     if (m.step2) add("Step 2", m.step2);
     add("Versions", "tapescope " + m.tapescope_version + " · torch " + m.torch_version);

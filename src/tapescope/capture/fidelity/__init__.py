@@ -1,0 +1,14 @@
+"""Fidelity rules: what a real kernel or branch does where a fake one would do otherwise.
+
+See registry.py for what a rule is. Each module below holds the rules of one part of PyTorch;
+importing this package registers them all. A new rule goes next to its siblings, with the PyTorch
+source it follows and a test against real execution (tests/test_engine.py has the pattern: the op
+sequence of the real step under torch.profiler, and the allocator's peak).
+"""
+
+from . import attention, backward, layouts, linear, literals, views  # noqa: F401 - registers
+from .registry import (ANY_OP, BACKWARD_OP, FORWARD_OP, FUNCTION, OUTPUT, RULES, FidelityContext,
+                       FunctionRulesMode, Rule, RuleSet)
+
+__all__ = ["RULES", "Rule", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "ANY_OP"]

@@ -1,0 +1,176 @@
+"""The registry of fidelity rules: what a real kernel or branch does that a fake one would not.
+
+tapescope traces a step on FakeTensors, and a FakeTensor is a tensor subclass. In a few places
+PyTorch's C++ takes another branch for subclasses ("composite compliance"), a meta kernel gives
+its output other strides than the real kernel, or a device's real kernel picks an implementation
+that a machine without that device cannot ask for. Each such difference, where it changes the op
+sequence or the memory, is one `Rule` here: what it applies to, on which devices, what it does,
+the PyTorch source it follows and the test that checks it against real execution.
+
+A rule acts at one stage:
+- FUNCTION: a torch function (seen by `FunctionRulesMode`, a TorchFunctionMode, above the
+  dispatcher, whatever name the model imported it under) runs as `handler(ctx, func, args, kwargs)`
+  instead: `aten::linear`'s plain-tensor bias add, the SDPA backend a named GPU would choose.
+- FORWARD_OP / BACKWARD_OP: an aten op about to run is rewritten,
+  `handler(ctx, func, args, kwargs) -> (func, args, kwargs) | None` (None: not this time);
+  a backward rule also gets the autograd node that runs (`ctx.node`).
+- OUTPUT: an aten op's fresh output is replaced by one with the real kernel's layout,
+  `handler(ctx, func, args, out) -> out`.
+Rules registered for `ANY_OP` see every op of their stage; keep their test for relevance cheap.
+
+The registry is filled when the rule modules are imported and never changes afterwards; each
+capture builds its own `FidelityContext` (the per-trace state rules read and write), so two
+profiles in one process cannot influence each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Rule", "RULES", "Rules", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "STAGES", "ANY_OP"]
+
+FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT = "function", "forward op", "backward op", "output"
+STAGES = (FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT)
+ANY_OP = "any op"
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    stage: str
+    targets: tuple                  # OpOverloads or functions, or (ANY_OP,)
+    handler: Callable
+    devices: frozenset | None       # device types the rule applies on; None: every device
+    source: str                     # the PyTorch source it follows
+    test: str                       # the test that checks it against real execution
+    doc: str = ""
+
+    def applies_on(self, device_type: str) -> bool:
+        return self.devices is None or device_type in self.devices
+
+
+@dataclass
+class FidelityContext:
+    """Per-capture state the rules share: the traced device and GPU, the torch functions running
+    now (innermost last), and what the rules counted."""
+
+    device: torch.device
+    gpu: Any = None
+    views: Any = None                   # capture.view_replay.ViewRegeneration of this capture
+    node: Any = None                    # the autograd node running (backward), else None
+    running: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)   # e.g. "sdpa:flash" -> calls
+    functions: dict = field(default_factory=dict)  # function -> its FUNCTION rule's handler
+    cache: dict = field(default_factory=dict)      # what a rule builds once per capture
+
+    def inside(self, func) -> bool:
+        return func in self.running
+
+    def innermost(self, candidates):
+        """The innermost running function among `candidates`, or None."""
+        for f in reversed(self.running):
+            if f in candidates:
+                return f
+        return None
+
+    def call(self, func, args, kwargs):
+        """Run `func` as its FUNCTION rule says (plainly if it has none)."""
+        try:
+            handler = self.functions.get(func)
+        except TypeError:  # an unhashable callable: no rule can name it
+            handler = None
+        if handler is None:
+            return func(*args, **kwargs)
+        self.running.append(func)
+        try:
+            return handler(self, func, args, kwargs)
+        finally:
+            self.running.pop()
+
+    def count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+class Rules:
+    """All rules, by stage; `register` is the decorator the rule modules use."""
+
+    def __init__(self):
+        self.all: list[Rule] = []
+
+    def register(self, stage: str, *targets, devices=None, source: str, test: str,
+                 name: str | None = None):
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}")
+        if not targets:
+            raise ValueError("a rule needs at least one target (or ANY_OP)")
+
+        def decorate(handler):
+            self.all.append(Rule(name or handler.__name__, stage, tuple(targets), handler,
+                                 None if devices is None else frozenset(devices), source, test,
+                                 (handler.__doc__ or "").strip()))
+            return handler
+
+        return decorate
+
+    def for_device(self, device_type: str) -> "RuleSet":
+        return RuleSet([r for r in self.all if r.applies_on(device_type)])
+
+
+RULES = Rules()
+
+
+class RuleSet:
+    """The rules of one device, indexed for the dispatch path (a dict lookup per op)."""
+
+    def __init__(self, rules: list[Rule]):
+        self.rules = rules
+        self.by_stage: dict[str, dict] = {s: {} for s in STAGES}
+        self.any_op: dict[str, list] = {s: [] for s in STAGES}
+        for r in rules:
+            for t in r.targets:
+                if t is ANY_OP:
+                    self.any_op[r.stage].append(r.handler)
+                else:
+                    self.by_stage[r.stage].setdefault(t, []).append(r.handler)
+        self.functions = {f: hs[0] for f, hs in self.by_stage[FUNCTION].items()}
+        duplicated = [f for f, hs in self.by_stage[FUNCTION].items() if len(hs) > 1]
+        if duplicated:  # a function runs one way; two rules for it would be a contradiction
+            raise ValueError(f"two function rules for {duplicated}")
+
+    def rewrite(self, stage: str, ctx: FidelityContext, func, args, kwargs):
+        """(func, args, kwargs) after the rules of `stage` (FORWARD_OP or BACKWARD_OP)."""
+        handlers = self.by_stage[stage].get(func)
+        extra = self.any_op[stage]
+        if handlers is None and not extra:
+            return func, args, kwargs
+        for h in (*(handlers or ()), *extra):
+            new = h(ctx, func, args, kwargs)
+            if new is not None:
+                func, args, kwargs = new
+        return func, args, kwargs
+
+    def output(self, ctx: FidelityContext, func, args, out):
+        handlers = self.by_stage[OUTPUT].get(func)
+        if handlers is not None:
+            for h in handlers:
+                out = h(ctx, func, args, out)
+        return out
+
+
+class FunctionRulesMode(TorchFunctionMode):
+    """Applies the FUNCTION rules of a capture. A TorchFunctionMode sees `F.linear`, `torch.tensor`
+    or `scaled_dot_product_attention` however the model spelt them (a pre-bound import included);
+    torch pops the mode while a call runs, so a rule's own calls are not seen again."""
+
+    def __init__(self, ctx: FidelityContext, rules: RuleSet):
+        super().__init__()
+        self.ctx = ctx
+        ctx.functions = rules.functions
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.ctx.call(func, args, kwargs or {})

@@ -1,0 +1,188 @@
+"""What to trace and how: one `Workload` (the model and its inputs) and one `Options` value.
+
+The API (`tapescope.profile`) and the CLI both build these once, with every name resolved and every
+value checked (a GPU name becomes its catalogue entry, "bf16" becomes torch.bfloat16, an unknown
+device is refused with a message), and pass them on as single values: capture and analysis never
+see raw keyword arguments. A new capability (checkpointing, a device mesh, compile, gradient
+accumulation) adds its field here, its check in `Options.create`, and reads it where it acts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from .errors import DeviceError, TapescopeError
+
+__all__ = ["Workload", "Options", "ENGINES", "DEFAULT_GPU", "resolve_device", "resolve_dtype"]
+
+ENGINES = ("python", "torch")
+DEFAULT_GPU = "h100"     # device="cuda" without a named GPU traces what an H100 would run
+_DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp64": torch.float64, "float64": torch.float64,
+    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
+    "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8,
+}
+
+
+def resolve_dtype(d) -> torch.dtype | None:
+    """None, a torch.dtype, or a name such as "bf16" -> torch.dtype (ValueError if unknown)."""
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    try:
+        return _DTYPES[str(d).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {d!r}; use one of {', '.join(sorted(_DTYPES))}") from None
+
+
+def resolve_device(device, gpu=None) -> torch.device:
+    """The one device policy of the API and the CLI: naming a GPU means tracing what it runs
+    (device cuda) unless a device is given explicitly; else the CPU."""
+    if device is None:
+        device = "cuda" if gpu is not None else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"unknown device {device!r}; use cpu, cuda or meta") from None
+    if dev.type not in _DEVICE_TYPES:
+        raise DeviceError(f"unsupported device {dev}; use cpu, cuda or meta")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)  # what fake CUDA tensors report
+    return dev
+
+
+def check_device_build(device: torch.device) -> None:
+    """Fail before tracing where torch itself would abort the process."""
+    if device.type == "cuda" and not torch.backends.cuda.is_built():
+        # On a CPU-only build, any autograd op on a fake CUDA tensor aborts the process (SIGABRT
+        # from AccumulateGrad): this check must come first.
+        raise DeviceError(
+            f"device='cuda' needs a CUDA build of PyTorch, and this one ({torch.__version__}) is "
+            "CPU-only. A GPU is not needed, only the CUDA build: install one, e.g. "
+            "`pip install torch --index-url https://download.pytorch.org/whl/cu128`, "
+            "or profile with --device cpu.")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and its inputs, as the user gave them (never modified).
+
+    model: an nn.Module on any device (meta included) or a function that builds one.
+    args / kwargs: tensors (real or meta) or `tapescope.spec(...)`, in any nest of containers.
+    """
+
+    model: Any
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    name: str | None = None
+
+    @property
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        if isinstance(self.model, torch.nn.Module):
+            return type(self.model).__name__
+        return getattr(self.model, "__name__", type(self.model).__name__)
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the step is run and traced. Build with `Options.create(...)`, which checks and resolves.
+
+    loss_fn: `loss_fn(output, *inputs) -> scalar`; None: see capture.step.default_loss.
+    optimizer: "sgd", "adam", "adamw", an Optimizer class, a function params -> optimizer, or None.
+    device: the device whose kernels and autograd formulas are traced (cpu, cuda, meta).
+    gpu: for cuda, the catalogue GPU (devices.gpus.GPU) whose kernel choices are followed.
+    dtype: cast floating-point parameters and inputs; amp: autocast dtype for forward and loss.
+    steps: 1 (first step) or 2 (steady state, optimizer state alive).
+    engine: "python" (tapescope's autograd engine; no GPU needed) or "torch" (loss.backward()).
+    symbolic: names of input dimensions to keep symbolic ("batch", "seq").
+    alloc_conf: the CUDA caching allocator's settings (analysis.allocator.AllocatorConfig) for the
+        predicted torch.cuda figures; by default read from the environment as torch reads it
+        (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF).
+    """
+
+    loss_fn: Callable | None = None
+    optimizer: Any = "adamw"
+    device: torch.device = torch.device("cpu")
+    gpu: Any = None
+    dtype: torch.dtype | None = None
+    amp: torch.dtype | None = None
+    steps: int = 2
+    engine: str = "python"
+    symbolic: tuple = ()
+    alloc_conf: Any = None
+
+    @classmethod
+    def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
+               amp=None, steps: int = 2, engine: str = "python", symbolic=(),
+               alloc_conf=None) -> "Options":
+        """Check and resolve every option; a bad one raises a TapescopeError that says why."""
+        dev = resolve_device(device, gpu)
+        check_device_build(dev)
+        gpu_entry = None
+        if dev.type == "cuda":
+            gpu_entry = _resolve_gpu(gpu or DEFAULT_GPU)
+        elif gpu is not None:
+            gpu_entry = _resolve_gpu(gpu)  # a budget or a name for the report, kernels of `dev`
+        try:
+            dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
+        except ValueError as e:
+            raise TapescopeError(str(e)) from None
+        for what, d in (("dtype", dtype), ("amp", amp)):
+            if d is not None and not d.is_floating_point:
+                raise TapescopeError(f"{what} must be a floating-point type, got {d}")
+        if steps not in (1, 2):
+            raise TapescopeError(f"steps must be 1 (first step only) or 2 (steady state), got {steps}")
+        if engine not in ENGINES:
+            raise TapescopeError(f"engine must be one of {ENGINES}, got {engine!r}")
+        if isinstance(symbolic, str):
+            symbolic = (symbolic,)
+        return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
+                   amp=amp, steps=steps, engine=engine, symbolic=tuple(symbolic or ()),
+                   alloc_conf=_resolve_alloc_conf(alloc_conf))
+
+    def but(self, **changes) -> "Options":
+        """A copy with some fields changed (already resolved values)."""
+        return replace(self, **changes)
+
+
+def _resolve_gpu(gpu):
+    from .devices.gpus import GPU, get_gpu
+
+    if isinstance(gpu, GPU):
+        return gpu
+    try:
+        return get_gpu(str(gpu))
+    except ValueError as e:  # an unknown name: the message lists the ones we know
+        raise TapescopeError(str(e)) from None
+
+
+def _resolve_alloc_conf(conf):
+    """An AllocatorConfig from an object, a PYTORCH_CUDA_ALLOC_CONF-style string, or the
+    environment: PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF (c10/core/AllocatorConfig.cpp,
+    AcceleratorAllocatorConfig::instance reads them in that order)."""
+    from .analysis.allocator import AllocatorConfig
+
+    if isinstance(conf, AllocatorConfig):
+        return conf
+    source = "--alloc-conf"
+    if conf is None:
+        for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+            if os.environ.get(var):
+                conf, source = os.environ[var], var
+                break
+    if not conf:
+        return AllocatorConfig()
+    try:
+        return AllocatorConfig.from_env(str(conf))
+    except ValueError as e:
+        raise TapescopeError(f"cannot read the allocator settings {conf!r} ({source}): {e}") from None

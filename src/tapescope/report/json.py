@@ -1,0 +1,50 @@
+"""The profile as JSON-ready data (`Profile.to_dict`, the CLI's --json)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["profile_dict"]
+
+
+def _n(x):
+    """Exact ints stay ints; symbolic sizes become their text."""
+    return x if x is None or isinstance(x, (int, float)) else str(x)
+
+
+def profile_dict(p, with_ops: bool = True, with_timeline: bool = True) -> dict:
+    from .. import __version__
+
+    d = {
+        "tapescope_version": __version__, "torch_version": torch.__version__,
+        "model": p.model, "device": p.device, "dtype": p.dtype,
+        "inputs": p.inputs, "steps": p.steps,
+        "peak_bytes": _n(p.peak_bytes), "first_step_peak_bytes": _n(p.first_step_peak_bytes),
+        "flops": {k: _n(v) for k, v in p.flops.items()},
+        "uncounted_ops": p.uncounted_ops,
+        "facts": p.facts,
+        "memory": p.memory.to_dict(with_timeline),
+        "first_step_memory": p.first_step_memory.to_dict(False),
+        "module_flops": {k: _n(v) for k, v in p.module_flops.items()},
+    }
+    if p.gpu is not None:
+        d["gpu"] = {"key": p.gpu.key, "name": p.gpu.name}
+    cm = p.cuda_memory
+    if cm is not None:
+        d["cuda_memory"] = {k: getattr(cm, k) for k in (
+            "max_allocated", "max_reserved", "steady_allocated", "steady_reserved",
+            "fragmentation", "context_bytes", "capacity", "oom", "oom_at")}
+        d["cuda_memory"]["nvidia_smi"] = cm.nvidia_smi
+        d["cuda_memory"]["allocator_settings"] = cm.settings
+    if p.time is not None:
+        d["time"] = p.time.to_dict()
+    if p.symbolic is not None:
+        sp = p.symbolic
+        d["symbolic"] = {"dims": list(sp.names), "ranges": sp.ranges,
+                         "peak_bytes": str(sp.peak_expr()),
+                         "flops": {k: str(v) for k, v in sp.flops.items()},
+                         "guards": [g.__dict__ for g in sp.guards],
+                         "specialized": sp.specialized, "fitted": sp.fitted}
+    if with_ops:
+        d["ops"] = [op.to_dict() for op in p.ops]
+    return d

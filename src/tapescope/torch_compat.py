@@ -1,0 +1,253 @@
+"""Every private PyTorch name tapescope uses, in one place.
+
+tapescope follows PyTorch's internals closely (that is how it traces a step the way the real engine
+runs it), so it reads names PyTorch does not promise to keep: FakeTensorMode's innards, autograd's
+sequence numbers and reference counts, the dispatcher's tables, ShapeEnv's guards. Every one of them
+is imported or called here and nowhere else, so that a torch release that moves one breaks one line
+with a clear message, and `tests/test_torch_compat.py` (run by CI on both torch versions it installs)
+says which.
+
+Names that are public API (torch.library, torch.profiler, torch.utils.checkpoint ...) are used
+directly where they are needed. `Tensor._base`, `Tensor._is_view()` and `OpOverload._schema` are
+documented in PyTorch's own developer docs and used everywhere in torch; they are not wrapped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ---- FakeTensorMode (torch/_subclasses/fake_tensor.py) ------------------------------------------
+from torch._subclasses.fake_tensor import (  # noqa: F401 - re-exported
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+    in_kernel_invocation_manager,
+)
+
+# ---- symbolic shapes (torch/fx/experimental/symbolic_shapes.py, torch/_guards.py) ----------------
+from torch.fx.experimental.symbolic_shapes import (  # noqa: F401 - re-exported
+    DimDynamic,
+    ShapeEnv,
+    statically_known_true,
+)
+
+try:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+except ImportError:  # pragma: no cover - older torch
+    GuardOnDataDependentSymNode = ()
+
+# ---- pytrees, dispatch-mode utilities -------------------------------------------------------------
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401 - re-exported
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
+from torch.utils._mode_utils import no_dispatch  # noqa: F401
+
+__all__ = [
+    "FakeTensor", "FakeTensorMode", "in_kernel_invocation_manager", "DataDependentOutputException",
+    "DynamicOutputShapeException", "UnsupportedOperatorException", "GuardOnDataDependentSymNode",
+    "ShapeEnv", "DimDynamic", "statically_known_true", "tree_leaves", "tree_map",
+    "disable_current_modes", "no_dispatch",
+    "sequence_nr", "node_sequence_nr", "current_autograd_node", "use_count", "storage_use_count",
+    "storage_key", "untyped_storage_key", "is_zerotensor", "node_input_metadata", "tensor_backward_hooks",
+    "post_accumulate_grad_hooks", "forward_ad_level", "adinplaceorview_excluded", "default_device",
+    "foreach_devices", "force_enable_autocast", "fake_cache_bypasses",
+    "constant_source", "user_source_location", "hook_guard_locations",
+    "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
+    "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
+    "profiler_event_tree", "schema_types", "shape_env_facts", "PRIVATE_NAMES",
+]
+
+
+# ---- autograd ------------------------------------------------------------------------------------
+
+def sequence_nr() -> int:
+    """The sequence number the next autograd node will get (this thread's counter)."""
+    return torch.autograd._get_sequence_nr()
+
+
+def node_sequence_nr(node) -> int:
+    return node._sequence_nr()
+
+
+def current_autograd_node():
+    """The node the C++ engine is running on this thread, or None."""
+    return torch._C._current_autograd_node()
+
+
+def node_input_metadata(node):
+    """What a node expects of each gradient it receives (shape, dtype, device)."""
+    return node._input_metadata
+
+
+def use_count(t: torch.Tensor) -> int:
+    """The TensorImpl's reference count (its Python object holds one)."""
+    return t._use_count()
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """The StorageImpl's reference count, less the UntypedStorage object made to ask."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An id of t's storage, the same for every tensor sharing it while it lives."""
+    return t.untyped_storage()._cdata
+
+
+def untyped_storage_key(st) -> int:
+    """The same id, from an UntypedStorage object."""
+    return st._cdata
+
+
+def is_zerotensor(t: torch.Tensor) -> bool:
+    return t._is_zerotensor()
+
+
+def tensor_backward_hooks(t: torch.Tensor):
+    """The dict of hooks `register_hook` put on a tensor (None if none)."""
+    return t._backward_hooks
+
+
+def post_accumulate_grad_hooks(t: torch.Tensor):
+    return getattr(t, "_post_accumulate_grad_hooks", None)
+
+
+def forward_ad_level() -> int:
+    """>= 0 while a forward-mode AD level is active."""
+    return torch.autograd.forward_ad._current_level
+
+
+_ADINPLACEORVIEW = torch._C.DispatchKey.ADInplaceOrView
+
+
+def adinplaceorview_excluded() -> bool:
+    """True below an autograd kernel (it excludes ADInplaceOrView for the ops it calls)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(_ADINPLACEORVIEW)
+
+
+# ---- defaults, optimizers, autocast ----------------------------------------------------------------
+
+def default_device():
+    return torch._C._get_default_device()
+
+
+def foreach_devices() -> list:
+    """Device types whose optimizers default to foreach kernels for plain tensors."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return _get_foreach_kernels_supported_devices()
+
+
+def force_enable_autocast(ctx: torch.autocast) -> torch.autocast:
+    """torch.autocast("cuda") disables itself (with a warning) when no GPU is present; the
+    dispatcher's autocast keys work on fake CUDA tensors all the same."""
+    ctx._enabled = True
+    return ctx
+
+
+def fake_cache_bypasses() -> dict:
+    """FakeTensorMode's counter of ops it refused to cache, by reason (class-level)."""
+    return FakeTensorMode.cache_bypasses
+
+
+# ---- ShapeEnv: sources and the source line a guard remembers --------------------------------------
+
+def constant_source(name: str):
+    from torch._dynamo.source import ConstantSource
+
+    return ConstantSource(name)
+
+
+def user_source_location(framework_loc, user_loc: str):
+    from torch._guards import SLoc
+
+    return SLoc(framework_loc, user_loc)
+
+
+def hook_guard_locations(shape_env, make_location) -> None:
+    """Make each guard `shape_env` records remember the location `make_location(original)` gives
+    (ShapeEnv finds user frames only under dynamo). Sets an instance attribute: no other ShapeEnv
+    is affected."""
+    original = shape_env._get_sloc
+    shape_env._get_sloc = lambda framework_loc=None: make_location(original(framework_loc))
+
+
+def shape_env_facts(shape_env, symbols: dict) -> tuple[list, dict, dict]:
+    """(guards, replacements, ranges) of a ShapeEnv as plain data: guards as (sympy expr, user
+    location); replacements name -> sympy expr for the given symbols; ranges name -> (low, high)
+    with None for unbounded."""
+    guards = [(g.expr, g.sloc.maybe_user_loc, str(g.sloc)) for g in shape_env.guards]
+    replacements = {n: shape_env.replacements.get(s) for n, s in symbols.items()
+                    if shape_env.replacements.get(s) is not None}
+    ranges = {}
+    for n, s in symbols.items():
+        vr = shape_env.var_to_range.get(s)
+        lo = int(vr.lower) if vr is not None and vr.lower.is_Integer else None
+        hi = int(vr.upper) if vr is not None and vr.upper.is_Integer else None
+        ranges[n] = (lo, hi)
+    return guards, replacements, ranges
+
+
+# ---- the dispatcher, the profiler, attention --------------------------------------------------------
+
+def dispatch_dump_table(op: str) -> str:
+    return torch._C._dispatch_dump_table(op)
+
+
+def profiler_event_types():
+    from torch._C._profiler import _EventType
+
+    return _EventType
+
+
+def profiler_event_tree(prof) -> list:
+    """The roots of a finished torch.profiler.profile's event tree (ops, allocations, children)."""
+    return prof.profiler.kineto_results.experimental_event_tree()
+
+
+def schema_types():
+    """The TorchScript type classes an op schema's arguments are described with."""
+    return torch._C
+
+
+def sdp_priority_order() -> list:
+    return torch._C._get_sdp_priority_order()
+
+
+def sdp_backend_enum():
+    return torch._C._SDPBackend
+
+
+def overrideable_sdp_enabled() -> bool:
+    return torch._C._get_overrideable_sdp_enabled()
+
+
+def fa3_sdp_enabled() -> bool:
+    return bool(getattr(torch._C, "_get_fa3_sdp_enabled", lambda: False)())
+
+
+# The builtins behind F.linear and F.scaled_dot_product_attention: a TorchFunctionMode sees them as
+# `func`, whatever name the model imported them under.
+linear_builtin = torch._C._nn.linear
+sdpa_builtin = torch._C._nn.scaled_dot_product_attention
+
+
+# What tests/test_torch_compat.py checks on every torch CI installs: each entry must resolve.
+PRIVATE_NAMES = (
+    "torch.autograd._get_sequence_nr", "torch._C._current_autograd_node",
+    "torch._C._storage_Use_Count", "torch._C._dispatch_tls_is_dispatch_key_excluded",
+    "torch._C.DispatchKey.ADInplaceOrView", "torch._C._get_default_device",
+    "torch._C._dispatch_dump_table", "torch._C._get_sdp_priority_order", "torch._C._SDPBackend",
+    "torch._C._get_overrideable_sdp_enabled", "torch._C._nn.linear",
+    "torch._C._nn.scaled_dot_product_attention", "torch.autograd.forward_ad._current_level",
+    "torch._subclasses.fake_tensor.FakeTensorMode.cache_bypasses",
+    "torch._subclasses.fake_tensor.in_kernel_invocation_manager",
+    "torch.utils._foreach_utils._get_foreach_kernels_supported_devices",
+    "torch._dynamo.source.ConstantSource", "torch._guards.SLoc", "torch._C._profiler._EventType",
+    "torch.utils._python_dispatch._disable_current_modes", "torch.utils._mode_utils.no_dispatch",
+    "torch.fx.experimental.symbolic_shapes.ShapeEnv._get_sloc",
+    "torch.Tensor._use_count", "torch.Tensor._is_zerotensor", "torch.Tensor._backward_hooks",
+    "torch.UntypedStorage._cdata", "torch._C.OptionalType", "torch._C.ListType",
+    "torch.profiler.profile.profiler",
+)
