@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..capture.records import (BUFFER, CATEGORIES, GRADIENT, INPUT, OPTIMIZER_STATE, PARAMETER,
-                               SAVED, TEMPORARY, Trace)
+                               SAVED, TEMPORARY, WORKSPACE, Trace)
 from .events import device_events, initially_live, live_after
 from .modules import ancestors
 from .ops import Op
@@ -89,7 +89,7 @@ def storage_categories(trace: Trace) -> list[str]:
     cats = []
     for s in trace.storages:
         roles = s.roles
-        for role in (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT):
+        for role in (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT, WORKSPACE):
             if role in roles:
                 cats.append(role)
                 break

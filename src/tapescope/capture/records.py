@@ -39,7 +39,9 @@ INTERNAL_GUARD = "<tapescope>"  # where a guard tapescope's own code placed come
 PARAMETER, BUFFER, INPUT, GRADIENT, OPTIMIZER_STATE = (
     "parameters", "buffers", "inputs", "gradients", "optimizer state")
 SAVED, TEMPORARY = "saved activations", "temporaries"
-CATEGORIES = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT, SAVED, TEMPORARY)
+# scratch a real kernel allocates and frees inside one op (capture/fidelity: WORKSPACE rules)
+WORKSPACE = "kernel workspace"
+CATEGORIES = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT, SAVED, TEMPORARY, WORKSPACE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,8 @@ from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded
                             untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, FidelityContext, RuleSet
 from .fidelity.literals import literal_ops
-from .records import BACKWARD, FORWARD, Frame, OpRecord, Segment, StorageRecord, TensorRef, Trace
+from .records import (BACKWARD, FORWARD, WORKSPACE, Frame, OpRecord, Segment, StorageRecord,
+                      TensorRef, Trace)
 from .replay import DispatchReplay
 from .view_replay import ViewRegeneration
 
@@ -278,9 +279,26 @@ class Tape(FakeTensorMode):
             self._record_tensor_literal(args[0], out)
         else:
             self._record(func, args, kwargs, out)
+            workspace = self.rules.workspace(ctx, func, args, kwargs, out)
+            if workspace:
+                self._record_workspace(workspace, _device_of(args, out))
             if not backward and args:
                 self.views.after_op(func, args)
         return out
+
+    def _record_workspace(self, sizes, device) -> None:
+        """Scratch the real kernel of the op just recorded allocates and frees inside it: live
+        together with the op's outputs, gone before the next op."""
+        trace = self.trace
+        index = len(trace.ops) - 1
+        ids = []
+        for nbytes in sizes:
+            sid = len(trace.storages)
+            trace.storages.append(StorageRecord(sid, nbytes, device, index, {WORKSPACE}))
+            trace.events.append((index, sid, 1))
+            ids.append(sid)
+        for sid in reversed(ids):
+            trace.events.append((index, sid, -1))
 
     def _run_quietly(self, func, types, args, kwargs):
         self._tape_depth += 1
@@ -388,6 +406,16 @@ class Tape(FakeTensorMode):
                 out.append(x)
             return tuple(out)
         return a
+
+
+def _device_of(args, out) -> torch.device:
+    for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
 
 
 def _written_tensors(func, args, kwargs):

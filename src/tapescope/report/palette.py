@@ -18,6 +18,7 @@ CATEGORY_COLORS = {
     "inputs": "#9c755f",
     "saved activations": "#59a14f",
     "temporaries": "#e15759",
+    "kernel workspace": "#edc948",
 }
 
 PHASE_COLORS = {FORWARD: "#4e79a7", BACKWARD: "#e15759", OPTIMIZER: "#76b7b2"}

@@ -7,8 +7,8 @@ sequence of the real step under torch.profiler, and the allocator's peak).
 """
 
 from . import attention, backward, layouts, linear, literals, views  # noqa: F401 - registers
-from .registry import (ANY_OP, BACKWARD_OP, FORWARD_OP, FUNCTION, OUTPUT, RULES, FidelityContext,
-                       FunctionRulesMode, Rule, RuleSet)
+from .registry import (ANY_OP, BACKWARD_OP, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE,
+                       FidelityContext, FunctionRulesMode, Rule, RuleSet)
 
 __all__ = ["RULES", "Rule", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
-           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "ANY_OP"]
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "ANY_OP"]

@@ -16,6 +16,11 @@ A rule acts at one stage:
   a backward rule also gets the autograd node that runs (`ctx.node`).
 - OUTPUT: an aten op's fresh output is replaced by one with the real kernel's layout,
   `handler(ctx, func, args, out) -> out`.
+- WORKSPACE: scratch memory the real kernel allocates and frees inside the op (a reorder into a
+  blocked layout, a GEMM fallback's per-thread buffers, an RNN workspace), which a fake kernel
+  never allocates: `handler(ctx, func, args, kwargs, out) -> bytes | [bytes, ...] | None`. The tape
+  records each buffer as a storage of the category "kernel workspace", allocated after the op's
+  outputs and freed before the next op, so the timeline's level at the op includes it.
 Rules registered for `ANY_OP` see every op of their stage; keep their test for relevance cheap.
 
 The registry is filled when the rule modules are imported and never changes afterwards; each
@@ -32,10 +37,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["Rule", "RULES", "Rules", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
-           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "STAGES", "ANY_OP"]
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "STAGES", "ANY_OP"]
 
 FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT = "function", "forward op", "backward op", "output"
-STAGES = (FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT)
+WORKSPACE = "workspace"
+STAGES = (FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT, WORKSPACE)
 ANY_OP = "any op"
 
 
@@ -160,6 +166,19 @@ class RuleSet:
             for h in handlers:
                 out = h(ctx, func, args, out)
         return out
+
+    def workspace(self, ctx: FidelityContext, func, args, kwargs, out) -> list:
+        """Bytes of each scratch buffer the real kernel of this op allocates inside it."""
+        handlers = self.by_stage[WORKSPACE].get(func)
+        if handlers is None:
+            return []
+        sizes = []
+        for h in handlers:
+            n = h(ctx, func, args, kwargs, out)
+            if n is None:
+                continue
+            sizes.extend(n if isinstance(n, (list, tuple)) else (n,))
+        return [n for n in sizes if n]
 
 
 class FunctionRulesMode(TorchFunctionMode):
