@@ -88,6 +88,7 @@ class Tape(FakeTensorMode):
         self._tape_last_seq = sequence_nr()
         self._tape_next_value = 0
         self._tape_frames: dict = {}
+        self._tape_internal_code: dict = {}  # code object -> not the user's (torch's, ours)
         self._tape_replay = DispatchReplay(self)
 
     def set_backward_node(self, node) -> None:
@@ -221,16 +222,21 @@ class Tape(FakeTensorMode):
 
     def _user_frame(self, depth: int = 2) -> Frame | None:
         f = sys._getframe(depth)
-        frames = self._tape_frames
+        frames, internal = self._tape_frames, self._tape_internal_code
         while f is not None:
             code = f.f_code
-            fn = code.co_filename
-            if not ((fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
-                    or fn.startswith(_CAPTURE_DIR) or fn in _OWN_FILES or fn.endswith(_STDLIB_HELPERS)):
-                key = (fn, f.f_lineno)
+            skip = internal.get(code)
+            if skip is None:
+                fn = code.co_filename
+                skip = internal[code] = (
+                    (fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
+                    or fn.startswith(_CAPTURE_DIR) or fn in _OWN_FILES
+                    or fn.endswith(_STDLIB_HELPERS))
+            if not skip:
+                key = (code.co_filename, f.f_lineno)
                 frame = frames.get(key)
                 if frame is None:
-                    frame = frames[key] = Frame(fn, f.f_lineno, code.co_name)
+                    frame = frames[key] = Frame(key[0], key[1], code.co_name)
                 return frame
             f = f.f_back
         return None
@@ -261,15 +267,19 @@ class Tape(FakeTensorMode):
                                        self._record, func, args, kwargs)
             if out is not None:
                 return out
-        ctx = self.fidelity
+        ctx, rules = self.fidelity, self.rules
+        # the rules' tables are consulted inline: this runs for every op of the step
         if backward:
             ctx.node = self._backward_node()
-            func, args, kwargs = self.rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
-        else:
-            func, args, kwargs = self.rules.rewrite(FORWARD_OP, ctx, func, args, kwargs)
+            if rules.rewrites_any_backward or func in rules.backward_targets:
+                func, args, kwargs = rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
+        elif rules.rewrites_any_forward or func in rules.forward_targets:
+            func, args, kwargs = rules.rewrite(FORWARD_OP, ctx, func, args, kwargs)
         self._tape_depth += 1
         try:
-            out = self.rules.output(ctx, func, args, self._run(func, types, args, kwargs))
+            out = self._run(func, types, args, kwargs)
+            if func in rules.output_targets:
+                out = rules.output(ctx, func, args, out)
         except Exception as e:
             self._annotate(e, func)
             raise
@@ -279,9 +289,10 @@ class Tape(FakeTensorMode):
             self._record_tensor_literal(args[0], out)
         else:
             self._record(func, args, kwargs, out)
-            workspace = self.rules.workspace(ctx, func, args, kwargs, out)
-            if workspace:
-                self._record_workspace(workspace, _device_of(args, out))
+            if func in rules.workspace_targets:
+                workspace = rules.workspace(ctx, func, args, kwargs, out)
+                if workspace:
+                    self._record_workspace(workspace, _device_of(args, out))
             if not backward and args:
                 self.views.after_op(func, args)
         return out

@@ -114,6 +114,8 @@ class Rules:
             raise ValueError(f"unknown stage {stage!r}")
         if not targets:
             raise ValueError("a rule needs at least one target (or ANY_OP)")
+        if ANY_OP in targets and stage not in (FORWARD_OP, BACKWARD_OP):
+            raise ValueError(f"ANY_OP is for op rewrites; a {stage} rule names its ops")
 
         def decorate(handler):
             self.all.append(Rule(name or handler.__name__, stage, tuple(targets), handler,
@@ -144,6 +146,13 @@ class RuleSet:
                 else:
                     self.by_stage[r.stage].setdefault(t, []).append(r.handler)
         self.functions = {f: hs[0] for f, hs in self.by_stage[FUNCTION].items()}
+        # what the tape checks inline for each op before calling into the rules
+        self.forward_targets = frozenset(self.by_stage[FORWARD_OP])
+        self.backward_targets = frozenset(self.by_stage[BACKWARD_OP])
+        self.output_targets = frozenset(self.by_stage[OUTPUT])
+        self.workspace_targets = frozenset(self.by_stage[WORKSPACE])
+        self.rewrites_any_forward = bool(self.any_op[FORWARD_OP])
+        self.rewrites_any_backward = bool(self.any_op[BACKWARD_OP])
         duplicated = [f for f, hs in self.by_stage[FUNCTION].items() if len(hs) > 1]
         if duplicated:  # a function runs one way; two rules for it would be a contradiction
             raise ValueError(f"two function rules for {duplicated}")
@@ -189,7 +198,14 @@ class FunctionRulesMode(TorchFunctionMode):
     def __init__(self, ctx: FidelityContext, rules: RuleSet):
         super().__init__()
         self.ctx = ctx
-        ctx.functions = rules.functions
+        self.functions = ctx.functions = rules.functions
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # every torch call of the step passes here: the common case (no rule) in one lookup
+        try:
+            handler = self.functions.get(func)
+        except TypeError:  # an unhashable callable: no rule can name it
+            handler = None
+        if handler is None:
+            return func(*args, **(kwargs or {}))
         return self.ctx.call(func, args, kwargs or {})
