@@ -194,7 +194,7 @@ def explain_cmd(
             if op is None:
                 raise TapescopeError("give an op (tapescope explain aten::rms_norm) or --model SPEC")
             try:
-                e = explain_op(op, device or "cuda", resolve_dtype(dtype))
+                e = explain_op(op, device or "cpu", resolve_dtype(dtype))
             except ValueError as exc:
                 raise TapescopeError(f"{exc}; to explain an op in context use --model SPEC") from None
             out.print(render(e), highlight=False, markup=False)
