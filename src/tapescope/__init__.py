@@ -10,5 +10,6 @@ __version__ = "0.1.0"
 from .api import Profile, profile
 from .capture.model import Spec, spec
 from .errors import TapescopeError
+from .options import CompileOptions
 
-__all__ = ["profile", "Profile", "spec", "Spec", "TapescopeError", "__version__"]
+__all__ = ["profile", "Profile", "spec", "Spec", "CompileOptions", "TapescopeError", "__version__"]

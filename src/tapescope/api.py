@@ -49,6 +49,9 @@ class Profile:
     trace: Trace | None = field(default=None, repr=False)
     symbolic: object = field(default=None, repr=False)  # analysis.symbolic.SymbolicProfile
     options: Options | None = field(default=None, repr=False)
+    # a compiled step (profile(..., compile=...)): what torch.compile did, and the eager step
+    compiled: object = field(default=None, repr=False)  # analysis.compiled.CompiledReport
+    eager: "Profile | None" = field(default=None, repr=False)
 
     @property
     def peak_bytes(self):
@@ -65,7 +68,10 @@ class Profile:
 
     @cached_property
     def flops(self) -> dict:
-        """FLOPs by phase and in total (a multiply-add is 2). Uncounted ops add nothing here."""
+        """FLOPs by phase and in total (a multiply-add is 2). Uncounted ops add nothing here.
+        A compiled step counts its compiled graphs' FLOPs, recomputation included."""
+        if self.compiled is not None:
+            return dict(self.compiled.flops)
         out = dict.fromkeys((FORWARD, BACKWARD, OPTIMIZER), 0)
         for op in self.ops:
             if op.flops:
@@ -159,7 +165,7 @@ class Profile:
 def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=None,
             amp=None, steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
             engine: str = "python", symbolic=(), gpu=None, alloc_conf=None,
-            progress=None) -> Profile:
+            progress=None, compile=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
@@ -187,16 +193,23 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
         PYTORCH_ALLOC_CONF is ("expandable_segments:True,max_split_size_mb:512"); default: the
         environment's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF.
     progress: progress(step, phase) is called as each phase of each step is traced.
+    compile: profile the step as `torch.compile(model, ...)` runs it: True, or a dict /
+        `tapescope.CompileOptions` (mode, fullgraph, dynamic, backend, activation_memory_budget,
+        optimizer). torch.compile's own pipeline runs on fake tensors (capture/compiled.py); the
+        Profile is the compiled step's, `p.eager` the same step run eagerly, `p.compiled` what
+        the compiler did (saved and recomputed tensors, graph breaks, FLOPs with recompute).
     """
     options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, gpu=gpu,
                              dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
-                             alloc_conf=alloc_conf)
+                             alloc_conf=alloc_conf, compile=compile)
     return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
                             options, progress)
 
 
 def profile_workload(workload: Workload, options: Options, progress=None) -> Profile:
     """`profile` for an already resolved workload and options (what the CLI calls)."""
+    if options.compile is not None:
+        return _profile_compiled(workload, options, progress)
     if options.symbolic and not isinstance(workload.model, torch.nn.Module) \
             and callable(workload.model):
         from .capture.model import build_on_meta
@@ -226,6 +239,27 @@ def profile_workload(workload: Workload, options: Options, progress=None) -> Pro
             from .analysis.symbolic import fit_pinned
 
             fit_pinned(sp, retrace)
+    return p
+
+
+def _profile_compiled(workload: Workload, options: Options, progress=None) -> Profile:
+    """The compiled step, with the eager step beside it (`p.eager`)."""
+    from .analysis.compiled import compiled_report
+
+    if not isinstance(workload.model, torch.nn.Module) and callable(workload.model):
+        from .capture.model import build_on_meta
+
+        workload = replace(workload, model=build_on_meta(workload.model))  # built once for both
+    eager = profile_workload(workload, options.but(compile=None), progress)
+    trace, facts = capture(workload, options, progress)
+    record = facts.pop("compiled")
+    facts["compile"] = options.compile.to_dict()
+    with _gc_paused():
+        p = analyse(trace, facts, model=workload.display_name, options=options,
+                    inputs=[_describe_input(x) for x in workload.args])
+        views = step_views(trace)
+        p.compiled = compiled_report(record, trace, views[max(views)], p.ops)
+    p.eager = eager
     return p
 
 

@@ -66,22 +66,40 @@ def _workload(spec, batch, seq, inputs):
     return Workload(m.build, tuple(m.inputs), dict(m.input_kwargs), m.name), m.loss_fn
 
 
-def _options(loss_fn, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None, symbolic=()):
+def _options(loss_fn, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None, symbolic=(),
+             compile=None):
     from .options import Options
 
     return Options.create(loss_fn=loss_fn, optimizer=None if optimizer == "none" else optimizer,
                           device=device, gpu=gpu, dtype=dtype, amp=amp, steps=steps,
-                          alloc_conf=alloc_conf, symbolic=symbolic)
+                          alloc_conf=alloc_conf, symbolic=symbolic, compile=compile)
 
 
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
-                 alloc_conf=None):
+                 alloc_conf=None, compile=None):
     from .api import profile_workload
 
     workload, loss_fn = _workload(spec, batch, seq, inputs)
-    options = _options(loss_fn, optimizer, device, gpu, dtype, amp, steps, alloc_conf)
-    with _progress(f"tracing {workload.name} on fake {options.device.type} tensors") as progress:
+    options = _options(loss_fn, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
+                       compile=compile)
+    what = "compiling and tracing" if compile else "tracing"
+    with _progress(f"{what} {workload.name} on fake {options.device.type} tensors") as progress:
         return profile_workload(workload, options, progress)
+
+
+def _compile_options(compile, mode, fullgraph, dynamic, budget, compile_optimizer, backend):
+    """--compile and its companions as one CompileOptions (None: the step is not compiled); any
+    companion implies --compile."""
+    asked = (mode, fullgraph, dynamic, budget, compile_optimizer, backend)
+    if not compile and all(x in (None, False) for x in asked):
+        return None
+    from .options import CompileOptions
+
+    dyn = {None: None, "true": True, "false": False}.get(dynamic.lower() if dynamic else None, "?")
+    if dyn == "?":
+        raise TapescopeError(f"--dynamic takes true or false, got {dynamic!r}")
+    return CompileOptions(mode=mode, fullgraph=fullgraph, dynamic=dyn, backend=backend or "inductor",
+                          activation_memory_budget=budget, optimizer=compile_optimizer)
 
 
 SpecArg = typer.Argument(DEFAULT_SPEC, help=_spec_help, show_default=True)
@@ -98,6 +116,14 @@ InputOpt = typer.Option(None, "--input", "-i", help="An input shape, e.g. 4,128 
 AllocConfOpt = typer.Option(None, "--alloc-conf",
                             help="CUDA caching-allocator settings as PYTORCH_ALLOC_CONF writes them, "
                                  "e.g. expandable_segments:True (default: the environment's).")
+CompileOpt = typer.Option(False, "--compile", help="Profile the step as torch.compile runs it, beside eager.")
+ModeOpt = typer.Option(None, "--compile-mode", help="torch.compile mode: default, max-autotune, ... (implies --compile).")
+FullgraphOpt = typer.Option(False, "--fullgraph", help="torch.compile(fullgraph=True): a graph break is an error.")
+DynamicOpt = typer.Option(None, "--dynamic", help="torch.compile(dynamic=true|false).")
+BudgetOpt = typer.Option(None, "--activation-memory-budget",
+                         help="functorch's partitioner budget, 0..1 (implies --compile).")
+CompileOptimOpt = typer.Option(False, "--compile-optimizer", help="Also torch.compile optimizer.step.")
+BackendOpt = typer.Option(None, "--compile-backend", help="inductor (default) or aot_eager.")
 
 
 @app.command("profile")
@@ -112,16 +138,24 @@ def profile_cmd(
     html_file: Optional[str] = typer.Option(None, "--html", help="Write an interactive, self-contained HTML report."),
     png_file: Optional[str] = typer.Option(None, "--png", help="Write the memory timeline as a PNG figure."),
     top: int = typer.Option(8, "--top", help="Rows in each table."),
+    compile: bool = CompileOpt, compile_mode: Optional[str] = ModeOpt, fullgraph: bool = FullgraphOpt,
+    dynamic: Optional[str] = DynamicOpt, activation_memory_budget: Optional[float] = BudgetOpt,
+    compile_optimizer: bool = CompileOptimOpt, compile_backend: Optional[str] = BackendOpt,
 ):
-    """Peak memory and what causes it, FLOPs by phase, top modules, uncounted ops."""
-    from .report.console import render_summary
+    """Peak memory and what causes it, FLOPs by phase, top modules, uncounted ops; with --compile,
+    the step as torch.compile runs it beside the eager one."""
+    from .report.console import render_compiled, render_summary
 
     try:
         t0 = time.perf_counter()
+        options = _compile_options(compile, compile_mode, fullgraph, dynamic,
+                                   activation_memory_budget, compile_optimizer, compile_backend)
         p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp, gpu,
-                         alloc_conf)
+                         alloc_conf, compile=options)
         elapsed = time.perf_counter() - t0
         render_summary(p, out, top=top)
+        if p.compiled is not None:
+            render_compiled(p, out, top=top)
         out.print(f"[dim]{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never allocated the model.[/]")
         if json_file:
             with open(json_file, "w") as f:

@@ -10,14 +10,15 @@ accumulation) adds its field here, its check in `Options.create`, and reads it w
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
 from .errors import DeviceError, TapescopeError
 
-__all__ = ["Workload", "Options", "ENGINES", "DEFAULT_GPU", "resolve_device", "resolve_dtype"]
+__all__ = ["Workload", "Options", "CompileOptions", "ENGINES", "DEFAULT_GPU", "resolve_device",
+           "resolve_dtype"]
 
 ENGINES = ("python", "torch")
 DEFAULT_GPU = "h100"     # device="cuda" without a named GPU traces what an H100 would run
@@ -71,6 +72,59 @@ def check_device_build(device: torch.device) -> None:
             "or profile with --device cpu.")
 
 
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How the user compiles the step (`torch.compile` arguments and the partitioner's budget).
+
+    backend: "inductor" (torch.compile's default) or "aot_eager" (AOTAutograd's joint graph and the
+        default partitioner, no inductor: the graphs `aot_autograd(fw_compiler=...)` prints).
+    activation_memory_budget: functorch's `activation_memory_budget` (0..1): the share of the
+        activations the min-cut partitioner may save; less budget, more recomputation.
+    optimizer: also compile `optimizer.step` (`torch.compile(opt.step)`); else it runs eagerly.
+    """
+
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    backend: str = "inductor"
+    activation_memory_budget: float | None = None
+    optimizer: bool = False
+
+    def __post_init__(self):
+        if self.mode not in COMPILE_MODES:
+            raise TapescopeError(f"compile mode {self.mode!r} is not one of torch.compile's: "
+                                 f"{', '.join(m for m in COMPILE_MODES if m)}")
+        if self.backend not in COMPILE_BACKENDS:
+            raise TapescopeError(f"compile backend {self.backend!r}: use one of {', '.join(COMPILE_BACKENDS)}")
+        b = self.activation_memory_budget
+        if b is not None and not 0 <= b <= 1:
+            raise TapescopeError(f"activation_memory_budget must be in [0, 1], got {b}")
+
+    @classmethod
+    def of(cls, x) -> "CompileOptions | None":
+        """None/False -> None; True -> defaults; a dict or CompileOptions -> CompileOptions."""
+        if x is None or x is False:
+            return None
+        if x is True:
+            return cls()
+        if isinstance(x, cls):
+            return x
+        if isinstance(x, dict):
+            unknown = set(x) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise TapescopeError(f"unknown compile option(s) {', '.join(sorted(unknown))}; "
+                                     f"known: {', '.join(cls.__dataclass_fields__)}")
+            return cls(**x)
+        raise TapescopeError(f"compile must be True, a dict of options or CompileOptions, got {x!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass(frozen=True)
 class Workload:
     """The model and its inputs, as the user gave them (never modified).
@@ -108,6 +162,7 @@ class Options:
     alloc_conf: the CUDA caching allocator's settings (analysis.allocator.AllocatorConfig) for the
         predicted torch.cuda figures; by default read from the environment as torch reads it
         (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF).
+    compile: the step as `torch.compile(model, ...)` runs it (CompileOptions), or None (eager).
     """
 
     loss_fn: Callable | None = None
@@ -120,11 +175,12 @@ class Options:
     engine: str = "python"
     symbolic: tuple = ()
     alloc_conf: Any = None
+    compile: CompileOptions | None = None
 
     @classmethod
     def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
                amp=None, steps: int = 2, engine: str = "python", symbolic=(),
-               alloc_conf=None) -> "Options":
+               alloc_conf=None, compile=None) -> "Options":
         """Check and resolve every option; a bad one raises a TapescopeError that says why."""
         dev = resolve_device(device, gpu)
         check_device_build(dev)
@@ -146,9 +202,13 @@ class Options:
             raise TapescopeError(f"engine must be one of {ENGINES}, got {engine!r}")
         if isinstance(symbolic, str):
             symbolic = (symbolic,)
+        compile = CompileOptions.of(compile)
+        if compile is not None and symbolic:
+            raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
+                                 "compile with dynamic=True to see the graphs torch.compile makes)")
         return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
                    amp=amp, steps=steps, engine=engine, symbolic=tuple(symbolic or ()),
-                   alloc_conf=_resolve_alloc_conf(alloc_conf))
+                   alloc_conf=_resolve_alloc_conf(alloc_conf), compile=compile)
 
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""

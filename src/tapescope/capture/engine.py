@@ -30,7 +30,7 @@ import torch
 from ..torch_compat import (is_zerotensor, node_input_metadata, node_sequence_nr,
                             post_accumulate_grad_hooks, statically_known_true, storage_use_count,
                             tensor_backward_hooks, use_count)
-from .hooks import HookRegistry, SavedTensors
+from .hooks import VARIABLE_INPUTS, HookRegistry, SavedTensors
 from .view_replay import ViewRegeneration, as_strided_backward, emulable
 
 __all__ = ["PythonEngine"]
@@ -142,6 +142,19 @@ class PythonEngine:
     # ---- the engine ---------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
+        # Code that asks the running graph task whether it keeps the graph (AOTAutograd's compiled
+        # backward: only a graph used once may reuse its saved tensors' buffers, "donated
+        # buffers") finds none when our engine runs, and the C++ answer is then True. The graph
+        # task loss.backward() creates has keep_graph=False: answer that while we run.
+        autograd_c = torch._C._autograd
+        keep_graph = autograd_c._get_current_graph_task_keep_graph
+        autograd_c._get_current_graph_task_keep_graph = _graph_not_kept
+        try:
+            self._backward(loss)
+        finally:
+            autograd_c._get_current_graph_task_keep_graph = keep_graph
+
+    def _backward(self, loss: torch.Tensor) -> None:
         root = loss.grad_fn
         # torch.autograd.backward's _make_grads
         # torch.autograd.backward keeps it in `grad_tensors_` until the engine returns
@@ -282,7 +295,9 @@ class PythonEngine:
         return outputs
 
     def _call_python_function(self, node, inputs: list) -> list:
-        """PyNode::apply: materialise missing gradients, call the user's backward."""
+        """PyNode::apply: materialise missing gradients, call the user's backward (boxed: the
+        gradients handed over in a list the backward may empty, as AOTAutograd's compiled
+        function does to free each at its last use), keep the gradients of tensor inputs."""
         if getattr(node, "materialize_grads", True):
             metas = node_input_metadata(node) if hasattr(node, "_input_metadata") else ()
             for i, g in enumerate(inputs):
@@ -290,8 +305,20 @@ class PythonEngine:
                     m = metas[i]
                     inputs[i] = torch.zeros(m.shape, dtype=m.dtype, device=m.device)
                     self._hold(inputs[i])
-        out = node.apply(*inputs)
+        if getattr(node._forward_cls, "boxed_grads_call", False):
+            boxed = list(inputs)
+            for g in inputs:
+                self._drop(g)
+            inputs.clear()
+            out = node.apply_boxed(boxed)
+            del boxed
+        else:
+            out = node.apply(*inputs)
         outputs = list(out) if isinstance(out, tuple) else [out]
+        del out
+        variable = getattr(node, VARIABLE_INPUTS, None)
+        if variable is not None:
+            outputs = [g for g, is_tensor in zip(outputs, variable) if is_tensor]
         n = len(node.next_functions)
         outputs = (outputs + [None] * n)[:n]
         for g in outputs:
@@ -345,6 +372,10 @@ class PythonEngine:
                 self._drop(g)
                 outputs[i] = new
         return outputs
+
+
+def _graph_not_kept() -> bool:
+    return False
 
 
 def _same_shape(a, b) -> bool:

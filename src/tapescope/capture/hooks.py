@@ -29,7 +29,7 @@ from torch.autograd.function import BackwardCFunction
 from ..torch_compat import node_sequence_nr, sequence_nr
 from .tape import _VALUE_ATTR, Tape
 
-__all__ = ["SavedTensors", "HookRegistry"]
+__all__ = ["SavedTensors", "HookRegistry", "VARIABLE_INPUTS"]
 
 
 class SavedTensors:
@@ -85,10 +85,45 @@ class SavedTensors:
         for holder in self._by_node.pop(seq_nr, ()):
             holder[0] = None
 
+    def release_unpacked(self) -> None:
+        """`ctx.maybe_clear_saved_tensors()`: a custom Function drops its saved tensors while it runs
+        (AOTAutograd's compiled backward does, so that its generated code frees each one at its
+        last use); the holders the node unpacked let go of them too."""
+        for holder in self._running or ():
+            holder[0] = None
+
     @contextmanager
     def active(self):
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-            yield
+        original = BackwardCFunction.maybe_clear_saved_tensors
+        saved = self
+
+        def maybe_clear_saved_tensors(ctx):
+            original(ctx)
+            saved.release_unpacked()
+
+        BackwardCFunction.maybe_clear_saved_tensors = maybe_clear_saved_tensors
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            del BackwardCFunction.maybe_clear_saved_tensors  # the C method shows through again
+
+
+VARIABLE_INPUTS = "_tapescope_variable_inputs"
+
+
+def mark_variable_inputs(cls, args, out) -> None:
+    """Which forward arguments of a custom Function were tensors, kept on its backward node.
+
+    The C++ engine keeps this (`is_variable_input`) to drop the gradients a backward returns for
+    non-tensor arguments (AOTAutograd's compiled function takes symbolic sizes); Python cannot
+    read it, so it is recorded when the Function is applied."""
+    backward_cls = getattr(cls, "_backward_cls", None)
+    for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+        if node is not None and type(node) is backward_cls:
+            setattr(node, VARIABLE_INPUTS, tuple(isinstance(a, torch.Tensor) for a in args))
+            return
 
 
 class HookRegistry:
@@ -129,10 +164,18 @@ class HookRegistry:
             reg.pre_hooks.setdefault(node, []).append(fn)
             return orig_node_prehook(node, fn)
 
+        orig_apply = torch.autograd.Function.__dict__["apply"]
+
+        def apply(cls, *args, **kwargs):
+            out = orig_apply.__get__(None, cls)(*args, **kwargs)
+            mark_variable_inputs(cls, args, out)
+            return out
+
         torch.Tensor.register_hook = register_hook
         torch.Tensor.retain_grad = retain_grad
         BackwardCFunction.register_hook = node_hook
         BackwardCFunction.register_prehook = node_prehook
+        torch.autograd.Function.apply = classmethod(apply)
         try:
             yield self
         finally:
@@ -140,3 +183,4 @@ class HookRegistry:
             torch.Tensor.retain_grad = orig_retain_grad
             BackwardCFunction.register_hook = orig_node_hook
             BackwardCFunction.register_prehook = orig_node_prehook
+            torch.autograd.Function.apply = orig_apply

@@ -196,3 +196,5 @@ class Trace:
     guards: list = field(default_factory=list)
     replacements: dict = field(default_factory=dict)
     ranges: dict = field(default_factory=dict)
+    # compiled steps: (graph label, first op, end op) for each run of a compiled graph's code
+    compiled_calls: list = field(default_factory=list)

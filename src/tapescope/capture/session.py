@@ -152,6 +152,9 @@ class CaptureSession:
             self.optimizer = make_optimizer(opts.optimizer, self.params, opts.device)
             self.facts["optimizer"] = None if self.optimizer is None else \
                 _describe_optimizer(self.optimizer)
+            self.step_model = self.fmodel
+            if opts.compile is not None:
+                self._compile_model()
             try:
                 with self._recording():
                     self._trace_steps()
@@ -202,8 +205,30 @@ class CaptureSession:
     def _recording(self):
         rec = self.recorder
         with track_modules(rec.modules, self.names), rec.saved.active(), \
-                rec.hooks.recording(), _quiet_fake_tensor_log(), rec.function_rules:
+                rec.hooks.recording(), _quiet_fake_tensor_log(), rec.function_rules, \
+                self._compiling():
             yield
+
+    # ---- a compiled step (options.compile) ---------------------------------------------------
+
+    def _compile_model(self) -> None:
+        """The model as torch.compile runs it, compiled by tapescope's backend (compiled.py)."""
+        from .compiled import CompileRecord, compile_model
+
+        opts = self.options
+        self.facts["compiled"] = record = CompileRecord(opts.compile)
+        self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call)
+        if opts.compile.optimizer and self.optimizer is not None:
+            from .compiled import compile_optimizer_step
+
+            compile_optimizer_step(self.optimizer, opts.compile, record, self.tape.compiled_call)
+
+    def _compiling(self):
+        if self.options.compile is None:
+            return nullcontext()
+        from .compiled import compiling
+
+        return compiling(self.options.compile, unrecorded=self.tape.unrecorded)
 
     def _trace_steps(self) -> None:
         trace, opt = self.trace, self.optimizer
@@ -231,7 +256,7 @@ class CaptureSession:
         opts = self.options
         forward_context = (lambda: autocast(opts.device, opts.amp)) if opts.amp is not None \
             else nullcontext
-        train_step(self.fmodel, self.fargs, self.fkwargs, opts.loss_fn, self.optimizer, step=step,
+        train_step(self.step_model, self.fargs, self.fkwargs, opts.loss_fn, self.optimizer, step=step,
                    phase=self._phase, backward=self._backward, forward_context=forward_context,
                    loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE))
         self._mark_grads_and_state()

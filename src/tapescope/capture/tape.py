@@ -139,6 +139,16 @@ class Tape(FakeTensorMode):
             t.segments.append(Segment(step, phase, label or phase, range(op0, len(t.ops)),
                                       range(ev0, len(t.events))))
 
+    @contextmanager
+    def compiled_call(self, label: str):
+        """Ops recorded inside are one run of a compiled graph's code (`Trace.compiled_calls`)."""
+        start = len(self.trace.ops)
+        try:
+            yield
+        finally:
+            if self._tape_recording:
+                self.trace.compiled_calls.append((label, start, len(self.trace.ops)))
+
     # ---- tensors ----------------------------------------------------------------------------
 
     def _new_value(self) -> int:

@@ -10,7 +10,7 @@ from ..analysis.modules import module_pattern, module_rollup
 from ..capture.records import CATEGORIES
 from .text import fmt_bytes, fmt_flops
 
-__all__ = ["render_summary", "render_ops", "render_diff", "render_fit"]
+__all__ = ["render_summary", "render_ops", "render_diff", "render_fit", "render_compiled"]
 
 
 def _mod(m) -> str:
@@ -182,3 +182,47 @@ def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None
             bar = "#" * max(1, int(40 * v / top))
             mark = "fits" if v <= r.budget else "OOM "
             console.print(f"  {dim} {n:>7}  {fmt_bytes(v):>12}  {mark}  {bar}", highlight=False)
+
+
+def render_compiled(p, console: Console, top: int = 8) -> None:
+    """A compiled step beside the eager one: peaks, saved activations, FLOPs, time; what the
+    partitioner saved and recomputed; graph breaks."""
+    from ..analysis.compiled import side_by_side
+
+    c = p.compiled
+    opts = ", ".join(f"{k}={v}" for k, v in c.options.items() if v not in (None, False))
+    console.print(f"[bold]Eager vs torch.compile[/] ({opts or 'defaults'}; {c.regions} compiled "
+                  f"graph{'s' if c.regions != 1 else ''}, {len(c.graph_breaks)} graph "
+                  f"break{'s' if len(c.graph_breaks) != 1 else ''})")
+    t = Table(box=None, pad_edge=False)
+    for col in ("", "eager", "compiled", "change"):
+        t.add_column(col, justify="left" if not col else "right")
+    for name, (e, v) in side_by_side(p.eager, p).items():
+        if e is None or v is None:
+            continue
+        is_time = name.startswith("time")
+        fmt = (lambda x: f"{x * 1e3:.2f} ms") if is_time else (
+            fmt_flops if name.startswith("flops") else fmt_bytes)
+        change = f"{(v - e) / e:+.1%}" if isinstance(e, (int, float)) and e else ""
+        t.add_row("  " + name.replace("_", " "), fmt(e), fmt(v), change)
+    console.print(t)
+    acts = [s for s in c.saved if s.is_activation]
+    console.print(f"  the partitioner saves {len(c.saved)} tensors for the backward "
+                  f"({len(acts)} made by the forward, {fmt_bytes(c.saved_bytes)}; the rest are "
+                  f"parameters and inputs) and recomputes {len(c.recomputed)} ops "
+                  f"({fmt_flops(c.recompute_flops)})")
+    saved = Table(title="Saved for backward (largest first)", title_justify="left", box=None)
+    for col in ("graph", "tensor", "shape", "dtype", "bytes", "made by"):
+        saved.add_column(col)
+    for s in sorted(acts, key=lambda s: -s.nbytes)[:top]:
+        saved.add_row(str(s.region), s.name, "x".join(str(x) for x in s.shape), s.dtype,
+                      fmt_bytes(s.nbytes) if not s.view_of else f"view of {s.view_of}",
+                      s.op or "input")
+    console.print(saved)
+    real = [r for r in c.recomputed if r.flops]
+    if real:
+        console.print("  recomputed in the backward: " + ", ".join(
+            f"{r.name} ({r.op}, {fmt_flops(r.flops)})" for r in real[:top]), highlight=False)
+    for b in c.graph_breaks:
+        console.print(f"  [yellow]graph break[/] at {b.where or '?'}: {b.reason}", highlight=False,
+                      markup=False)

@@ -45,6 +45,13 @@ def profile_dict(p, with_ops: bool = True, with_timeline: bool = True) -> dict:
                          "flops": {k: str(v) for k, v in sp.flops.items()},
                          "guards": [g.__dict__ for g in sp.guards],
                          "specialized": sp.specialized, "fitted": sp.fitted}
+    if p.compiled is not None:
+        from ..analysis.compiled import side_by_side
+
+        d["compiled"] = p.compiled.to_dict()
+        d["eager"] = profile_dict(p.eager, with_ops=False, with_timeline=False)
+        d["eager_vs_compiled"] = {k: {"eager": _n(e), "compiled": _n(c)}
+                                  for k, (e, c) in side_by_side(p.eager, p).items()}
     if with_ops:
         d["ops"] = [op.to_dict() for op in p.ops]
     return d

@@ -42,6 +42,9 @@ class RealStep:
     peaks: dict = field(default_factory=dict)       # step -> peak live bytes
     events: list = field(default_factory=list)      # Allocation, in time order
     ops: list = field(default_factory=list)         # (step, phase, "aten::name"), in order
+    # compiled steps: ("dynamo", [source of each graph input]) for each graph dynamo made, then
+    # ("forward" | "backward", graph) for each partitioned graph compiled from it, in order
+    compiled_graphs: list = field(default_factory=list)
 
     def op_names(self, step: int, phases=("forward", "backward", "optimizer")) -> list[str]:
         """The step's aten ops as tapescope names them without overload: 'aten.mm'."""
@@ -61,8 +64,14 @@ def _build(model, device, dtype):
 
 
 def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimizer="adamw",
-                   device="cpu", dtype=None, amp=None, steps: int = 2, seed: int = 0) -> RealStep:
-    """Run `steps` real training steps on `device` and return each step's peak live bytes."""
+                   device="cpu", dtype=None, amp=None, steps: int = 2, seed: int = 0,
+                   compile=None) -> RealStep:
+    """Run `steps` real training steps on `device` and return each step's peak live bytes.
+
+    compile: True, a dict or options.CompileOptions: the model runs as
+    `torch.compile(model, mode=..., fullgraph=..., dynamic=...)` (inductor, real kernels), with
+    functorch's activation_memory_budget when given, and `optimizer.step` compiled when asked.
+    """
     device = torch.device(device)
     dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
     extra = {"forward_context": lambda: torch.autocast(device.type, dtype=amp)} if amp else {}
@@ -70,25 +79,84 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
     gen = torch.Generator().manual_seed(seed)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     # record_shapes: the recorded inputs tell an op's overload (and so how it is dispatched)
+    graphs: list = []
     with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
         with record_function("tapescope::step0"):
             m = _build(model, device, dtype)
             args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype, gen)
             opt = make_optimizer(optimizer, list(m.parameters()), device)
+            m, opt = _compiled(m, opt, compile, graphs)
 
         def phase(step, name):
             return record_function(f"tapescope::phase::{name}")
 
-        for s in range(1, steps + 1):
-            with record_function(f"tapescope::step{s}"):
-                train_step(m, args, kwargs, loss_fn, opt, step=s, phase=phase, **extra)
-                with record_function("tapescope::phase::zero_grad"):
-                    if opt is not None:
-                        opt.zero_grad(set_to_none=True)
-                    else:
-                        for p in m.parameters():
-                            p.grad = None
-    return _read_allocations(prof, device)
+        with _compile_config(compile):
+            for s in range(1, steps + 1):
+                with record_function(f"tapescope::step{s}"):
+                    train_step(m, args, kwargs, loss_fn, opt, step=s, phase=phase, **extra)
+                    with record_function("tapescope::phase::zero_grad"):
+                        if opt is not None:
+                            opt.zero_grad(set_to_none=True)
+                        else:
+                            for p in m.parameters():
+                                p.grad = None
+    real = _read_allocations(prof, device)
+    real.compiled_graphs = graphs
+    return real
+
+
+def _compiled(model, opt, options, graphs: list):
+    """The model (and optimizer.step) as torch.compile runs them, with inductor's real kernels.
+    Each graph inductor compiles is appended to `graphs` as (kind, GraphModule)."""
+    from ..options import CompileOptions
+
+    options = CompileOptions.of(options)
+    if options is None:
+        return model, opt
+    if options.backend == "inductor":
+        # torch.compile(backend="inductor", mode=...) is compile_fx with the mode's config
+        # patches; the same call, with an inner compile that keeps each partitioned graph
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner(gm, example_inputs, **kw):
+            kind = "backward" if kw.get("is_backward") else (
+                "inference" if kw.get("is_inference") else "forward")
+            graphs.append((kind, gm))
+            return compile_fx_inner(gm, example_inputs, **kw)
+
+        patches = list_mode_options(options.mode, options.dynamic) if options.mode else {}
+
+        def backend(gm, example_inputs):
+            # compile_fx takes the graph over: keep what its inputs are (their sources) now
+            graphs.append(("dynamo", [n.meta["grapharg"].source.name for n in gm.graph.nodes
+                                      if n.op == "placeholder"]))
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+    else:
+        backend = "aot_eager"
+    model = torch.compile(model, backend=backend, fullgraph=options.fullgraph,
+                          dynamic=options.dynamic)
+    if opt is not None and options.optimizer:
+        opt.step = torch.compile(opt.step, backend=backend)
+    return model, opt
+
+
+def _compile_config(options):
+    """functorch's config while compiling: the partitioner's activation_memory_budget."""
+    from contextlib import nullcontext
+
+    from ..options import CompileOptions
+
+    options = CompileOptions.of(options)
+    if options is None:
+        return nullcontext()
+    import torch._functorch.config as functorch_config
+
+    # AOTAutograd's cache would skip the partitioner, and with it the graphs we keep
+    patches = {"enable_autograd_cache": False}
+    if options.activation_memory_budget is not None:
+        patches["activation_memory_budget"] = options.activation_memory_budget
+    return functorch_config.patch(**patches)
 
 
 def _overload_name(name: str, inputs=()) -> str:

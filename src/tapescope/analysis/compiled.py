@@ -1,0 +1,262 @@
+"""What torch.compile did to the step: the partitioner's saved and recomputed tensors, graph breaks,
+and FLOPs with recomputation, as pure functions of the compile record and the trace.
+
+Saved: the backward graph of each compiled region receives the forward's saved tensors as its
+placeholders (everything but `tangents_*`, AOTAutograd's names for the incoming gradients); symbolic
+sizes saved alongside (`Sym(s0)`) hold no memory and are listed apart.
+
+Recomputed: the min-cut partitioner copies cheap forward ops into the backward instead of saving
+their outputs. Both graphs are cut from one joint graph and keep its node names, so a backward
+node with the name of a forward node is that forward op run a second time.
+
+FLOPs: inside a compiled region the generated kernels do the work, so a region's FLOPs are its
+graphs' (every node, fused or not, through the same formulas as eager ops; recomputed nodes count
+again); ops that run eagerly (the loss outside the model, graph breaks, the optimizer) count as
+recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..capture.records import BACKWARD, FORWARD, OPTIMIZER, OpRecord, TensorRef
+from .flops import op_flops
+
+__all__ = ["SavedTensor", "RecomputedOp", "CompiledReport", "compiled_report", "graph_flops",
+           "node_flops", "side_by_side", "saved_at_end_of_forward"]
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor the forward saves for the backward (a backward graph input)."""
+
+    region: int
+    name: str            # its node name in the partitioned graphs ("addmm_2", "primals_3")
+    shape: tuple
+    dtype: str
+    nbytes: int          # its storage's bytes; 0 when it shares a storage listed before
+    op: str | None       # the aten op that made it in the forward graph (None: a graph input)
+    input: str | None = None    # for a graph input: which ("c1.weight", "input 0")
+    view_of: str | None = None  # the saved tensor whose storage it shares
+
+    @property
+    def is_activation(self) -> bool:
+        """Made by the forward (not a parameter, buffer or step input, nor a view of one)."""
+        return self.input is None and self.op is not None
+
+
+@dataclass(frozen=True)
+class RecomputedOp:
+    region: int
+    name: str
+    op: str
+    flops: int | None
+
+
+@dataclass
+class CompiledReport:
+    options: dict
+    regions: int
+    graph_breaks: list           # capture.compiled.GraphBreak
+    saved: list                  # SavedTensor
+    saved_symbols: list          # names of saved symbolic sizes
+    recomputed: list             # RecomputedOp
+    flops: dict                  # phase -> FLOPs of the compiled step (recompute included)
+    recompute_flops: int
+    graphs: list = field(default_factory=list, repr=False)  # capture.compiled.CompiledGraph
+    approximations: tuple = ()
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of the saved activations (graph inputs saved hold no new memory)."""
+        return sum(s.nbytes for s in self.saved if s.is_activation)
+
+    def to_dict(self) -> dict:
+        return {
+            "options": self.options, "regions": self.regions,
+            "graph_breaks": [{"reason": b.reason, "where": b.where} for b in self.graph_breaks],
+            "saved": [s.__dict__ for s in self.saved], "saved_symbols": self.saved_symbols,
+            "saved_bytes": _n(self.saved_bytes),
+            "recomputed": [r.__dict__ for r in self.recomputed],
+            "flops": {k: _n(v) for k, v in self.flops.items()},
+            "recompute_flops": _n(self.recompute_flops),
+            "approximations": list(self.approximations),
+        }
+
+
+def _n(x):
+    return x if isinstance(x, int) else str(x)
+
+
+def _hint(x):
+    """A concrete size for a symbolic one (dynamic=True graphs): its hint."""
+    if isinstance(x, torch.SymInt):
+        return x.node.hint if x.node.hint is not None else x
+    return x
+
+
+def _ref(val) -> TensorRef | None:
+    if isinstance(val, torch.Tensor):
+        return TensorRef(tuple(_hint(s) for s in val.shape), val.dtype, -1, -1)
+    return None
+
+
+def _convert(a):
+    if isinstance(a, torch.fx.Node):
+        v = a.meta.get("val")
+        r = _ref(v)
+        return r if r is not None else _hint(v)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_convert(x) for x in a)
+    return _hint(a)
+
+
+def node_flops(node: torch.fx.Node) -> int | None:
+    """FLOPs of one call_function node of an aten graph, by the same formulas as recorded ops."""
+    func = node.target
+    if not isinstance(func, torch._ops.OpOverload):
+        return 0  # getitem, symbolic arithmetic
+    args = tuple(_convert(a) for a in node.args)
+    kwargs = {k: _convert(v) for k, v in node.kwargs.items()}
+    val = node.meta.get("val")
+    outs = val if isinstance(val, (tuple, list)) else (val,)
+    outputs = tuple(_ref(o) for o in outs)
+    inputs = tuple(x for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(x, TensorRef))
+    rec = OpRecord(0, func, FORWARD, 1, args, kwargs, outputs, inputs)
+    try:
+        return op_flops(rec)
+    except Exception:  # noqa: BLE001 - a formula that cannot read this node's arguments
+        return None
+
+
+def graph_flops(gm: torch.fx.GraphModule, only=None) -> int:
+    """FLOPs of a graph's call_function nodes (`only`: a set of node names to count)."""
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (only is None or node.name in only):
+            f = node_flops(node)
+            total += f or 0
+    return total
+
+
+def _saved(region: int, bw: torch.fx.GraphModule, fw: torch.fx.GraphModule | None,
+           inputs: list) -> tuple[list, list]:
+    fw_nodes = {n.name: n for n in fw.graph.nodes} if fw is not None else {}
+    owner = _input_storages(fw_nodes, inputs)
+    tensors, symbols, storages = [], [], {}
+    for n in bw.graph.nodes:
+        if n.op != "placeholder" or n.name.startswith("tangents"):
+            continue
+        source = fw_nodes.get(n.name, n)
+        v = source.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            symbols.append(n.name)
+            continue
+        made = source.target if source.op == "call_function" else None
+        key = v.untyped_storage()._cdata
+        graph_input = owner.get(key)  # a graph input, or a view of one
+        first = storages.setdefault(key, n.name)
+        nbytes = _hint(v.untyped_storage().nbytes()) if first == n.name else 0
+        tensors.append(SavedTensor(
+            region, n.name, tuple(_hint(x) for x in v.shape), str(v.dtype).replace("torch.", ""),
+            nbytes, None if made is None else str(getattr(made, "__name__", made)), graph_input,
+            None if first == n.name else first))
+    return tensors, symbols
+
+
+def _input_storages(fw_nodes: dict, inputs: list) -> dict:
+    """Storage key -> the graph input owning it, for the forward graph's tensor inputs."""
+    out = {}
+    for n in fw_nodes.values():
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            idx = getattr(n.meta.get("desc"), "idx", None)
+            name = inputs[idx] if idx is not None and idx < len(inputs) else n.name
+            out.setdefault(v.untyped_storage()._cdata, name)
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _recomputed(region: int, bw: torch.fx.GraphModule, fw: torch.fx.GraphModule | None):
+    if fw is None:
+        return []
+    fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    out = []
+    for n in bw.graph.nodes:
+        if n.op == "call_function" and n.name in fw_names:
+            out.append(RecomputedOp(region, n.name, str(n.target), node_flops(n)))
+    return out
+
+
+def compiled_report(record, trace, view, ops) -> CompiledReport:
+    """`record`: capture.compiled.CompileRecord; `trace`, `view`, `ops`: the compiled step's trace,
+    the StepView reported and its ops."""
+    graphs: dict = {}
+    for g in record.graphs:
+        graphs[f"{g.kind} {g.region}"] = g
+    saved, symbols, recomputed = [], [], []
+    for region in range(record.regions):
+        fw = graphs.get(f"forward {region}")
+        bw = graphs.get(f"backward {region}")
+        if bw is not None:
+            s, sym = _saved(region, bw.graph, fw.graph if fw else None,
+                            record.inputs[region] if region < len(record.inputs) else [])
+            saved += s
+            symbols += sym
+            recomputed += _recomputed(region, bw.graph, fw.graph if fw else None)
+
+    # FLOPs: ops outside compiled code as recorded, plus each run of a compiled graph
+    in_step = set(view.ops)
+    inside = set()
+    flops = dict.fromkeys((FORWARD, BACKWARD, OPTIMIZER), 0)
+    memo: dict = {}
+    for label, start, end in trace.compiled_calls:
+        inside.update(range(start, end))
+        g = graphs.get(label)
+        if g is None or start not in in_step or start >= len(trace.ops):
+            continue
+        if label not in memo:
+            memo[label] = graph_flops(g.graph)
+        flops[trace.ops[start].phase] += memo[label]
+    for op in ops:
+        if op.record.index not in inside and op.flops:
+            flops[op.phase] += op.flops
+    flops["total"] = sum(flops.values())
+    return CompiledReport(
+        options=record.options.to_dict(), regions=record.regions, graph_breaks=list(record.breaks),
+        saved=saved, saved_symbols=symbols, recomputed=recomputed, flops=flops,
+        recompute_flops=sum(r.flops or 0 for r in recomputed), graphs=list(record.graphs),
+        approximations=tuple(record.approximations))
+
+
+def saved_at_end_of_forward(p) -> int:
+    """Bytes of saved activations alive when the forward ends (what the backward will read)."""
+    from ..capture.records import SAVED
+
+    last = max((i for i, op in enumerate(p.ops) if op.phase == FORWARD), default=None)
+    series = p.memory.timeline_by_category.get(SAVED)
+    return series[last] if last is not None and series else 0
+
+
+def side_by_side(eager, compiled) -> dict:
+    """name -> (eager value, compiled value) for the figures both steps have."""
+    out = {
+        "peak_bytes": (eager.peak_bytes, compiled.peak_bytes),
+        "first_step_peak_bytes": (eager.first_step_peak_bytes, compiled.first_step_peak_bytes),
+        "saved_activation_bytes": (saved_at_end_of_forward(eager), saved_at_end_of_forward(compiled)),
+    }
+    for k in (FORWARD, BACKWARD, OPTIMIZER, "total"):
+        out[f"flops_{k}"] = (eager.flops.get(k), compiled.flops.get(k))
+    et, ct = eager.time, compiled.time
+    if et is not None and ct is not None:
+        out["time_seconds"] = (et.seconds, ct.seconds)
+    return out

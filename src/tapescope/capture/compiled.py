@@ -1,0 +1,399 @@
+"""The compiled step: torch.compile's own pipeline on fake tensors, its generated code run without
+its kernels.
+
+`torch.compile(model)` runs dynamo (Python bytecode -> FX graphs, graph breaks), AOTAutograd (the
+joint forward+backward graph, functionalized, cut by the partitioner into a forward that returns
+what the backward needs and a backward), and inductor (decomposition, fusion, scheduling, buffer
+reuse, then a Python "wrapper" that allocates buffers, calls kernels and frees buffers). All of it
+already works on fake tensors: dynamo and AOTAutograd trace with fake tensors by design, and inductor
+only reads shapes. What needs real data is running the kernels.
+
+So tapescope compiles for real, with the user's options, and then runs the generated wrapper on the
+capture's fake tensors with its kernels replaced by no-ops. The step's memory then follows the
+compiled code exactly as it runs: the wrapper's allocations (`empty_strided_*`), its buffer reuse
+(`reinterpret_tensor(buf0, ...); del buf0  # reuse`), its `del`s, the extern kernels that allocate
+their outputs (fallback aten ops run on fake tensors), the forward's outputs that AOTAutograd saves
+for the backward (`ctx.save_for_backward`, through the capture's saved-tensor hooks), the compiled
+backward's gradients, and everything eager around the compiled regions (the loss, graph breaks, the
+optimizer), through the same Tape as an eager step.
+
+What is replaced, and why each replacement changes no memory:
+- kernel compilation (`AsyncCompile.cpp_pybinding` / `triton` / ...): a no-op callable per kernel.
+  Generated kernels write into buffers the wrapper allocated; they allocate nothing the allocator
+  sees (C++ kernels may use stack or thread-local scratch, triton kernels none).
+- in the generated module only (a module inductor loads once per compile and never shares):
+  `empty_strided_<device>` and `reinterpret_tensor` are C++ helpers that bypass the dispatcher, so
+  a fake mode cannot see them; they become `torch.empty_strided` and `as_strided` with the same
+  sizes, strides and offsets, which the Tape records like any allocation and view.
+- caches: inductor's and AOTAutograd's caches are off while tapescope compiles, so a compiled
+  artifact never crosses between a real and a fake compile.
+
+What is approximated is listed in `APPROXIMATIONS` (shown in reports).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import uuid
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..options import CompileOptions
+
+__all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compiling",
+           "compile_optimizer_step",
+           "input_name", "APPROXIMATIONS"]
+
+APPROXIMATIONS = (
+    "kernels are not run: a generated kernel allocates nothing the caching allocator sees",
+    "max-autotune: autotuning benchmarks real kernels; tapescope keeps inductor's choices that need "
+    "no benchmark (ATen/extern GEMMs), so a template GEMM chosen on real hardware is not shown",
+    "reduce-overhead: CUDA graphs (their private memory pool, static input copies) are not modelled",
+)
+
+
+@dataclass
+class CompiledGraph:
+    """One graph AOTAutograd handed to the compiler: a forward or a backward, after partitioning."""
+
+    kind: str                     # "forward" | "backward" | "inference"
+    region: int                   # which dynamo graph (graph breaks make several)
+    graph: torch.fx.GraphModule   # the partitioned graph as the compiler received it
+    wrapper_code: str | None = None  # inductor's generated Python (None for aot_eager)
+
+    @property
+    def saved(self) -> list[str]:
+        """Names of the forward's outputs that the backward receives (what is saved)."""
+        if self.kind != "forward":
+            return []
+        return list(self.graph.meta.get("tapescope_saved", ()))
+
+
+@dataclass
+class CompileRecord:
+    """What compiling the step produced: graphs, graph breaks, and dynamo's counters."""
+
+    options: CompileOptions
+    graphs: list = field(default_factory=list)       # CompiledGraph, in compile order
+    breaks: list = field(default_factory=list)       # GraphBreak
+    regions: int = 0
+    # per region: what each dynamo graph input is ("c1.weight", "input 0"), by input position
+    inputs: list = field(default_factory=list)
+
+    @property
+    def approximations(self) -> tuple:
+        """What the compiled profile does not model (inductor's kernels are not run)."""
+        return APPROXIMATIONS if self.options.backend == "inductor" else ()
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    reason: str
+    where: str | None
+
+
+# ---- the kernels that are not run --------------------------------------------------------------
+
+
+class _NoKernel:
+    """Stands for a generated kernel: called with the buffers it would read and write; does nothing."""
+
+    __slots__ = ("name", "source")
+
+    def __init__(self, source: str = ""):
+        self.name, self.source = None, source
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+    def run(self, *args, **kwargs):  # triton kernels are launched with .run(...)
+        return None
+
+
+def _no_kernel(self, *args, **kwargs):
+    return _NoKernel()
+
+
+_KERNEL_COMPILERS = ("cpp", "cpp_pybinding", "triton", "halide", "cuda", "rocm", "xpu",
+                     "cutedsl", "multi_kernel", "size_hint_multi_kernel", "pallas")
+
+
+@contextmanager
+def _kernels_not_compiled():
+    """AsyncCompile's kernel compilers return no-op kernels while tapescope compiles.
+
+    A class attribute of torch's, replaced for the duration of the compile and restored after
+    (inductor offers no hook between generating a wrapper and compiling its kernels). Only
+    compiles made inside this block are affected.
+    """
+    from torch._inductor.async_compile import AsyncCompile
+
+    saved = {}
+    for name in _KERNEL_COMPILERS:
+        if name in AsyncCompile.__dict__:
+            saved[name] = AsyncCompile.__dict__[name]
+            setattr(AsyncCompile, name, _no_kernel)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(AsyncCompile, name, fn)
+
+
+def _empty_strided(device_type: str):
+    def empty_strided(size, stride, dtype, *args, **kwargs):
+        device = args[0] if args and isinstance(args[0], (str, torch.device, int)) else device_type
+        if isinstance(device, int):
+            device = torch.device(device_type, device)
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    return empty_strided
+
+
+def _reinterpret_tensor(t, size, stride, offset_increment=0):
+    # torch/csrc/inductor/inductor_ops.cpp: as_strided with the offset added to t's own
+    return t.as_strided(size, stride, t.storage_offset() + offset_increment)
+
+
+_FAKE_FRIENDLY = {
+    "empty_strided_cpu": _empty_strided("cpu"),
+    "empty_strided_cpu_pinned": _empty_strided("cpu"),
+    "empty_strided_cuda": _empty_strided("cuda"),
+    "empty_strided_xpu": _empty_strided("xpu"),
+    "reinterpret_tensor": _reinterpret_tensor,
+}
+
+
+def _fake_friendly_module(compiled, on_call=None) -> str | None:
+    """Point the generated wrapper's C++ helpers at dispatcher ops; returns its source.
+    `on_call()` is a context entered around each run of the wrapper."""
+    fn = getattr(compiled, "current_callable", None)
+    if on_call is not None and fn is not None:
+        run = fn
+
+        def call(args):
+            with on_call():
+                return run(args)
+
+        compiled.current_callable = call
+    fn = getattr(fn, "__func__", fn)
+    g = getattr(fn, "__globals__", None)
+    if g is None:
+        return None
+    for name, f in _FAKE_FRIENDLY.items():
+        if name in g:
+            g[name] = f
+    for name, v in g.items():
+        if isinstance(v, _NoKernel):
+            v.name = name
+    return getattr(compiled, "source_code", None)
+
+
+# ---- compiling --------------------------------------------------------------------------------
+
+
+def _mode_patches(options: CompileOptions) -> dict:
+    from torch._inductor import list_mode_options
+
+    patches = dict(list_mode_options(options.mode, options.dynamic)) if options.mode else {}
+    # CUDA graphs need a real device (and their pool is not modelled, see APPROXIMATIONS)
+    patches["triton.cudagraphs"] = False
+    return patches
+
+
+def _saved_names(fw: torch.fx.GraphModule, num_fwd_outputs: int | None) -> list[str]:
+    out = next(iter(reversed(fw.graph.nodes)))
+    args = out.args[0] if out.args else ()
+    names = [getattr(a, "name", str(a)) for a in args]
+    return names[num_fwd_outputs:] if num_fwd_outputs is not None else names
+
+
+def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None):
+    """A torch.compile backend: inductor (or AOTAutograd + default partitioner for aot_eager)
+    recording the partitioned graphs and making the generated code fake-friendly.
+    `on_call(label)` gives a context entered around each run of a compiled graph."""
+
+    def note(kind, gm, code=None):
+        g = CompiledGraph(kind, record.regions - 1, gm, code)
+        record.graphs.append(g)
+        return g
+
+    def running(kind):
+        if on_call is None:
+            return None
+        label = f"{kind} {record.regions - 1}"
+        return lambda: on_call(label)
+
+    def boxed(kind, gm):
+        from functorch.compile import make_boxed_func
+
+        note(kind, gm)
+        fn = make_boxed_func(gm.forward)
+        ctx = running(kind)
+        if ctx is None:
+            return fn
+
+        def call(args):
+            with ctx():
+                return fn(args)
+
+        call._boxed_call = True
+        return call
+
+    def new_region(gm):
+        record.regions += 1
+        record.inputs.append([input_name(n) for n in gm.graph.nodes if n.op == "placeholder"])
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if reason is not None and getattr(reason, "graph_break", False):
+            record.breaks.append(GraphBreak(str(reason.reason), _where(reason.user_stack)))
+
+    if options.backend == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+
+        inner = aot_autograd(fw_compiler=lambda gm, ex: boxed("forward", gm),
+                             bw_compiler=lambda gm, ex: boxed("backward", gm),
+                             inference_compiler=lambda gm, ex: boxed("inference", gm))
+
+        def backend(gm, example_inputs):
+            new_region(gm)
+            return inner(gm, example_inputs)
+
+        return backend
+
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(gm, example_inputs, **kwargs):
+        kind = "backward" if kwargs.get("is_backward") else (
+            "inference" if kwargs.get("is_inference") else "forward")
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        code = _fake_friendly_module(compiled, running(kind))
+        note(kind, gm, code)
+        return compiled
+
+    patches = _mode_patches(options)
+
+    def backend(gm, example_inputs):
+        new_region(gm)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+    return backend
+
+
+@contextmanager
+def compiling(options: CompileOptions, unrecorded=None):
+    """The configuration a tapescope compile runs under: no caches, no compile workers, the
+    partitioner's budget, and kernels that are generated but never compiled.
+
+    unrecorded: a context (the Tape's) entered while torch.compile compiles, wherever that
+    happens (a first call, the lazily compiled backward, a recompile): compiling is not the
+    step's work. Dynamo announces each compile to its compilation callbacks."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    # AOTAutograd checks on a compiled function's first call that custom ops do not alias their
+    # inputs, under a dispatch mode that re-dispatches every op of the call; it allocates nothing
+    # and would put a second mode around the Tape for that call
+    functorch = {"check_custom_op_aliasing": False}
+    if options.activation_memory_budget is not None:
+        functorch["activation_memory_budget"] = options.activation_memory_budget
+    with ExitStack() as stack:
+        stack.enter_context(inductor_config.patch(force_disable_caches=True, compile_threads=1))
+        stack.enter_context(functorch_config.patch(**functorch))
+        stack.enter_context(_kernels_not_compiled())
+        if unrecorded is not None:
+            stack.enter_context(_unrecorded_while_compiling(unrecorded))
+        yield
+
+
+@contextmanager
+def _unrecorded_while_compiling(unrecorded):
+    from torch._dynamo.callback import callback_handler
+
+    open_contexts: list = []
+
+    def start(_args):
+        ctx = unrecorded()
+        ctx.__enter__()
+        open_contexts.append(ctx)
+
+    def end(_args):
+        if open_contexts:
+            open_contexts.pop().__exit__(None, None, None)
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    try:
+        yield
+    finally:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
+
+
+def _trampoline():
+    """The function dynamo compiles: `model(*args, **kwargs)`, with a code object of its own.
+
+    Dynamo keeps compiled code on the code object it entered, and remembers the sizes each code
+    (by file, line and name) saw to make them dynamic on the next compile ("automatic dynamic").
+    A fresh code object with a unique name per profile keeps two profiles (and the user's own
+    compiles) from seeing each other's."""
+
+    def run(model, *args, **kwargs):
+        return model(*args, **kwargs)
+
+    name = f"tapescope_step_{uuid.uuid4().hex[:12]}"
+    code = run.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, run.__globals__, name)
+
+
+_SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)")
+
+
+def input_name(node: torch.fx.Node) -> str:
+    """What a dynamo graph input is, from its source: a parameter or buffer by its fully
+    qualified name ("h.0.attn.c_attn.weight"), a step input by position ("input 0")."""
+    arg = node.meta.get("grapharg")
+    name = getattr(getattr(arg, "source", None), "name", None)
+    if name is None:
+        return node.name
+    if callable(name):
+        name = name()
+    m = re.match(r"L\['args'\]\[(\d+)\]$", name)
+    if m:
+        return f"input {m.group(1)}"
+    m = re.match(r"L\['(model|self)'\]", name)
+    if m:
+        parts = [a or b for a, b in _SOURCE_PART.findall(name[m.end():])]
+        return ".".join(parts)
+    return name
+
+
+def _where(user_stack) -> str | None:
+    if not user_stack:
+        return None
+    f = user_stack[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def compile_optimizer_step(optimizer, options: CompileOptions, record: CompileRecord,
+                           on_call=None) -> None:
+    """`optimizer.step = torch.compile(optimizer.step)` on tapescope's own (fake) optimizer."""
+    backend = _make_backend(options, record, on_call)
+    optimizer.step = torch.compile(optimizer.step, backend=backend, fullgraph=options.fullgraph,
+                                   dynamic=options.dynamic)
+
+
+def compile_model(model: torch.nn.Module, options: CompileOptions, record: CompileRecord,
+                  on_call=None):
+    """`model` as `torch.compile(model, ...)` would run it, compiled by tapescope's backend.
+    `on_call(label)`: a context entered around each run of a compiled graph ("forward 0")."""
+    backend = _make_backend(options, record, on_call)
+    fn = torch.compile(_trampoline(), backend=backend, fullgraph=options.fullgraph,
+                       dynamic=options.dynamic)
+
+    def forward(*args, **kwargs):
+        return fn(model, *args, **kwargs)
+
+    return forward
