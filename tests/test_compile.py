@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tapescope
-from tapescope.capture.compiled import CompileOptions
+from tapescope.options import CompileOptions
 from tapescope.errors import TapescopeError
 from tapescope.validate.real import run_real_steps
 
