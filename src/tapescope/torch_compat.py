@@ -56,6 +56,7 @@ __all__ = [
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
     "profiler_event_tree", "schema_types", "shape_env_facts", "PRIVATE_NAMES",
+    "function_modes_suspended", "saved_tensor_hooks_suspended", "graph_task_keep_graph_query",
 ]
 
 
@@ -251,3 +252,45 @@ PRIVATE_NAMES = (
     "torch.UntypedStorage._cdata", "torch._C.OptionalType", "torch._C.ListType",
     "torch.profiler.profile.profiler",
 )
+
+
+# ---- torch.compile (capture/compiled.py) ----------------------------------------------------------
+
+from contextlib import contextmanager as _contextmanager
+
+
+@_contextmanager
+def function_modes_suspended():
+    """No TorchFunctionMode inside (as in the user's process while compiled code runs: dynamo
+    would trace a mode's own code into the graph). Restored on exit."""
+    modes = []
+    while torch._C._len_torch_function_stack() > 0:
+        modes.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+@_contextmanager
+def saved_tensor_hooks_suspended():
+    """No default saved-tensor hooks inside (AOTAutograd would trace a pack hook's ops into the
+    joint graph). Restored on exit."""
+    hooks = []
+    while True:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            break
+        hooks.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(hooks):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def graph_task_keep_graph_query():
+    """(module, name) of the query AOTAutograd's compiled backward makes of the running graph task."""
+    return torch._C._autograd, "_get_current_graph_task_keep_graph"

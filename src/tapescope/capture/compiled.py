@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..options import CompileOptions
+from ..torch_compat import function_modes_suspended
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compiling",
            "compile_optimizer_step",
@@ -381,8 +382,14 @@ def compile_optimizer_step(optimizer, options: CompileOptions, record: CompileRe
                            on_call=None) -> None:
     """`optimizer.step = torch.compile(optimizer.step)` on tapescope's own (fake) optimizer."""
     backend = _make_backend(options, record, on_call)
-    optimizer.step = torch.compile(optimizer.step, backend=backend, fullgraph=options.fullgraph,
-                                   dynamic=options.dynamic)
+    step = torch.compile(optimizer.step, backend=backend, fullgraph=options.fullgraph,
+                         dynamic=options.dynamic)
+
+    def compiled_step(*args, **kwargs):
+        with function_modes_suspended():
+            return step(*args, **kwargs)
+
+    optimizer.step = compiled_step
 
 
 def compile_model(model: torch.nn.Module, options: CompileOptions, record: CompileRecord,
@@ -394,6 +401,7 @@ def compile_model(model: torch.nn.Module, options: CompileOptions, record: Compi
                        dynamic=options.dynamic)
 
     def forward(*args, **kwargs):
-        return fn(model, *args, **kwargs)
+        with function_modes_suspended():
+            return fn(model, *args, **kwargs)
 
     return forward

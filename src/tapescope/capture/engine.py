@@ -27,7 +27,7 @@ from collections import defaultdict
 
 import torch
 
-from ..torch_compat import (is_zerotensor, node_input_metadata, node_sequence_nr,
+from ..torch_compat import (graph_task_keep_graph_query, is_zerotensor, node_input_metadata, node_sequence_nr,
                             post_accumulate_grad_hooks, statically_known_true, storage_use_count,
                             tensor_backward_hooks, use_count)
 from .hooks import VARIABLE_INPUTS, HookRegistry, SavedTensors
@@ -146,30 +146,88 @@ class PythonEngine:
         # backward: only a graph used once may reuse its saved tensors' buffers, "donated
         # buffers") finds none when our engine runs, and the C++ answer is then True. The graph
         # task loss.backward() creates has keep_graph=False: answer that while we run.
-        autograd_c = torch._C._autograd
-        keep_graph = autograd_c._get_current_graph_task_keep_graph
-        autograd_c._get_current_graph_task_keep_graph = _graph_not_kept
+        module, name = graph_task_keep_graph_query()
+        keep_graph = getattr(module, name)
+        setattr(module, name, _graph_not_kept)
         try:
             self._backward(loss)
         finally:
-            autograd_c._get_current_graph_task_keep_graph = keep_graph
+            setattr(module, name, keep_graph)
 
     def _backward(self, loss: torch.Tensor) -> None:
-        root = loss.grad_fn
-        # torch.autograd.backward's _make_grads
-        # torch.autograd.backward keeps it in `grad_tensors_` until the engine returns
+        # torch.autograd.backward's _make_grads; it keeps the gradient in `grad_tensors_` until
+        # the engine returns
         grad = torch.ones_like(loss, memory_format=torch.preserve_format)
-        deps = self._dependencies(root)
+        self._hold(grad)
+        self._run([(loss.grad_fn, 0, grad)])
+        self._drop(grad)
+
+    def grad(self, outputs, inputs, grad_outputs=None, allow_unused=False) -> tuple:
+        """`torch.autograd.grad` on this engine: the gradients arriving at each input (a leaf's
+        AccumulateGrad, a non-leaf's grad_fn) are captured there instead of accumulated into
+        .grad, and only the nodes on a path to an input run (the C++ engine's exec_info).
+        AOTAutograd's joint trace calls torch.autograd.grad, which on fake CUDA tensors without a
+        GPU fails in the C++ engine; compiled.py routes it here for CUDA compiles."""
+        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        if grad_outputs is None:
+            grad_outputs = [None] * len(outputs)
+        elif isinstance(grad_outputs, torch.Tensor):
+            grad_outputs = [grad_outputs]
+        roots = []
+        for out, g in zip(outputs, grad_outputs):
+            if g is None:
+                g = torch.ones_like(out, memory_format=torch.preserve_format)
+            self._hold(g)
+            roots.append((out.grad_fn, out.output_nr, g))
+        targets = {}
+        for i, t in enumerate(inputs):
+            edge = torch.autograd.graph.get_gradient_edge(t)
+            targets.setdefault((edge.node, edge.output_nr), []).append(i)
+        results = [None] * len(inputs)
+        self._run(roots, targets, results)
+        for _, _, g in roots:
+            self._drop(g)
+        if not allow_unused and any(r is None for r in results):
+            raise RuntimeError("One of the differentiated Tensors appears to not have been used "
+                               "in the graph. Set allow_unused=True if this is the desired behavior.")
+        return tuple(results)
+
+    def _run(self, roots: list, targets: dict | None = None, results: list | None = None) -> None:
+        """Run the graph from `roots` [(node, input_nr, gradient)]. With `targets`
+        {(node, input_nr): [result index]}, capture the gradients arriving there into `results`
+        and run only the nodes that lead to a target."""
+        deps = self._dependencies([n for n, _, _ in roots])
+        runs = needed = None
+        if targets is not None:
+            target_nodes = {n for n, _ in targets}
+            runs = self._leading_to([n for n, _, _ in roots], target_nodes)
+            needed = runs | target_nodes  # nodes whose input gradients matter
         not_ready: dict = {}
         ready = _ReadyQueue()
-        self._hold(grad)
-        self._hold(grad)
-        ready.push(_Task(root, [grad]))
+        pending: dict = {}
+        for node, nr, g in roots:
+            buf = pending.setdefault(node, [None] * len(node_input_metadata(node)))
+            self._hold(g)
+            self._add(buf, nr, g)
+        for node, buf in pending.items():
+            if deps.get(node, 0) == 0:
+                ready.push(_Task(node, buf))
+            else:
+                not_ready[node] = buf
         on_node = self.on_node or (lambda node: None)
         while ready:
             task = ready.pop()
             node, inputs = task.node, task.inputs
             task.inputs = None
+            if targets is not None:
+                for nr in range(len(inputs)):
+                    for i in targets.get((node, nr), ()):
+                        results[i] = inputs[nr]
+                if node not in runs:  # a target only: its gradient is captured, it does not run
+                    for g in inputs:
+                        self._drop(g)
+                    continue
             on_node(node)  # ops until the next node belong to this one, as in the C++ engine
             self.saved.node_started()
             outputs = self._call(node, inputs)  # consumes inputs
@@ -179,8 +237,10 @@ class PythonEngine:
             for i, out in enumerate(outputs):
                 outputs[i] = None
                 nxt, input_nr = next_edges[i] if i < len(next_edges) else (None, 0)
-                if nxt is None:
+                if nxt is None or (needed is not None and nxt not in needed):
                     self._drop(out)
+                    if nxt is not None:
+                        deps[nxt] -= 1
                     continue
                 deps[nxt] -= 1
                 is_ready = deps[nxt] == 0
@@ -196,13 +256,35 @@ class PythonEngine:
                     not_ready[nxt] = buf
             del outputs, node, task
         on_node(None)
-        self._drop(grad)
 
     @staticmethod
-    def _dependencies(root) -> dict:
+    def _leading_to(roots: list, target_nodes: set) -> set:
+        """Nodes with a path to a target node through their next functions (the nodes the C++
+        engine's exec_info marks needed)."""
+        needed: set = set()
+        state: dict = {}
+        for root in roots:
+            stack = [(root, iter(root.next_functions))]
+            state[root] = False
+            while stack:
+                node, it = stack[-1]
+                for nxt, _ in it:
+                    if nxt is not None and nxt not in state:
+                        state[nxt] = False
+                        stack.append((nxt, iter(nxt.next_functions)))
+                        break
+                else:
+                    stack.pop()
+                    if any(n in needed or n in target_nodes for n, _ in node.next_functions
+                           if n is not None):
+                        needed.add(node)
+        return needed
+
+    @staticmethod
+    def _dependencies(roots: list) -> dict:
         deps: dict = defaultdict(int)
-        seen = {root}
-        queue = [root]
+        seen = set(roots)
+        queue = list(roots)
         while queue:
             fn = queue.pop()
             for nxt, _ in fn.next_functions:

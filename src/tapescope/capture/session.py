@@ -228,7 +228,42 @@ class CaptureSession:
             return nullcontext()
         from .compiled import compiling
 
-        return compiling(self.options.compile, unrecorded=self.tape.unrecorded)
+        return compiling(self.options.compile, unrecorded=self._while_compiling)
+
+    @contextmanager
+    def _while_compiling(self):
+        """While torch.compile compiles (a first call, the lazy backward, a recompile): nothing
+        is recorded, and autograd's saved-tensor hooks are the user's (none), as AOTAutograd
+        would otherwise trace ours into its graphs."""
+        from ..torch_compat import saved_tensor_hooks_suspended
+
+        with self.tape.unrecorded(), saved_tensor_hooks_suspended(), self._joint_trace_engine():
+            yield
+
+    @contextmanager
+    def _joint_trace_engine(self):
+        """AOTAutograd traces the joint graph by calling torch.autograd.grad, whose C++ engine
+        stops on fake CUDA tensors without a GPU ("hasPrimaryContext expects a valid device
+        index"): for a CUDA compile it runs on tapescope's engine, as the step's backward does."""
+        if self.options.device.type != "cuda":
+            yield
+            return
+        original = torch.autograd.grad
+        engine = self.engine
+
+        def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+                 only_inputs=True, allow_unused=None, is_grads_batched=False,
+                 materialize_grads=False):
+            if create_graph or is_grads_batched or materialize_grads:
+                return original(outputs, inputs, grad_outputs, retain_graph, create_graph,
+                                only_inputs, allow_unused, is_grads_batched, materialize_grads)
+            return engine.grad(outputs, inputs, grad_outputs, bool(allow_unused))
+
+        torch.autograd.grad = grad
+        try:
+            yield
+        finally:
+            torch.autograd.grad = original
 
     def _trace_steps(self) -> None:
         trace, opt = self.trace, self.optimizer

@@ -1,0 +1,145 @@
+"""The forum post's program (shared/reference/000_*.txt): nn.RMSNorm(8) compiled with
+`aot_autograd(fw_compiler=...)`, dynamic=True, an input that requires grad. Its forward and backward
+graphs, as tapescope shows them, against (1) the same program run for real with torch.compile on
+this machine (meta and cpu tensors), node for node, and (2) the graphs the post printed.
+
+The post was written with an older torch. With this one, meta tensors take the fused kernel like
+CUDA (`_fused_rms_norm` gained a meta kernel), so the post's decomposed meta graph is what the CPU
+gives now: the same nodes, the same names. Its detach chains moved between versions (autograd's
+saved-variable unpacking), so the comparison with the post leaves detach nodes out.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
+
+import tapescope
+
+OPTIONS = {"backend": "aot_eager", "dynamic": True, "fullgraph": True}
+
+# The post's graphs: (node name, aten op) of each call_function node but detach, and what the
+# forward returns (its output, then what it saves) with primals named by what they are.
+POST_META_FORWARD = [("pow_1", "pow.Tensor_Scalar"), ("mean", "mean.dim"), ("add_9", "add.Scalar"),
+                     ("rsqrt", "rsqrt.default"), ("mul_8", "mul.Tensor"), ("mul_11", "mul.Tensor")]
+POST_META_SAVES = ["weight", "input", "rsqrt", "mul_8", "batch"]
+POST_META_BACKWARD = [
+    ("mul_17", "mul.Tensor"), ("mul_18", "mul.Tensor"), ("sum_1", "sum.dim_IntList"),
+    ("view", "view.default"), ("mul_19", "mul.Tensor"), ("mul_20", "mul.Tensor"),
+    ("sum_2", "sum.dim_IntList"), ("mul_21", "mul.Scalar"), ("pow_2", "pow.Tensor_Scalar"),
+    ("mul_22", "mul.Tensor"), ("expand", "expand.default"), ("div", "div.Scalar"),
+    ("pow_3", "pow.Tensor_Scalar"), ("mul_23", "mul.Scalar"), ("mul_24", "mul.Tensor"),
+    ("add_25", "add.Tensor")]
+POST_CUDA_BACKWARD_OPS = ["_fused_rms_norm_backward.default", "getitem", "getitem"]
+
+
+def _build():
+    return nn.RMSNorm(8)
+
+
+def _tapescope_graphs(device):
+    p = tapescope.profile(_build, tapescope.spec((4, 8), requires_grad=True), device=device,
+                          optimizer=None, steps=1, compile=OPTIONS)
+    g = {x.kind: x.graph for x in p.compiled.graphs}
+    return g["forward"], g["backward"], p
+
+
+def _real_graphs(device):
+    """The post's own program, run for real here."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    rmsnorm = nn.RMSNorm(8, device=device)
+
+    def example_rmsnorm(tensor):
+        return rmsnorm(tensor)
+
+    fn = torch.compile(example_rmsnorm, backend=aot_autograd(fw_compiler=backend), **{
+        k: v for k, v in OPTIONS.items() if k != "backend"})
+    fn(x).sum().backward()
+    return graphs[0], graphs[1]
+
+
+def _what(node) -> str:
+    """A placeholder by what it is: the weight, the input, the symbolic batch; else its name."""
+    v = node.meta.get("val")
+    if isinstance(v, torch.SymInt):
+        return "batch"
+    if node.op == "placeholder" and node.name.startswith("primals"):
+        return "weight" if v.dim() == 1 else "input"
+    return node.name
+
+
+def _canonical(gm) -> list:
+    """Each node as (name, op, shape), placeholders by what they are, symbols as 's'."""
+    out = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        shape = None
+        if isinstance(v, torch.Tensor):
+            shape = tuple(re.sub(r"s\d+", "s", str(d)) for d in v.shape)
+        if n.op == "placeholder":
+            out.append(("input", _what(n), shape))
+        elif n.op == "call_function":
+            out.append((n.name, str(getattr(n.target, "__name__", n.target)), shape))
+        elif n.op == "output":
+            out.append(("output", tuple(None if a is None else _what(a) for a in n.args[0]), None))
+    return out
+
+
+def _sorted_placeholders(c):
+    return sorted(x for x in c if x[0] == "input") + [x for x in c if x[0] != "input"]
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_graphs_equal_torch_compile_here_node_for_node(device):
+    fw, bw, _ = _tapescope_graphs(device)
+    real_fw, real_bw = _real_graphs(device)
+    for ours, real in ((fw, real_fw), (bw, real_bw)):
+        a, b = _canonical(ours), _canonical(real)
+        # graph inputs come in a different order (tapescope's trampoline passes the input
+        # first); every node, its name, op and symbolic shape, is the same
+        assert _sorted_placeholders(a)[:-1] == _sorted_placeholders(b)[:-1]
+        out_a, out_b = a[-1][1], b[-1][1]
+        assert sorted(map(str, out_a)) == sorted(map(str, out_b))
+
+
+def _ops(gm, phase_nodes="call_function"):
+    return [(n.name, str(n.target.__name__ if hasattr(n.target, "__name__") else n.target))
+            for n in gm.graph.nodes if n.op == phase_nodes
+            and "detach" not in str(n.target)]
+
+
+def test_post_meta_graph_is_todays_decomposed_graph():
+    """The post's meta graphs, node for node (detach nodes aside): the decomposition autograd
+    records when `_fused_rms_norm` has no kernel for the device - on this torch, the CPU."""
+    fw, bw, p = _tapescope_graphs("cpu")
+    assert _ops(fw) == POST_META_FORWARD
+    # the same nodes; two independent ones (pow_2, mul_21) come in the other topological order
+    assert sorted(_ops(bw)) == sorted(POST_META_BACKWARD)
+    saves = [_what(a) for a in next(iter(reversed(fw.graph.nodes))).args[0][1:]]
+    assert sorted(s for s in saves if not s.startswith("detach")) == sorted(POST_META_SAVES)
+    # the batch is one symbol everywhere (dynamic=True)
+    symbols = {str(d) for n in list(fw.graph.nodes) + list(bw.graph.nodes)
+               for d in getattr(n.meta.get("val"), "shape", ()) if not isinstance(d, int)}
+    assert len(symbols) == 1 and re.fullmatch(r"s\d+", symbols.pop())
+
+
+def test_post_cuda_graph_without_a_gpu():
+    """On cuda (fake tensors, no GPU): the forward saves the rsqrt and the primals, and the
+    backward is one `_fused_rms_norm_backward`, as the post printed."""
+    fw, bw, p = _tapescope_graphs("cuda")
+    assert [op for _, op in _ops(bw)] == POST_CUDA_BACKWARD_OPS
+    saved = {s.input or s.name: s for s in p.compiled.saved}
+    assert set(saved) == {"input 0", "weight", next(s.name for s in p.compiled.saved
+                                                    if s.input is None)}
+    rsqrt = next(s for s in p.compiled.saved if s.input is None)
+    assert rsqrt.shape[1:] == (1,) and rsqrt.dtype == "float32"  # rsqrt of the mean: [batch, 1]
+    assert p.compiled.saved_symbols  # the symbolic batch is saved for the backward's shapes
