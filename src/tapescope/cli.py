@@ -194,6 +194,46 @@ def _write_graph(p, path: str) -> None:
         f.write("\n".join(lines) + "\n" + gm.code)
 
 
+@app.command("budget-sweep")
+def budget_sweep_cmd(
+    spec: str = SpecArg, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
+    device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
+    optimizer: str = OptimOpt, input: Optional[List[str]] = InputOpt,
+    budgets: str = typer.Option("0,0.1,0.25,0.5,0.75,1", "--budgets",
+                                help="activation_memory_budget values, comma-separated."),
+    compile_mode: Optional[str] = ModeOpt, dynamic: Optional[str] = DynamicOpt,
+    json_file: Optional[str] = typer.Option(None, "--json", help="Write the table as JSON."),
+):
+    """The compiled step's physical peak for each functorch activation_memory_budget."""
+    from .report.text import fmt_bytes, fmt_flops
+    from .sweeps import budget_sweep
+
+    try:
+        values = [float(b) for b in budgets.split(",") if b.strip()]
+        workload, loss_fn = _workload(spec, batch, seq, input)
+        compile = _compile_options(True, compile_mode, False, dynamic, None, False, None)
+        options = _options(loss_fn, optimizer, device, None, dtype, amp, compile=compile)
+        with _progress(f"compiling {workload.name} at {len(values)} budgets"):
+            points = budget_sweep(workload, options, values)
+    except ValueError as e:
+        _fail(TapescopeError(f"--budgets: {e}"))
+    except TapescopeError as e:
+        _fail(e)
+    out.print(f"[bold]{workload.name}[/] compiled ({options.device.type}): physical peak per "
+              f"activation_memory_budget")
+    out.print(f"  {'budget':>6}  {'peak':>12}  {'first step':>12}  {'saved':>12}  "
+              f"{'recomputed':>10}  {'recompute':>12}", highlight=False)
+    for pt in points:
+        out.print(f"  {pt.budget:>6.2f}  {fmt_bytes(pt.peak_bytes):>12}  "
+                  f"{fmt_bytes(pt.first_step_peak_bytes):>12}  {fmt_bytes(pt.saved_bytes):>12}  "
+                  f"{pt.recomputed_ops:>10}  {fmt_flops(pt.recompute_flops):>12}", highlight=False)
+    if json_file:
+        with open(json_file, "w") as f:
+            json.dump({"model": workload.name, "points": [p.to_dict() for p in points]}, f,
+                      indent=1)
+        out.print(f"wrote {json_file}")
+
+
 @app.command("ops")
 def ops_cmd(
     spec: str = SpecArg, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,

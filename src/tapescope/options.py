@@ -203,6 +203,15 @@ class Options:
         if isinstance(symbolic, str):
             symbolic = (symbolic,)
         compile = CompileOptions.of(compile)
+        if compile is not None and compile.backend == "inductor" and dev.type == "cuda":
+            raise TapescopeError(
+                "compiling a CUDA step with inductor needs what a GPU-less machine lacks: "
+                "inductor's CUDA lowering constant-folds on the device and its kernels are Triton "
+                "code (Triton, the GPU's properties); tapescope does not model it yet. "
+                "--compile-backend aot_eager (compile={'backend': 'aot_eager'}) shows "
+                "AOTAutograd's joint graph, partition and saved tensors for CUDA without a GPU, "
+                "run op by op (no inductor fusion or buffer reuse); or profile --device cpu, "
+                "where inductor's C++ backend is modelled")
         if compile is not None and symbolic:
             raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
                                  "compile with dynamic=True to see the graphs torch.compile makes)")
