@@ -85,6 +85,7 @@ class CompileOptions:
     activation_memory_budget: functorch's `activation_memory_budget` (0..1): the share of the
         activations the min-cut partitioner may save; less budget, more recomputation.
     optimizer: also compile `optimizer.step` (`torch.compile(opt.step)`); else it runs eagerly.
+        Not modelled yet (refused with the reason): dynamo creates the state while compiling.
     """
 
     mode: str | None = None
@@ -212,6 +213,12 @@ class Options:
                 "AOTAutograd's joint graph, partition and saved tensors for CUDA without a GPU, "
                 "run op by op (no inductor fusion or buffer reuse); or profile --device cpu, "
                 "where inductor's C++ backend is modelled")
+        if compile is not None and compile.optimizer:
+            raise TapescopeError(
+                "compile optimizer=True is not modelled yet: when dynamo compiles optimizer.step it "
+                "creates the optimizer's state while compiling (OptimizerVariable runs _init_group "
+                "at trace time), outside the ops tapescope records, so the steady state would miss "
+                "it; profile the compiled model with the optimizer run eagerly (the default)")
         if compile is not None and symbolic:
             raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
                                  "compile with dynamic=True to see the graphs torch.compile makes)")

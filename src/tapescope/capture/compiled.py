@@ -45,7 +45,6 @@ from ..options import CompileOptions
 from ..torch_compat import function_modes_suspended
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compiling",
-           "compile_optimizer_step",
            "input_name", "APPROXIMATIONS"]
 
 APPROXIMATIONS = (
@@ -376,20 +375,6 @@ def _where(user_stack) -> str | None:
         return None
     f = user_stack[-1]
     return f"{f.filename}:{f.lineno} in {f.name}"
-
-
-def compile_optimizer_step(optimizer, options: CompileOptions, record: CompileRecord,
-                           on_call=None) -> None:
-    """`optimizer.step = torch.compile(optimizer.step)` on tapescope's own (fake) optimizer."""
-    backend = _make_backend(options, record, on_call)
-    step = torch.compile(optimizer.step, backend=backend, fullgraph=options.fullgraph,
-                         dynamic=options.dynamic)
-
-    def compiled_step(*args, **kwargs):
-        with function_modes_suspended():
-            return step(*args, **kwargs)
-
-    optimizer.step = compiled_step
 
 
 def compile_model(model: torch.nn.Module, options: CompileOptions, record: CompileRecord,

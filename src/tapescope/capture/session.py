@@ -218,10 +218,6 @@ class CaptureSession:
         opts = self.options
         self.facts["compiled"] = record = CompileRecord(opts.compile)
         self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call)
-        if opts.compile.optimizer and self.optimizer is not None:
-            from .compiled import compile_optimizer_step
-
-            compile_optimizer_step(self.optimizer, opts.compile, record, self.tape.compiled_call)
 
     def _compiling(self):
         if self.options.compile is None:
