@@ -143,3 +143,37 @@ def test_post_cuda_graph_without_a_gpu():
     rsqrt = next(s for s in p.compiled.saved if s.input is None)
     assert rsqrt.shape[1:] == (1,) and rsqrt.dtype == "float32"  # rsqrt of the mean: [batch, 1]
     assert p.compiled.saved_symbols  # the symbolic batch is saved for the backward's shapes
+
+
+def test_cli_compile_side_by_side_json(tmp_path):
+    """`tapescope profile --compile` prints eager and compiled side by side and --json has both
+    (aot_eager on cuda without a GPU: the cheap compile, and the CUDA joint trace)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    from .conftest import TINY_GPT2
+
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", TINY_GPT2, "--batch", "2", "--seq", "16",
+                                 "--device", "cuda", "--compile-backend", "aot_eager",
+                                 "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "Eager vs torch.compile" in r.output and "peak bytes" in r.output
+    d = json.loads(out.read_text())
+    side = d["eager_vs_compiled"]
+    assert side["peak_bytes"]["compiled"] == d["peak_bytes"]
+    assert side["peak_bytes"]["eager"] == d["eager"]["peak_bytes"]
+    assert d["compiled"]["saved"] and d["compiled"]["regions"] == 1
+
+
+def test_what_is_not_modelled_is_refused_with_the_reason():
+    from tapescope.errors import TapescopeError
+
+    spec = tapescope.spec((4, 8), requires_grad=True)
+    with pytest.raises(TapescopeError, match="Triton"):
+        tapescope.profile(_build, spec, device="cuda", compile=True)
+    with pytest.raises(TapescopeError, match="optimizer"):
+        tapescope.profile(_build, spec, compile={"optimizer": True})
