@@ -300,12 +300,31 @@ def compiling(options: CompileOptions, unrecorded=None):
     if options.activation_memory_budget is not None:
         functorch["activation_memory_budget"] = options.activation_memory_budget
     with ExitStack() as stack:
+        stack.enter_context(_quiet_compiler())
         stack.enter_context(inductor_config.patch(force_disable_caches=True, compile_threads=1))
         stack.enter_context(functorch_config.patch(**functorch))
         stack.enter_context(_kernels_not_compiled())
         if unrecorded is not None:
             stack.enter_context(_unrecorded_while_compiling(unrecorded))
         yield
+
+
+@contextmanager
+def _quiet_compiler():
+    """What torch.compile says about tapescope's own settings (caches off, hence no profile-guided
+    dynamic shapes) or its probing of the machine (no CUDA runtime) is not the user's business."""
+    import logging
+    import warnings
+
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
+            yield
+    finally:
+        log.setLevel(level)
 
 
 @contextmanager

@@ -35,6 +35,13 @@ def summary_text(p) -> str:
     lines.append("  FLOPs: " + ", ".join(f"{k} {fmt_flops(v)}" for k, v in p.flops.items()))
     if p.uncounted_ops:
         lines.append("  uncounted ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(p.uncounted_ops.items())))
+    if p.compiled is not None:
+        c = p.compiled
+        lines.append(f"  compiled ({c.regions} graph{'s' if c.regions != 1 else ''}, "
+                     f"{len(c.graph_breaks)} graph breaks) vs eager: peak "
+                     f"{fmt_bytes(p.peak_bytes)} vs {fmt_bytes(p.eager.peak_bytes)}; saves "
+                     f"{fmt_bytes(c.saved_bytes)}, recomputes {len(c.recomputed)} ops "
+                     f"({fmt_flops(c.recompute_flops)})")
     return "\n".join(lines)
 
 
