@@ -251,6 +251,21 @@ PRIVATE_NAMES = (
     "torch.Tensor._use_count", "torch.Tensor._is_zerotensor", "torch.Tensor._backward_hooks",
     "torch.UntypedStorage._cdata", "torch._C.OptionalType", "torch._C.ListType",
     "torch.profiler.profile.profiler",
+    # the compiled step (capture/compiled.py, capture/hooks.py, capture/engine.py)
+    "torch._C._len_torch_function_stack", "torch._C._pop_torch_function_stack",
+    "torch._C._push_on_torch_function_stack",
+    "torch._C._autograd._top_saved_tensors_default_hooks",
+    "torch._C._autograd._pop_saved_tensors_default_hooks",
+    "torch._C._autograd._push_saved_tensors_default_hooks",
+    "torch._C._autograd._get_current_graph_task_keep_graph",
+    "torch._C._FunctionBase.maybe_clear_saved_tensors",
+    "torch.autograd.function.BackwardCFunction.apply_boxed",
+    "torch._inductor.async_compile.AsyncCompile.cpp_pybinding",
+    "torch._inductor.compile_fx.compile_fx", "torch._inductor.compile_fx.compile_fx_inner",
+    "torch._inductor.list_mode_options", "torch._dynamo.callback.callback_handler",
+    "torch._functorch.config.activation_memory_budget",
+    "torch._functorch.config.check_custom_op_aliasing",
+    "torch._inductor.config.force_disable_caches",
 )
 
 
