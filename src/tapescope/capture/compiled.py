@@ -28,6 +28,12 @@ What is replaced, and why each replacement changes no memory:
 - caches: inductor's and AOTAutograd's caches are off while tapescope compiles, so a compiled
   artifact never crosses between a real and a fake compile.
 
+Compiling is not the step's work: `compiling(..., unrecorded=...)` stops recording while dynamo
+compiles (its compilation callbacks announce each compile, wherever it happens). What the runtime
+around the generated code needs from the capture (saved tensors released by the compiled backward,
+gradients handed over boxed, "the graph is not kept") lives in hooks.py and engine.py; see
+docs/compile.md.
+
 What is approximated is listed in `APPROXIMATIONS` (shown in reports).
 """
 
@@ -63,13 +69,6 @@ class CompiledGraph:
     region: int                   # which dynamo graph (graph breaks make several)
     graph: torch.fx.GraphModule   # the partitioned graph as the compiler received it
     wrapper_code: str | None = None  # inductor's generated Python (None for aot_eager)
-
-    @property
-    def saved(self) -> list[str]:
-        """Names of the forward's outputs that the backward receives (what is saved)."""
-        if self.kind != "forward":
-            return []
-        return list(self.graph.meta.get("tapescope_saved", ()))
 
 
 @dataclass
@@ -202,13 +201,6 @@ def _mode_patches(options: CompileOptions) -> dict:
     # CUDA graphs need a real device (and their pool is not modelled, see APPROXIMATIONS)
     patches["triton.cudagraphs"] = False
     return patches
-
-
-def _saved_names(fw: torch.fx.GraphModule, num_fwd_outputs: int | None) -> list[str]:
-    out = next(iter(reversed(fw.graph.nodes)))
-    args = out.args[0] if out.args else ()
-    names = [getattr(a, "name", str(a)) for a in args]
-    return names[num_fwd_outputs:] if num_fwd_outputs is not None else names
 
 
 def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None):
