@@ -26,7 +26,7 @@ import torch
 from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
                             current_autograd_node, node_sequence_nr, sequence_nr, storage_key,
                             untyped_storage_key)
-from .fidelity import BACKWARD_OP, FORWARD_OP, FidelityContext, RuleSet
+from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
 from .records import (BACKWARD, FORWARD, WORKSPACE, Frame, OpRecord, Segment, StorageRecord,
                       TensorRef, Trace)
@@ -298,28 +298,44 @@ class Tape(FakeTensorMode):
         if func is _LIFT_FRESH and not isinstance(args[0], FakeTensor):
             self._record_tensor_literal(args[0], out)
         else:
+            first_event = len(self.trace.events)
             self._record(func, args, kwargs, out)
             if func in rules.workspace_targets:
                 workspace = rules.workspace(ctx, func, args, kwargs, out)
                 if workspace:
-                    self._record_workspace(workspace, _device_of(args, out))
+                    self._record_workspace(workspace, _device_of(args, out), first_event)
             if not backward and args:
                 self.views.after_op(func, args)
         return out
 
-    def _record_workspace(self, sizes, device) -> None:
-        """Scratch the real kernel of the op just recorded allocates and frees inside it: live
-        together with the op's outputs, gone before the next op."""
+    def _record_workspace(self, steps, device, first_event: int) -> None:
+        """Scratch the real kernel of the op just recorded allocates and frees inside it (the
+        WORKSPACE steps of fidelity/registry.py), in the kernel's order relative to the op's
+        outputs, whose allocations `_record` appended from event `first_event` on. Everything is
+        freed before the next op."""
         trace = self.trace
         index = len(trace.ops) - 1
-        ids = []
-        for nbytes in sizes:
-            sid = len(trace.storages)
-            trace.storages.append(StorageRecord(sid, nbytes, device, index, {WORKSPACE}))
-            trace.events.append((index, sid, 1))
-            ids.append(sid)
-        for sid in reversed(ids):
-            trace.events.append((index, sid, -1))
+        outputs = trace.ops[index].outputs
+        appended = trace.events[first_event:]
+        del trace.events[first_event:]
+        placed = {outputs[s.index].storage for s in steps
+                  if type(s) is Output and s.index < len(outputs) and outputs[s.index] is not None}
+        events = [e for e in appended if e[1] not in placed]
+        live: dict = {}
+        for step in steps:
+            kind = type(step)
+            if kind is Alloc:
+                sid = len(trace.storages)
+                trace.storages.append(StorageRecord(sid, step.nbytes, device, index, {WORKSPACE}))
+                events.append((index, sid, 1))
+                live[step.name] = sid
+            elif kind is Free:
+                events.append((index, live.pop(step.name), -1))
+            else:  # Output: its allocation, if this op made that storage
+                ref = outputs[step.index] if step.index < len(outputs) else None
+                events.extend(e for e in appended if ref is not None and e[1] == ref.storage)
+        events.extend((index, sid, -1) for sid in reversed(live.values()))
+        trace.events.extend(events)
 
     def _run_quietly(self, func, types, args, kwargs):
         self._tape_depth += 1

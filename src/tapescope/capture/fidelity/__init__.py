@@ -6,9 +6,10 @@ source it follows and a test against real execution (tests/test_engine.py has th
 sequence of the real step under torch.profiler, and the allocator's peak).
 """
 
-from . import attention, backward, layouts, linear, literals, views  # noqa: F401 - registers
-from .registry import (ANY_OP, BACKWARD_OP, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE,
-                       FidelityContext, FunctionRulesMode, Rule, RuleSet)
+from . import (attention, backward, layouts, linear, literals, losses, reductions,  # noqa: F401
+               views)  # importing registers the rules
+from .registry import (ANY_OP, BACKWARD_OP, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE, Alloc,
+                       FidelityContext, Free, FunctionRulesMode, Output, Rule, RuleSet)
 
 __all__ = ["RULES", "Rule", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
-           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "ANY_OP"]
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "ANY_OP", "Alloc", "Free", "Output"]

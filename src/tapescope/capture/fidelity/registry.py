@@ -17,10 +17,16 @@ A rule acts at one stage:
 - OUTPUT: an aten op's fresh output is replaced by one with the real kernel's layout,
   `handler(ctx, func, args, out) -> out`.
 - WORKSPACE: scratch memory the real kernel allocates and frees inside the op (a reorder into a
-  blocked layout, a GEMM fallback's per-thread buffers, an RNN workspace), which a fake kernel
-  never allocates: `handler(ctx, func, args, kwargs, out) -> bytes | [bytes, ...] | None`. The tape
-  records each buffer as a storage of the category "kernel workspace", allocated after the op's
-  outputs and freed before the next op, so the timeline's level at the op includes it.
+  blocked layout, a GEMM fallback's per-thread buffers, a contiguous copy of an operand), which a
+  fake kernel never allocates: `handler(ctx, func, args, kwargs, out) -> bytes | [bytes, ...] |
+  [Alloc | Free | Output, ...] | None`. The tape records each buffer as a storage of the category
+  "kernel workspace", freed before the next op, so the timeline's level inside the op includes it.
+  Plain byte counts are allocated after the op's outputs and live until the op ends. Where the
+  kernel's order matters for the peak (a oneDNN convolution reorders its operands into blocked
+  copies, frees them, and only then allocates its output), the handler returns the kernel's
+  sequence: `Alloc(name, nbytes)`, `Free(name)` and `Output(i)` (the op's i-th output is allocated
+  here; outputs a sequence does not place come first). Buffers not freed explicitly are freed,
+  last allocated first, when the op ends.
 Rules registered for `ANY_OP` see every op of their stage; keep their test for relevance cheap.
 
 The registry is filled when the rule modules are imported and never changes afterwards; each
@@ -37,7 +43,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["Rule", "RULES", "Rules", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
-           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "STAGES", "ANY_OP"]
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "STAGES", "ANY_OP", "Alloc", "Free",
+           "Output"]
 
 FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT = "function", "forward op", "backward op", "output"
 WORKSPACE = "workspace"
@@ -58,6 +65,32 @@ class Rule:
 
     def applies_on(self, device_type: str) -> bool:
         return self.devices is None or device_type in self.devices
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """A WORKSPACE step: the kernel allocates a scratch buffer (`name` is how a Free names it)."""
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """A WORKSPACE step: the kernel frees the scratch buffer `name`."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """A WORKSPACE step: the op's output number `index` (its position in what the op returns) is
+    allocated here."""
+
+    index: int = 0
+
+
+_STEPS = (Alloc, Free, Output)
 
 
 @dataclass
@@ -177,17 +210,27 @@ class RuleSet:
         return out
 
     def workspace(self, ctx: FidelityContext, func, args, kwargs, out) -> list:
-        """Bytes of each scratch buffer the real kernel of this op allocates inside it."""
+        """The scratch the real kernel of this op allocates inside it, as a sequence of Alloc,
+        Free and Output steps (empty if none)."""
         handlers = self.by_stage[WORKSPACE].get(func)
         if handlers is None:
             return []
-        sizes = []
+        steps, ordered, answered = [], 0, 0
         for h in handlers:
-            n = h(ctx, func, args, kwargs, out)
-            if n is None:
+            got = h(ctx, func, args, kwargs, out)
+            if got is None:
                 continue
-            sizes.extend(n if isinstance(n, (list, tuple)) else (n,))
-        return [n for n in sizes if n]
+            answered += 1
+            for n in (got if isinstance(got, (list, tuple)) else (got,)):
+                if isinstance(n, _STEPS):
+                    ordered += isinstance(n, Output)
+                    steps.append(n)
+                elif n:  # a plain byte count: after the outputs, alive until the op ends
+                    steps.append(Alloc(f"#{len(steps)}", n))
+        if ordered and answered > 1:
+            raise ValueError(f"{func}: a rule that places the outputs must be the op's only "
+                             "WORKSPACE rule")
+        return [s for s in steps if not isinstance(s, Alloc) or s.nbytes]
 
 
 class FunctionRulesMode(TorchFunctionMode):

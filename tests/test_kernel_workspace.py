@@ -1,0 +1,86 @@
+"""Memory a real CPU kernel allocates inside itself (capture/fidelity WORKSPACE and OUTPUT rules),
+against the real allocator.
+
+Truth: the same step run for real under torch.profiler (validate.real), compared op by op
+(validate.per_op): for each op, the highest live bytes while it ran minus the live bytes before
+it, as the allocator counted them, must equal the trace's.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tapescope
+from tapescope.validate.per_op import compare_ops
+from tapescope.validate.real import run_real_steps
+
+
+def _measure(build, inputs, optimizer=None, step=1, **options):
+    p = tapescope.profile(build, *inputs, optimizer=optimizer, **options)
+    real = run_real_steps(build, inputs, optimizer=optimizer)
+    return p, real, compare_ops(p, real, step)
+
+
+def _excess(ops, name, phase=None):
+    """(measured, predicted) excess of each op called `name`."""
+    return [(o.measured_excess, o.predicted_excess) for o in ops
+            if o.name == name and (phase is None or o.phase == phase)]
+
+
+class _TwoLosses(torch.nn.Module):
+    """The loss twice: the first result's storage is alive while the second is computed."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.lin, self.loss = torch.nn.Linear(64, 64), loss
+
+    def forward(self, x, t):
+        y = self.lin(x)
+        return self.loss(y, t) + self.loss(y.neg(), t)
+
+
+LOSSES = {
+    "mse_loss": lambda y, t: F.mse_loss(y, t),
+    "mse_loss sum": lambda y, t: F.mse_loss(y, t, reduction="sum"),
+    "smooth_l1_loss": lambda y, t: F.smooth_l1_loss(y, t),
+    "huber_loss": lambda y, t: F.huber_loss(y, t),
+    "binary_cross_entropy": lambda y, t: F.binary_cross_entropy(y.sigmoid(), t.sigmoid()),
+    "soft_margin_loss": lambda y, t: F.soft_margin_loss(y, t.sign()),
+    "binary_cross_entropy_with_logits": lambda y, t: F.binary_cross_entropy_with_logits(
+        y, t.sigmoid()),
+    "mse_loss bf16": lambda y, t: F.mse_loss(y.bfloat16(), t.bfloat16()).float(),
+    "mean bf16": lambda y, t: y.bfloat16().mean().float(),
+}
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_loss_kernels_match_the_allocator(name):
+    """Reduced losses keep an input-sized storage under their 0-d result (mse_loss,
+    smooth_l1_loss, binary_cross_entropy, soft_margin_loss) and make unreduced buffers and
+    float copies inside (Loss.cpp, ReduceOps.cpp)."""
+    inputs = (tapescope.spec((32, 64)), tapescope.spec((32, 64)))
+    p, real, ops = _measure(lambda: _TwoLosses(LOSSES[name]), inputs)
+    assert p.first_step_peak_bytes == real.peaks[1]
+    op = name.split()[0] if name.split()[0] != "mean" else "mean"
+    checked = _excess(ops, f"aten.{op}", "forward") + _excess(ops, f"aten.{op}_backward")
+    assert checked and all(m == p for m, p in checked), checked
+
+
+def test_reduction_copies_its_input():
+    """A CPU sum into int64 copies a bool mask; a bf16 mean sums a float copy (ReduceOps.cpp)."""
+
+    class Count(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = self.lin(x)
+            kept = (y > 0).sum(dim=1, keepdim=True)  # a bool mask summed into int64
+            return (y * kept).bfloat16().mean(dim=0).float().sum()
+
+    p, real, ops = _measure(Count, (tapescope.spec((64, 64)),))
+    assert p.first_step_peak_bytes == real.peaks[1]
+    for name in ("aten.sum", "aten.mean"):
+        checked = _excess(ops, name, "forward")
+        assert checked and all(m == p for m, p in checked), (name, checked)
