@@ -84,3 +84,28 @@ def test_reduction_copies_its_input():
     for name in ("aten.sum", "aten.mean"):
         checked = _excess(ops, name, "forward")
         assert checked and all(m == p for m, p in checked), (name, checked)
+
+
+class _SumOfLinear(torch.nn.Module):
+    """`out.sum()` as the loss: the Linear's backward gets the expanded 1 as its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(500, 64)
+        self.head = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                        torch.nn.Linear(128, 500))
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens)).sum()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_mm_copies_an_expanded_gradient(optimizer):
+    """addmm_impl_cpu_ clones a stride-0 operand contiguous inside mm (LinearAlgebra.cpp)."""
+    inputs = (tapescope.spec((16, 64), dtype=torch.long, high=500),)
+    p, real, ops = _measure(_SumOfLinear, inputs, optimizer=optimizer)
+    assert p.first_step_peak_bytes == real.peaks[1]
+    assert p.peak_bytes == real.peaks[2]
+    checked = _excess(ops, "aten.mm", "backward")
+    assert checked and all(m == p for m, p in checked), checked
+    assert max(m for m, _ in checked) >= 16 * 64 * 500 * 4  # the logits' gradient, copied

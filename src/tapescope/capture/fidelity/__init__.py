@@ -6,7 +6,7 @@ source it follows and a test against real execution (tests/test_engine.py has th
 sequence of the real step under torch.profiler, and the allocator's peak).
 """
 
-from . import (attention, backward, layouts, linear, literals, losses, reductions,  # noqa: F401
+from . import (attention, backward, layouts, linear, literals, losses, matmul, reductions,  # noqa: F401
                views)  # importing registers the rules
 from .registry import (ANY_OP, BACKWARD_OP, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE, Alloc,
                        FidelityContext, Free, FunctionRulesMode, Output, Rule, RuleSet)
