@@ -109,3 +109,38 @@ def test_mm_copies_an_expanded_gradient(optimizer):
     checked = _excess(ops, "aten.mm", "backward")
     assert checked and all(m == p for m, p in checked), checked
     assert max(m for m, _ in checked) >= 16 * 64 * 500 * 4  # the logits' gradient, copied
+
+
+class _Pools(torch.nn.Module):
+    """Pooling of a channels-last-strided (or contiguous) activation, with an expanded gradient
+    (the sum of each pooled output) or a dense one (the sum of its square)."""
+
+    def __init__(self, channels_last, dense):
+        super().__init__()
+        self.lin, self.channels_last, self.dense = torch.nn.Linear(16, 16), channels_last, dense
+
+    def forward(self, x):
+        y = self.lin(x.movedim(1, -1)).movedim(-1, 1)  # NHWC strides
+        if not self.channels_last:
+            y = y.contiguous()
+        outs = [F.max_pool2d(y, 3, 2, 1), F.avg_pool2d(y, 2), F.adaptive_max_pool2d(y, 3),
+                F.adaptive_avg_pool2d(y, 5),
+                F.max_pool3d(y.unsqueeze(2).expand(-1, -1, 2, -1, -1), (1, 2, 2))]
+        if self.dense:
+            outs = [o.contiguous() * o.contiguous() for o in outs]
+        total = outs[0].sum()
+        for o in outs[1:]:
+            total = total + o.sum()
+        return total
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dense", [False, True])
+def test_pooling_copies_operands_into_one_format(channels_last, dense):
+    """CPU pooling kernels copy what is not contiguous in the format they switch on."""
+    p, real, ops = _measure(lambda: _Pools(channels_last, dense), (tapescope.spec((2, 16, 16, 16)),))
+    pools = [o for o in ops if "pool" in o.name]
+    assert len(pools) >= 10
+    assert all(o.measured_excess == o.predicted_excess for o in pools), \
+        [(o.name, o.measured_excess, o.predicted_excess) for o in pools]
+    assert p.first_step_peak_bytes == real.peaks[1]

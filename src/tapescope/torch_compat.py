@@ -55,7 +55,7 @@ __all__ = [
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
-    "profiler_event_tree", "schema_types", "shape_env_facts", "PRIVATE_NAMES",
+    "profiler_event_tree", "schema_types", "shape_env_facts", "suggest_memory_format", "PRIVATE_NAMES",
     "function_modes_suspended", "saved_tensor_hooks_suspended", "graph_task_keep_graph_query",
 ]
 
@@ -266,6 +266,7 @@ PRIVATE_NAMES = (
     "torch._functorch.config.activation_memory_budget",
     "torch._functorch.config.check_custom_op_aliasing",
     "torch._inductor.config.force_disable_caches",
+    "torch._prims_common.suggest_memory_format",
 )
 
 
@@ -309,3 +310,12 @@ def saved_tensor_hooks_suspended():
 def graph_task_keep_graph_query():
     """(module, name) of the query AOTAutograd's compiled backward makes of the running graph task."""
     return torch._C._autograd, "_get_current_graph_task_keep_graph"
+
+
+# ---- layouts (torch/_prims_common) --------------------------------------------------------------
+def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+    """`Tensor.suggest_memory_format()` as ATen's CPU kernels call it (channels_last when the
+    strides are NHWC-like; a stride-0 channel dimension is contiguous), for fake tensors too."""
+    from torch._prims_common import suggest_memory_format as suggest
+
+    return suggest(t)
