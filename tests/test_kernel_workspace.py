@@ -144,3 +144,30 @@ def test_pooling_copies_operands_into_one_format(channels_last, dense):
     assert all(o.measured_excess == o.predicted_excess for o in pools), \
         [(o.name, o.measured_excess, o.predicted_excess) for o in pools]
     assert p.first_step_peak_bytes == real.peaks[1]
+
+
+class _Lstm(torch.nn.Module):
+    def __init__(self, input_size, hidden, layers, bidirectional):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(input_size, hidden, num_layers=layers, batch_first=True,
+                                 bidirectional=bidirectional)
+
+    def forward(self, x):
+        return self.rnn(x)[0].pow(2).sum()
+
+
+@pytest.mark.parametrize("batch,seq,input_size,hidden,layers,bidirectional", [
+    (4, 10, 32, 64, 2, True),      # ldgoi already good: no backward weight reorder
+    (130, 3, 20, 100, 1, False),   # batch >= 128: the forward does not merge the layer GEMM
+    (2, 5, 48, 256, 1, False),     # 256 is a 4K-aliasing leading dimension: padded to 272
+])
+def test_lstm_matches_the_allocator(batch, seq, input_size, hidden, layers, bidirectional):
+    """mkldnn_rnn_layer's workspace output and the scratch of the LSTM forward and backward
+    (mkldnn/RNN.cpp, oneDNN's reference RNN)."""
+    p, real, ops = _measure(lambda: _Lstm(input_size, hidden, layers, bidirectional),
+                            (tapescope.spec((batch, seq, input_size)),), optimizer="sgd")
+    assert p.first_step_peak_bytes == real.peaks[1]
+    assert p.peak_bytes == real.peaks[2]
+    checked = _excess(ops, "aten.mkldnn_rnn_layer") + _excess(ops, "aten.mkldnn_rnn_layer_backward")
+    assert len(checked) == 2 * layers * (2 if bidirectional else 1)
+    assert all(m == p for m, p in checked), checked

@@ -7,7 +7,7 @@ sequence of the real step under torch.profiler, and the allocator's peak).
 """
 
 from . import (attention, backward, layouts, linear, literals, losses, matmul, pooling,  # noqa: F401
-               reductions, views)  # importing registers the rules
+               reductions, rnn, views)  # importing registers the rules
 from .registry import (ANY_OP, BACKWARD_OP, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE, Alloc,
                        FidelityContext, Free, FunctionRulesMode, Output, Rule, RuleSet)
 

@@ -230,7 +230,8 @@ class RuleSet:
         if ordered and answered > 1:
             raise ValueError(f"{func}: a rule that places the outputs must be the op's only "
                              "WORKSPACE rule")
-        return [s for s in steps if not isinstance(s, Alloc) or s.nbytes]
+        empty = {s.name for s in steps if type(s) is Alloc and not s.nbytes}
+        return [s for s in steps if type(s) is Output or s.name not in empty]
 
 
 class FunctionRulesMode(TorchFunctionMode):
