@@ -171,3 +171,105 @@ def test_lstm_matches_the_allocator(batch, seq, input_size, hidden, layers, bidi
     checked = _excess(ops, "aten.mkldnn_rnn_layer") + _excess(ops, "aten.mkldnn_rnn_layer_backward")
     assert len(checked) == 2 * layers * (2 if bidirectional else 1)
     assert all(m == p for m, p in checked), checked
+
+
+class _Conv(torch.nn.Module):
+    """One convolution whose input needs a gradient (a parameter scales it), so that its
+    backward computes grad_input too; `first=True` keeps the input leaf (a first layer)."""
+
+    def __init__(self, c, o, k, stride=1, padding=0, dilation=1, groups=1, channels_last=False,
+                 first=False):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(c, o, k, stride, padding, dilation, groups)
+        self.scale = torch.nn.Parameter(torch.ones(c, 1, 1))
+        self.channels_last, self.first = channels_last, first
+
+    def forward(self, x):
+        if not self.first:
+            x = x * self.scale
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.conv(x).pow(2).sum()
+
+
+CONVS = {  # name -> (_Conv arguments, input shape)
+    "3x3 NCHW (blocked direct kernels)": ((64, 64, 3, 1, 1), (2, 64, 16, 16)),
+    "channels not a multiple of the block (padded bias)": ((30, 60, 3, 1, 1), (2, 30, 16, 16)),
+    "1x1 forward and backward-data": ((64, 256, 1), (2, 64, 16, 16)),
+    "dilated (GEMM weight gradient)": ((64, 64, 3, 1, 2, 2), (2, 64, 16, 16)),
+    "kernel taller than the map (GEMM weight gradient)": ((128, 128, 3, 1, 1), (2, 128, 2, 2)),
+    "depthwise 3x3": ((32, 32, 3, 1, 1, 1, 32), (2, 32, 16, 16)),
+    "depthwise 7x7 (GEMM weight gradient)": ((96, 96, 7, 1, 3, 1, 96), (2, 96, 8, 8)),
+    "depthwise 7x7 channels-last (per-group padded blocks)":
+        ((96, 96, 7, 1, 3, 1, 96, True), (2, 96, 8, 8)),
+    "patch embedding 16x16/16 of a first layer": ((3, 192, 16, 16, 0, 1, 1, False, True),
+                                                   (2, 3, 64, 64)),
+}
+
+
+def _exact_here(args, shape) -> str | None:
+    """None if every oneDNN kernel this convolution runs is modelled exactly on this machine,
+    else why not (the test is then skipped: the rule is a heuristic here and says so)."""
+    from tapescope.capture.fidelity.convolution import conv_problem
+    from tapescope.devices import onednn
+    from tapescope.devices.cpu import cpu_target
+
+    m = _Conv(*args)
+    x = torch.empty(shape, device="meta")
+    conv = m.conv
+    c = conv_problem(x, conv.weight, True, conv.stride, conv.padding, conv.dilation, conv.groups,
+                     m.channels_last)
+    cpu = cpu_target()
+    prims = [onednn.forward(c, cpu), onednn.backward_weights(c, cpu)]
+    if not m.first:
+        prims.append(onednn.backward_data(c, cpu))
+    inexact = [p.impl for p in prims if not p.exact]
+    return f"heuristic on {cpu.describe()}: {inexact}" if inexact else None
+
+
+@pytest.mark.parametrize("name", CONVS)
+def test_convolution_matches_the_allocator(name):
+    """oneDNN's reorders, kernel destinations and scratchpads inside `convolution` and
+    `convolution_backward`, in Conv.cpp's order (devices/onednn.py, fidelity/convolution.py)."""
+    args, shape = CONVS[name]
+    why = _exact_here(args, shape)
+    if why:
+        pytest.skip(why)
+    p, real, ops = _measure(lambda: _Conv(*args), (tapescope.spec(shape),), optimizer="sgd")
+    checked = _excess(ops, "aten.convolution") + _excess(ops, "aten.convolution_backward")
+    assert len(checked) == 2 and all(m == p for m, p in checked), checked
+    assert p.first_step_peak_bytes == real.peaks[1]
+
+
+def test_convolution_scratch_follows_the_thread_count():
+    """The GEMM weight gradient keeps per-thread columns and accumulators: one thread needs less
+    than two, the real allocator agrees, and threads= profiles a target's count."""
+    args, shape = CONVS["kernel taller than the map (GEMM weight gradient)"]
+    build = lambda: _Conv(*args)  # noqa: E731
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _measure(build, (tapescope.spec(shape),), optimizer="sgd")
+    finally:
+        torch.set_num_threads(before)
+    p1, real1, ops1 = one
+    assert p1.facts["cpu"]["threads"] == 1
+    assert [m for m, _ in _excess(ops1, "aten.convolution_backward")] == \
+        [p for _, p in _excess(ops1, "aten.convolution_backward")]
+    # the same target profiled from this process without changing its threads
+    p_target = tapescope.profile(build, tapescope.spec(shape), optimizer="sgd", threads=1)
+    assert p_target.first_step_peak_bytes == p1.first_step_peak_bytes == real1.peaks[1]
+    assert p_target.facts["cpu"] == {"isa": p1.facts["cpu"]["isa"], "threads": 1,
+                                     "detected": False}
+    if before > 1:
+        p2 = tapescope.profile(build, tapescope.spec(shape), optimizer="sgd")
+        assert p2.first_step_peak_bytes > p1.first_step_peak_bytes
+
+
+def test_heuristic_kernel_choices_are_reported():
+    """A channels-last 3x3 convolution runs oneDNN's brgemm kernels, whose scratchpad is an
+    estimate: the profile says so."""
+    p = tapescope.profile(lambda: _Conv(64, 64, 3, 1, 1, channels_last=True),
+                          tapescope.spec((2, 64, 16, 16)), optimizer="sgd")
+    notes = p.facts["heuristics"]["oneDNN convolution scratch"]
+    assert any("brg_conv" in n and "estimate" in n for n in notes)

@@ -165,7 +165,8 @@ class Profile:
 def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=None,
             amp=None, steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
             engine: str = "python", symbolic=(), gpu=None, alloc_conf=None,
-            progress=None, compile=None) -> Profile:
+            threads: int | None = None, cpu_isa: str | None = None, progress=None,
+            compile=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
@@ -192,6 +193,8 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
     alloc_conf: CUDA caching-allocator settings for the predicted torch.cuda figures, written as
         PYTORCH_ALLOC_CONF is ("expandable_segments:True,max_split_size_mb:512"); default: the
         environment's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF.
+    threads, cpu_isa: the CPU a cpu profile's kernel workspaces are sized for ("avx2",
+        "avx512"; intra-op threads); default: this machine's (`p.facts["cpu"]` says which).
     progress: progress(step, phase) is called as each phase of each step is traced.
     compile: profile the step as `torch.compile(model, ...)` runs it: True, or a dict /
         `tapescope.CompileOptions` (mode, fullgraph, dynamic, backend, activation_memory_budget,
@@ -201,7 +204,8 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
     """
     options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, gpu=gpu,
                              dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
-                             alloc_conf=alloc_conf, compile=compile)
+                             alloc_conf=alloc_conf, compile=compile, threads=threads,
+                             cpu_isa=cpu_isa)
     return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
                             options, progress)
 

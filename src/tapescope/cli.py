@@ -67,21 +67,22 @@ def _workload(spec, batch, seq, inputs):
 
 
 def _options(loss_fn, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None, symbolic=(),
-             compile=None):
+             compile=None, threads=None, cpu_isa=None):
     from .options import Options
 
     return Options.create(loss_fn=loss_fn, optimizer=None if optimizer == "none" else optimizer,
                           device=device, gpu=gpu, dtype=dtype, amp=amp, steps=steps,
-                          alloc_conf=alloc_conf, symbolic=symbolic, compile=compile)
+                          alloc_conf=alloc_conf, symbolic=symbolic, compile=compile,
+                          threads=threads, cpu_isa=cpu_isa)
 
 
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
-                 alloc_conf=None, compile=None):
+                 alloc_conf=None, compile=None, threads=None, cpu_isa=None):
     from .api import profile_workload
 
     workload, loss_fn = _workload(spec, batch, seq, inputs)
     options = _options(loss_fn, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
-                       compile=compile)
+                       compile=compile, threads=threads, cpu_isa=cpu_isa)
     what = "compiling and tracing" if compile else "tracing"
     with _progress(f"{what} {workload.name} on fake {options.device.type} tensors") as progress:
         return profile_workload(workload, options, progress)
@@ -113,6 +114,12 @@ GpuOpt = typer.Option(None, "--gpu", help="With --device cuda: the GPU whose ker
 OptimOpt = typer.Option("adamw", "--optimizer", "-o", help="adamw, adam, sgd or none.")
 StepsOpt = typer.Option(2, "--steps", help="2: steady state with optimizer state; 1: first step.")
 InputOpt = typer.Option(None, "--input", "-i", help="An input shape, e.g. 4,128 or 4,128:int64; repeat for several.")
+ThreadsOpt = typer.Option(None, "--threads",
+                          help="CPU: the intra-op threads kernels size per-thread scratch for "
+                               "(default: this machine's).")
+CpuIsaOpt = typer.Option(None, "--cpu-isa",
+                         help="CPU: avx2 or avx512, the ISA oneDNN picks kernels for "
+                              "(default: this machine's).")
 AllocConfOpt = typer.Option(None, "--alloc-conf",
                             help="CUDA caching-allocator settings as PYTORCH_ALLOC_CONF writes them, "
                                  "e.g. expandable_segments:True (default: the environment's).")
@@ -133,6 +140,7 @@ def profile_cmd(
     gpu: Optional[str] = GpuOpt,
     optimizer: str = OptimOpt, steps: int = StepsOpt, input: Optional[List[str]] = InputOpt,
     alloc_conf: Optional[str] = AllocConfOpt,
+    threads: Optional[int] = ThreadsOpt, cpu_isa: Optional[str] = CpuIsaOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
     html_file: Optional[str] = typer.Option(None, "--html", help="Write an interactive, self-contained HTML report."),
@@ -151,7 +159,7 @@ def profile_cmd(
         options = _compile_options(compile, compile_mode, fullgraph, dynamic,
                                    activation_memory_budget, compile_optimizer, compile_backend)
         p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp, gpu,
-                         alloc_conf, compile=options)
+                         alloc_conf, compile=options, threads=threads, cpu_isa=cpu_isa)
         elapsed = time.perf_counter() - t0
         render_summary(p, out, top=top)
         if p.compiled is not None:

@@ -164,6 +164,9 @@ class Options:
         predicted torch.cuda figures; by default read from the environment as torch reads it
         (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF).
     compile: the step as `torch.compile(model, ...)` runs it (CompileOptions), or None (eager).
+    cpu: the CPU whose kernels a cpu profile follows (devices.cpu.CpuTarget: the vector ISA
+        oneDNN dispatches on and the intra-op threads it sizes per-thread buffers for); by
+        default this machine's, or the `cpu_isa` / `threads` given to `create`.
     """
 
     loss_fn: Callable | None = None
@@ -177,11 +180,13 @@ class Options:
     symbolic: tuple = ()
     alloc_conf: Any = None
     compile: CompileOptions | None = None
+    cpu: Any = None
 
     @classmethod
     def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
                amp=None, steps: int = 2, engine: str = "python", symbolic=(),
-               alloc_conf=None, compile=None) -> "Options":
+               alloc_conf=None, compile=None, threads: int | None = None,
+               cpu_isa: str | None = None) -> "Options":
         """Check and resolve every option; a bad one raises a TapescopeError that says why."""
         dev = resolve_device(device, gpu)
         check_device_build(dev)
@@ -224,7 +229,8 @@ class Options:
                                  "compile with dynamic=True to see the graphs torch.compile makes)")
         return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
                    amp=amp, steps=steps, engine=engine, symbolic=tuple(symbolic or ()),
-                   alloc_conf=_resolve_alloc_conf(alloc_conf), compile=compile)
+                   alloc_conf=_resolve_alloc_conf(alloc_conf), compile=compile,
+                   cpu=_resolve_cpu(cpu_isa, threads))
 
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""
@@ -239,6 +245,15 @@ def _resolve_gpu(gpu):
     try:
         return get_gpu(str(gpu))
     except ValueError as e:  # an unknown name: the message lists the ones we know
+        raise TapescopeError(str(e)) from None
+
+
+def _resolve_cpu(isa, threads):
+    from .devices.cpu import cpu_target
+
+    try:
+        return cpu_target(None if isa is None else str(isa).lower(), threads)
+    except ValueError as e:
         raise TapescopeError(str(e)) from None
 
 

@@ -55,7 +55,8 @@ __all__ = [
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
-    "profiler_event_tree", "schema_types", "shape_env_facts", "suggest_memory_format", "PRIVATE_NAMES",
+    "profiler_event_tree", "schema_types", "shape_env_facts", "suggest_memory_format",
+    "select_conv_backend", "PRIVATE_NAMES",
     "function_modes_suspended", "saved_tensor_hooks_suspended", "graph_task_keep_graph_query",
 ]
 
@@ -267,6 +268,7 @@ PRIVATE_NAMES = (
     "torch._functorch.config.check_custom_op_aliasing",
     "torch._inductor.config.force_disable_caches",
     "torch._prims_common.suggest_memory_format",
+    "torch._C._select_conv_backend",
 )
 
 
@@ -319,3 +321,14 @@ def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
     from torch._prims_common import suggest_memory_format as suggest
 
     return suggest(t)
+
+
+def select_conv_backend(x, weight, stride, padding, dilation, transposed, output_padding,
+                        groups) -> str:
+    """The backend `aten::convolution` picks (Convolution.cpp `_select_conv_backend`), by its
+    ConvBackend name ("Mkldnn", "Slow2d", ...); it reads only the tensors' metadata, so fake
+    tensors do. It reads this machine's thread count."""
+    backend = torch._C._select_conv_backend(x, weight, None, list(stride), list(padding),
+                                            list(dilation), bool(transposed),
+                                            list(output_padding), int(groups), None)
+    return backend.name

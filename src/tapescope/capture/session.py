@@ -81,9 +81,11 @@ class Recorder:
     engine: PythonEngine
 
     @classmethod
-    def create(cls, device: torch.device, gpu=None, shape_env=None) -> "Recorder":
+    def create(cls, device: torch.device, gpu=None, shape_env=None, cpu=None) -> "Recorder":
+        from ..devices.cpu import cpu_target
+
         views, modules = ViewRegeneration(), ModuleStack()
-        fidelity = FidelityContext(device, gpu, views=views)
+        fidelity = FidelityContext(device, gpu, cpu=cpu or cpu_target(), views=views)
         rules = RULES.for_device(device.type)
         tape = Tape(rules=rules, fidelity=fidelity, views=views, modules=modules,
                     shape_env=shape_env)
@@ -136,7 +138,8 @@ class CaptureSession:
             args, kwargs = _as_specs((args, kwargs))
         self.args, self.kwargs = args, kwargs
 
-        rec = self.recorder = Recorder.create(options.device, options.gpu, self.shape_env)
+        rec = self.recorder = Recorder.create(options.device, options.gpu, self.shape_env,
+                                              options.cpu)
         self.tape, self.saved, self.engine = rec.tape, rec.saved, rec.engine
         self.trace = self.tape.trace
         self.facts: dict = {}
@@ -173,6 +176,12 @@ class CaptureSession:
                                            self.recorder.fidelity.counts.items()
                                            if k.startswith("sdpa:")}
         self.facts["amp"] = None if opts.amp is None else str(opts.amp).replace("torch.", "")
+        if opts.device.type == "cpu":
+            cpu = self.recorder.fidelity.cpu
+            self.facts["cpu"] = {"isa": cpu.isa, "threads": cpu.threads, "detected": cpu.detected}
+        # what fidelity rules could only estimate (kernel workspaces of heuristic kernel choices)
+        self.facts["heuristics"] = {topic: list(texts) for topic, texts in
+                                    self.recorder.fidelity.notes.items()}
         return trace, self.facts
 
     def _make_fake_model(self) -> None:

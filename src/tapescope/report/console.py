@@ -30,6 +30,19 @@ def _header(p) -> Text:
     return Text(" · ".join(bits), style="bold")
 
 
+def _render_kernel_facts(p, console: Console) -> None:
+    """Which CPU the kernel workspaces are sized for, and which of them are estimates."""
+    f = p.facts or {}
+    cpu = f.get("cpu")
+    if cpu:
+        how = "this machine" if cpu.get("detected") else "the target given"
+        console.print(f"[bold]Kernel workspaces[/] sized for {cpu['isa'].upper()}, "
+                      f"{cpu['threads']} thread{'s' * (cpu['threads'] != 1)} ({how})")
+    for topic, texts in (f.get("heuristics") or {}).items():
+        for text in texts:
+            console.print(f"  [yellow]estimate[/] {topic}: {text}")
+
+
 def render_summary(p, console: Console, top: int = 8) -> None:
     mem = p.memory
     console.print(_header(p))
@@ -59,6 +72,7 @@ def render_summary(p, console: Console, top: int = 8) -> None:
                      _mod(t.module) if t.op is not None else (t.owner or "-"), src)
     console.print(live)
 
+    _render_kernel_facts(p, console)
     fl = p.flops
     console.print("[bold]FLOPs[/] " + " | ".join(f"{k} {fmt_flops(fl[k])}" for k in
                                                   ("forward", "backward", "optimizer", "total")))

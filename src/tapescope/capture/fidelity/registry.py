@@ -100,12 +100,14 @@ class FidelityContext:
 
     device: torch.device
     gpu: Any = None
+    cpu: Any = None                     # devices.cpu.CpuTarget: the ISA and threads kernels see
     views: Any = None                   # capture.view_replay.ViewRegeneration of this capture
     node: Any = None                    # the autograd node running (backward), else None
     running: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)   # e.g. "sdpa:flash" -> calls
     functions: dict = field(default_factory=dict)  # function -> its FUNCTION rule's handler
     cache: dict = field(default_factory=dict)      # what a rule builds once per capture
+    notes: dict = field(default_factory=dict)      # topic -> what a rule could only estimate
 
     def inside(self, func) -> bool:
         return func in self.running
@@ -133,6 +135,13 @@ class FidelityContext:
 
     def count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
+
+    def note(self, topic: str, text: str) -> None:
+        """Record that a rule is a heuristic here (the report lists each note once per topic
+        and text)."""
+        texts = self.notes.setdefault(topic, [])
+        if text not in texts:
+            texts.append(text)
 
 
 class Rules:

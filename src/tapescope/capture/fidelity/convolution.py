@@ -1,0 +1,176 @@
+"""CPU convolutions: the memory oneDNN's kernels need beside PyTorch's tensors, in the order
+aten/src/ATen/native/mkldnn/Conv.cpp and ideep allocate it.
+
+`aten::convolution` on CPU picks a backend (Convolution.cpp, `_select_conv_backend`); for fp32
+tensors that is oneDNN ("Mkldnn") unless the convolution is a single-threaded 1x1, tiny, or
+transposed. On that path:
+- forward, NCHW: ideep reorders the source and the weights into the kernel's layouts, computes
+  into its own (blocked) destination, frees the reordered operands, and only then PyTorch
+  allocates the dense output (`mkldnn_to_dense`) and copies into it;
+- forward, channels-last: the output is allocated first and written in place; only the weights
+  are reordered;
+- backward: `grad_output.contiguous(format)`, then backward-data as the forward (its own
+  reorders, then grad_input), then backward-weights (grad_output and the source reordered
+  again, the weight and bias gradients in the kernel's layout, then the dense grad_bias and
+  grad_weight; channels-last converts grad_weight once more with `.to(ChannelsLast)`).
+Which kernel runs and how large its buffers are is devices/onednn.py's model; where that is a
+heuristic the capture notes it (FidelityContext.notes), and the report says so.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+
+from ...devices import onednn
+from ...torch_compat import select_conv_backend
+from .registry import RULES, WORKSPACE, Alloc, Free, Output
+
+__all__ = ["conv_problem", "forward_steps", "backward_steps"]
+
+aten = torch.ops.aten
+_SOURCE = ("aten/src/ATen/native/mkldnn/Conv.cpp (mkldnn_convolution, "
+           "mkldnn_convolution_backward) + ideep convolution_forward/backward compute + oneDNN "
+           "src/cpu/cpu_convolution_list.cpp and the kernels' init_conf (devices/onednn.py)")
+_TEST = "tests/test_kernel_workspace.py::test_convolution_matches_the_allocator"
+_CL = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def _conv_output_size(size, k, s, p, d):
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def conv_problem(x, weight, bias_defined, stride, padding, dilation, groups,
+                 channels_last) -> onednn.Conv:
+    spatial = tuple(x.shape[2:])
+    kernel = tuple(weight.shape[2:])
+    out = tuple(_conv_output_size(i, k, s, p, d)
+                for i, k, s, p, d in zip(spatial, kernel, stride, padding, dilation))
+    return onednn.Conv(x.shape[0], x.shape[1], weight.shape[0], groups, spatial, out, kernel,
+                       tuple(stride), tuple(padding), tuple(dilation), channels_last,
+                       bias_defined)
+
+
+def _uses_channels_last(x, weight) -> bool:
+    """mkldnn_conv_use_channels_last (ConvUtils.h): either operand channels-last (and neither
+    an mkldnn tensor)."""
+    fmt = _CL.get(x.dim())
+    return fmt is not None and (x.is_contiguous(memory_format=fmt)
+                                and not x.is_contiguous()
+                                or weight.is_contiguous(memory_format=fmt)
+                                and not weight.is_contiguous())
+
+
+def _copy_if_needed(name, t, fmt) -> list:
+    if t is None or t.is_contiguous(memory_format=fmt):
+        return []
+    return [Alloc(name, t.numel() * t.dtype.itemsize)]
+
+
+def forward_steps(c: onednn.Conv, p: onednn.Primitive) -> list:
+    if c.channels_last:
+        return [Output(0), Alloc("scratchpad", p.scratchpad), Alloc("weights", p.weights),
+                Free("weights"), Free("scratchpad")]
+    return [Alloc("scratchpad", p.scratchpad), Alloc("src", p.src), Alloc("weights", p.weights),
+            Alloc("dst", p.dst), Free("weights"), Free("src"), Free("scratchpad"), Output(0),
+            Free("dst")]
+
+
+def backward_steps(c: onednn.Conv, d: onednn.Primitive | None,
+                   w: onednn.Primitive | None, weight_numel: int) -> list:
+    steps = []
+    if d is not None:
+        if c.channels_last:
+            steps += [Output(0), Alloc("d.scratchpad", d.scratchpad),
+                      Alloc("d.weights", d.weights), Free("d.weights"), Free("d.scratchpad")]
+        else:
+            steps += [Alloc("d.scratchpad", d.scratchpad), Alloc("d.diff_dst", d.src),
+                      Alloc("d.weights", d.weights), Alloc("d.diff_src", d.dst),
+                      Free("d.weights"), Free("d.diff_dst"), Free("d.scratchpad"), Output(0),
+                      Free("d.diff_src")]
+    if w is not None:
+        steps += [Alloc("w.diff_dst", w.diff_dst), Alloc("w.src", w.src),
+                  Alloc("w.diff_weights", w.dst), Alloc("w.scratchpad", w.scratchpad),
+                  Alloc("w.diff_bias", w.bias), Free("w.src"), Free("w.diff_dst"),
+                  Free("w.scratchpad"), Output(2)]
+        if c.channels_last:  # mkldnn_to_dense(grad_w).to(ChannelsLast)
+            steps += [Alloc("w.dense", weight_numel * 4), Output(1), Free("w.dense")]
+        else:
+            steps += [Output(1)]
+        steps += [Free("w.diff_weights"), Free("w.diff_bias")]
+    return steps
+
+
+def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+               groups) -> bool:
+    if transposed or x.dtype != torch.float32 or x.dim() not in (3, 4):
+        return False  # not modelled: transposed, 3-D and reduced-precision convolutions
+    backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
+                                  output_padding, groups)
+    threads = ctx.cpu.threads
+    if threads != torch.get_num_threads() and backend in ("Mkldnn", "Slow2d"):
+        # Convolution.cpp use_mkldnn decides one case by the thread count: a stride-1,
+        # undilated 1x1 convolution of batch < 16 runs on oneDNN only when several threads do
+        n, c = x.shape[0], x.shape[1]
+        kernel, spatial = weight.shape[2:], x.shape[2:]
+        if (all(k == 1 for k in kernel) and all(s == 1 for s in stride)
+                and all(d == 1 for d in dilation) and n < 16):
+            backend = "Mkldnn" if threads > 1 and (
+                groups > 1 or n > 1 or n * c * prod(spatial) > 20480) else "Slow2d"
+    return backend == "Mkldnn"
+
+
+def _as_2d(x, weight, stride, padding, dilation):
+    """Convolution.cpp `view1d_as_2d`: a 1-D convolution runs as a 2-D one of height 1."""
+    if x.dim() == 3:
+        return (x.unsqueeze(2), weight.unsqueeze(2), (1, *stride), (0, *padding),
+                (1, *dilation))
+    return x, weight, tuple(stride), tuple(padding), tuple(dilation)
+
+
+def _note(ctx, prim: onednn.Primitive) -> None:
+    if not prim.exact:
+        ctx.note("oneDNN convolution scratch",
+                 f"{prim.impl} on {ctx.cpu.describe()}: its reorders follow the kernel's layouts, "
+                 "its scratchpad is an estimate (devices/onednn.py)")
+
+
+@RULES.register(WORKSPACE, aten.convolution.default, devices={"cpu"}, source=_SOURCE,
+                test=_TEST)
+def convolution_scratch(ctx, func, args, kwargs, out):
+    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
+    if not _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                      groups):
+        return None
+    cl = _uses_channels_last(x, weight)
+    fmt = _CL[4] if cl else torch.contiguous_format
+    x2, w2, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
+    c = conv_problem(x2, w2, bias is not None, stride, padding, dilation, groups, cl)
+    prim = onednn.forward(c, ctx.cpu)
+    _note(ctx, prim)
+    return (_copy_if_needed("input", x2, fmt) + _copy_if_needed("weight", w2, fmt)
+            + forward_steps(c, prim))
+
+
+@RULES.register(WORKSPACE, aten.convolution_backward.default, devices={"cpu"}, source=_SOURCE,
+                test=_TEST)
+def convolution_backward_scratch(ctx, func, args, kwargs, out):
+    grad_output, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, \
+        groups, mask = args[:11]
+    if not _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                      groups):
+        return None
+    cl = _uses_channels_last(x, weight)
+    fmt = _CL[4] if cl else torch.contiguous_format
+    g2, _, _, _, _ = _as_2d(grad_output, weight, stride, padding, dilation)
+    x2, w2, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
+    c = conv_problem(x2, w2, bool(mask[2]), stride, padding, dilation, groups, cl)
+    d = onednn.backward_data(c, ctx.cpu) if mask[0] else None
+    w = onednn.backward_weights(c, ctx.cpu) if (mask[1] or mask[2]) else None
+    for prim in (d, w):
+        if prim is not None:
+            _note(ctx, prim)
+    copies = (_copy_if_needed("grad_output", g2, fmt) + _copy_if_needed("input", x2, fmt)
+              + _copy_if_needed("weight", w2, fmt))
+    return copies + backward_steps(c, d, w, weight.numel())

@@ -1,0 +1,346 @@
+"""Which oneDNN convolution kernel an fp32 CPU convolution runs, and the memory it needs beside
+PyTorch's tensors: operands reordered into the kernel's layout, and its scratchpad.
+
+oneDNN (3.x, as bundled with torch; src/cpu/cpu_convolution_list.cpp) tries its kernels in a
+fixed order and takes the first whose `init_conf` accepts the problem. PyTorch's
+aten/src/ATen/native/mkldnn/Conv.cpp lets the kernel choose its layouts for NCHW tensors (ideep's
+`format_tag::any`) and fixes NHWC for channels-last ones; every operand not in the chosen layout
+is reordered into a buffer the size of the operand in that layout (blocked layouts round the
+channels up to the block: 8 floats on AVX2, 16 on AVX-512), and the scratchpad is allocated
+through PyTorch's allocator (ideep's scratchpad mode "user").
+
+What is modelled from the kernels' sources, and checked against the allocator on an AVX2 machine
+(tests/test_kernel_workspace.py):
+- NCHW: the blocked direct kernels (jit_avx2_convolution, jit_avx2_1x1_convolution,
+  jit_avx2_dw_convolution) - their layouts, so the reorders, and the padded-bias scratchpad;
+- the GEMM fallback for weight gradients (gemm_convolution_bwd_weights_t, src/cpu/
+  gemm_convolution_utils.cpp), taken where the direct kernel refuses (dilation, kw >= 14,
+  kh > ih, ...): per-thread im2col columns and per-thread weight accumulators
+  (`key_conv_wei_reduction`, booked as `nthr * weights_d.size()` floats - bytes counted as
+  floats, so four times the weights per thread).
+Everything else (brgemm kernels for channels-last tensors and for first-layer backward-data,
+the GEMM forward whose blocking follows the L2 size, AVX-512 kernels, which this project has
+not measured yet) is a heuristic: the reorders follow the layouts the kernel is known to pick,
+the scratchpad is an estimate, and the choice carries `exact=False` so the report says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from .cpu import CpuTarget
+
+__all__ = ["Conv", "Primitive", "forward", "backward_data", "backward_weights"]
+
+_F32 = 4
+_ALIGN = 128  # memory_tracking.hpp: every scratchpad booking carries this much for alignment
+
+
+def _rnd_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass(frozen=True)
+class Conv:
+    """One convolution as oneDNN sees it (per-group channels, output sizes computed)."""
+
+    mb: int
+    ic: int                 # all input channels
+    oc: int                 # all output channels
+    groups: int
+    in_size: tuple          # spatial sizes
+    out_size: tuple
+    kernel: tuple
+    stride: tuple
+    padding: tuple
+    dilation: tuple         # PyTorch's (1 = none); oneDNN's is this minus 1
+    channels_last: bool
+    bias: bool
+
+    @property
+    def ic_g(self) -> int:
+        return self.ic // self.groups
+
+    @property
+    def oc_g(self) -> int:
+        return self.oc // self.groups
+
+    @property
+    def depthwise(self) -> bool:
+        return self.groups > 1 and self.ic_g == 1 and self.oc_g == 1
+
+    @property
+    def pointwise(self) -> bool:
+        return all(k == 1 for k in self.kernel) and all(p == 0 for p in self.padding)
+
+    @property
+    def dilated(self) -> bool:
+        return any(d != 1 for d in self.dilation)
+
+    @property
+    def ks(self) -> int:
+        return prod(self.kernel)
+
+    @property
+    def in_spatial(self) -> int:
+        return prod(self.in_size)
+
+    @property
+    def out_spatial(self) -> int:
+        return prod(self.out_size)
+
+
+@dataclass(frozen=True)
+class Primitive:
+    """One oneDNN primitive as PyTorch runs it: bytes beside PyTorch's own tensors."""
+
+    impl: str                # oneDNN's implementation name (as ONEDNN_VERBOSE prints it)
+    src: int = 0             # the source (or diff_dst) reordered into the kernel's layout
+    weights: int = 0         # the weights reordered (forward, backward-data)
+    dst: int = 0             # the kernel's own destination (ideep's, before PyTorch's copy)
+    diff_dst: int = 0        # backward weights: diff_dst reordered
+    bias: int = 0            # backward weights: ideep's own bias gradient
+    scratchpad: int = 0
+    exact: bool = True       # False: a heuristic (see the module doc)
+
+
+def _blocked(n: int, channels: int, spatial: int, block: int) -> int:
+    return n * _rnd_up(channels, block) * spatial * _F32
+
+
+def _plain(n: int, channels: int, spatial: int) -> int:
+    return n * channels * spatial * _F32
+
+
+def _padded_bias(c: Conv, block: int) -> int:
+    """`key_conv_padded_bias`: a bias whose channels do not fill the last block."""
+    if c.bias and c.groups == 1 and c.oc % block:
+        return _rnd_up(c.oc, block) * _F32 + _ALIGN
+    return 0
+
+
+def _flat(c: Conv, cpu: CpuTarget) -> bool:
+    """First-layer convolutions read a plain source: jit_avx2_conv_fwd_kernel_f32 `flat =
+    ic < simd_w`; jit_avx512_common_conv `is_1stconv` (ic < 16)."""
+    return c.groups == 1 and c.ic < cpu.simd_floats
+
+
+def _direct_weights(c: Conv, block: int, flat: bool) -> int:
+    if c.depthwise:
+        return _rnd_up(c.groups, block) * c.ks * _F32
+    if c.groups > 1:
+        return c.groups * c.oc_g * c.ic_g * c.ks * _F32
+    ic = c.ic if flat else _rnd_up(c.ic, block)
+    return _rnd_up(c.oc, block) * ic * c.ks * _F32
+
+
+def _grouped_blocks_ok(c: Conv, block: int) -> bool:
+    """Grouped (not depthwise) convolutions are not padded: each group must fill its blocks."""
+    return c.groups == 1 or c.depthwise or (c.ic_g % block == 0 and c.oc_g % block == 0)
+
+
+def forward(c: Conv, cpu: CpuTarget) -> Primitive:
+    block, isa = cpu.simd_floats, cpu.isa
+    if c.channels_last and c.depthwise:  # brdgmm_dw reads NHWC: only the weights reordered
+        return Primitive(f"brdgmm_dw:{isa}", weights=_direct_weights(c, block, False),
+                         scratchpad=_padded_bias(c, block), exact=isa == "avx2")
+    if c.channels_last:  # brgemm_convolution_fwd_t<isa> on NHWC: weights into its OC blocks
+        return Primitive(f"brg_conv_fwd:{isa}", weights=_rnd_up(c.oc_g, 3 * block) * c.groups
+                         * c.ic_g * c.ks * _F32, scratchpad=_brgemm_scratch(c, cpu), exact=False)
+    exact = isa == "avx2"
+    if not _grouped_blocks_ok(c, block) or not (c.pointwise or c.depthwise
+                                                 or _direct_forward_ok(c)):
+        return _gemm_forward(c, cpu)
+    flat = _flat(c, cpu) and not c.pointwise
+    kind = "dw" if c.depthwise else ("1x1" if c.pointwise else "direct")
+    src = 0 if flat else _blocked(c.mb, c.ic, c.in_spatial, block)
+    scratch = _padded_bias(c, block)
+    if c.pointwise and any(s != 1 for s in c.stride):  # rtus: the strided source made dense
+        scratch += cpu.threads * c.ic * c.out_spatial * _F32 + _ALIGN
+    return Primitive(f"jit_{kind}:{isa}", src=src, weights=_direct_weights(c, block, flat),
+                     dst=_blocked(c.mb, c.oc, c.out_spatial, block), scratchpad=scratch,
+                     exact=exact)
+
+
+def backward_data(c: Conv, cpu: CpuTarget) -> Primitive:
+    block, isa = cpu.simd_floats, cpu.isa
+    if c.channels_last and c.depthwise:  # jit_uni_dw reads NHWC: only the weights reordered
+        return Primitive(f"jit_dw:{isa}", weights=_direct_weights(c, block, False),
+                         exact=isa == "avx2")
+    if c.channels_last:  # brgemm_convolution_bwd_t<isa>: weights into its IC blocks
+        return Primitive(f"brg_conv_bwd:{isa}", weights=_rnd_up(c.ic_g, 3 * block) * c.groups
+                         * c.oc_g * c.ks * _F32, scratchpad=_brgemm_scratch(c, cpu), exact=False)
+    if _flat(c, cpu) and not c.pointwise:
+        # the direct kernel refuses a flat source; the brgemm kernels run in NHWC
+        return Primitive(f"brgconv_strided:{isa}", src=_plain(c.mb, c.oc, c.out_spatial),
+                         weights=_rnd_up(c.ic, block) * c.oc * c.ks * _F32,
+                         dst=_plain(c.mb, c.ic, c.in_spatial),
+                         scratchpad=_brgemm_scratch(c, cpu), exact=False)
+    if not _grouped_blocks_ok(c, block):
+        return Primitive("gemm:jit", dst=_plain(c.mb, c.ic, c.in_spatial),
+                         scratchpad=_gemm_columns(c, cpu, c.in_spatial), exact=False)
+    kind = "dw" if c.depthwise else ("1x1" if c.pointwise else "direct")
+    scratch = 0
+    strided_1x1 = c.pointwise and any(s != 1 for s in c.stride)
+    if strided_1x1:  # rtus: the strided diff_src gathered per thread (estimate)
+        scratch = cpu.threads * c.ic * c.out_spatial * _F32 + _ALIGN
+    return Primitive(f"jit_{kind}:{isa}", src=_blocked(c.mb, c.oc, c.out_spatial, block),
+                     weights=_direct_weights(c, block, False),
+                     dst=_blocked(c.mb, c.ic, c.in_spatial, block), scratchpad=scratch,
+                     exact=isa == "avx2" and not strided_1x1)
+
+
+def _direct_forward_ok(c: Conv) -> bool:
+    """jit_avx2_conv_fwd_kernel_f32::init_conf: the width unroll (ur_w = min(3, ow)) must cover
+    the left padding (and, after the re-unroll, the right); a kernel wider than 7 needs stride 1
+    or no padding; the dilated kernel must overlap the source."""
+    kw, iw, ow, sw = c.kernel[-1], c.in_size[-1], c.out_size[-1], c.stride[-1]
+    dw, l_pad = c.dilation[-1], c.padding[-1]
+    ext_kw = (kw - 1) * dw + 1
+    r_pad = max(0, (ow - 1) * sw + ext_kw - iw - l_pad)
+    if any((k - 1) * d + 1 <= p for k, d, p in zip(c.kernel, c.dilation, c.padding)) \
+            or ext_kw <= r_pad:
+        return False
+    ur_w = min(3, ow)
+    if l_pad > ur_w or (kw > 7 and any(c.padding) and any(s != 1 for s in c.stride)):
+        return False
+    tail = ow % ur_w
+    r_pad_no_tail = max(0, (ow - tail - 1) * sw + ext_kw - iw - l_pad)
+    if r_pad_no_tail > ur_w * sw and ow // ur_w > 1:
+        ur_w = min(r_pad_no_tail // sw + tail, min(ow, 15 // 2))
+        tail = ow % ur_w
+        r_pad_no_tail = max(0, (ow - tail - 1) * sw + ext_kw - iw - l_pad)
+        return ur_w >= max(l_pad, r_pad_no_tail)
+    return True
+
+
+def _direct_backward_weights_ok(c: Conv) -> bool:
+    """jit_avx2_conv_bwd_weights_kernel_f32::init_conf's params_ok and boundaries_ok (2-D)."""
+    if c.dilated or len(c.kernel) != 2:
+        return False
+    (kh, kw), (ih, iw), (oh, ow) = c.kernel, c.in_size, c.out_size
+    (sh, sw), (t_pad, l_pad) = c.stride, c.padding
+    b_pad = max(0, (oh - 1) * sh + kh - ih - t_pad)
+    r_pad = max(0, (ow - 1) * sw + kw - iw - l_pad)
+    return (kw < 14 and kh <= t_pad + ih and kh <= ih and t_pad < kh
+            and t_pad < kh and b_pad < kh and l_pad < kw and r_pad < kw)
+
+
+def _dw_backward_weights_ok(c: Conv) -> bool:
+    """jit_uni_dw_conv_bwd_weights_kernel_t::init_conf: kw <= 3, no dilation, stride_w <= kw,
+    padding at most half the kernel (a non-unit one a multiple of the stride)."""
+    if c.dilated or len(c.kernel) != 2:
+        return False
+    (kh, kw), (ih, iw), (oh, ow) = c.kernel, c.in_size, c.out_size
+    (sh, sw), (t_pad, l_pad) = c.stride, c.padding
+    b_pad = max(0, (oh - 1) * sh + kh - ih - t_pad)
+    r_pad = max(0, (ow - 1) * sw + kw - iw - l_pad)
+    max_hpad, max_wpad = kh // 2, kw // 2
+    return (kw <= 3 and sw <= kw and t_pad <= max_hpad and b_pad <= max_hpad
+            and l_pad <= max_wpad and r_pad <= max_wpad and ih >= kh + (-t_pad) % sh
+            and (t_pad <= 1 or t_pad % sh == 0) and (b_pad <= 1 or b_pad % sh == 0))
+
+
+def backward_weights(c: Conv, cpu: CpuTarget) -> Primitive:
+    block, isa = cpu.simd_floats, cpu.isa
+    bias = c.oc * _F32 if c.bias else 0
+    if c.depthwise and _dw_backward_weights_ok(c):
+        return _dw_backward_weights(c, cpu, bias)
+    if c.pointwise and c.groups == 1:
+        # the 1x1 kernel reduces per-thread partial gradients in buffers cpu_reducer's balancer
+        # sizes from its blocking (not modelled; measured 0 to 2x the weights): not counted
+        src = 0 if c.channels_last else _blocked(c.mb, c.ic, c.in_spatial, block)
+        diff_dst = 0 if c.channels_last else _blocked(c.mb, c.oc, c.out_spatial, block)
+        rtus = 0
+        if any(s != 1 for s in c.stride):
+            rtus = cpu.threads * c.ic * c.out_spatial * _F32 + _ALIGN
+        return Primitive(f"jit_1x1:{isa}", src=src, diff_dst=diff_dst,
+                         dst=_direct_weights(c, block, False), bias=bias,
+                         scratchpad=_padded_bias(c, block) + rtus, exact=False)
+    if not _direct_backward_weights_ok(c):
+        return _gemm_backward_weights(c, cpu, bias)
+    if c.channels_last:
+        # the direct kernel reads NHWC and pads every group's channels to its blocks
+        weights = c.groups * _rnd_up(c.oc_g, block) * _rnd_up(c.ic_g, block) * c.ks * _F32
+        scratch = 0
+        if c.bias and c.oc_g % block:
+            scratch = c.groups * _rnd_up(c.oc_g, block) * _F32 + _ALIGN
+        return Primitive(f"jit:{isa}", dst=weights, bias=bias, scratchpad=scratch,
+                         exact=isa == "avx2")
+    if c.groups > 1 and (c.ic_g % block or c.oc_g % block):
+        return _gemm_backward_weights(c, cpu, bias)  # NCHW groups are not padded to blocks
+    flat = _flat(c, cpu)
+    return Primitive(f"jit:{isa}", src=0 if flat else _blocked(c.mb, c.ic, c.in_spatial, block),
+                     diff_dst=_blocked(c.mb, c.oc, c.out_spatial, block),
+                     dst=_direct_weights(c, block, flat), bias=bias,
+                     scratchpad=_padded_bias(c, block), exact=isa == "avx2")
+
+
+def _dw_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive:
+    """jit_uni_dw_convolution_bwd_weights_t: partial gradients of threads that split the batch
+    are reduced in a scratchpad (jit_uni_dw_conv_kernel_utils.cpp, balance / init_scratchpad)."""
+    block = cpu.simd_floats
+    weights = _direct_weights(c, block, False)
+    if c.channels_last:  # harness_nxc: partition_nthr_nxc (not modelled): all threads assumed
+        extra = cpu.threads - 1
+        scratch = 0
+        if extra:
+            scratch = _rnd_up(c.groups, block) * c.ks * extra * _F32 + _ALIGN
+            scratch += c.groups * extra * _F32 + _ALIGN if c.bias else 0
+        return Primitive(f"jit_dw:{cpu.isa}", dst=weights, bias=bias, scratchpad=scratch,
+                         exact=False)
+    nthr_g = min(-(-c.groups // block), cpu.threads)          # harness_mb_reduction
+    nthr_mb = min(max(1, cpu.threads // nthr_g), c.mb)
+    scratch = 0
+    if nthr_mb > 1:
+        scratch = c.groups * c.ks * (nthr_mb - 1) * _F32 + _ALIGN
+        scratch += c.groups * (nthr_mb - 1) * _F32 + _ALIGN if c.bias else 0
+    return Primitive(f"jit_dw:{cpu.isa}", src=_blocked(c.mb, c.ic, c.in_spatial, block),
+                     diff_dst=_blocked(c.mb, c.oc, c.out_spatial, block), dst=weights,
+                     bias=bias, scratchpad=scratch, exact=cpu.isa == "avx2")
+
+
+def _gemm_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive:
+    """gemm_convolution_bwd_weights_t on plain layouts (gemm_convolution_utils.cpp, init_conf,
+    the `!jcp.is_nspc && is_bwd_w` branch)."""
+    weights = c.oc * c.ic_g * c.ks * _F32          # weights_d.size(), in bytes
+    src, dst = _plain(c.mb, c.ic, c.in_spatial), _plain(c.mb, c.oc, c.out_spatial)
+    # 1 GiB, or 15 x threads x the operands: above it the columns are cut to an os block
+    limit = min(1 << 30, 15 * cpu.threads * (src + weights + dst))
+    estimate = _F32 * cpu.threads * weights + _F32 * cpu.threads * c.ic_g * c.ks * cpu.simd_floats
+    outer = (estimate < limit and c.out_spatial // cpu.threads < 256
+             and (c.mb != 1 or c.groups > 2))
+    nthr = cpu.threads if outer else 1
+    reduction = nthr * weights * _F32 + _ALIGN  # book<float>(nthr * weights_d.size())
+    unit = (c.in_size == c.out_size and all(s == 1 for s in c.stride) and c.ks == 1)
+    os_block = c.out_spatial
+    col = 0 if unit else c.ic_g * c.ks * os_block
+    if col and limit - reduction < nthr * col * _F32:  # cut the columns to fit
+        max_os_block = (limit - reduction) // (_F32 * nthr * (col // c.out_spatial))
+        os_block = max(cpu.simd_floats, int(max_os_block * 0.05))
+        col = c.ic_g * c.ks * os_block
+    columns = nthr * col * _F32 + _ALIGN if col else 0
+    return Primitive("gemm:jit", dst=weights, bias=bias, scratchpad=reduction + columns,
+                     exact=not c.channels_last and cpu.isa == "avx2")
+
+
+def _gemm_columns(c: Conv, cpu: CpuTarget, spatial: int) -> int:
+    """An estimate of the GEMM kernels' per-thread im2col columns."""
+    return cpu.threads * c.ic_g * c.ks * c.out_spatial * _F32 + _ALIGN
+
+
+def _gemm_forward(c: Conv, cpu: CpuTarget) -> Primitive:
+    """gemm_convolution_fwd_t: its os/oc/ic blocking and threading follow the L2 size (not
+    modelled): estimated as one thread's columns of all output positions."""
+    unit = c.in_size == c.out_size and all(s == 1 for s in c.stride) and c.ks == 1
+    columns = 0 if unit else c.ic_g * c.ks * c.out_spatial * _F32 + _ALIGN
+    return Primitive("gemm:jit", dst=_plain(c.mb, c.oc, c.out_spatial), scratchpad=columns,
+                     exact=False)
+
+
+def _brgemm_scratch(c: Conv, cpu: CpuTarget) -> int:
+    """An estimate of a brgemm convolution's scratchpad (its per-thread accumulators and
+    padded-source buffers): one output row block of accumulators per thread."""
+    return cpu.threads * _rnd_up(max(c.oc_g, c.ic_g), cpu.simd_floats) * max(c.out_size[-1], 1) \
+        * _F32 + _ALIGN
