@@ -273,3 +273,49 @@ def test_heuristic_kernel_choices_are_reported():
                           tapescope.spec((2, 64, 16, 16)), optimizer="sgd")
     notes = p.facts["heuristics"]["oneDNN convolution scratch"]
     assert any("brg_conv" in n and "estimate" in n for n in notes)
+
+
+class _PermutedNorm(torch.nn.Module):
+    """ConvNeXt's pattern: a LayerNorm over the channels of a permuted (non-contiguous)
+    activation; `contiguous=True` normalises a contiguous one."""
+
+    def __init__(self, contiguous, affine):
+        super().__init__()
+        self.lin, self.contiguous = torch.nn.Linear(16, 96), contiguous
+        self.norm = torch.nn.LayerNorm(96, elementwise_affine=affine)
+
+    def forward(self, x):
+        y = self.lin(x).transpose(1, 2)        # (b, 96, s) -> normalise over 96 after permuting
+        y = y.transpose(1, 2)
+        if self.contiguous:
+            y = y.contiguous()
+        else:
+            y = y.permute(1, 0, 2).permute(1, 0, 2)[:, ::2]  # a strided view
+        return self.norm(y).pow(2).sum()
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_matches_the_allocator(contiguous, affine):
+    """layer_norm_cpu copies a non-contiguous input; its backward keeps 2 x threads x N
+    accumulators for dgamma/dbeta (layer_norm.cpp, layer_norm_kernel.cpp)."""
+    p, real, ops = _measure(lambda: _PermutedNorm(contiguous, affine),
+                            (tapescope.spec((8, 64, 16)),), optimizer="sgd")
+    checked = (_excess(ops, "aten.native_layer_norm")
+               + _excess(ops, "aten.native_layer_norm_backward"))
+    assert len(checked) == 2 and all(m == p for m, p in checked), checked
+    assert p.first_step_peak_bytes == real.peaks[1]
+
+
+def test_cpu_target_is_checked_and_reported():
+    from tapescope.errors import TapescopeError
+
+    with pytest.raises(TapescopeError, match="unknown CPU ISA"):
+        tapescope.profile(lambda: _Conv(8, 8, 3), tapescope.spec((1, 8, 8, 8)), cpu_isa="neon")
+    with pytest.raises(TapescopeError, match="threads must be a positive integer"):
+        tapescope.profile(lambda: _Conv(8, 8, 3), tapescope.spec((1, 8, 8, 8)), threads=0)
+    p = tapescope.profile(lambda: _Conv(8, 8, 3), tapescope.spec((2, 8, 8, 8)),
+                          cpu_isa="avx512", threads=4)
+    assert p.facts["cpu"] == {"isa": "avx512", "threads": 4, "detected": False}
+    # AVX-512 kernels are modelled from oneDNN's sources, not measured: the report says so
+    assert "oneDNN convolution scratch" in p.facts["heuristics"]
