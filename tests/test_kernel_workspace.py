@@ -215,10 +215,9 @@ def _exact_here(args, shape) -> str | None:
     from tapescope.devices.cpu import cpu_target
 
     m = _Conv(*args)
-    x = torch.empty(shape, device="meta")
     conv = m.conv
-    c = conv_problem(x, conv.weight, True, conv.stride, conv.padding, conv.dilation, conv.groups,
-                     m.channels_last)
+    c = conv_problem(shape, conv.weight.shape, True, conv.stride, conv.padding, conv.dilation,
+                     conv.groups, m.channels_last)
     cpu = cpu_target()
     prims = [onednn.forward(c, cpu), onednn.backward_weights(c, cpu)]
     if not m.first:
@@ -319,3 +318,63 @@ def test_cpu_target_is_checked_and_reported():
     assert p.facts["cpu"] == {"isa": "avx512", "threads": 4, "detected": False}
     # AVX-512 kernels are modelled from oneDNN's sources, not measured: the report says so
     assert "oneDNN convolution scratch" in p.facts["heuristics"]
+
+
+class _Attention(torch.nn.Module):
+    """Causal SDPA with 4 query heads of 16 and `kv_heads` key/value heads."""
+
+    def __init__(self, kv_heads=4):
+        super().__init__()
+        self.q, self.kv = torch.nn.Linear(64, 64), torch.nn.Linear(64, 2 * 16 * kv_heads)
+        self.kv_heads = kv_heads
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 16).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.kv_heads, 16).unbind(2)
+        y = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=self.kv_heads != 4)
+        return y.float().pow(2).sum()
+
+
+def _workspaces(p, op):
+    return sorted(s.nbytes for s in p.trace.storages
+                  if "kernel workspace" in s.roles and p.trace.ops[s.created_by].name == op)
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch")
+def test_cuda_kernel_scratch_follows_the_sources():
+    """From the sources, not yet measured on a GPU (tests/test_real_gpu.py will): flash
+    attention's backward keeps softmax_d (b x h x round128(s) floats) and an fp32 dQ accumulator
+    (b x round128(s) x h x round32(d) floats), and for grouped-query attention dK and dV
+    expanded to every query head (flash_api.cpp, mha_bwd); LayerNorm's backward over more than
+    64Ki rows of few columns keeps per-block partial dgamma/dbeta (layer_norm_kernel.cu)."""
+    b, s, h, d = 2, 100, 4, 16
+    flash = "aten._scaled_dot_product_flash_attention_backward.default"
+    p = tapescope.profile(_Attention, tapescope.spec((b, s, 64)), device="cuda", gpu="a100",
+                          amp="bf16")
+    assert p.facts["sdpa_backends"] == {"flash": 1}
+    assert _workspaces(p, flash) == sorted([b * h * 128 * 4, b * 128 * h * 32 * 4])
+    gqa = tapescope.profile(lambda: _Attention(kv_heads=2), tapescope.spec((b, s, 64)),
+                            device="cuda", gpu="a100", amp="bf16")
+    expanded = b * s * h * d * 2  # bf16, all 4 query heads
+    assert _workspaces(gqa, flash) == sorted([b * h * 128 * 4, b * 128 * h * 32 * 4,
+                                              expanded, expanded])
+    # cuDNN attention (H100) picks its workspace at run time: reported as not counted
+    h100 = tapescope.profile(_Attention, tapescope.spec((b, s, 64)), device="cuda", gpu="h100",
+                             amp="bf16")
+    assert "cuDNN attention" in " ".join(h100.facts["heuristics"]["CUDA kernel scratch"])
+
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm = torch.nn.Linear(8, 64), torch.nn.LayerNorm(64)
+
+        def forward(self, x):
+            return self.norm(self.lin(x)).float().pow(2).sum()
+
+    rows = 2 * 40000  # M > 64Ki rows of N = 64: N / 32 = 2 < 108 SMs / 2 on an A100
+    p = tapescope.profile(Norm, tapescope.spec((2, 40000, 8)), device="cuda", gpu="a100",
+                          dtype="bf16")
+    blocks_y = min(32768 // 2, -(-rows // 32))
+    assert _workspaces(p, "aten.native_layer_norm_backward.default") == [blocks_y * 64 * 2] * 2

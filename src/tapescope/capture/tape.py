@@ -301,7 +301,11 @@ class Tape(FakeTensorMode):
             first_event = len(self.trace.events)
             self._record(func, args, kwargs, out)
             if func in rules.workspace_targets:
-                workspace = rules.workspace(ctx, func, args, kwargs, out)
+                self._tape_depth += 1  # a rule reads metadata; what it ran is not the program's
+                try:
+                    workspace = rules.workspace(ctx, func, args, kwargs, out)
+                finally:
+                    self._tape_depth -= 1
                 if workspace:
                     self._record_workspace(workspace, _device_of(args, out), first_event)
             if not backward and args:

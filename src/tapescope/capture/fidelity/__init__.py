@@ -6,8 +6,8 @@ source it follows and a test against real execution (tests/test_engine.py has th
 sequence of the real step under torch.profiler, and the allocator's peak).
 """
 
-from . import (attention, backward, convolution, layouts, linear, literals, losses,  # noqa: F401
-               matmul, norms, pooling, reductions, rnn, views)  # importing registers them
+from . import (attention, backward, convolution, cuda_kernels, layouts, linear,  # noqa: F401
+               literals, losses, matmul, norms, pooling, reductions, rnn, views)  # registers
 from .registry import (ANY_OP, BACKWARD_OP, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE, Alloc,
                        FidelityContext, Free, FunctionRulesMode, Output, Rule, RuleSet)
 

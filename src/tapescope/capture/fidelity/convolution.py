@@ -41,13 +41,14 @@ def _conv_output_size(size, k, s, p, d):
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
-def conv_problem(x, weight, bias_defined, stride, padding, dilation, groups,
+def conv_problem(x_shape, w_shape, bias_defined, stride, padding, dilation, groups,
                  channels_last) -> onednn.Conv:
-    spatial = tuple(x.shape[2:])
-    kernel = tuple(weight.shape[2:])
+    """The convolution of an input of `x_shape` (N, C, *spatial) with weights of `w_shape`."""
+    spatial = tuple(x_shape[2:])
+    kernel = tuple(w_shape[2:])
     out = tuple(_conv_output_size(i, k, s, p, d)
                 for i, k, s, p, d in zip(spatial, kernel, stride, padding, dilation))
-    return onednn.Conv(x.shape[0], x.shape[1], weight.shape[0], groups, spatial, out, kernel,
+    return onednn.Conv(x_shape[0], x_shape[1], w_shape[0], groups, spatial, out, kernel,
                        tuple(stride), tuple(padding), tuple(dilation), channels_last,
                        bias_defined)
 
@@ -63,7 +64,8 @@ def _uses_channels_last(x, weight) -> bool:
 
 
 def _copy_if_needed(name, t, fmt) -> list:
-    if t is None or t.is_contiguous(memory_format=fmt):
+    if t is None or t.is_contiguous(memory_format=fmt if t.dim() in (4, 5) else
+                                    torch.contiguous_format):
         return []
     return [Alloc(name, t.numel() * t.dtype.itemsize)]
 
@@ -122,11 +124,13 @@ def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_pad
 
 
 def _as_2d(x, weight, stride, padding, dilation):
-    """Convolution.cpp `view1d_as_2d`: a 1-D convolution runs as a 2-D one of height 1."""
+    """Convolution.cpp `view1d_as_2d`: a 1-D convolution runs as a 2-D one of height 1 (shapes
+    only: a rule must not run ops on the fake tensors it is shown)."""
+    xs, ws = tuple(x.shape), tuple(weight.shape)
     if x.dim() == 3:
-        return (x.unsqueeze(2), weight.unsqueeze(2), (1, *stride), (0, *padding),
+        return ((*xs[:2], 1, xs[2]), (*ws[:2], 1, ws[2]), (1, *stride), (0, *padding),
                 (1, *dilation))
-    return x, weight, tuple(stride), tuple(padding), tuple(dilation)
+    return xs, ws, tuple(stride), tuple(padding), tuple(dilation)
 
 
 def _note(ctx, prim: onednn.Primitive) -> None:
@@ -145,11 +149,11 @@ def convolution_scratch(ctx, func, args, kwargs, out):
         return None
     cl = _uses_channels_last(x, weight)
     fmt = _CL[4] if cl else torch.contiguous_format
-    x2, w2, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
-    c = conv_problem(x2, w2, bias is not None, stride, padding, dilation, groups, cl)
+    xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
+    c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl)
     prim = onednn.forward(c, ctx.cpu)
     _note(ctx, prim)
-    return (_copy_if_needed("input", x2, fmt) + _copy_if_needed("weight", w2, fmt)
+    return (_copy_if_needed("input", x, fmt) + _copy_if_needed("weight", weight, fmt)
             + forward_steps(c, prim))
 
 
@@ -163,14 +167,13 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
         return None
     cl = _uses_channels_last(x, weight)
     fmt = _CL[4] if cl else torch.contiguous_format
-    g2, _, _, _, _ = _as_2d(grad_output, weight, stride, padding, dilation)
-    x2, w2, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
-    c = conv_problem(x2, w2, bool(mask[2]), stride, padding, dilation, groups, cl)
+    xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
+    c = conv_problem(xs, ws, bool(mask[2]), stride, padding, dilation, groups, cl)
     d = onednn.backward_data(c, ctx.cpu) if mask[0] else None
     w = onednn.backward_weights(c, ctx.cpu) if (mask[1] or mask[2]) else None
     for prim in (d, w):
         if prim is not None:
             _note(ctx, prim)
-    copies = (_copy_if_needed("grad_output", g2, fmt) + _copy_if_needed("input", x2, fmt)
-              + _copy_if_needed("weight", w2, fmt))
+    copies = (_copy_if_needed("grad_output", grad_output, fmt)
+              + _copy_if_needed("input", x, fmt) + _copy_if_needed("weight", weight, fmt))
     return copies + backward_steps(c, d, w, weight.numel())

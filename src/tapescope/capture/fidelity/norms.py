@@ -26,9 +26,10 @@ def _copies(*tensors) -> list:
             if t is not None and not t.is_contiguous()]
 
 
-@RULES.register(WORKSPACE, aten.native_layer_norm.default, devices={"cpu"},
+@RULES.register(WORKSPACE, aten.native_layer_norm.default, devices={"cpu", "cuda"},
                 source="aten/src/ATen/native/layer_norm.cpp (layer_norm_cpu: "
-                       "input/weight/bias.expect_contiguous())", test=_TEST)
+                       "input/weight/bias.expect_contiguous()); cuda/layer_norm_kernel.cu "
+                       "(layer_norm_cuda: the same)", test=_TEST)
 def layer_norm_contiguous_copies(ctx, func, args, kwargs, out):
     x, _, weight, bias = args[:4]
     return _copies(x, weight, bias) or None
