@@ -15,6 +15,7 @@ import platform
 
 import torch
 
+from tapescope.devices.cpu import cpu_target
 from tapescope.validate.harness import validate
 from tapescope.zoo import resolve
 
@@ -45,7 +46,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     models = CUDA_MODELS if args.device == "cuda" else CPU_MODELS
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else \
+        f"CPU ({platform.processor() or platform.machine()}, {cpu_target().describe()})"
     print(f"{where}, torch {torch.__version__}, {datetime.date.today()}\n")
     print("| model | batch x seq | precision | quantity | predicted | measured | error | ops |")
     print("|---|---|---|---|---|---|---|---|")

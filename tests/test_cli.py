@@ -56,3 +56,18 @@ def test_file_spec_with_inputs(tmp_path):
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, ["profile", f"{f}:build"])
     assert r.exit_code == 1 and "--input" in r.output
+
+
+def test_profile_for_another_cpu(tmp_path):
+    """--threads / --cpu-isa size the CPU kernels' scratch for a target; the console says which
+    CPU, the JSON carries it, and a bad value is a message, not a traceback."""
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", "torchvision:resnet18", "--batch", "2", "--seq", "32",
+                                 "--optimizer", "sgd", "--threads", "3", "--cpu-isa", "avx512",
+                                 "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "Kernel workspaces sized for AVX512, 3 threads (the target given)" in r.output
+    assert json.loads(out.read_text())["facts"]["cpu"] == {"isa": "avx512", "threads": 3,
+                                                           "detected": False}
+    r = CliRunner().invoke(app, ["profile", "torchvision:resnet18", "--threads", "0"])
+    assert r.exit_code == 1 and "threads must be a positive integer" in r.output
