@@ -18,8 +18,11 @@ sources; tests/test_real_gpu.py is where a GPU session confirms them).
   algorithm, or the cudnn-frontend execution plan, it picks): not modelled, and the report says so.
 - The cuBLAS / cuBLASLt workspace is per handle and stream, not per op: analysis/gpu_memory.py
   models it (one allocation at the first matmul of a stream).
-- Fused optimizers (`_fused_adam_`, `_fused_adamw_`, FusedAdamKernel.cu) and the fused RMSNorm
-  forward allocate nothing beside their outputs.
+- Fused optimizers (`_fused_adam_`, `_fused_adamw_`: FusedAdamKernel.cu and
+  FusedAdamWKernel.cu run multi_tensor_apply over the existing tensors) allocate nothing.
+  `_fused_rms_norm_backward` shares LayerNorm's CUDA kernels (the `rms_norm` instance), so it
+  may keep the same per-block dgamma for very tall inputs: not verified against its source
+  yet, not counted.
 """
 
 from __future__ import annotations
