@@ -8,8 +8,10 @@
 __version__ = "0.1.0"
 
 from .api import Profile, profile
+from .checkpointing import Plan, plan_checkpointing
 from .capture.model import Spec, spec
 from .errors import TapescopeError
 from .options import CompileOptions
 
-__all__ = ["profile", "Profile", "spec", "Spec", "CompileOptions", "TapescopeError", "__version__"]
+__all__ = ["profile", "Profile", "plan_checkpointing", "Plan", "spec", "Spec", "CompileOptions",
+           "TapescopeError", "__version__"]

@@ -80,6 +80,12 @@ class Profile:
         return out
 
     @cached_property
+    def recompute_flops(self) -> int:
+        """FLOPs of the forward ops activation checkpointing runs again during backward (they
+        are part of flops["backward"], when they run)."""
+        return sum(op.flops or 0 for op in self.ops if op.recompute)
+
+    @cached_property
     def uncounted_ops(self) -> dict:
         """Ops with no FLOP formula -> how many times they ran (their FLOPs are not in `flops`)."""
         return dict(Counter(op.name for op in self.ops if op.flops is None))
@@ -164,7 +170,7 @@ class Profile:
 
 def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=None,
             amp=None, steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
-            engine: str = "python", symbolic=(), gpu=None, alloc_conf=None,
+            engine: str = "python", symbolic=(), gpu=None, alloc_conf=None, checkpointing=(),
             threads: int | None = None, cpu_isa: str | None = None, progress=None,
             compile=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
@@ -195,6 +201,9 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
         environment's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF.
     threads, cpu_isa: the CPU a cpu profile's kernel workspaces are sized for ("avx2",
         "avx512"; intra-op threads); default: this machine's (`p.facts["cpu"]` says which).
+    checkpointing: activation checkpointing to apply to the traced copy of the model: a plan from
+        `tapescope.plan_checkpointing`, or module names / (name, "full" | "selective") pairs /
+        checkpointing.UnitPolicy values. The model itself is not modified.
     progress: progress(step, phase) is called as each phase of each step is traced.
     compile: profile the step as `torch.compile(model, ...)` runs it: True, or a dict /
         `tapescope.CompileOptions` (mode, fullgraph, dynamic, backend, activation_memory_budget,
@@ -204,8 +213,8 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
     """
     options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, gpu=gpu,
                              dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
-                             alloc_conf=alloc_conf, compile=compile, threads=threads,
-                             cpu_isa=cpu_isa)
+                             alloc_conf=alloc_conf, checkpointing=checkpointing, compile=compile,
+                             threads=threads, cpu_isa=cpu_isa)
     return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
                             options, progress)
 

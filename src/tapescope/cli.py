@@ -39,8 +39,9 @@ def _progress(label: str, delay: float = 1.0):
     t = threading.Thread(target=show, daemon=True)
     t.start()
 
-    def update(step, phase):
-        state["text"] = f"{label}: step {step} {phase} done"
+    def update(step, phase=None):
+        # (step, phase) from a trace; (message,) from longer work that says what it is doing
+        state["text"] = f"{label}: {step}" if phase is None else f"{label}: step {step} {phase} done"
         if state["status"] is not None:
             state["status"].update(state["text"])
 
@@ -346,6 +347,44 @@ def fit_cmd(
     except TapescopeError as e:
         _fail(e)
     render_fit(r, workload.name, options, out, rows)
+
+
+@app.command("plan")
+def plan_cmd(
+    spec: str = SpecArg,
+    budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget, e.g. 40GiB (default with --gpu: its memory less a reserve)."),
+    gpu: Optional[str] = GpuOpt, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
+    device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
+    optimizer: str = OptimOpt, input: Optional[List[str]] = InputOpt,
+    unit: Optional[List[str]] = typer.Option(None, "--unit", "-u", help="A module to consider checkpointing (repeat; default: the layers of the model's stacks)."),
+    pareto: int = typer.Option(0, "--pareto", help="Also trace this many budgets: budget -> re-traced peak -> recompute cost."),
+    max_traces: int = typer.Option(4, "--max-traces", help="Re-traces the search may spend correcting its estimate."),
+    json_file: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON (policies, peaks, costs, code)."),
+    code_file: Optional[str] = typer.Option(None, "--code", help="Write the plan as Python (apply_checkpointing(model))."),
+):
+    """What to recompute (activation checkpointing) so that the step fits the budget; the plan's
+    peak is the step re-traced with the plan applied."""
+    from .checkpointing import plan_workload
+    from .report.console import render_plan
+
+    try:
+        workload, loss_fn = _workload(spec, batch, seq, input)
+        options = _options(loss_fn, optimizer, device, gpu, dtype, amp)
+        with _progress(f"planning checkpointing for {workload.name}") as progress:
+            plan = plan_workload(workload, options, budget=budget, units=unit or None,
+                                 max_traces=max_traces, pareto=pareto,
+                                 progress=progress)
+        render_plan(plan, workload.name, options, out)
+        if json_file:
+            with open(json_file, "w") as f:
+                json.dump(plan.to_dict(), f, indent=1, default=str)
+            out.print(f"wrote {json_file}")
+        if code_file:
+            with open(code_file, "w") as f:
+                f.write(plan.code())
+            out.print(f"wrote {code_file}")
+    except TapescopeError as e:
+        _fail(e)
 
 
 @app.command("validate")

@@ -163,6 +163,8 @@ class Options:
     alloc_conf: the CUDA caching allocator's settings (analysis.allocator.AllocatorConfig) for the
         predicted torch.cuda figures; by default read from the environment as torch reads it
         (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF).
+    checkpointing: activation checkpointing applied to the traced copy of the model (a tuple of
+        checkpointing.policy.UnitPolicy: module fqn and mode), as a plan would apply it.
     compile: the step as `torch.compile(model, ...)` runs it (CompileOptions), or None (eager).
     cpu: the CPU whose kernels a cpu profile follows (devices.cpu.CpuTarget: the vector ISA
         oneDNN dispatches on and the intra-op threads it sizes per-thread buffers for); by
@@ -179,13 +181,14 @@ class Options:
     engine: str = "python"
     symbolic: tuple = ()
     alloc_conf: Any = None
+    checkpointing: tuple = ()
     compile: CompileOptions | None = None
     cpu: Any = None
 
     @classmethod
     def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
                amp=None, steps: int = 2, engine: str = "python", symbolic=(),
-               alloc_conf=None, compile=None, threads: int | None = None,
+               alloc_conf=None, checkpointing=(), compile=None, threads: int | None = None,
                cpu_isa: str | None = None) -> "Options":
         """Check and resolve every option; a bad one raises a TapescopeError that says why."""
         dev = resolve_device(device, gpu)
@@ -224,17 +227,33 @@ class Options:
                 "creates the optimizer's state while compiling (OptimizerVariable runs _init_group "
                 "at trace time), outside the ops tapescope records, so the steady state would miss "
                 "it; profile the compiled model with the optimizer run eagerly (the default)")
+        if compile is not None and checkpointing:
+            raise TapescopeError("applying a checkpointing plan to a compiled step is not "
+                                 "supported yet: profile the plan eagerly (drop compile=...)")
         if compile is not None and symbolic:
             raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
                                  "compile with dynamic=True to see the graphs torch.compile makes)")
         return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
                    amp=amp, steps=steps, engine=engine, symbolic=tuple(symbolic or ()),
-                   alloc_conf=_resolve_alloc_conf(alloc_conf), compile=compile,
+                   alloc_conf=_resolve_alloc_conf(alloc_conf),
+                   checkpointing=_resolve_checkpointing(checkpointing), compile=compile,
                    cpu=_resolve_cpu(cpu_isa, threads))
 
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""
         return replace(self, **changes)
+
+
+def _resolve_checkpointing(checkpointing) -> tuple:
+    """UnitPolicy values from a Plan, or a list of fqns / (fqn, mode) / UnitPolicy."""
+    from .checkpointing.policy import UnitPolicy
+
+    if checkpointing is None:
+        return ()
+    policies = getattr(checkpointing, "policies", checkpointing)  # a checkpointing Plan
+    if isinstance(policies, (str, UnitPolicy)):
+        policies = (policies,)
+    return tuple(UnitPolicy.of(p) for p in policies)
 
 
 def _resolve_gpu(gpu):

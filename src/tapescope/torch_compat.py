@@ -50,7 +50,9 @@ __all__ = [
     "disable_current_modes", "no_dispatch",
     "sequence_nr", "node_sequence_nr", "current_autograd_node", "use_count", "storage_use_count",
     "storage_key", "untyped_storage_key", "is_zerotensor", "node_input_metadata", "tensor_backward_hooks",
-    "post_accumulate_grad_hooks", "forward_ad_level", "adinplaceorview_excluded", "default_device",
+    "post_accumulate_grad_hooks", "push_saved_tensors_hooks", "pop_saved_tensors_hooks",
+    "mark_internal_saved_tensors_hooks", "set_graph_task_id", "forward_ad_level",
+    "adinplaceorview_excluded", "default_device",
     "foreach_devices", "force_enable_autocast", "fake_cache_bypasses",
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
@@ -109,6 +111,37 @@ def is_zerotensor(t: torch.Tensor) -> bool:
 def tensor_backward_hooks(t: torch.Tensor):
     """The dict of hooks `register_hook` put on a tensor (None if none)."""
     return t._backward_hooks
+
+
+def push_saved_tensors_hooks(pack, unpack) -> None:
+    """Push a (pack, unpack) pair on this thread's default saved-tensor hooks stack (what
+    torch.autograd.graph.saved_tensors_hooks.__enter__ does, without the object)."""
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def pop_saved_tensors_hooks() -> None:
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+def mark_internal_saved_tensors_hooks(pack) -> None:
+    """Make torch.utils.checkpoint look past this pack hook when it looks for the user's hooks
+    (`_current_user_saved_tensors_hooks`: a hook with `_checkpoint_internal` defers to its
+    `_user_hooks`), and find none below it."""
+    pack._checkpoint_internal, pack._user_hooks = True, None
+
+
+def set_graph_task_id(gid):
+    """Make `gid` what torch.utils.checkpoint reads as the running backward's graph task id (it
+    recomputes a checkpointed region once per id); returns the previous one. The C++ engine's
+    id cannot be set, so this fills GraphExecGroup's slot, which checkpoint reads first. Older
+    torch has no such slot: checkpoint then reads -1 outside the C++ engine and recomputes once
+    per unpacked tensor (tapescope's peak would include those extra recomputations)."""
+    setter = getattr(torch._C, "_set_graph_exec_group", None)
+    if setter is None:  # pragma: no cover - older torch
+        return None
+    previous = torch._C._get_graph_exec_group()
+    setter(gid)
+    return previous
 
 
 def post_accumulate_grad_hooks(t: torch.Tensor):
@@ -269,6 +302,7 @@ PRIVATE_NAMES = (
     "torch._inductor.config.force_disable_caches",
     "torch._prims_common.suggest_memory_format",
     "torch._C._select_conv_backend",
+    "torch.utils.checkpoint._current_user_saved_tensors_hooks",
 )
 
 

@@ -4,7 +4,8 @@ Unlike an AOTAutograd joint graph the ops are not functionalised: an in-place op
 result is its mutated argument, as the step really runs it. Tensors the step did not produce
 (parameters, buffers, inputs) are placeholders named after them. Every node's meta carries
 `phase`, `seq_nr`, `nn_module`, `stack_trace`, `flops`, `saved`, `autograd_node`, `forward_op`,
-`bytes_read`, `bytes_written` and `tensor_meta` (shape and dtype of each result).
+`bytes_read`, `bytes_written`, `tensor_meta` (shape and dtype of each result) and `recompute`
+(a forward op run again during backward by activation checkpointing).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def build_graph(ops: list, trace: Trace) -> fx.GraphModule:
             flops=op.flops, saved=op.saved, autograd_node=op.autograd_node,
             forward_op=op.forward_op, bytes_read=op.bytes_read, bytes_written=op.bytes_written,
             tensor_meta=[None if o is None else _tmeta(o) for o in rec.outputs],
+            recompute=op.recompute,
         )
         returns = rec.func._schema.returns
         if len(returns) == 1 and str(returns[0].type) == "Tensor":

@@ -20,6 +20,8 @@ class Op:
 
     `forward_op` is the index of the forward op whose autograd node produced this backward op
     (same `seq_nr`); `autograd_node` names that node. `flops` is None when no formula applies.
+    `recompute` marks a forward op run again during backward (activation checkpointing): its
+    phase is "backward", when it runs; its module, source and node are a forward op's.
     """
 
     index: int
@@ -37,6 +39,7 @@ class Op:
     saved: bool
     source: Frame | None
     record: OpRecord = field(repr=False, compare=False)  # what capture saw (arguments included)
+    recompute: bool = False
 
     @property
     def input_shapes(self):
@@ -63,6 +66,7 @@ class Op:
             "flops": _num(self.flops), "bytes_read": _num(self.bytes_read),
             "bytes_written": _num(self.bytes_written), "saved": self.saved,
             "source": None if self.source is None else str(self.source),
+            "recompute": self.recompute,
         }
 
 
@@ -95,7 +99,7 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
     records = [trace.ops[i] for i in view.ops]
     owner: dict[int, int] = {}  # seq_nr -> local index of the forward op that created the node
     for k, r in enumerate(records):
-        if r.phase == FORWARD and r.owns_node:
+        if (r.phase == FORWARD or r.recompute) and r.owns_node:
             owner.setdefault(r.seq_nr, k)
     saved = trace.saved_values
     storage_owner = trace.storage_owner
@@ -118,7 +122,7 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
         fwd = None
         node = r.grad_fn
         module = r.module
-        if r.phase == FORWARD:
+        if r.phase == FORWARD or r.recompute:
             if r.owns_node:
                 node = trace.node_names.get(r.seq_nr)
         elif r.phase == BACKWARD:
@@ -136,6 +140,6 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
             bytes_read=read, bytes_written=written,
             saved=any(o.value in saved for o in outputs),
             source=r.frame if r.frame is not None or fwd is None else records[fwd].frame,
-            record=r,
+            record=r, recompute=r.recompute,
         ))
     return ops

@@ -50,16 +50,17 @@ class StepTime:
     mfu: float = 0.0
     calibrated: bool = False
     bound: str = ""                 # "gpu", or "host" when the GPU idles half the step or more
+    recompute: float = 0.0          # GPU seconds of ops recomputed by activation checkpointing
 
     def to_dict(self) -> dict:
         return {"seconds": self.seconds, "gpu_busy": self.gpu_busy, "host": self.host,
                 "by_phase": self.by_phase, "mfu": self.mfu, "calibrated": self.calibrated,
-                "bound": self.bound}
+                "bound": self.bound, "recompute": self.recompute}
 
 
 def estimate_step_time(ops: list, trace: Trace, gpu) -> StepTime:
     """Wall time of a step's ops (analysis.ops.Op, in order) on `gpu` (a devices.gpus.GPU)."""
-    host = gpu_t = busy = 0.0
+    host = gpu_t = busy = recompute = 0.0
     calibrated = True
     op_seconds = []
     phase_end: dict = {}
@@ -87,6 +88,8 @@ def estimate_step_time(ops: list, trace: Trace, gpu) -> StepTime:
             t = max(compute, memory) + KERNEL_OVERHEAD_S
             gpu_t = max(gpu_t, host) + t
             busy += t
+            if op.recompute:
+                recompute += t
         if func.overloadpacket is _ITEM and op.inputs and op.inputs[0].storage >= 0 \
                 and storages[op.inputs[0].storage].device.type == "cuda":
             host = max(host, gpu_t)  # .item() waits for the GPU
@@ -102,4 +105,4 @@ def estimate_step_time(ops: list, trace: Trace, gpu) -> StepTime:
     mfu = (total_flops / total / peak) if total and peak else 0.0
     # host-bound: the GPU waits for launches more than half the step
     return StepTime(total, busy, host, by_phase, op_seconds, mfu, calibrated,
-                    "gpu" if busy >= total / 2 else "host")
+                    "gpu" if busy >= total / 2 else "host", recompute)

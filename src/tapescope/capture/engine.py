@@ -19,6 +19,13 @@ accumulate_grad.h, python_function.cpp):
   copies it with the parameter's strides; an existing .grad is added to in place.
 Reference counts are read as the C++ engine would see them: the tensor's own count less the one its
 Python object holds, plus how many places in this engine hold it.
+
+A backward called from inside a node (torch.utils.checkpoint's reentrant CheckpointFunction calls
+torch.autograd.backward in its backward) runs here too, as the C++ engine runs it on a CPU thread:
+a new graph task on the same ready queue, whose tasks go first (they are one reentrant level
+deeper), run until that graph task completes. Each graph task gets its own id for
+torch.utils.checkpoint (non-reentrant checkpoint recomputes once per graph task id), given
+through torch's GraphExecGroup slot since the C++ id is not settable.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from collections import defaultdict
 
 import torch
 
-from ..torch_compat import (graph_task_keep_graph_query, is_zerotensor, node_input_metadata, node_sequence_nr,
-                            post_accumulate_grad_hooks, statically_known_true, storage_use_count,
-                            tensor_backward_hooks, use_count)
+from ..torch_compat import (graph_task_keep_graph_query, is_zerotensor, node_input_metadata,
+                            node_sequence_nr, post_accumulate_grad_hooks, set_graph_task_id,
+                            statically_known_true, storage_use_count, tensor_backward_hooks,
+                            use_count)
 from .hooks import VARIABLE_INPUTS, HookRegistry, SavedTensors
 from .view_replay import ViewRegeneration, as_strided_backward, emulable
 
@@ -39,11 +47,23 @@ _MAX_SEQ = 2**64 - 1
 
 
 class _Task:
-    __slots__ = ("node", "inputs", "seq")
+    __slots__ = ("node", "inputs", "seq", "depth")
 
-    def __init__(self, node, inputs):
-        self.node, self.inputs = node, inputs
+    def __init__(self, node, inputs, depth: int = 0):
+        self.node, self.inputs, self.depth = node, inputs, depth
         self.seq = node_sequence_nr(node)
+
+
+class _GraphTask:
+    """One call of backward: its dependency counts, the input buffers of nodes not yet ready,
+    and how many of its tasks are queued or running (it completes when none are)."""
+
+    __slots__ = ("deps", "not_ready", "outstanding", "depth", "keep_graph")
+
+    def __init__(self, deps: dict, depth: int, keep_graph: bool):
+        self.deps, self.depth, self.keep_graph = deps, depth, keep_graph
+        self.not_ready: dict = {}
+        self.outstanding = 0
 
 
 class _ReadyQueue:
@@ -58,7 +78,10 @@ class _ReadyQueue:
 
     @staticmethod
     def _less(a: _Task, b: _Task) -> bool:
-        return a.seq < b.seq
+        # CompareNodeTaskTime: a deeper reentrant backward first, then the higher sequence number
+        if a.depth == b.depth:
+            return a.seq < b.seq
+        return a.depth < b.depth
 
     def push(self, task: _Task) -> None:
         h = self.h
@@ -109,6 +132,9 @@ class PythonEngine:
                  on_node=None):
         self.saved, self.hooks, self.views, self.on_node = saved, hooks, views, on_node
         self._refs: dict[int, int] = defaultdict(int)  # id(tensor) -> places in this engine holding it
+        self._graphs: list[_GraphTask] = []  # the graph tasks running, reentrant ones last
+        self._queue: _ReadyQueue | None = None  # the thread's ready queue, shared by all of them
+        self._node = None  # the node running now
 
     # ---- reference counts as the C++ engine sees them -----------------------------------------
 
@@ -159,8 +185,45 @@ class PythonEngine:
         # the engine returns
         grad = torch.ones_like(loss, memory_format=torch.preserve_format)
         self._hold(grad)
-        self._run([(loss.grad_fn, 0, grad)])
+        reentrant = torch.autograd.backward  # a backward inside a node runs here too
+        torch.autograd.backward = self._reentrant_backward
+        try:
+            self._run([(loss.grad_fn, loss.output_nr, grad)])
+        finally:
+            torch.autograd.backward = reentrant
         self._drop(grad)
+
+    def _reentrant_backward(self, tensors, grad_tensors=None, retain_graph=None,
+                            create_graph=False, grad_variables=None, inputs=None):
+        """torch.autograd.backward called while our engine runs a node (reentrant checkpoint)."""
+        if create_graph or inputs is not None:
+            from ..errors import TapescopeError
+
+            raise TapescopeError("a backward inside the backward (reentrant checkpoint or a hook) "
+                                 "with create_graph=True or inputs=... is not supported")
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        grads = grad_tensors if grad_tensors is not None else grad_variables
+        if grads is None or isinstance(grads, torch.Tensor):
+            grads = (grads,) * (1 if grads is not None else len(tensors))
+        roots = []
+        for t, g in zip(tensors, grads):
+            if t.grad_fn is None:
+                from ..errors import TapescopeError
+
+                raise TapescopeError("a backward inside the backward from a tensor without a "
+                                     "grad_fn is not supported")
+            if g is None:  # _make_grads: an implicit gradient only for a scalar
+                if t.numel() != 1:
+                    raise RuntimeError("grad can be implicitly created only for scalar outputs")
+                g = torch.ones_like(t, memory_format=torch.preserve_format)
+            roots.append((t.grad_fn, t.output_nr, g))
+        for _, _, g in roots:  # run_backward's variable_list of gradients
+            self._hold(g)
+        try:
+            self._run(roots, keep_graph=bool(retain_graph))
+        finally:
+            for _, _, g in roots:
+                self._drop(g)
 
     def grad(self, outputs, inputs, grad_outputs=None, allow_unused=False) -> tuple:
         """`torch.autograd.grad` on this engine: the gradients arriving at each input (a leaf's
@@ -193,69 +256,88 @@ class PythonEngine:
                                "in the graph. Set allow_unused=True if this is the desired behavior.")
         return tuple(results)
 
-    def _run(self, roots: list, targets: dict | None = None, results: list | None = None) -> None:
-        """Run the graph from `roots` [(node, input_nr, gradient)]. With `targets`
-        {(node, input_nr): [result index]}, capture the gradients arriving there into `results`
-        and run only the nodes that lead to a target."""
+    def _run(self, roots: list, targets: dict | None = None, results: list | None = None,
+             keep_graph: bool = False) -> None:
+        """Run the graph from `roots` [(node, input_nr, gradient)] as one graph task (Engine::
+        execute). With `targets` {(node, input_nr): [result index]}, capture the gradients
+        arriving there into `results` and run only the nodes that lead to a target."""
         deps = self._dependencies([n for n, _, _ in roots])
         runs = needed = None
         if targets is not None:
             target_nodes = {n for n, _ in targets}
             runs = self._leading_to([n for n, _, _ in roots], target_nodes)
             needed = runs | target_nodes  # nodes whose input gradients matter
-        not_ready: dict = {}
-        ready = _ReadyQueue()
-        pending: dict = {}
-        for node, nr, g in roots:
-            buf = pending.setdefault(node, [None] * len(node_input_metadata(node)))
-            self._hold(g)
-            self._add(buf, nr, g)
-        for node, buf in pending.items():
-            if deps.get(node, 0) == 0:
-                ready.push(_Task(node, buf))
-            else:
-                not_ready[node] = buf
+        outer = self._graphs[-1] if self._graphs else None
+        depth = 0 if outer is None else outer.depth + 1
+        if outer is None:
+            self._queue = _ReadyQueue()
+        ready = self._queue
+        graph = _GraphTask(deps, depth, keep_graph)
+        not_ready = graph.not_ready
+        self._graphs.append(graph)
+        running = self._node
+        previous_id = set_graph_task_id(object())
         on_node = self.on_node or (lambda node: None)
-        while ready:
-            task = ready.pop()
-            node, inputs = task.node, task.inputs
-            task.inputs = None
-            if targets is not None:
-                for nr in range(len(inputs)):
-                    for i in targets.get((node, nr), ()):
-                        results[i] = inputs[nr]
-                if node not in runs:  # a target only: its gradient is captured, it does not run
-                    for g in inputs:
-                        self._drop(g)
-                    continue
-            on_node(node)  # ops until the next node belong to this one, as in the C++ engine
-            self.saved.node_started()
-            outputs = self._call(node, inputs)  # consumes inputs
-            del inputs
-            self.saved.node_finished(task.seq)
-            next_edges = node.next_functions
-            for i, out in enumerate(outputs):
-                outputs[i] = None
-                nxt, input_nr = next_edges[i] if i < len(next_edges) else (None, 0)
-                if nxt is None or (needed is not None and nxt not in needed):
-                    self._drop(out)
-                    if nxt is not None:
-                        deps[nxt] -= 1
-                    continue
-                deps[nxt] -= 1
-                is_ready = deps[nxt] == 0
-                buf = not_ready.get(nxt)
-                if buf is None:
-                    buf = [None] * len(node_input_metadata(nxt))
-                self._add(buf, input_nr, out)
-                del out
-                if is_ready:
-                    not_ready.pop(nxt, None)
-                    ready.push(_Task(nxt, buf))
+        try:
+            pending: dict = {}
+            for node, nr, g in roots:
+                buf = pending.setdefault(node, [None] * len(node_input_metadata(node)))
+                self._hold(g)
+                self._add(buf, nr, g)
+            for node, buf in pending.items():
+                if deps.get(node, 0) == 0:
+                    graph.outstanding += 1
+                    ready.push(_Task(node, buf, depth))
                 else:
-                    not_ready[nxt] = buf
-            del outputs, node, task
-        on_node(None)
+                    not_ready[node] = buf
+            with torch.no_grad():  # the graph task's grad mode (create_graph=False), hooks too
+                while graph.outstanding:
+                    task = ready.pop()
+                    node, inputs = task.node, task.inputs
+                    task.inputs = None
+                    graph.outstanding -= 1
+                    if targets is not None:
+                        for nr in range(len(inputs)):
+                            for i in targets.get((node, nr), ()):
+                                results[i] = inputs[nr]
+                        if node not in runs:  # a target only: its gradient is captured
+                            for g in inputs:
+                                self._drop(g)
+                            continue
+                    self._node = node
+                    on_node(node)  # ops until the next node belong to this one, as in C++
+                    self.saved.node_started()
+                    outputs = self._call(node, inputs)  # consumes inputs
+                    del inputs
+                    self.saved.node_finished(task.seq, release=not keep_graph)
+                    next_edges = node.next_functions
+                    for i, out in enumerate(outputs):
+                        outputs[i] = None
+                        nxt, input_nr = next_edges[i] if i < len(next_edges) else (None, 0)
+                        if nxt is None or (needed is not None and nxt not in needed):
+                            self._drop(out)
+                            if nxt is not None:
+                                deps[nxt] -= 1
+                            continue
+                        deps[nxt] -= 1
+                        is_ready = deps[nxt] == 0
+                        buf = not_ready.get(nxt)
+                        if buf is None:
+                            buf = [None] * len(node_input_metadata(nxt))
+                        self._add(buf, input_nr, out)
+                        del out
+                        if is_ready:
+                            not_ready.pop(nxt, None)
+                            graph.outstanding += 1
+                            ready.push(_Task(nxt, buf, depth))
+                        else:
+                            not_ready[nxt] = buf
+                    del outputs, node, task
+        finally:
+            self._graphs.pop()
+            set_graph_task_id(previous_id)
+            self._node = running
+            on_node(running)
 
     @staticmethod
     def _leading_to(roots: list, target_nodes: set) -> set:

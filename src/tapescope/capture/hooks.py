@@ -9,6 +9,15 @@ then clones `self` - a second node - and saves the clone); holders never unpacke
 the node whose number was current when they were packed, except the output an in-place op on a view
 saves: it belongs to the base's CopySlices, which runs the op's node (see `pack`).
 
+Other saved-tensor hooks. Code the step runs may push its own hooks above ours (torch.utils.checkpoint
+does, to drop what it saves and recompute it; so does save_on_cpu). A SavedVariable then holds what
+that hook packed, and the real engine releases it, with the hook functions, when the node runs. So
+every hook pushed during the step is wrapped: what it packs goes into one of our holders, released
+like the others, and the wrapper lets go of the hook when its context exits. Holders are registered
+weakly, so a graph dropped without a backward (the one checkpoint builds while recomputing) frees
+what it saved. A holder that a hook unpacks inside its own unpack (checkpoint reading the inputs it
+saved, to recompute) belongs to that hook's object, not to the node running.
+
 Hooks. C++ keeps backward hooks where Python cannot list them, and our engine calls nodes from Python,
 where the C++ engine's hook calls do not happen. So while the step runs, the Python entry points
 that register hooks (`Tensor.register_hook`, `Tensor.retain_grad`, a custom Function node's
@@ -20,16 +29,57 @@ Function path, which is).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from contextlib import contextmanager
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.function import BackwardCFunction
 
-from ..torch_compat import node_sequence_nr, sequence_nr
+from ..torch_compat import (mark_internal_saved_tensors_hooks, node_sequence_nr,
+                            pop_saved_tensors_hooks, push_saved_tensors_hooks, sequence_nr,
+                            storage_key)
 from .tape import _VALUE_ATTR, Tape
 
 __all__ = ["SavedTensors", "HookRegistry", "VARIABLE_INPUTS"]
+
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+
+
+class _Held:
+    """What a SavedVariable holds while the step runs: a tensor (our own hook) or what another
+    saved-tensor hook packed, with that hook's unpack function. Clearing it is our
+    `release_variables()`; it is weakly registered, so it also dies with its SavedVariable (a
+    graph dropped without a backward, like the graph a checkpoint builds while recomputing)."""
+
+    __slots__ = ("value", "unpack", "claimed", "__weakref__")
+
+    def __init__(self, value, unpack=None):
+        self.value, self.unpack, self.claimed = value, unpack, False
+
+    def release(self) -> None:
+        self.value = self.unpack = None
+
+
+class _WrappedPack:
+    """A pack hook pushed during the step (torch.utils.checkpoint's, a user's), wrapped so that
+    what it packs is held in a _Held we can release. Attributes are read through to the hook
+    (checkpoint looks for `_checkpoint_internal` / `_user_hooks` on the hook on top of the stack).
+    It lets go of the hook when the hook's context exits: a SavedVariable keeps its pack hook
+    until it is released, and our engine never releases SavedVariables, so holding the hook would
+    keep alive whatever it refers to (a checkpoint frame and the inputs it saved) for too long."""
+
+    __slots__ = ("inner", "inner_unpack", "saved")
+
+    def __init__(self, inner, inner_unpack, saved):
+        self.inner, self.inner_unpack, self.saved = inner, inner_unpack, saved
+
+    def __call__(self, t):
+        return self.saved._pack_wrapped(self, t)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "inner"), name)
 
 
 class SavedTensors:
@@ -37,13 +87,12 @@ class SavedTensors:
 
     def __init__(self, tape: Tape):
         self.tape = tape
-        self._by_node: dict[int, list] = {}
-        self._running: list | None = None  # holders unpacked by the node now running
+        self._by_node: dict[int, list] = {}   # seq_nr -> [weakref to _Held]
+        self._running: list[list] = []        # per node running (innermost last): _Held it unpacked
+        self._in_hook = 0                     # > 0 while a wrapped hook's unpack runs
 
-    def pack(self, t: torch.Tensor):
-        tape = self.tape
-        v = tape.value_of(t)
-        tape.mark_saved(t)
+    def _owner_seq(self, t: torch.Tensor) -> int:
+        """The seq_nr of the node a tensor is saved for, as far as pack time can tell."""
         seq = sequence_nr() - 1
         gf = t.grad_fn
         if gf is not None and node_sequence_nr(gf) == seq:
@@ -54,6 +103,19 @@ class SavedTensors:
                 # newest node is the view's regenerated grad_fn, but the op's node runs inside
                 # its base's CopySlices, which is the node that unpacks the tensor
                 seq = node_sequence_nr(base_fn)
+        return seq
+
+    def _register(self, held: _Held, seq: int) -> _Held:
+        self._by_node.setdefault(seq, []).append(weakref.ref(held))
+        return held
+
+    def pack(self, t: torch.Tensor):
+        tape = self.tape
+        v = tape.value_of(t)
+        tape.mark_saved(t)
+        seq = self._owner_seq(t)
+        gf = t.grad_fn
+        if gf is not None and node_sequence_nr(gf) == sequence_nr() - 1:
             # A saved output: packing the tensor itself would make tensor -> grad_fn -> saved
             # tensor a cycle through C++ that never frees. Autograd saves outputs without their
             # grad_fn; an unrecorded detach() keeps the storage and the value id the same way.
@@ -61,52 +123,130 @@ class SavedTensors:
                 t = t.detach()
             if v is not None:
                 setattr(t, _VALUE_ATTR, v)
-        holder = [t]
-        self._by_node.setdefault(seq, []).append(holder)
-        return holder
+        return self._register(_Held(t), seq)
 
-    def unpack(self, holder):
-        t = holder[0]
+    def unpack(self, held: _Held):
+        t = held.value
         if t is None:
             raise RuntimeError("tapescope: a saved tensor was used after its node ran "
                                "(backward through the graph a second time?)")
-        if self._running is not None:
-            self._running.append(holder)
+        self._claim(held)
         return t
 
-    def node_started(self) -> None:
-        self._running = []
+    def _claim(self, held: _Held) -> None:
+        """The node running now owns what it unpacks, except what a saved-tensor hook unpacks
+        inside its own unpack (torch.utils.checkpoint reading the inputs it saved to recompute
+        from): that belongs to the hook's object and lives as long as it does."""
+        if self._in_hook:
+            held.claimed = True
+        elif self._running and not held.claimed:
+            self._running[-1].append(held)
 
-    def node_finished(self, seq_nr: int) -> None:
-        """Drop the tensors the node saved, as the engine's release_variables() does."""
-        for holder in self._running or ():
-            holder[0] = None
-        self._running = None
-        for holder in self._by_node.pop(seq_nr, ()):
-            holder[0] = None
+    def _pack_wrapped(self, hook: _WrappedPack, t: torch.Tensor):
+        inner, unpack = hook.inner, hook.inner_unpack
+        if inner is None:
+            raise RuntimeError("tapescope: a saved-tensor pack hook was called after its context "
+                               "exited")
+        # A pack hook runs inside the autograd kernel of the op that saves, so what it dispatches
+        # is inside that op - except when torch.utils.checkpoint saves its own inputs from Python
+        # (`_make_saved_tensor`, its only caller), outside any op.
+        inside_op = sys._getframe(2).f_code.co_filename != _CHECKPOINT_FILE
+        self.tape.in_pack_hook += inside_op
+        try:
+            packed = inner(t)
+        finally:
+            self.tape.in_pack_hook -= inside_op
+        if isinstance(packed, torch.Tensor) and storage_key(packed) == storage_key(t):
+            self.tape.mark_saved(t)  # the hook keeps the tensor itself: it is saved
+        return self._register(_Held(packed, unpack), self._owner_seq(t))
+
+    def _unpack_wrapped(self, held: _Held):
+        unpack = held.unpack
+        if unpack is None:
+            raise RuntimeError("tapescope: a saved tensor was used after its node ran "
+                               "(backward through the graph a second time?)")
+        self._claim(held)
+        self._in_hook += 1
+        try:
+            return unpack(held.value)
+        finally:
+            self._in_hook -= 1
+
+    def node_started(self) -> None:
+        self._running.append([])
+
+    def node_finished(self, seq_nr: int, release: bool = True) -> None:
+        """Drop the tensors the node saved, as the engine's release_variables() does (unless the
+        graph is kept: retain_graph=True)."""
+        unpacked = self._running.pop()
+        if not release:
+            return
+        for held in unpacked:
+            held.release()
+        for ref in self._by_node.pop(seq_nr, ()):
+            held = ref()
+            if held is not None and not held.claimed:
+                held.release()
 
     def release_unpacked(self) -> None:
         """`ctx.maybe_clear_saved_tensors()`: a custom Function drops its saved tensors while it runs
         (AOTAutograd's compiled backward does, so that its generated code frees each one at its
         last use); the holders the node unpacked let go of them too."""
-        for holder in self._running or ():
-            holder[0] = None
+        for held in self._running[-1] if self._running else ():
+            held.release()
 
     @contextmanager
     def active(self):
-        original = BackwardCFunction.maybe_clear_saved_tensors
+        """Our hooks at the bottom of the saved-tensor hook stack, and every hook pushed above
+        them during the step wrapped (see _WrappedPack)."""
+        pack, unpack = _bare(self.pack), _bare(self.unpack)
+        # torch.utils.checkpoint looks past its own hooks for the user's
+        # (`_current_user_saved_tensors_hooks`), and behaves differently when it finds some
+        # (selective checkpointing routes what it caches through them). Ours are not the user's:
+        # in a real step there are none, so we present ours as internal, with no user hooks below.
+        mark_internal_saved_tensors_hooks(pack)
+        cls = torch.autograd.graph.saved_tensors_hooks
+        enter = cls.__enter__
+        exit_ = cls.__exit__
         saved = self
 
+        def wrapped_enter(hooks):
+            inner_pack, inner_unpack = hooks.pack_hook, hooks.unpack_hook
+            hooks._tapescope_pack = _WrappedPack(inner_pack, inner_unpack, saved)
+            hooks.pack_hook, hooks.unpack_hook = hooks._tapescope_pack, saved._unpack_wrapped
+            try:
+                return enter(hooks)  # torch's own push, with our wrappers
+            finally:
+                hooks.pack_hook, hooks.unpack_hook = inner_pack, inner_unpack
+
+        def wrapped_exit(hooks, *args):
+            try:
+                return exit_(hooks, *args)
+            finally:
+                wrapper = hooks.__dict__.pop("_tapescope_pack", None)
+                if wrapper is not None:
+                    wrapper.inner = wrapper.inner_unpack = None
+
+        original_clear = BackwardCFunction.maybe_clear_saved_tensors
+
         def maybe_clear_saved_tensors(ctx):
-            original(ctx)
+            original_clear(ctx)
             saved.release_unpacked()
 
+        push_saved_tensors_hooks(pack, unpack)
+        cls.__enter__, cls.__exit__ = wrapped_enter, wrapped_exit
         BackwardCFunction.maybe_clear_saved_tensors = maybe_clear_saved_tensors
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-                yield
+            yield
         finally:
             del BackwardCFunction.maybe_clear_saved_tensors  # the C method shows through again
+            cls.__enter__, cls.__exit__ = enter, exit_
+            pop_saved_tensors_hooks()
+
+
+def _bare(method):
+    """A plain function calling `method` (a bound method cannot carry attributes)."""
+    return lambda x: method(x)
 
 
 VARIABLE_INPUTS = "_tapescope_variable_inputs"

@@ -89,7 +89,9 @@ class OpRecord:
     `seq_nr` follows AOTAutograd's convention: a forward op carries the sequence number of the last
     autograd node created when it ran, a backward op the sequence number of the node running it, so
     a backward op and the forward op that recorded its node share a number. `grad_fn` is the name of
-    that node; `owns_node` marks the forward op during which the node was created.
+    that node; `owns_node` marks the forward op during which the node was created. `recompute`
+    marks a forward op run again during backward (activation checkpointing); its phase is
+    BACKWARD (when it runs) and its seq_nr, module and frame are a forward op's.
     """
 
     index: int
@@ -105,6 +107,7 @@ class OpRecord:
     owns_node: bool = False
     grad_fn: str | None = None
     frame: Frame | None = None
+    recompute: bool = False
 
     @property
     def name(self) -> str:

@@ -36,6 +36,7 @@ from ..torch_compat import (DimDynamic, ShapeEnv, constant_source, force_enable_
 from .engine import PythonEngine
 from .fidelity import RULES, FidelityContext, FunctionRulesMode
 from .hooks import HookRegistry, SavedTensors
+from .rng_state import track_rng_states
 from .model import Spec, build_on_meta, fake_copy, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
 from .optimizers import make_optimizer
@@ -205,6 +206,14 @@ class CaptureSession:
         inputs = [x for x in tree_leaves((self.fargs, self.fkwargs)) if isinstance(x, torch.Tensor)]
         for i, t in enumerate(inputs):
             tape.register(t, f"input{i}", INPUT)
+        if opts.checkpointing:  # after naming: parameters and modules keep the user's names
+            from ..checkpointing.policy import apply_policies
+
+            def name_wrapper(wrapper, module, fqn):  # the wrapper runs as the module it wraps
+                self.names.setdefault(id(wrapper), fqn)
+
+            apply_policies(self.fmodel, opts.checkpointing, on_wrap=name_wrapper)
+            self.facts["checkpointing"] = [p.to_dict() for p in opts.checkpointing]
         self.params = list(self.fmodel.parameters())
         self.facts["parameters"] = sum(p.numel() for p in self.params)
         # step 2 accumulates into an input's .grad if one gathers it: then it cannot be reused
@@ -214,8 +223,8 @@ class CaptureSession:
     def _recording(self):
         rec = self.recorder
         with track_modules(rec.modules, self.names), rec.saved.active(), \
-                rec.hooks.recording(), _quiet_fake_tensor_log(), rec.function_rules, \
-                self._compiling():
+                rec.hooks.recording(), track_rng_states(rec.tape), _quiet_fake_tensor_log(), \
+                rec.function_rules, self._compiling():
             yield
 
     # ---- a compiled step (options.compile) ---------------------------------------------------

@@ -11,7 +11,11 @@ What it records, and how, so that the numbers follow real execution:
   autograd decides from reference counts (AccumulateGrad steals a gradient only if nobody else holds it);
 - only top-level ops: FakeTensorMode re-enters itself to run decompositions, and those inner ops are
   an artefact of fake execution, not ops the real step runs;
-- the forward seq_nr from autograd's own counter and the backward node from the engine (see OpRecord).
+- the forward seq_nr from autograd's own counter and the backward node from the engine (see OpRecord);
+- recomputation: an op that runs during backward, inside a node, with grad mode on is a forward op
+  run again (activation checkpointing: the engine runs nodes with grad mode off, checkpoint turns
+  it on to recompute). It is recorded as a forward op (its own node, module, line, the forward
+  fidelity rules) with `recompute=True`.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class Tape(FakeTensorMode):
         self.rules, self.fidelity, self.views, self.modules = rules, fidelity, views, modules
         self._tape_recording = False
         self._tape_backward_node = None  # set by tapescope's engine; else the C++ engine's node
+        self.in_pack_hook = 0  # > 0 while a saved-tensor pack hook other than ours runs in an op
         self._tape_depth = 0
         self._tape_live: dict[int, tuple[int, weakref.ref]] = {}  # StorageImpl address -> (id, ref)
         self._tape_phase = FORWARD
@@ -95,6 +100,8 @@ class Tape(FakeTensorMode):
         """The autograd node whose backward is running (None when the backward is done): the ops
         until the next call belong to it, as in the C++ engine."""
         self._tape_backward_node = node
+        if node is not None:  # nodes made while recomputing are not reachable from the loss
+            self.trace.node_names.setdefault(node_sequence_nr(node), node.name())
 
     @contextmanager
     def unrecorded(self):
@@ -104,6 +111,16 @@ class Tape(FakeTensorMode):
             yield
         finally:
             self._tape_recording = was
+
+    def adopt(self, t: torch.Tensor) -> None:
+        """A real tensor the step made outside the dispatcher (see rng_state.py): its storage is
+        alive from now (tagged with the last op, as a free is) until it dies."""
+        if not self._tape_recording:
+            return
+        index = len(self.trace.ops) - 1
+        sid, new = self._storage_of(t, index)
+        if new:
+            self.trace.events.append((index, sid, 1))
 
     def mark_saved(self, t: torch.Tensor) -> None:
         """Autograd saved `t` for backward."""
@@ -258,10 +275,15 @@ class Tape(FakeTensorMode):
         if (self._tape_depth or not self._tape_recording or func in _NOT_OPS
                 or func.namespace in _NOT_OP_NAMESPACES):
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if func is _DETACH and not adinplaceorview_excluded():
+        if func is _DETACH and (self.in_pack_hook or not adinplaceorview_excluded()
+                                or self._issued_by_another_mode()):
             # Not an op of the program: C++ autograd copied a TensorImpl (saving or unpacking a
             # tensor), which for a Python tensor subclass goes through `detach`. A genuine detach
-            # comes from the autograd kernel, below which ADInplaceOrView is excluded.
+            # comes from the autograd kernel, below which ADInplaceOrView is excluded. A detach
+            # made while another op runs is not an op of its own either (the profiler shows it
+            # inside that op): a pack hook's (checkpoint's recomputation saves `x.detach()`,
+            # inside the autograd kernel of the op that saves), or one a dispatch mode above ours
+            # makes while it handles an op (selective checkpointing detaches what it caches).
             self._tape_depth += 1
             try:
                 out = self._run(func, types, args, kwargs)  # through the replay front: it is fast
@@ -271,7 +293,8 @@ class Tape(FakeTensorMode):
             if v is not None:
                 setattr(out, _VALUE_ATTR, v)
             return out
-        backward = self._tape_phase == BACKWARD
+        # a recomputed op is a forward op: the forward rules and view tracking apply
+        backward = self._tape_phase == BACKWARD and not self._recomputing()
         if not backward and self.views.busy:
             out = self.views.intercept(lambda: self._run_quietly(func, types, args, kwargs),
                                        self._record, func, args, kwargs)
@@ -311,6 +334,23 @@ class Tape(FakeTensorMode):
             if not backward and args:
                 self.views.after_op(func, args)
         return out
+
+    def _issued_by_another_mode(self, depth: int = 8) -> bool:
+        """Is a TorchDispatchMode other than this one handling an op further up the Python stack
+        (so that the op now dispatched is one it issued, inside the op it handles)?"""
+        f = sys._getframe(2)
+        for _ in range(depth):
+            if f is None:
+                return False
+            if f.f_code.co_name == "__torch_dispatch__":
+                mode = f.f_locals.get("self")
+                return mode is not self and mode is not None
+            f = f.f_back
+        return False
+
+    def _recomputing(self) -> bool:
+        """During backward: is a node running with grad mode on (checkpoint recomputing)?"""
+        return torch.is_grad_enabled() and self._backward_node() is not None
 
     def _record_workspace(self, steps, device, first_event: int) -> None:
         """Scratch the real kernel of the op just recorded allocates and frees inside it (the
@@ -413,7 +453,9 @@ class Tape(FakeTensorMode):
 
         rec = OpRecord(index, func, self._tape_phase, self._tape_step, rec_args, rec_kwargs, outputs,
                        tuple(tensors))
-        if self._tape_phase == FORWARD:
+        if self._tape_phase == BACKWARD and self._recomputing():
+            rec.recompute = True
+        if self._tape_phase == FORWARD or rec.recompute:
             peek = sequence_nr()
             rec.seq_nr = peek - 1
             rec.owns_node = peek != self._tape_last_seq

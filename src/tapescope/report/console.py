@@ -76,6 +76,11 @@ def render_summary(p, console: Console, top: int = 8) -> None:
     fl = p.flops
     console.print("[bold]FLOPs[/] " + " | ".join(f"{k} {fmt_flops(fl[k])}" for k in
                                                   ("forward", "backward", "optimizer", "total")))
+    recomputed = sum(op.recompute for op in p.ops)
+    if recomputed:
+        console.print(f"  activation checkpointing recomputes {recomputed} ops in the backward: "
+                      f"{fmt_flops(p.recompute_flops)} (in the backward's FLOPs)"
+                      + (f", {p.time.recompute * 1e3:.1f} ms" if p.time is not None else ""))
     if p.cuda_memory is not None:
         cm, t = p.cuda_memory, p.time
         verdict = "[red]does not fit[/]" if cm.oom else "fits"
@@ -123,8 +128,11 @@ def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
             continue
         seq = "" if op.seq_nr is None else str(op.seq_nr)
         module = "" if op.module is None else _mod(op.module)
+        flags = "saved" if op.saved else ""
+        if op.recompute:  # a forward op checkpointing runs again, in the backward rows
+            flags = "recompute" + (",saved" if op.saved else "")
         console.print(f"{seq}|{op.name}|{module}|{op.autograd_node or ''}|"
-                      f"{op.flops if op.flops is not None else '?'}|{'saved' if op.saved else ''}",
+                      f"{op.flops if op.flops is not None else '?'}|{flags}",
                       highlight=False, soft_wrap=True, markup=False)
 
 
@@ -240,3 +248,56 @@ def render_compiled(p, console: Console, top: int = 8) -> None:
     for b in c.graph_breaks:
         console.print(f"  [yellow]graph break[/] at {b.where or '?'}: {b.reason}", highlight=False,
                       markup=False)
+
+
+def render_plan(plan, name: str, options, console: Console) -> None:
+    """A checkpointing.Plan: the verdict, the units and their modes, the Pareto table, the code."""
+    from ..checkpointing.policy import FULL
+
+    gpu = f" ({options.gpu.name})" if options.gpu is not None else ""
+    console.print(f"[bold]{name}[/] on {options.device.type}{gpu}: activation checkpointing for a "
+                  f"budget of {fmt_bytes(plan.budget)}", highlight=False)
+    verdict = "[bold green]meets the budget[/]" if plan.meets_budget else \
+        "[bold red]cannot meet the budget[/] (the lowest peak found)"
+    console.print(f"peak {fmt_bytes(plan.peak_bytes)} {verdict} — the step re-traced with the plan "
+                  f"(first step {fmt_bytes(plan.first_step_peak_bytes)}, steady "
+                  f"{fmt_bytes(plan.steady_peak_bytes)}); without checkpointing "
+                  f"{fmt_bytes(plan.baseline_peak_bytes)}; the planner estimated "
+                  f"{fmt_bytes(plan.estimated_peak_bytes)}", highlight=False)
+    console.print(f"recompute {fmt_flops(plan.recompute_flops)}, {plan.recompute_seconds * 1e3:.3g} ms "
+                  f"({plan.cost_model}); {plan.traces} traces in {plan.seconds:.1f} s",
+                  highlight=False)
+    full = [p.module for p in plan.policies if p.mode == FULL]
+    sel = [p for p in plan.policies if p.mode != FULL]
+    rest = len(plan.units) - len(plan.policies)
+    console.print(f"  checkpointed whole ({len(full)}): {_fqn_runs(full) or '-'}", highlight=False)
+    console.print(f"  selective ({len(sel)}): {_fqn_runs([p.module for p in sel]) or '-'}"
+                  + (f"; keeping the outputs of {', '.join(sorted({o for p in sel for o in p.save_ops}))}"
+                     if sel else ""), highlight=False)
+    console.print(f"  not checkpointed: {rest} of the {len(plan.units)} units considered",
+                  highlight=False)
+    if plan.pareto:
+        t = Table(title="Budget -> re-traced peak -> recompute cost", title_justify="left", box=None)
+        for col in ("budget", "peak (re-traced)", "recompute", "FLOPs", "whole", "selective"):
+            t.add_column(col, justify="right")
+        for r in plan.pareto:
+            t.add_row(fmt_bytes(r.budget), fmt_bytes(r.peak_bytes),
+                      f"{r.recompute_seconds * 1e3:.3g} ms", fmt_flops(r.recompute_flops),
+                      str(r.full), str(r.selective))
+        console.print(t)
+    console.print("[bold]Paste into the training script[/] (then `apply_checkpointing(model)`):")
+    console.print(plan.code(), highlight=False, markup=False, soft_wrap=True)
+
+
+def _fqn_runs(names: list) -> str:
+    """'h.0, h.1, h.2, h.5' -> 'h.0-2, h.5'."""
+    out, i = [], 0
+    while i < len(names):
+        prefix, _, last = names[i].rpartition(".")
+        j = i
+        if last.isdigit():
+            while j + 1 < len(names) and names[j + 1] == f"{prefix}.{int(last) + j + 1 - i}":
+                j += 1
+        out.append(names[i] if j == i else f"{names[i]}-{int(last) + j - i}")
+        i = j + 1
+    return ", ".join(out)

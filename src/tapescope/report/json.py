@@ -21,6 +21,7 @@ def profile_dict(p, with_ops: bool = True, with_timeline: bool = True) -> dict:
         "inputs": p.inputs, "steps": p.steps,
         "peak_bytes": _n(p.peak_bytes), "first_step_peak_bytes": _n(p.first_step_peak_bytes),
         "flops": {k: _n(v) for k, v in p.flops.items()},
+        "recompute_flops": _n(p.recompute_flops),
         "uncounted_ops": p.uncounted_ops,
         "facts": p.facts,
         "memory": p.memory.to_dict(with_timeline),

@@ -1,0 +1,168 @@
+"""tapescope.plan_checkpointing: a plan made for a budget, applied to the real model, meets the
+budget on the real allocator, and its reported peak is the allocator's.
+
+Truth: the real CPU step (validate.real.run_real_steps, the allocator's own accounting under
+torch.profiler) of the model with `plan.apply` - torch's checkpoint_wrapper - applied.
+"""
+
+import json
+
+import pytest
+import torch.nn as nn
+
+import tapescope
+from tapescope.checkpointing import FULL, SELECTIVE, UnitPolicy
+from tapescope.validate.real import run_real_steps
+
+from .conftest import tiny
+
+GPT2 = "zoo:gpt2:n_layer=4,n_embd=64,n_head=4,vocab_size=128,block_size=64"
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return tiny(GPT2, batch=2, seq=64)
+
+
+@pytest.fixture(scope="module")
+def baseline(gpt2):
+    m = gpt2
+    return tapescope.profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn)
+
+
+@pytest.fixture(scope="module")
+def plan(gpt2, baseline):
+    """A budget between the lowest peak checkpointing reaches and the peak without it."""
+    m = gpt2
+    budget = int(baseline.peak_bytes * 0.87)
+    return tapescope.plan_checkpointing(m.build, *m.inputs, input_kwargs=m.input_kwargs,
+                                        loss_fn=m.loss_fn, budget=budget, pareto=4)
+
+
+def test_plan_meets_its_budget_on_the_real_allocator(gpt2, plan):
+    m = gpt2
+    assert plan.meets_budget and plan.policies
+    real = run_real_steps(lambda: plan.apply(m.build()), m.inputs, m.input_kwargs,
+                          loss_fn=m.loss_fn)
+    # the same standard as the truth tests: exact up to the 8-12 byte Python-scalar tensors
+    assert abs(real.peaks[1] - plan.first_step_peak_bytes) <= 12
+    assert abs(real.peaks[2] - plan.steady_peak_bytes) <= 12
+    assert max(real.peaks[1], real.peaks[2]) <= plan.budget
+    assert plan.peak_bytes == max(plan.first_step_peak_bytes, plan.steady_peak_bytes)
+
+
+def test_plan_is_data_and_code(gpt2, plan):
+    """The pasted code, run on a fresh model, traces to the same peak; the JSON round-trips."""
+    m = gpt2
+    scope: dict = {}
+    exec(plan.code(), scope)
+    wrapped = tapescope.profile(lambda: scope["apply_checkpointing"](m.build()), *m.inputs,
+                                input_kwargs=m.input_kwargs, loss_fn=m.loss_fn)
+    assert max(wrapped.peak_bytes, wrapped.first_step_peak_bytes) == plan.peak_bytes
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert [UnitPolicy.of(p) for p in d["policies"]] == list(plan.policies)
+    assert d["peak_bytes"] == plan.peak_bytes and d["budget"] == plan.budget
+    assert {p.mode for p in plan.policies} <= {FULL, SELECTIVE}
+
+
+def test_pareto_is_monotone_in_the_retraced_peak(plan, baseline):
+    rows = plan.pareto
+    assert len(rows) == 4
+    peaks = [r.peak_bytes for r in rows]
+    costs = [r.recompute_seconds for r in rows]
+    assert peaks == sorted(peaks) and costs == sorted(costs, reverse=True)
+    assert all(r.peak_bytes <= r.budget for r in rows)
+    assert rows[-1].peak_bytes == baseline.peak_bytes and rows[-1].recompute_flops == 0
+
+
+def test_planning_leaves_the_model_alone(gpt2, baseline):
+    m = gpt2
+    model = m.build()
+    before = [type(mod) for mod in model.modules()]
+    plan = tapescope.plan_checkpointing(model, *m.inputs, input_kwargs=m.input_kwargs,
+                                        loss_fn=m.loss_fn, budget=int(baseline.peak_bytes * 0.95))
+    assert [type(mod) for mod in model.modules()] == before
+    assert plan.apply(model) is model
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    assert sum(isinstance(mod, CheckpointWrapper) for mod in model.modules()) == len(plan.policies)
+
+
+def test_a_budget_no_plan_meets_says_so(gpt2, baseline):
+    m = gpt2
+    plan = tapescope.plan_checkpointing(m.build, *m.inputs, input_kwargs=m.input_kwargs,
+                                        loss_fn=m.loss_fn, budget=baseline.peak_bytes // 3)
+    assert not plan.meets_budget
+    assert baseline.peak_bytes > plan.peak_bytes > plan.budget  # the lowest peak found
+    assert "cannot meet" in plan.summary()
+
+
+def test_checkpointing_option_errors_name_the_module(gpt2):
+    m = gpt2
+    with pytest.raises(tapescope.TapescopeError, match="no module 'h.9'"):
+        tapescope.profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+                          checkpointing=["h.9"])
+    with pytest.raises(tapescope.TapescopeError, match="mode must be one of"):
+        tapescope.profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+                          checkpointing=[("h.0", "sometimes")])
+
+
+class _NoStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x)).sum()
+
+
+def test_no_layers_to_checkpoint_is_a_clear_error():
+    with pytest.raises(tapescope.TapescopeError, match="units="):
+        tapescope.plan_checkpointing(_NoStack, tapescope.spec((4, 8)), budget="1MiB")
+
+
+def test_cli_plan(tmp_path):
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    out = tmp_path / "plan.json"
+    code = tmp_path / "plan.py"
+    r = CliRunner().invoke(app, ["plan", GPT2, "-b", "2", "-s", "32", "--budget", "3MiB",
+                                 "--json", str(out), "--code", str(code)])
+    assert r.exit_code == 0, r.output
+    assert "apply_checkpointing" in r.output and "re-traced" in r.output
+    d = json.loads(out.read_text())
+    assert d["peak_bytes"] > 0 and "policies" in d and "def apply_checkpointing" in code.read_text()
+    bad = CliRunner().invoke(app, ["plan", GPT2, "--budget", "lots"])
+    assert bad.exit_code == 1 and "cannot read a memory size" in bad.output
+
+
+def test_knapsack_finds_the_cheapest_cover():
+    """The planner's multiple-choice knapsack against brute force over every choice."""
+    import itertools
+    import random
+
+    from tapescope.checkpointing.planner import _min_cost_cover
+
+    rng = random.Random(0)
+    for _ in range(30):
+        items = [(k, mode, rng.randint(1, 40), rng.uniform(1, 10))
+                 for k in range(5) for mode in ("selective", "full")]
+        need = rng.randint(1, 120)
+        best = None
+        for pick in itertools.product((None, "selective", "full"), repeat=5):
+            gain = cost = 0
+            for k, mode in enumerate(pick):
+                for kk, m, g, c in items:
+                    if kk == k and m == mode:
+                        gain, cost = gain + g, cost + c
+            if gain >= need and (best is None or cost < best):
+                best = cost
+        got = _min_cost_cover(items, need, resolution=need)
+        if best is None:
+            assert got is None
+        else:
+            total = sum(c for k, m, g, c in items if got.get(k) == m)
+            assert sum(g for k, m, g, c in items if got.get(k) == m) >= need
+            assert abs(total - best) < 1e-9
