@@ -29,6 +29,16 @@ def test_private_name_resolves(name):
     assert _resolve(name) is not None
 
 
+@pytest.mark.parametrize("name,since", sorted(compat.NEWER_TORCH_NAMES.items()))
+def test_newer_name_resolves_from_its_version(name, since):
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version >= since:
+        assert _resolve(name) is not None
+    else:  # tapescope only sets attributes such a torch never reads: nothing to resolve
+        with pytest.raises(AttributeError):
+            _resolve(name)
+
+
 def test_autograd_internals_answer():
     x = torch.ones(3, requires_grad=True)
     y = (x * 2).sum()

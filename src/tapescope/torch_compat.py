@@ -302,8 +302,17 @@ PRIVATE_NAMES = (
     "torch._inductor.config.force_disable_caches",
     "torch._prims_common.suggest_memory_format",
     "torch._C._select_conv_backend",
-    "torch.utils.checkpoint._current_user_saved_tensors_hooks",
 )
+
+# Names tapescope only accommodates where torch has them: it never calls them, and an older torch
+# without them behaves as tapescope expects (tests/test_torch_compat.py checks the supported torch
+# of README's install has each, and that older torch lacks them harmlessly).
+#   `_current_user_saved_tensors_hooks` (torch >= 2.14): checkpoint looks past internal hooks for the
+#   user's; mark_internal_saved_tensors_hooks sets the attributes it reads. Before 2.14 checkpoint
+#   never looks, so the attributes are inert.
+NEWER_TORCH_NAMES = {
+    "torch.utils.checkpoint._current_user_saved_tensors_hooks": (2, 14),
+}
 
 
 # ---- torch.compile (capture/compiled.py) ----------------------------------------------------------
