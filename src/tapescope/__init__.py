@@ -3,15 +3,31 @@
     import tapescope
     p = tapescope.profile(model, tapescope.spec((8, 1024), dtype="int64"))
     print(p.summary())
+
+The public names are imported on first use, so that `tapescope --help` (and anything else that
+only needs the command line) answers without importing torch.
 """
 
 __version__ = "0.1.0"
 
-from .api import Profile, profile
-from .checkpointing import Plan, plan_checkpointing
-from .capture.model import Spec, spec
-from .errors import TapescopeError
-from .options import CompileOptions
-
 __all__ = ["profile", "Profile", "plan_checkpointing", "Plan", "spec", "Spec", "CompileOptions",
            "TapescopeError", "__version__"]
+
+_LAZY = {"profile": ".api", "Profile": ".api", "spec": ".capture.model", "Spec": ".capture.model",
+         "TapescopeError": ".errors", "CompileOptions": ".options",
+         "plan_checkpointing": ".checkpointing", "Plan": ".checkpointing"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tapescope' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

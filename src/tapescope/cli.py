@@ -1,8 +1,13 @@
-"""The `tapescope` command."""
+"""The `tapescope` command: parse the flags, call the API, hand the result to a renderer.
+
+Nothing here computes: options are checked by `Options.create` and the model spec by
+`zoo.resolve`; output files are checked before the work starts (report/files.py). Torch is
+imported only by the commands, so that `tapescope --help` answers at once. Every message from
+user code (module names, error text) is printed as plain text, never read as rich markup.
+"""
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -11,11 +16,12 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from .errors import TapescopeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
-                  help="See a whole PyTorch training step before it runs.")
+                  rich_markup_mode=None, help="See a whole PyTorch training step before it runs.")
 out = Console(width=None if Console().is_terminal else 120, emoji=False)  # "zoo:llama:" is no emoji
 err = Console(stderr=True, emoji=False)
 
@@ -33,7 +39,7 @@ def _progress(label: str, delay: float = 1.0):
 
     def show():
         if not done.wait(delay) and err.is_terminal:
-            state["status"] = err.status(state["text"])
+            state["status"] = err.status(Text(state["text"]))
             state["status"].start()
 
     t = threading.Thread(target=show, daemon=True)
@@ -43,7 +49,7 @@ def _progress(label: str, delay: float = 1.0):
         # (step, phase) from a trace; (message,) from longer work that says what it is doing
         state["text"] = f"{label}: {step}" if phase is None else f"{label}: step {step} {phase} done"
         if state["status"] is not None:
-            state["status"].update(state["text"])
+            state["status"].update(Text(state["text"]))
 
     try:
         yield update
@@ -55,8 +61,17 @@ def _progress(label: str, delay: float = 1.0):
 
 
 def _fail(e: Exception) -> None:
-    err.print(f"[bold red]error:[/] {e}", highlight=False)
+    err.print(Text.assemble(("error:", "bold red"), " ", str(e)), highlight=False)
     raise typer.Exit(1)
+
+
+@contextmanager
+def _user_errors():
+    """A TapescopeError becomes its message and exit status 1 (no traceback)."""
+    try:
+        yield
+    except TapescopeError as e:
+        _fail(e)
 
 
 def _workload(spec, batch, seq, inputs):
@@ -67,22 +82,23 @@ def _workload(spec, batch, seq, inputs):
     return Workload(m.build, tuple(m.inputs), dict(m.input_kwargs), m.name), m.loss_fn
 
 
-def _options(loss_fn, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None, symbolic=(),
-             compile=None, threads=None, cpu_isa=None):
+def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None,
+             symbolic=(), compile=None, threads=None, cpu_isa=None):
     from .options import Options
 
-    return Options.create(loss_fn=loss_fn, optimizer=None if optimizer == "none" else optimizer,
+    return Options.create(loss_fn=model_loss if loss is None else loss,
+                          optimizer=None if optimizer == "none" else optimizer,
                           device=device, gpu=gpu, dtype=dtype, amp=amp, steps=steps,
                           alloc_conf=alloc_conf, symbolic=symbolic, compile=compile,
                           threads=threads, cpu_isa=cpu_isa)
 
 
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
-                 alloc_conf=None, compile=None, threads=None, cpu_isa=None):
+                 alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None):
     from .api import profile_workload
 
-    workload, loss_fn = _workload(spec, batch, seq, inputs)
-    options = _options(loss_fn, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
+    workload, model_loss = _workload(spec, batch, seq, inputs)
+    options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
                        compile=compile, threads=threads, cpu_isa=cpu_isa)
     what = "compiling and tracing" if compile else "tracing"
     with _progress(f"{what} {workload.name} on fake {options.device.type} tensors") as progress:
@@ -104,6 +120,24 @@ def _compile_options(compile, mode, fullgraph, dynamic, budget, compile_optimize
                           activation_memory_budget=budget, optimizer=compile_optimizer)
 
 
+def _check_outputs(**paths) -> dict:
+    """Fail now, not after the work, if an output file cannot be written."""
+    from .report.files import check_writable
+
+    for flag, path in paths.items():
+        if path:
+            check_writable(path, "--" + flag.replace("_", "-"))
+    return paths
+
+
+def _write_json(path: str | None, data) -> None:
+    if path:
+        from .report.files import write_json
+
+        write_json(path, data)
+        out.print(Text(f"wrote {path}"))
+
+
 SpecArg = typer.Argument(DEFAULT_SPEC, help=_spec_help, show_default=True)
 BatchOpt = typer.Option(None, "--batch", "-b", help="Batch size (default: the model's).")
 SeqOpt = typer.Option(None, "--seq", "-s", help="Sequence length (image size for vision models).")
@@ -115,6 +149,10 @@ GpuOpt = typer.Option(None, "--gpu", help="With --device cuda: the GPU whose ker
 OptimOpt = typer.Option("adamw", "--optimizer", "-o", help="adamw, adam, sgd or none.")
 StepsOpt = typer.Option(2, "--steps", help="2: steady state with optimizer state; 1: first step.")
 InputOpt = typer.Option(None, "--input", "-i", help="An input shape, e.g. 4,128 or 4,128:int64; repeat for several.")
+LossOpt = typer.Option(None, "--loss", help="sum, mean, cross-entropy (of the model's logits) or "
+                                            "FILE.py:FN / MODULE:FN called as FN(output, *inputs) "
+                                            "(default: the model's own loss, else the sum of its outputs).")
+JsonOpt = typer.Option(None, "--json", help="Write the result as JSON to this file.")
 ThreadsOpt = typer.Option(None, "--threads",
                           help="CPU: the intra-op threads kernels size per-thread scratch for "
                                "(default: this machine's).")
@@ -140,7 +178,7 @@ def profile_cmd(
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
     gpu: Optional[str] = GpuOpt,
     optimizer: str = OptimOpt, steps: int = StepsOpt, input: Optional[List[str]] = InputOpt,
-    alloc_conf: Optional[str] = AllocConfOpt,
+    loss: Optional[str] = LossOpt, alloc_conf: Optional[str] = AllocConfOpt,
     threads: Optional[int] = ThreadsOpt, cpu_isa: Optional[str] = CpuIsaOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
@@ -153,54 +191,44 @@ def profile_cmd(
 ):
     """Peak memory and what causes it, FLOPs by phase, top modules, uncounted ops; with --compile,
     the step as torch.compile runs it beside the eager one."""
-    from .report.console import render_compiled, render_summary
+    with _user_errors():
+        _check_outputs(json=json_file, graph=graph_file, html=html_file, png=png_file)
+        if png_file:
+            from .report.png import require_matplotlib
 
-    try:
+            require_matplotlib()
         t0 = time.perf_counter()
-        options = _compile_options(compile, compile_mode, fullgraph, dynamic,
-                                   activation_memory_budget, compile_optimizer, compile_backend)
+        compile_options = _compile_options(compile, compile_mode, fullgraph, dynamic,
+                                           activation_memory_budget, compile_optimizer,
+                                           compile_backend)
         p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp, gpu,
-                         alloc_conf, compile=options, threads=threads, cpu_isa=cpu_isa)
+                         alloc_conf, loss, compile=compile_options, threads=threads,
+                         cpu_isa=cpu_isa)
         elapsed = time.perf_counter() - t0
+        from .report.console import render_compiled, render_summary
+
         render_summary(p, out, top=top)
         if p.compiled is not None:
             render_compiled(p, out, top=top)
-        out.print(f"[dim]{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never allocated the model.[/]")
-        if json_file:
-            with open(json_file, "w") as f:
-                json.dump(p.to_dict(), f, indent=1, default=str)
-            out.print(f"wrote {json_file}")
+        out.print(Text(f"{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never allocated "
+                       "the model.", style="dim"))
+        _write_json(json_file, p.to_dict())
         if graph_file:
-            _write_graph(p, graph_file)
-            out.print(f"wrote {graph_file}")
+            from .report.files import write_text
+            from .report.graph_file import graph_file_text
+
+            write_text(graph_file, graph_file_text(p))
+            out.print(Text(f"wrote {graph_file}"))
         if html_file:
             from .report.html import write_html
 
             write_html(p, html_file)
-            out.print(f"wrote {html_file}")
+            out.print(Text(f"wrote {html_file}"))
         if png_file:
-            try:
-                from .report.png import write_png
+            from .report.png import write_png
 
-                write_png(p, png_file)
-            except ImportError as e:  # matplotlib is optional
-                raise TapescopeError(str(e)) from None
-            out.print(f"wrote {png_file}")
-    except TapescopeError as e:
-        _fail(e)
-
-
-def _write_graph(p, path: str) -> None:
-    gm = p.graph
-    lines = [f"# tapescope: training step of {p.model} on {p.device}; one node per aten op",
-             "# node meta: phase | seq_nr | module | FLOPs | saved-for-backward"]
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and "phase" in n.meta:
-            m = n.meta
-            lines.append(f"#   {n.name}: {m['phase']} | {m['seq_nr']} | {m['nn_module']} | "
-                         f"{m['flops']} | {'saved' if m['saved'] else ''}")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n" + gm.code)
+            write_png(p, png_file)
+            out.print(Text(f"wrote {png_file}"))
 
 
 @app.command("budget-sweep")
@@ -208,39 +236,37 @@ def budget_sweep_cmd(
     spec: str = SpecArg, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
     optimizer: str = OptimOpt, input: Optional[List[str]] = InputOpt,
+    loss: Optional[str] = LossOpt,
     budgets: str = typer.Option("0,0.1,0.25,0.5,0.75,1", "--budgets",
                                 help="activation_memory_budget values, comma-separated."),
     compile_mode: Optional[str] = ModeOpt, dynamic: Optional[str] = DynamicOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the table as JSON."),
 ):
     """The compiled step's physical peak for each functorch activation_memory_budget."""
-    from .report.text import fmt_bytes, fmt_flops
-    from .sweeps import budget_sweep
+    with _user_errors():
+        _check_outputs(json=json_file)
+        try:
+            values = [float(b) for b in budgets.split(",") if b.strip()]
+        except ValueError as e:
+            raise TapescopeError(f"--budgets: {e}") from None
+        from .report.text import fmt_bytes, fmt_flops
+        from .sweeps import budget_sweep
 
-    try:
-        values = [float(b) for b in budgets.split(",") if b.strip()]
-        workload, loss_fn = _workload(spec, batch, seq, input)
+        workload, model_loss = _workload(spec, batch, seq, input)
         compile = _compile_options(True, compile_mode, False, dynamic, None, False, None)
-        options = _options(loss_fn, optimizer, device, None, dtype, amp, compile=compile)
+        options = _options(model_loss, loss, optimizer, device, None, dtype, amp, compile=compile)
         with _progress(f"compiling {workload.name} at {len(values)} budgets"):
             points = budget_sweep(workload, options, values)
-    except ValueError as e:
-        _fail(TapescopeError(f"--budgets: {e}"))
-    except TapescopeError as e:
-        _fail(e)
-    out.print(f"[bold]{workload.name}[/] compiled ({options.device.type}): physical peak per "
-              f"activation_memory_budget")
-    out.print(f"  {'budget':>6}  {'peak':>12}  {'first step':>12}  {'saved':>12}  "
-              f"{'recomputed':>10}  {'recompute':>12}", highlight=False)
-    for pt in points:
-        out.print(f"  {pt.budget:>6.2f}  {fmt_bytes(pt.peak_bytes):>12}  "
-                  f"{fmt_bytes(pt.first_step_peak_bytes):>12}  {fmt_bytes(pt.saved_bytes):>12}  "
-                  f"{pt.recomputed_ops:>10}  {fmt_flops(pt.recompute_flops):>12}", highlight=False)
-    if json_file:
-        with open(json_file, "w") as f:
-            json.dump({"model": workload.name, "points": [p.to_dict() for p in points]}, f,
-                      indent=1)
-        out.print(f"wrote {json_file}")
+        out.print(Text.assemble((workload.name, "bold"), f" compiled ({options.device.type}): "
+                                "physical peak per activation_memory_budget"))
+        out.print(f"  {'budget':>6}  {'peak':>12}  {'first step':>12}  {'saved':>12}  "
+                  f"{'recomputed':>10}  {'recompute':>12}", highlight=False, markup=False)
+        for pt in points:
+            out.print(f"  {pt.budget:>6.2f}  {fmt_bytes(pt.peak_bytes):>12}  "
+                      f"{fmt_bytes(pt.first_step_peak_bytes):>12}  {fmt_bytes(pt.saved_bytes):>12}  "
+                      f"{pt.recomputed_ops:>10}  {fmt_flops(pt.recompute_flops):>12}",
+                      highlight=False, markup=False)
+        _write_json(json_file, {"model": workload.name, "points": [p.to_dict() for p in points]})
 
 
 @app.command("ops")
@@ -248,17 +274,21 @@ def ops_cmd(
     spec: str = SpecArg, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
     gpu: Optional[str] = GpuOpt, input: Optional[List[str]] = InputOpt,
+    loss: Optional[str] = LossOpt,
     optimizer: bool = typer.Option(False, "--with-optimizer", help="Also list the optimizer's ops."),
+    json_file: Optional[str] = JsonOpt,
 ):
     """The forward<->backward op table: seq_nr | aten op | module, forward rows then backward."""
-    from .report.console import render_ops
+    with _user_errors():
+        _check_outputs(json=json_file)
+        phases = ("forward", "backward", "optimizer") if optimizer else ("forward", "backward")
+        p = _run_profile(spec, batch, seq, device, dtype, "adamw" if optimizer else "none", 1,
+                         input, amp=amp, gpu=gpu, loss=loss)
+        from .report.console import render_ops
+        from .report.json import ops_dict
 
-    try:
-        p = _run_profile(spec, batch, seq, device, dtype, "adamw" if optimizer else "none", 1, input,
-                         amp=amp, gpu=gpu)
-        render_ops(p, out, phases=("forward", "backward", "optimizer") if optimizer else ("forward", "backward"))
-    except TapescopeError as e:
-        _fail(e)
+        render_ops(p, out, phases=phases)
+        _write_json(json_file, ops_dict(p, phases))
 
 
 @app.command("explain")
@@ -267,33 +297,45 @@ def explain_cmd(
     device: str = DeviceOpt, dtype: Optional[str] = typer.Option("fp32", "--dtype"),
     model: Optional[str] = typer.Option(None, "--model", help="Explain every op of this model's step."),
     batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
+    json_file: Optional[str] = JsonOpt,
 ):
     """How the dispatcher handles an op on a device, what autograd records and what its backward runs."""
-    from .analysis.explain import describe_kernel, explain_op, explain_profile, render
-    from .options import resolve_dtype
+    with _user_errors():
+        _check_outputs(json=json_file)
+        from .analysis.explain import describe_kernel, explain_op, explain_profile, render
+        from .options import resolve_device, resolve_dtype
+        from .report.json import to_jsonable
 
-    try:
         if model is None:
             if op is None:
                 raise TapescopeError("give an op (tapescope explain aten::rms_norm) or --model SPEC")
+            dev = resolve_device(device or "cpu")
             try:
-                e = explain_op(op, device or "cpu", resolve_dtype(dtype))
+                dt = resolve_dtype(dtype)
+            except ValueError as exc:
+                raise TapescopeError(str(exc)) from None
+            try:
+                e = explain_op(op, dev.type, dt)
             except ValueError as exc:
                 raise TapescopeError(f"{exc}; to explain an op in context use --model SPEC") from None
             out.print(render(e), highlight=False, markup=False)
+            _write_json(json_file, to_jsonable(e))
             return
         p = _run_profile(model, batch, seq, device, dtype if dtype != "fp32" else None, "none", 1, None)
+        rows = []
         for name, autograd, backend, node, bwd in explain_profile(p.ops, p.trace.device.type):
             if op and op not in name:
                 continue
-            out.print(f"{name}", style="bold", highlight=False)
+            rows.append({"op": name, "autograd_kernel": describe_kernel(autograd),
+                         "backend_kernel": describe_kernel(backend), "autograd_node": node,
+                         "backward_ops": list(bwd)})
+            out.print(Text(name, style="bold"), highlight=False)
             out.print(f"  Autograd key: {describe_kernel(autograd)}", highlight=False, markup=False)
             out.print(f"  backend key:  {describe_kernel(backend)}", highlight=False, markup=False)
             if node:
                 out.print(f"  autograd records {node}; its backward runs: {', '.join(bwd) or 'nothing'}",
                           highlight=False, markup=False)
-    except TapescopeError as e:
-        _fail(e)
+        _write_json(json_file, {"model": p.model, "device": p.device, "ops": rows})
 
 
 @app.command("diff")
@@ -302,19 +344,22 @@ def diff_cmd(
     vs: str = typer.Option("cuda", "--vs", help="Second device."),
     batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt, dtype: Optional[str] = DtypeOpt,
     amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt, input: Optional[List[str]] = InputOpt,
+    loss: Optional[str] = LossOpt,
     top: int = typer.Option(12, "--top", help="Differences to show."),
+    json_file: Optional[str] = JsonOpt,
 ):
     """The same step traced on two devices: aligned op sequences, each difference explained."""
-    from .analysis.diff import diff_steps
-    from .report.console import render_diff
+    with _user_errors():
+        _check_outputs(json=json_file)
+        a = _run_profile(spec, batch, seq, device, dtype, optimizer, 2, input, amp, loss=loss)
+        b = _run_profile(spec, batch, seq, vs, dtype, optimizer, 2, input, amp, loss=loss)
+        from .analysis.diff import diff_steps
+        from .report.console import render_diff
+        from .report.json import diff_dict
 
-    try:
-        a = _run_profile(spec, batch, seq, device, dtype, optimizer, 2, input, amp)
-        b = _run_profile(spec, batch, seq, vs, dtype, optimizer, 2, input, amp)
-    except TapescopeError as e:
-        _fail(e)
-    d = diff_steps(a.ops, b.ops, a.trace.device.type, b.trace.device.type)
-    render_diff(a, b, d, out, top=top)
+        d = diff_steps(a.ops, b.ops, a.trace.device.type, b.trace.device.type)
+        render_diff(a, b, d, out, top=top)
+        _write_json(json_file, diff_dict(a, b, d))
 
 
 @app.command("fit")
@@ -324,29 +369,32 @@ def fit_cmd(
     seq: Optional[int] = SeqOpt, batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Fix the batch and find the longest sequence."),
     device: Optional[str] = typer.Option(None, "--device", "-d", help="Default: cuda with --gpu, else cpu."),
     dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt,
+    input: Optional[List[str]] = InputOpt, loss: Optional[str] = LossOpt,
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Also print the peak for sizes A..B, e.g. 1..4096."),
+    json_file: Optional[str] = JsonOpt,
 ):
-    """The largest batch (or, with --batch, sequence length) whose step fits the memory budget."""
-    from .fit import fit_workload, sweep as sweep_sizes
-    from .report.console import render_fit
+    """The largest batch (or, with --batch, sequence length) whose step fits the memory budget.
 
-    try:
+    Exits 1 when not even the smallest size fits."""
+    with _user_errors():
+        _check_outputs(json=json_file)
+        from .fit import fit_workload, parse_bytes, parse_sweep, sweep as sweep_sizes
+
         dim = "seq" if batch is not None else "batch"
-        workload, loss_fn = _workload(spec, batch, seq, None)
-        options = _options(loss_fn, optimizer, device, gpu, dtype, amp)
+        sweep_range = parse_sweep(sweep) if sweep else None
+        budget_bytes = parse_bytes(budget) if budget is not None else None
+        workload, model_loss = _workload(spec, batch, seq, input)
+        options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp)
         with _progress(f"tracing {workload.name} with a symbolic {dim}") as progress:
-            r = fit_workload(workload, options, budget=budget, dim=dim, progress=progress)
-        rows = None
-        if sweep:
-            a, _, b = sweep.partition("..")
-            try:
-                lo, hi = int(a), int(b or a)
-            except ValueError:
-                raise TapescopeError(f"--sweep takes A..B, e.g. 1..4096, not {sweep!r}") from None
-            rows = sweep_sizes(r, lo, hi)
-    except TapescopeError as e:
-        _fail(e)
-    render_fit(r, workload.name, options, out, rows)
+            r = fit_workload(workload, options, budget=budget_bytes, dim=dim, progress=progress)
+        rows = sweep_sizes(r, *sweep_range) if sweep_range else None
+        from .report.console import render_fit
+        from .report.json import fit_dict
+
+        render_fit(r, workload.name, options, out, rows)
+        _write_json(json_file, fit_dict(r, workload.name, options, rows))
+    if r.value is None:
+        raise typer.Exit(1)
 
 
 @app.command("plan")
@@ -356,6 +404,7 @@ def plan_cmd(
     gpu: Optional[str] = GpuOpt, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt,
     optimizer: str = OptimOpt, input: Optional[List[str]] = InputOpt,
+    loss: Optional[str] = LossOpt,
     unit: Optional[List[str]] = typer.Option(None, "--unit", "-u", help="A module to consider checkpointing (repeat; default: the layers of the model's stacks)."),
     pareto: int = typer.Option(0, "--pareto", help="Also trace this many budgets: budget -> re-traced peak -> recompute cost."),
     max_traces: int = typer.Option(4, "--max-traces", help="Re-traces the search may spend correcting its estimate."),
@@ -364,27 +413,24 @@ def plan_cmd(
 ):
     """What to recompute (activation checkpointing) so that the step fits the budget; the plan's
     peak is the step re-traced with the plan applied."""
-    from .checkpointing import plan_workload
-    from .report.console import render_plan
+    with _user_errors():
+        _check_outputs(json=json_file, code=code_file)
+        from .checkpointing import plan_workload
+        from .report.console import render_plan
 
-    try:
-        workload, loss_fn = _workload(spec, batch, seq, input)
-        options = _options(loss_fn, optimizer, device, gpu, dtype, amp)
+        workload, model_loss = _workload(spec, batch, seq, input)
+        options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp)
         with _progress(f"planning checkpointing for {workload.name}") as progress:
             plan = plan_workload(workload, options, budget=budget, units=unit or None,
                                  max_traces=max_traces, pareto=pareto,
                                  progress=progress)
         render_plan(plan, workload.name, options, out)
-        if json_file:
-            with open(json_file, "w") as f:
-                json.dump(plan.to_dict(), f, indent=1, default=str)
-            out.print(f"wrote {json_file}")
+        _write_json(json_file, plan.to_dict())
         if code_file:
-            with open(code_file, "w") as f:
-                f.write(plan.code())
-            out.print(f"wrote {code_file}")
-    except TapescopeError as e:
-        _fail(e)
+            from .report.files import write_text
+
+            write_text(code_file, plan.code())
+            out.print(Text(f"wrote {code_file}"))
 
 
 @app.command("validate")
@@ -393,38 +439,26 @@ def validate_cmd(
     device: Optional[str] = typer.Option(None, "--device", "-d",
                                          help="The device to run on for real (default: a GPU if present)."),
     dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt,
-    input: Optional[List[str]] = InputOpt,
+    input: Optional[List[str]] = InputOpt, loss: Optional[str] = LossOpt,
     warmup: int = typer.Option(2, "--warmup"), steps: int = typer.Option(5, "--steps"),
+    json_file: Optional[str] = JsonOpt,
 ):
     """Predict the step, run it for real on this machine's device, and compare."""
-    from .report.text import fmt_bytes
-    from .validate.harness import validate
-    from .zoo import parse_input, resolve
+    with _user_errors():
+        _check_outputs(json=json_file)
+        from .report.console import render_validation
+        from .report.json import to_jsonable
+        from .validate.harness import validate
+        from .zoo import parse_input, resolve
 
-    device = device or ("cuda" if _cuda_present() else "cpu")
-    try:
         m = resolve(spec, batch=batch, seq=seq, inputs=[parse_input(i) for i in input or []])
-        with _progress(f"validating {m.name} on {device}"):
-            v = validate(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+        with _progress(f"validating {m.name}"):
+            v = validate(m.build, *m.inputs, input_kwargs=m.input_kwargs,
+                         loss_fn=m.loss_fn if loss is None else loss,
                          optimizer=None if optimizer == "none" else optimizer, device=device,
                          dtype=dtype, amp=amp, warmup=warmup, steps=steps, name=m.name)
-    except TapescopeError as e:
-        _fail(e)
-    out.print(f"[bold]{v.model}[/] on {v.device}{' (' + v.gpu + ')' if v.gpu else ''}, torch {v.torch_version}")
-    for q, pred, meas in v.rows:
-        fmt = (lambda x: f"{x * 1e3:.2f} ms") if q.endswith(" s") else fmt_bytes
-        err = "" if pred is None or not meas else f"{(pred - meas) / meas:+.2%}"
-        out.print(f"  {q:<32} predicted {fmt(pred) if pred is not None else '-':>12}   "
-                  f"measured {fmt(meas) if meas is not None else '-':>12}   {err}", highlight=False)
-    out.print(f"  op sequence: {'identical' if v.ops_match else 'differs'}")
-    for d in v.ops_diff[:10]:
-        out.print(f"    {d}", highlight=False, markup=False)
-
-
-def _cuda_present() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+        render_validation(v, out)
+        _write_json(json_file, to_jsonable(v))
 
 
 def main() -> None:

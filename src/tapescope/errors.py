@@ -17,6 +17,8 @@ __all__ = [
     "UnsupportedOpError",
     "ModelError",
     "from_trace_failure",
+    "passes_user_calls",
+    "raised_by_tapescope",
 ]
 
 
@@ -48,6 +50,63 @@ class ModelError(TapescopeError):
     """The model's own code raised (a shape mismatch, say)."""
 
 
+# Code of tapescope functions that only pass the user's call on to torch (the function rules, the
+# dispatch front): an error raised by the torch call they make is the user's, not tapescope's.
+# Filled at import by `passes_user_calls`, never changed after.
+_PASS_THROUGH_CODE: set = set()
+
+
+def passes_user_calls(fn):
+    """Mark `fn` as passing the user's own call on to torch (see raised_by_tapescope)."""
+    _PASS_THROUGH_CODE.add(fn.__code__)
+    return fn
+
+
+def _package_dirs() -> tuple[str, str]:
+    import os
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    return package, os.path.join(package, "zoo") + os.sep
+
+
+def raised_by_tapescope(e: BaseException) -> bool:
+    """True if tapescope's own code raised `e` (a bug to report with its traceback): the innermost
+    Python frame is tapescope's (not the zoo's) and it did not just pass the user's call on to
+    torch, and no op of the user's step raised it."""
+    if getattr(e, "tapescope_op", None) is not None:
+        return False
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code
+        tb = tb.tb_next
+    if last is None or last in _PASS_THROUGH_CODE:
+        return False
+    package, zoo = _package_dirs()
+    return last.co_filename.startswith(package) and not last.co_filename.startswith(zoo)
+
+
+def _user_frame_of(exc):
+    """The innermost frame of the user's code in the exception's traceback (not torch's, not
+    tapescope's capture, not the standard library's), as 'file:line in function'."""
+    import os
+    import sysconfig
+
+    import torch
+
+    skip = (os.path.dirname(torch.__file__) + os.sep, _package_dirs()[0],
+            sysconfig.get_paths()["stdlib"] + os.sep)
+    zoo = _package_dirs()[1]
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        installed = "site-packages" in f or "dist-packages" in f
+        if not f.startswith(skip) or f.startswith(zoo) or (installed and not f.startswith(skip[:2])):
+            found = f"{f}:{tb.tb_lineno} ({tb.tb_frame.f_code.co_name})"
+        tb = tb.tb_next
+    return found
+
+
 def _where(exc) -> str:
     module = getattr(exc, "tapescope_module", None)
     frame = getattr(exc, "tapescope_frame", None)
@@ -59,6 +118,10 @@ def _where(exc) -> str:
         parts.append(f"during {phase}")
     if frame is not None:
         parts.append(f"at {frame.filename}:{frame.lineno} ({frame.function})")
+    else:
+        line = _user_frame_of(exc)
+        if line is not None:
+            parts.append(f"at {line}")
     return " ".join(parts)
 
 
@@ -87,6 +150,11 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
             f"Fix: register one with torch.library.register_fake('{_op_name(op)}') (it only has to "
             "return an empty tensor of the right shape), or replace the op.")
     text = str(exc)
+    if any(m in text for m in _VALUE_READS):
+        return DataDependentError(
+            f"the model reads a tensor's values {where} ({text.strip().splitlines()[0]}); fake "
+            "tensors have shapes but no values. Fix: keep the computation in torch ops, or move "
+            "it out of forward/backward (a metric computed after the step, say).")
     if op is not None and ("no fake impl" in text or "'Meta' backend" in text
                            or isinstance(exc, NotImplementedError)):
         return UnsupportedOpError(
@@ -94,6 +162,11 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
             f"with torch.library.register_fake('{_op_name(op)}').")
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return ModelError(f"the model raised {type(exc).__name__} {where}: {msg}".replace("  ", " "))
+
+
+# What torch says when a tensor subclass (a fake tensor) is asked for its data.
+_VALUE_READS = (".numpy() is not supported for tensor subclasses",
+                "Cannot access data pointer of Tensor", "doesn't support data access")
 
 
 def _op_name(op) -> str:

@@ -19,10 +19,13 @@ from .api import profile_workload
 from .errors import TapescopeError
 from .options import Options, Workload
 
-__all__ = ["FitResult", "fit", "fit_workload", "sweep", "parse_bytes", "default_budget",
-           "ALLOCATOR_SLACK"]
+__all__ = ["FitResult", "fit", "fit_workload", "sweep", "parse_bytes", "parse_sweep",
+           "default_budget", "large_size_formula", "ALLOCATOR_SLACK", "SEARCH_LIMIT"]
 
 ALLOCATOR_SLACK = 0.10
+# The search doubles the size until the step no longer fits; a step whose peak does not grow with
+# the size fits at every size, and the search says so when it reaches this one.
+SEARCH_LIMIT = 1 << 62
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
@@ -34,9 +37,25 @@ def parse_bytes(text) -> int:
     if isinstance(text, (int, float)):
         return int(text)
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m[2].lower() not in _UNITS:
+    try:
+        n = int(float(m[1]) * _UNITS[m[2].lower()]) if m else None
+    except (ValueError, KeyError, OverflowError):
+        n = None
+    if n is None or n <= 0:
         raise TapescopeError(f"cannot read a memory size from {text!r}; write e.g. 24GiB or 80GB")
-    return int(float(m[1]) * _UNITS[m[2].lower()])
+    return n
+
+
+def parse_sweep(text: str) -> tuple[int, int]:
+    """'1..4096' -> (1, 4096); '64' -> (64, 64)."""
+    a, _, b = str(text).partition("..")
+    try:
+        lo, hi = int(a), int(b or a)
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        raise TapescopeError(f"--sweep takes A..B with 1 <= A <= B, e.g. 1..4096, not {text!r}")
+    return lo, hi
 
 
 def default_budget(gpu) -> int:
@@ -64,6 +83,8 @@ class FitResult:
     profile: object          # the symbolic Profile the search used
     probes: list             # (size, peak) pairs evaluated
     budget_note: str = ""    # where the budget comes from, when it was not given
+    search_limit: int = SEARCH_LIMIT   # the largest size the search tries
+    reached_search_limit: bool = False  # every size up to search_limit fits
 
     @property
     def headroom(self) -> int | None:
@@ -71,7 +92,7 @@ class FitResult:
 
 
 def fit(model, *inputs, budget=None, gpu=None, dim: str = "batch", low: int = 1,
-        high: int = 1 << 20, input_kwargs=None, name=None, progress=None, **options) -> FitResult:
+        high: int = SEARCH_LIMIT, input_kwargs=None, name=None, progress=None, **options) -> FitResult:
     """Largest `dim` ("batch" or "seq") whose predicted peak fits `budget` (or `gpu`'s memory).
 
     Other arguments are profile()'s. The other named dimensions keep the sizes the inputs give.
@@ -82,13 +103,15 @@ def fit(model, *inputs, budget=None, gpu=None, dim: str = "batch", low: int = 1,
 
 
 def fit_workload(workload: Workload, options: Options, *, budget=None, dim: str = "batch",
-                 low: int = 1, high: int = 1 << 20, progress=None) -> FitResult:
+                 low: int = 1, high: int = SEARCH_LIMIT, progress=None) -> FitResult:
     note = ""
     if budget is None:
         if options.gpu is None:
             raise TapescopeError("give a budget (e.g. '24GiB') or a GPU (e.g. 'h100')")
         budget, note = default_budget(options.gpu), _budget_note(options.gpu)
     budget = parse_bytes(budget)
+    if dim not in ("batch", "seq"):
+        raise TapescopeError(f"fit searches 'batch' or 'seq', not {dim!r}")
     p = profile_workload(workload, replace(options, symbolic=(dim,)), progress)
     sp = p.symbolic
     lo_ok, hi_ok = sp.ranges[dim]
@@ -127,7 +150,24 @@ def fit_workload(workload: Workload, options: Options, *, budget=None, dim: str 
                 bad = mid
     at_good = dict(probes)[good] if good in dict(probes) else peak(good)
     nxt = None if good >= high and bad is None else (dict(probes).get(good + 1) or peak(good + 1))
-    return FitResult(dim, good, at_good, budget, nxt, limit, p, probes, note)
+    return FitResult(dim, good, at_good, budget, nxt, limit, p, probes, note, high,
+                     reached_search_limit=good >= high and (limit is None or high < limit))
+
+
+def large_size_formula(r: FitResult):
+    """The peak's formula that holds for large sizes of the searched dimension: the piece (of the
+    first step's or the steady step's) that is largest there, other dimensions at their sizes."""
+    sp = r.profile.symbolic
+    huge = {**sp.hints, r.dim: 1 << 40}
+    symbols = dict(zip(sp.names, sp.symbols))
+    best, best_value = None, None
+    for pieces in (sp.pieces, sp.first_pieces):
+        for piece in pieces:
+            e = sp.expr(piece.bytes)
+            v = e.xreplace({symbols[n]: huge[n] for n in sp.names if n in huge})
+            if best_value is None or v > best_value:
+                best, best_value = e, v
+    return best
 
 
 def sweep(r: FitResult, lo: int, hi: int) -> list[tuple[int, int]]:

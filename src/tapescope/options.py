@@ -18,7 +18,7 @@ import torch
 from .errors import DeviceError, TapescopeError
 
 __all__ = ["Workload", "Options", "CompileOptions", "ENGINES", "DEFAULT_GPU", "resolve_device",
-           "resolve_dtype"]
+           "resolve_dtype", "check_device_build", "unbuilt_device_types"]
 
 ENGINES = ("python", "torch")
 DEFAULT_GPU = "h100"     # device="cuda" without a named GPU traces what an H100 would run
@@ -60,13 +60,19 @@ def resolve_device(device, gpu=None) -> torch.device:
     return dev
 
 
-def check_device_build(device: torch.device) -> None:
+def unbuilt_device_types() -> frozenset:
+    """Device types this torch build has no backend for (fake tensors of them abort the process
+    as soon as autograd records an op on them)."""
+    return frozenset() if torch.backends.cuda.is_built() else frozenset({"cuda"})
+
+
+def check_device_build(device: torch.device, what: str = "device='cuda'") -> None:
     """Fail before tracing where torch itself would abort the process."""
-    if device.type == "cuda" and not torch.backends.cuda.is_built():
+    if device.type in unbuilt_device_types():
         # On a CPU-only build, any autograd op on a fake CUDA tensor aborts the process (SIGABRT
         # from AccumulateGrad): this check must come first.
         raise DeviceError(
-            f"device='cuda' needs a CUDA build of PyTorch, and this one ({torch.__version__}) is "
+            f"{what} needs a CUDA build of PyTorch, and this one ({torch.__version__}) is "
             "CPU-only. A GPU is not needed, only the CUDA build: install one, e.g. "
             "`pip install torch --index-url https://download.pytorch.org/whl/cu128`, "
             "or profile with --device cpu.")
@@ -152,7 +158,8 @@ class Workload:
 class Options:
     """How the step is run and traced. Build with `Options.create(...)`, which checks and resolves.
 
-    loss_fn: `loss_fn(output, *inputs) -> scalar`; None: see capture.step.default_loss.
+    loss_fn: `loss_fn(output, *inputs) -> scalar`, or a name (losses.py: "sum", "mean",
+        "cross-entropy", "file.py:fn", "module:fn"); None: see capture.step.default_loss.
     optimizer: "sgd", "adam", "adamw", an Optimizer class, a function params -> optimizer, or None.
     device: the device whose kernels and autograd formulas are traced (cpu, cuda, meta).
     gpu: for cuda, the catalogue GPU (devices.gpus.GPU) whose kernel choices are followed.
@@ -191,6 +198,9 @@ class Options:
                alloc_conf=None, checkpointing=(), compile=None, threads: int | None = None,
                cpu_isa: str | None = None) -> "Options":
         """Check and resolve every option; a bad one raises a TapescopeError that says why."""
+        from .losses import resolve_loss
+
+        loss_fn = resolve_loss(loss_fn)
         dev = resolve_device(device, gpu)
         check_device_build(dev)
         gpu_entry = None
@@ -205,6 +215,13 @@ class Options:
         for what, d in (("dtype", dtype), ("amp", amp)):
             if d is not None and not d.is_floating_point:
                 raise TapescopeError(f"{what} must be a floating-point type, got {d}")
+        if optimizer is not None and not callable(optimizer):
+            from .capture.optimizers import OPTIMIZERS
+
+            if not isinstance(optimizer, str) or optimizer.lower() not in (*OPTIMIZERS, "none"):
+                raise TapescopeError(
+                    f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}, none, "
+                    "an Optimizer class or a function params -> optimizer")
         if steps not in (1, 2):
             raise TapescopeError(f"steps must be 1 (first step only) or 2 (steady state), got {steps}")
         if engine not in ENGINES:

@@ -154,8 +154,11 @@ def explain_op(op: str, device: str = "cuda", dtype=torch.float32) -> Explanatio
                                         else packet.overloads()[0]))
     dev = resolve_device(device)
     check_device_build(dev)
+    from ..native_logs import quiet_native_logs
+
     prof = torch_profile()
-    trace = trace_call(dev, lambda: _sample_args(func, dev, dtype), func, observe=lambda: prof)
+    with quiet_native_logs():
+        trace = trace_call(dev, lambda: _sample_args(func, dev, dtype), func, observe=lambda: prof)
     calls = _call_tree(prof, dev.type, [r.func.name() for r in trace.ops if r.phase == FORWARD])
     fwd = [r for r in trace.ops if r.phase == FORWARD]
     owners = {r.seq_nr: r.name for r in fwd if r.owns_node}

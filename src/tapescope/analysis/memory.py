@@ -17,8 +17,8 @@ from .modules import ancestors
 from .ops import Op
 from .steps import StepView
 
-__all__ = ["MemoryReport", "LiveTensor", "ModuleMemory", "storage_categories", "memory_report",
-           "peak_bytes"]
+__all__ = ["MemoryReport", "LiveTensor", "LiveGroup", "ModuleMemory", "storage_categories",
+           "memory_report", "peak_bytes", "group_live_tensors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +33,33 @@ class LiveTensor:
     module: str | None
     owner: str | None     # parameter fqn, for parameters, gradients and optimizer state
     source: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LiveGroup:
+    """Tensors alive at the peak that repeat one another: the same size, category, op and line,
+    in instances of one repeated block (module pattern `h.*.mlp`)."""
+
+    first: LiveTensor
+    count: int
+    module: str | None    # the module pattern of the instances
+    owner: str | None     # the parameter pattern, for parameters, gradients and state
+    nbytes: int           # all of them together
+
+
+def group_live_tensors(live: list) -> list:
+    """`live` (largest first) with repeats grouped, largest group total first."""
+    from .modules import module_pattern
+
+    groups: dict = {}
+    for t in live:
+        module = None if t.module is None else module_pattern(t.module)
+        owner = None if t.owner is None else module_pattern(t.owner)
+        key = (t.nbytes, t.category, t.op_name, module, owner if t.op is None else None, t.source)
+        g = groups.get(key)
+        groups[key] = LiveGroup(t, 1, module, owner, t.nbytes) if g is None else \
+            LiveGroup(g.first, g.count + 1, module, owner, g.nbytes + t.nbytes)
+    return sorted(groups.values(), key=lambda g: (-g.nbytes, g.first.storage))
 
 
 @dataclass(frozen=True, slots=True)

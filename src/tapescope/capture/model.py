@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from ..errors import ModelBuildError
-from ..options import resolve_dtype
+from ..errors import ModelBuildError, SpecError
+from ..options import check_device_build, resolve_device, resolve_dtype
 from ..torch_compat import post_accumulate_grad_hooks, tensor_backward_hooks, tree_map
 
 __all__ = ["spec", "Spec", "build_on_meta", "fake_copy", "fake_inputs", "resolve_dtype"]
@@ -48,13 +49,24 @@ def spec(shape, dtype=torch.float32, device=None, requires_grad=False, high=None
     """
     if isinstance(shape, int):
         shape = (shape,)
-    shape = tuple(int(s) for s in shape)
+    try:
+        shape = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        raise SpecError(f"an input shape is a tuple of whole numbers, not {shape!r}") from None
     if any(s < 0 for s in shape):
-        raise ValueError(f"negative size in input shape {shape}")
+        raise SpecError(f"negative size in input shape {shape}")
     if dims is not None and len(dims) != len(shape):
-        raise ValueError(f"dims {dims} must name each of the {len(shape)} dimensions (None for fixed)")
-    return Spec(shape, resolve_dtype(dtype), device, requires_grad, high,
-                None if dims is None else tuple(dims))
+        raise SpecError(f"dims {dims} must name each of the {len(shape)} dimensions (None for fixed)")
+    try:
+        dtype = resolve_dtype(dtype)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    if device is not None:
+        device = str(resolve_device(device))
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise SpecError(f"an input of dtype {dtype} cannot require grad (only floating-point "
+                        "and complex tensors can)")
+    return Spec(shape, dtype, device, requires_grad, high, None if dims is None else tuple(dims))
 
 
 def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
@@ -174,6 +186,7 @@ def fake_inputs(inputs: Any, device, dtype: torch.dtype | None, sizes: dict | No
     def convert(x):
         if isinstance(x, Spec):
             dev = x.device or device
+            check_device_build(torch.device(dev), f"the input {x!r} on {dev}")
             dt = dtype if (dtype is not None and x.dtype.is_floating_point) else x.dtype
             shape = [sizes.get(n, s) for s, n in zip(x.shape, x.dim_names())]
             t = torch.empty(shape, dtype=dt, device=dev)

@@ -8,6 +8,7 @@ global module hooks, removed on exit.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import torch.nn as nn
@@ -37,7 +38,15 @@ def track_modules(stack: list[str], names: dict[int, str]):
 
     def post(mod, _args, _out):
         if stack:
-            stack.pop()
+            name = stack.pop()
+            # always_call: this also runs while an error leaves the module's forward; the
+            # innermost module it leaves is where the error happened
+            e = sys.exc_info()[1]
+            if e is not None and getattr(e, "tapescope_module", None) is None:
+                try:
+                    e.tapescope_module = name
+                except AttributeError:  # exception types that refuse attributes
+                    pass
 
     h1 = register_module_forward_pre_hook(pre)
     h2 = register_module_forward_hook(post, always_call=True)

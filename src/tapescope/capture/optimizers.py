@@ -31,7 +31,21 @@ def default_foreach(device: torch.device) -> bool:
 
 
 def make_optimizer(spec, params: list, device: torch.device) -> torch.optim.Optimizer | None:
-    """`spec`: None, a name ("sgd", "adam", "adamw"), an Optimizer class, or a factory params -> optimizer."""
+    """`spec`: None, a name ("sgd", "adam", "adamw"), an Optimizer class, or a factory params -> optimizer.
+
+    What torch's optimizer refuses (no parameters, a bad option) is refused with its message."""
+    try:
+        return _make_optimizer(spec, params, device)
+    except TapescopeError:
+        raise
+    except (ValueError, TypeError, RuntimeError) as e:
+        hint = (" The model has no parameters that require grad: profile it with optimizer=None "
+                "(--optimizer none)." if not params else "")
+        raise TapescopeError(f"the optimizer refused the model's parameters: "
+                             f"{type(e).__name__}: {e}.{hint}") from None
+
+
+def _make_optimizer(spec, params: list, device: torch.device) -> torch.optim.Optimizer | None:
     if spec is None or (isinstance(spec, str) and spec.lower() == "none"):
         return None
     if isinstance(spec, str):

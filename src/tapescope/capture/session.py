@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..errors import TapescopeError, from_trace_failure
+from ..errors import TapescopeError, from_trace_failure, raised_by_tapescope
 from ..options import Options, Workload
 from ..torch_compat import (DimDynamic, ShapeEnv, constant_source, force_enable_autocast,
                             hook_guard_locations, shape_env_facts, tree_leaves, tree_map,
@@ -165,7 +165,7 @@ class CaptureSession:
             except TapescopeError:
                 raise
             except Exception as e:  # noqa: BLE001 - every failure of user code becomes a message
-                if _raised_by_tapescope(e):
+                if raised_by_tapescope(e):
                     raise  # our bug, not the user's: keep the traceback
                 raise from_trace_failure(e) from e
         if self.shape_env is not None:
@@ -435,17 +435,6 @@ def _as_specs(inputs):
         return x
 
     return tree_map(convert, inputs, is_leaf=lambda x: isinstance(x, Spec))
-
-
-def _raised_by_tapescope(e: BaseException) -> bool:
-    """True if the innermost Python frame of the error is tapescope's own code (not the zoo)."""
-    tb = e.__traceback__
-    last = None
-    while tb is not None:
-        last = tb.tb_frame.f_code.co_filename
-        tb = tb.tb_next
-    return (last is not None and last.startswith(_PACKAGE_DIR) and not last.startswith(_ZOO_DIR)
-            and getattr(e, "tapescope_op", None) is None)
 
 
 @contextmanager

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..errors import passes_user_calls
+from ..options import check_device_build, unbuilt_device_types
 from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
                             current_autograd_node, node_sequence_nr, sequence_nr, storage_key,
                             untyped_storage_key)
@@ -95,6 +97,7 @@ class Tape(FakeTensorMode):
         self._tape_frames: dict = {}
         self._tape_internal_code: dict = {}  # code object -> not the user's (torch's, ours)
         self._tape_replay = DispatchReplay(self)
+        self._tape_unbuilt = unbuilt_device_types()  # empty on a CUDA build: no check at all
 
     def set_backward_node(self, node) -> None:
         """The autograd node whose backward is running (None when the backward is done): the ops
@@ -175,7 +178,10 @@ class Tape(FakeTensorMode):
 
     def _storage_of(self, t: torch.Tensor, created_by: int | None) -> tuple[int, bool]:
         """Storage id of t's storage, registering it (and a weakref that records its death)."""
-        st = t.untyped_storage()
+        try:
+            st = t.untyped_storage()
+        except NotImplementedError:  # sparse, nested, quantized ...: no storage to follow
+            raise self._layout_error(t) from None
         key = untyped_storage_key(st)
         entry = self._tape_live.get(key)
         if entry is not None:
@@ -270,8 +276,11 @@ class Tape(FakeTensorMode):
 
     # ---- dispatch ---------------------------------------------------------------------------
 
+    @passes_user_calls
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._tape_unbuilt:
+            self._refuse_unbuilt_devices(func, args, kwargs)
         if (self._tape_depth or not self._tape_recording or func in _NOT_OPS
                 or func.namespace in _NOT_OP_NAMESPACES):
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -352,6 +361,36 @@ class Tape(FakeTensorMode):
         """During backward: is a node running with grad mode on (checkpoint recomputing)?"""
         return torch.is_grad_enabled() and self._backward_node() is not None
 
+    def _where(self) -> str:
+        module = self.modules[-1] if self.modules else None
+        frame = self._user_frame(3)
+        if self._tape_phase == BACKWARD:
+            node = self._backward_node()
+            return "" if node is None else f"in the backward of {node.name()}"
+        return " ".join(filter(None, (
+            None if module is None else f"in module '{module or '(root)'}'",
+            None if frame is None else f"at {frame}")))
+
+    def _layout_error(self, t: torch.Tensor) -> Exception:
+        from ..errors import UnsupportedOpError
+
+        what = "sparse" if t.layout in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc,
+                                        torch.sparse_bsr, torch.sparse_bsc) else str(t.layout)
+        return UnsupportedOpError(
+            f"the step makes a {what} tensor ({t.layout}, {self._tape_phase}) {self._where()}; "
+            "tapescope follows memory through dense (strided) tensors only. Fix: profile the "
+            "dense equivalent (for nn.Embedding(..., sparse=True), sparse=False: the same "
+            "forward, a dense gradient).")
+
+    def _refuse_unbuilt_devices(self, func, args, kwargs) -> None:
+        """A fake tensor of a device this torch build lacks (CUDA on a CPU-only build) aborts the
+        process once autograd records an op on it; refuse the op that would make or use one."""
+        devices = [kwargs.get("device")] + [a.device for a in args if isinstance(a, torch.Tensor)]
+        for d in devices:
+            if d is not None and torch.device(d).type in self._tape_unbuilt:
+                check_device_build(torch.device(d), f"{func} {self._where()} makes a tensor on "
+                                                    f"{d}: it")
+
     def _record_workspace(self, steps, device, first_event: int) -> None:
         """Scratch the real kernel of the op just recorded allocates and frees inside it (the
         WORKSPACE steps of fidelity/registry.py), in the kernel's order relative to the op's
@@ -381,6 +420,7 @@ class Tape(FakeTensorMode):
         events.extend((index, sid, -1) for sid in reversed(live.values()))
         trace.events.extend(events)
 
+    @passes_user_calls
     def _run_quietly(self, func, types, args, kwargs):
         self._tape_depth += 1
         try:
@@ -400,6 +440,7 @@ class Tape(FakeTensorMode):
         if "detach_" in names:
             self._record(torch.ops.aten.detach_.default, (out,), {}, out)
 
+    @passes_user_calls
     def _run(self, func, types, args, kwargs):
         if func is _LIFT_FRESH and self._tape_replay.enabled:
             out = self._tape_replay.literal(args[0])

@@ -1,4 +1,9 @@
-"""Terminal views of a Profile, rendered with rich."""
+"""Terminal views of a Profile, rendered with rich.
+
+Names and messages come from user code (module names, file names, error text) and are put on the
+screen as `Text`, never parsed as rich markup: a module called `[red]` or `[/]` prints as itself.
+Long names wrap after their dots, not in the middle of a word.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +11,74 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from ..analysis.memory import group_live_tensors
 from ..analysis.modules import module_pattern, module_rollup
 from ..capture.records import CATEGORIES
-from .text import fmt_bytes, fmt_flops
+from .text import fmt_bytes, fmt_count, fmt_flops, short_op
 
-__all__ = ["render_summary", "render_ops", "render_diff", "render_fit", "render_compiled"]
+__all__ = ["render_summary", "render_ops", "render_diff", "render_fit", "render_compiled",
+           "render_validation"]
 
 
 def _mod(m) -> str:
     return "(root)" if m == "" else ("-" if m is None else m)
 
 
+class _Dotted:
+    """A dotted name (module fqn, op name, file:line) that wraps after its dots, never inside a
+    word: rich wraps at spaces only, and would fold `h.0.attn.c_proj` anywhere."""
+
+    def __init__(self, name):
+        self.name = str(name)
+        cut = self.name.replace(":", ".").split(".")
+        self.parts = [p + "." for p in cut[:-1]] + cut[-1:]
+        # put the separators back as they were (":" for file:line)
+        pos, parts = 0, []
+        for p in self.parts:
+            parts.append(self.name[pos:pos + len(p)])
+            pos += len(p)
+        self.parts = parts
+
+    def __rich_measure__(self, console, options):
+        from rich.measure import Measurement
+
+        return Measurement(min(max((len(p) for p in self.parts), default=0), options.max_width),
+                           len(self.name))
+
+    def __rich_console__(self, console, options):
+        lines, line = [], ""
+        for p in self.parts:
+            if line and len(line) + len(p) > options.max_width:
+                lines.append(line)
+                line = ""
+            line += p
+        lines.append(line)
+        text = Text("\n".join(lines), no_wrap=True, overflow="fold")
+        yield text
+
+    def __str__(self):
+        return self.name
+
+
+def _breakable(name: str):
+    return _Dotted(name) if name else Text("")
+
+
+def _line(*parts) -> Text:
+    """Text from (text, style) pairs and plain strings; nothing is read as markup."""
+    return Text.assemble(*parts)
+
+
 def _header(p) -> Text:
     f = p.facts
     opt = f.get("optimizer")
-    precision = p.dtype or "model dtype"
+    precision = p.dtype or "-"
     if f.get("amp"):
         precision += f" + autocast {f['amp']}"
-    bits = [p.model, p.device, precision,
+    bits = [p.model, p.device + (f" ({p.gpu.name})" if p.gpu is not None else ""), precision,
             " × ".join("x".join(str(s) for s in i["shape"]) for i in p.inputs if isinstance(i, dict)) or "-",
             f"{opt['name']} ({opt['implementation']})" if opt else "no optimizer",
-            f"{f.get('parameters', 0) / 1e6:.1f}M parameters"]
+            f"{fmt_count(f.get('parameters', 0))} parameters"]
     return Text(" · ".join(bits), style="bold")
 
 
@@ -47,13 +99,13 @@ def render_summary(p, console: Console, top: int = 8) -> None:
     mem = p.memory
     console.print(_header(p))
     which = "steady state (step 2, optimizer state alive)" if p.steps == 2 else "first step"
-    console.print(f"[bold]Peak memory[/] [bold cyan]{fmt_bytes(mem.peak_bytes)}[/] — {which}; "
-                  f"first step {fmt_bytes(p.first_step_peak_bytes)}")
+    console.print(_line(("Peak memory", "bold"), " ", (fmt_bytes(mem.peak_bytes), "bold cyan"),
+                        f" — {which}; first step {fmt_bytes(p.first_step_peak_bytes)}"))
     if p.ops:
         op = p.ops[mem.peak_op]
         where = f" at {op.source.filename.rsplit('/', 1)[-1]}:{op.source.lineno}" if op.source else ""
-        console.print(f"  reached at op {op.index} [bold]{op.name}[/] ({op.phase}) in module "
-                      f"{_mod(op.module)}{where}")
+        console.print(_line(f"  reached at op {op.index} ", (op.name, "bold"),
+                            f" ({op.phase}) in module {_mod(op.module)}{where}"))
     cats = Table(box=None, show_header=False, pad_edge=False)
     for c in CATEGORIES:
         b = mem.at_peak.get(c, 0)
@@ -63,45 +115,45 @@ def render_summary(p, console: Console, top: int = 8) -> None:
     console.print(cats)
 
     live = Table(title="Largest tensors alive at the peak", title_justify="left", box=None)
-    for col in ("bytes", "category", "made by", "module", "source"):
-        live.add_column(col, overflow="fold")
-    for t in mem.live_at_peak[:top]:
+    live.add_column("bytes", no_wrap=True)
+    live.add_column("category", no_wrap=True)
+    live.add_column("made by", ratio=3)
+    live.add_column("module", ratio=2)
+    live.add_column("source", ratio=2)
+    for g in group_live_tensors(mem.live_at_peak)[:top]:
+        t = g.first
         src = t.source.rsplit("/", 1)[-1] if t.source else (t.owner or "")
-        live.add_row(fmt_bytes(t.nbytes), t.category,
-                     f"#{t.op} {t.op_name}" if t.op is not None else "before the step",
-                     _mod(t.module) if t.op is not None else (t.owner or "-"), src)
+        size = fmt_bytes(t.nbytes) + (f" ×{g.count}" if g.count > 1 else "")
+        made = f"#{t.op} {short_op(t.op_name)}" if t.op is not None else "before the step"
+        module = g.module if t.op is not None else (g.owner or "-")
+        live.add_row(size, t.category, _breakable(made), _breakable(_mod(module)), _breakable(src))
     console.print(live)
 
     _render_kernel_facts(p, console)
     fl = p.flops
-    console.print("[bold]FLOPs[/] " + " | ".join(f"{k} {fmt_flops(fl[k])}" for k in
-                                                  ("forward", "backward", "optimizer", "total")))
+    console.print(_line(("FLOPs", "bold"), " " + " | ".join(
+        f"{k} {fmt_flops(fl[k])}" for k in ("forward", "backward", "optimizer", "total"))))
     recomputed = sum(op.recompute for op in p.ops)
     if recomputed:
         console.print(f"  activation checkpointing recomputes {recomputed} ops in the backward: "
                       f"{fmt_flops(p.recompute_flops)} (in the backward's FLOPs)"
-                      + (f", {p.time.recompute * 1e3:.1f} ms" if p.time is not None else ""))
+                      + (f", {p.time.recompute * 1e3:.1f} ms" if p.time is not None else ""),
+                      markup=False)
     if p.cuda_memory is not None:
-        cm, t = p.cuda_memory, p.time
-        verdict = "[red]does not fit[/]" if cm.oom else "fits"
-        console.print(f"[bold]On {p.gpu.name}[/]: max_memory_allocated {fmt_bytes(cm.max_allocated)}, "
-                      f"max_memory_reserved {fmt_bytes(cm.max_reserved)}, nvidia-smi about "
-                      f"{fmt_bytes(cm.nvidia_smi)} of {fmt_bytes(cm.capacity)}: {verdict}")
-        phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())
-        console.print(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
-                      f"{t.mfu:.0%}" + ("" if t.calibrated else
-                                        " [dim](timing constants not yet calibrated on a GPU)[/]"))
+        _render_cuda(p, console)
 
     mods = Table(title="Top modules by memory", title_justify="left", box=None)
-    for col in ("module", "peak while running", "saved for backward"):
-        mods.add_column(col)
+    mods.add_column("module", ratio=1)
+    mods.add_column("peak while running", no_wrap=True)
+    mods.add_column("saved for backward", no_wrap=True)
     shown = [m for m in mem.modules if m.module not in ("",)][:top]
     for m in shown:
-        mods.add_row(_mod(m.module), fmt_bytes(m.peak_bytes), fmt_bytes(m.saved_bytes))
+        mods.add_row(_breakable(_mod(m.module)), fmt_bytes(m.peak_bytes), fmt_bytes(m.saved_bytes))
     by_flops = Table(title="Top modules by FLOPs (their own ops; repeated blocks summed)",
                      title_justify="left", box=None)
-    for col in ("module", "instances", "FLOPs (fwd+bwd+opt)", "share"):
-        by_flops.add_column(col)
+    by_flops.add_column("module", ratio=1)
+    for col in ("instances", "FLOPs (fwd+bwd+opt)", "share"):
+        by_flops.add_column(col, no_wrap=True)
     total = fl["total"] or 1
     own: dict = {}  # pattern -> {instance fqn -> FLOPs of its own ops}
     for fqn, v in module_rollup(p.ops, lambda op: op.flops, own=True).items():
@@ -109,20 +161,44 @@ def render_summary(p, console: Console, top: int = 8) -> None:
     ranked = sorted(own.items(), key=lambda kv: -sum(kv[1].values()))
     for pattern, per in ranked[:top]:
         v = sum(per.values())
-        by_flops.add_row(_mod(pattern), str(len(per)), fmt_flops(v), f"{v / total:.1%}")
+        by_flops.add_row(_breakable(_mod(pattern)), str(len(per)), fmt_flops(v), f"{v / total:.1%}")
     console.print(Group(mods, by_flops))
 
     if p.uncounted_ops:
-        console.print("[yellow]Ops without a FLOP formula[/] (not in the totals): " + ", ".join(
-            f"{k} ×{v}" for k, v in sorted(p.uncounted_ops.items())))
+        console.print(_line(("Ops without a FLOP formula", "yellow"), " (not in the totals): " +
+                            ", ".join(f"{k} ×{v}" for k, v in sorted(p.uncounted_ops.items()))))
     else:
         console.print("Every op has a FLOP formula.")
+    for note in p.facts.get("isolation_notes", ()):
+        console.print(_line(("note: ", "yellow"), note))
+
+
+def _render_cuda(p, console: Console) -> None:
+    """What torch.cuda would report on the named GPU, and why it differs from the tensor peak."""
+    cm, t = p.cuda_memory, p.time
+    verdict = ("does not fit", "red") if cm.oom else ("fits", "")
+    console.print(_line((f"On {p.gpu.name}", "bold"),
+                        f": max_memory_allocated {fmt_bytes(cm.max_allocated)}, "
+                        f"max_memory_reserved {fmt_bytes(cm.max_reserved)}, nvidia-smi about "
+                        f"{fmt_bytes(cm.nvidia_smi)} of {fmt_bytes(cm.capacity)}: ", verdict))
+    extra = cm.max_allocated - max(p.peak_bytes, p.first_step_peak_bytes)
+    if extra > 0:
+        console.print(f"  max_memory_allocated is {fmt_bytes(extra)} above the tensor peak: the "
+                      "caching allocator rounds each block up (to 512 B, and large ones to 2 MiB "
+                      "segments' splits) and cuBLAS keeps a workspace per stream", highlight=False)
+    if cm.oom and cm.oom_at:
+        console.print(_line(("  runs out of memory at ", "red"), str(cm.oom_at)))
+    phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())
+    console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
+                        f"{t.mfu:.0%}", ("" if t.calibrated else
+                                         " (timing constants not yet calibrated on a GPU)", "dim")))
 
 
 def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
     """The forward<->backward table of the AOTAutograd seq_nr commit: SeqNr|OrigAten|SrcFn, forward
     rows then backward rows, plus the autograd node, FLOPs and whether autograd saved the output."""
-    console.print("SeqNr|OrigAten|SrcFn|Node|FLOPs|Saved", highlight=False, soft_wrap=True)
+    console.print("SeqNr|OrigAten|SrcFn|Node|FLOPs|Saved", highlight=False, soft_wrap=True,
+                  markup=False)
     for op in p.ops:
         if op.phase not in phases:
             continue
@@ -139,46 +215,53 @@ def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
 def render_diff(a, b, d, console: Console, top: int = 12) -> None:
     """Two profiles of one step on two devices (analysis.diff.StepDiff d between them)."""
     da, db = a.trace.device.type, b.trace.device.type
-    console.print(f"[bold]{a.model}: {da} vs {db}[/]  ({len(a.ops)} vs {len(b.ops)} ops, "
-                  f"{d.same_ops} forward/backward ops identical)")
+    console.print(_line((f"{a.model}: {da} vs {db}", "bold"),
+                        f"  ({len(a.ops)} vs {len(b.ops)} ops, {d.same_ops} forward/backward ops "
+                        "identical)"))
     console.print(f"peak      {fmt_bytes(a.peak_bytes):>12} vs {fmt_bytes(b.peak_bytes):>12}   "
-                  f"delta {fmt_bytes(b.peak_bytes - a.peak_bytes)}")
+                  f"delta {fmt_bytes(b.peak_bytes - a.peak_bytes)}", markup=False)
     for cat in a.memory.at_peak:
         x, y = a.memory.at_peak[cat], b.memory.at_peak[cat]
         if x or y:
-            console.print(f"  {cat:<18} {fmt_bytes(x):>12} vs {fmt_bytes(y):>12}")
+            console.print(f"  {cat:<18} {fmt_bytes(x):>12} vs {fmt_bytes(y):>12}", markup=False)
     for ph in ("forward", "backward", "optimizer", "total"):
-        console.print(f"FLOPs {ph:<9} {fmt_flops(a.flops[ph]):>12} vs {fmt_flops(b.flops[ph]):>12}")
+        console.print(f"FLOPs {ph:<9} {fmt_flops(a.flops[ph]):>12} vs {fmt_flops(b.flops[ph]):>12}",
+                      markup=False)
     groups: dict = {}
     for h in d.hunks:
         groups.setdefault((h.phase, tuple(h.a_ops), tuple(h.b_ops)), []).append(h)
-    console.print(f"\n[bold]{len(d.hunks)} differences[/] ({len(groups)} distinct):")
+    console.print(_line("\n", (f"{len(d.hunks)} differences", "bold"), f" ({len(groups)} distinct):"))
     for (phase, a_ops, b_ops), hs in list(groups.items())[:top]:
         h = hs[0]
         mods = sorted({m for x in hs for m in x.modules})
         where = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
-        console.print(f"\n[bold]{phase}[/] x{len(hs)} in {where or '-'}", highlight=False)
+        console.print(_line("\n", (phase, "bold"), f" x{len(hs)} in {where or '-'}"), highlight=False)
         console.print(f"  {da}: {', '.join(a_ops) or '(nothing)'}", highlight=False, markup=False)
         console.print(f"  {db}: {', '.join(b_ops) or '(nothing)'}", highlight=False, markup=False)
         for r in h.reasons:
             console.print(f"  why: {r}", highlight=False, markup=False)
         console.print(f"  FLOPs {fmt_flops(h.a_flops)} vs {fmt_flops(h.b_flops)}; saved for backward "
-                      f"{fmt_bytes(h.a_saved)} vs {fmt_bytes(h.b_saved)} (each)", highlight=False)
+                      f"{fmt_bytes(h.a_saved)} vs {fmt_bytes(h.b_saved)} (each)", highlight=False,
+                      markup=False)
 
 
 def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None:
     """A fit.FitResult: the formula, its guards, the largest size that fits, and a sweep."""
+    from ..fit import large_size_formula
+
     sp, dim = r.profile.symbolic, r.dim
     shapes = " × ".join("x".join(str(s) for s in i["shape"]) for i in r.profile.inputs
                         if isinstance(i, dict))
     gpu = f" ({options.gpu.name})" if options.gpu is not None else ""
-    console.print(f"[bold]{name}[/] on {options.device.type}{gpu}, inputs {shapes} with {dim} varying",
-                  highlight=False)
+    console.print(_line((name, "bold"), f" on {options.device.type}{gpu}, inputs {shapes} with "
+                        f"{dim} varying"), highlight=False)
     console.print(f"budget {fmt_bytes(r.budget)}" + (f" ({r.budget_note})" if r.budget_note else ""),
-                  highlight=False)
-    console.print(f"peak memory = {sp.expr(sp.pieces[-1].bytes)} bytes for large {dim} "
-                  f"({len(sp.pieces)} piece{'s' if len(sp.pieces) > 1 else ''}; formulas hold for "
-                  f"{dim} in [{sp.ranges[dim][0]}, {sp.ranges[dim][1] or 'inf'}])", highlight=False)
+                  highlight=False, markup=False)
+    pieces = len(sp.pieces)
+    console.print(f"peak memory = {large_size_formula(r)} bytes for large {dim} (the largest of "
+                  f"{pieces} piece{'s' if pieces > 1 else ''}; formulas hold for {dim} in "
+                  f"[{sp.ranges[dim][0]}, {sp.ranges[dim][1] or 'inf'}])", highlight=False,
+                  markup=False)
     for g in sp.guards:
         console.print(f"  guard: {g.expr} at {g.where}" + (f" pins {g.pins}" if g.pins else ""),
                       highlight=False, markup=False)
@@ -187,23 +270,44 @@ def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None
         console.print(f"  {', '.join(f['dims'])} pinned by a guard: traced at {len(f['traced_at'])} "
                       f"sizes, fitted polynomials, {'verified' if f['verified'] else 'NOT verified'} "
                       f"at {len(f['checked_at'])} more" +
-                      ("" if f["verified"] else "; tracing each size instead"), highlight=False)
+                      ("" if f["verified"] else "; tracing each size instead"), highlight=False,
+                      markup=False)
     if r.value is None:
-        console.print(f"[red]nothing fits[/]: {dim} {r.probes[0][0]} already needs "
-                      f"{fmt_bytes(r.next_peak)}")
+        console.print(_line(("nothing fits", "red"), f": {dim} {r.probes[0][0]} already needs "
+                            f"{fmt_bytes(r.next_peak)}"))
     else:
-        console.print(f"[bold green]largest {dim} that fits: {r.value}[/] — peak "
-                      f"{fmt_bytes(r.peak_bytes)}, headroom {fmt_bytes(r.headroom)}")
-        if r.next_peak is not None:
-            console.print(f"  {dim} {r.value + 1} would need {fmt_bytes(r.next_peak)}")
+        console.print(_line((f"largest {dim} that fits: {r.value}", "bold green"),
+                            f" — peak {fmt_bytes(r.peak_bytes)}, headroom {fmt_bytes(r.headroom)}"))
+        if r.reached_search_limit:
+            console.print(f"  every {dim} up to {r.search_limit} fits: the peak does not grow "
+                          f"enough with {dim} to reach the budget", highlight=False)
+        elif r.next_peak is not None:
+            console.print(f"  {dim} {r.value + 1} would need {fmt_bytes(r.next_peak)}",
+                          highlight=False)
         elif r.limit is not None:
-            console.print(f"  the model accepts {dim} up to {r.limit}")
+            console.print(f"  the model accepts {dim} up to {r.limit}", highlight=False)
     if sweep_rows:
         top = max(v for _, v in sweep_rows) or 1
         for n, v in sweep_rows:
             bar = "#" * max(1, int(40 * v / top))
             mark = "fits" if v <= r.budget else "OOM "
-            console.print(f"  {dim} {n:>7}  {fmt_bytes(v):>12}  {mark}  {bar}", highlight=False)
+            console.print(f"  {dim} {n:>7}  {fmt_bytes(v):>12}  {mark}  {bar}", highlight=False,
+                          markup=False)
+
+
+def render_validation(v, console: Console) -> None:
+    """A validate.harness.Validation: predicted vs measured, per quantity, in its unit."""
+    console.print(_line((v.model, "bold"), f" on {v.device}" + (f" ({v.gpu})" if v.gpu else "") +
+                        f", torch {v.torch_version}"))
+    for q, pred, meas in v.rows:
+        fmt = (lambda x: f"{x * 1e3:.2f} ms") if q.startswith("step time") else fmt_bytes
+        err = "" if pred is None or not meas else f"{(pred - meas) / meas:+.2%}"
+        console.print(f"  {q:<32} predicted {fmt(pred) if pred is not None else '-':>12}   "
+                      f"measured {fmt(meas) if meas is not None else '-':>12}   {err}",
+                      highlight=False, markup=False)
+    console.print(f"  op sequence: {'identical' if v.ops_match else 'differs'}", markup=False)
+    for d in v.ops_diff[:10]:
+        console.print(f"    {d}", highlight=False, markup=False)
 
 
 def render_compiled(p, console: Console, top: int = 8) -> None:

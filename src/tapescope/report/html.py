@@ -13,7 +13,6 @@ import html
 import json
 import re
 from importlib.resources import files
-from pathlib import Path
 
 from .page_data import page_data
 
@@ -31,7 +30,9 @@ def write_html(profile, path, *, max_points: int = 4000) -> None:
     max_points: most points of the memory chart; longer steps are downsampled keeping each
     bucket's lowest and highest sample and the peak exactly.
     """
-    Path(path).write_text(render_html(profile, max_points=max_points), encoding="utf-8")
+    from .files import write_text
+
+    write_text(path, render_html(profile, max_points=max_points))
 
 
 def render_html(profile, *, max_points: int = 4000) -> str:

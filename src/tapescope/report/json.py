@@ -56,3 +56,59 @@ def profile_dict(p, with_ops: bool = True, with_timeline: bool = True) -> dict:
     if with_ops:
         d["ops"] = [op.to_dict() for op in p.ops]
     return d
+
+
+def to_jsonable(x):
+    """Plain JSON data from results: dataclasses by field, sequences and dicts by item,
+    exact integers as numbers, anything else (dtypes, devices, symbolic sizes) as its text."""
+    import dataclasses
+
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: to_jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)
+                if f.repr}
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in x]
+    return str(x)
+
+
+def ops_dict(p, phases) -> dict:
+    """`tapescope ops --json`: the op table of the phases shown."""
+    return {"model": p.model, "device": p.device,
+            "ops": [op.to_dict() for op in p.ops if op.phase in phases]}
+
+
+def diff_dict(a, b, d) -> dict:
+    """`tapescope diff --json`: both steps' totals and each difference with its reasons."""
+    def side(p):
+        return {"device": p.device, "ops": len(p.ops), "peak_bytes": _n(p.peak_bytes),
+                "at_peak": {k: _n(v) for k, v in p.memory.at_peak.items()},
+                "flops": {k: _n(v) for k, v in p.flops.items()}}
+
+    return {"model": a.model, "a": side(a), "b": side(b), "same_ops": d.same_ops,
+            "differences": to_jsonable(d.hunks)}
+
+
+def fit_dict(r, name: str, options, sweep_rows=None) -> dict:
+    """`tapescope fit --json`: the answer, the budget, the formula and the probes."""
+    from ..fit import large_size_formula
+
+    sp = r.profile.symbolic
+    return {
+        "model": name, "device": str(options.device),
+        "gpu": None if options.gpu is None else options.gpu.name,
+        "dim": r.dim, "fits": r.value is not None, "largest": r.value,
+        "peak_bytes": r.peak_bytes, "budget_bytes": r.budget, "budget_note": r.budget_note,
+        "next_peak_bytes": r.next_peak, "limit": r.limit, "search_limit": r.search_limit,
+        "reached_search_limit": r.reached_search_limit,
+        "inputs": r.profile.inputs,
+        "peak_formula_for_large_size": str(large_size_formula(r)),
+        "peak_formula": str(sp.peak_expr()),
+        "ranges": to_jsonable(sp.ranges),
+        "guards": [to_jsonable(g) for g in sp.guards],
+        "probes": [list(x) for x in r.probes],
+        "sweep": None if sweep_rows is None else [list(x) for x in sweep_rows],
+    }

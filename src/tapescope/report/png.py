@@ -12,9 +12,20 @@ from .palette import PHASE_COLORS, category_color
 from .phases import phase_runs
 from .text import fmt_bytes
 
-__all__ = ["write_png"]
+__all__ = ["write_png", "require_matplotlib"]
 
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def require_matplotlib() -> None:
+    """Raise a TapescopeError that says how to install matplotlib, if it is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        from ..errors import TapescopeError
+
+        raise TapescopeError("--png needs matplotlib: pip install 'tapescope[report]' "
+                             "(or pip install matplotlib)")
 
 
 def write_png(profile, path, *, max_points: int = 4000, width: float = 10.0, height: float = 4.2,
@@ -75,5 +86,8 @@ def write_png(profile, path, *, max_points: int = 4000, width: float = 10.0, hei
         handles, labels = ax.get_legend_handles_labels()
         # legend top-down like the stack
         fig.legend(handles[::-1], labels[::-1], loc="outside right upper", fontsize=8, frameon=False)
-    fig.savefig(path, format="png")
+    from .files import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
 

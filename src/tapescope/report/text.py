@@ -1,7 +1,7 @@
 """Plain-text views of a Profile (the CLI renders richer ones)."""
 from __future__ import annotations
 
-__all__ = ["fmt_bytes", "fmt_flops", "summary_text", "ops_table_text"]
+__all__ = ["fmt_bytes", "fmt_flops", "fmt_count", "short_op", "summary_text", "ops_table_text"]
 
 
 def fmt_bytes(n) -> str:
@@ -22,6 +22,28 @@ def fmt_flops(n) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} FLOP"
+
+
+def fmt_count(n) -> str:
+    """20480 -> '20.5k', 124_439_808 -> '124.4M', 6.7e9 -> '6.7B' (three significant digits)."""
+    if not isinstance(n, int):
+        return str(n)
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def short_op(name: str | None) -> str:
+    """'aten._log_softmax.default' -> '_log_softmax': the op, without namespace and overload
+    (kept when it tells two overloads apart: 'add.Tensor')."""
+    if not name:
+        return ""
+    ns, _, rest = name.partition(".")
+    if ns != "aten" or not rest:
+        return name
+    base, _, overload = rest.rpartition(".")
+    return base if overload == "default" else rest
 
 
 def summary_text(p) -> str:

@@ -91,15 +91,30 @@ def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, 
     return out
 
 
-def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw", device="cpu",
+def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw", device=None,
              dtype=None, amp=None, warmup: int = 2, steps: int = 5, name: str | None = None,
              gpu=None) -> Validation:
+    """Profile the step, run it for real on `device` (default: the GPU if there is one, else the
+    CPU) and compare. Quantities are bytes, except "step time" (seconds)."""
     from ..api import profile
     from ..capture.model import build_on_meta
-    from ..options import resolve_dtype
+    from ..errors import DeviceError, TapescopeError
+    from ..losses import resolve_loss
+    from ..options import Options
 
-    dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
-    dev = torch.device(device)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, dtype=dtype,
+                             amp=amp, gpu=gpu)
+    loss_fn, dtype, amp, dev = resolve_loss(loss_fn), options.dtype, options.amp, options.device
+    if dev.type == "meta":
+        raise DeviceError("validate runs the step for real: use --device cpu or cuda, not meta")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("validate runs the step for real, and this machine has no usable CUDA "
+                          "GPU (torch.cuda.is_available() is False): validate on --device cpu, or "
+                          "profile --device cuda to predict the GPU's step without one")
+    if warmup < 0 or steps < 1:
+        raise TapescopeError(f"validate needs --warmup >= 0 and --steps >= 1, got {warmup} and {steps}")
     if dev.type == "cuda" and gpu is None:
         from ..devices.gpus import resolve_gpu_key
 
@@ -116,7 +131,7 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
         v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
                                                for s, ph, n in real.ops if s == 2 and ph])
         t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp)
-        v.rows.append(("step time s", None, t["time"]))
+        v.rows.append(("step time", None, t["time"]))
         return v
     # CUDA: a real GPU is present
     real = run_real_steps(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
@@ -130,5 +145,5 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
     v.rows += [("steady peak bytes (tensors)", p.peak_bytes, real.peaks.get(2)),
                ("max_memory_allocated (steady)", cm.steady_allocated, t["steady_allocated"]),
                ("max_memory_reserved (steady)", cm.steady_reserved, t["steady_reserved"]),
-               ("step time s", p.time.seconds, t["time"])]
+               ("step time", p.time.seconds, t["time"])]
     return v

@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ..native_logs import quiet_native_logs
+
 from ..analysis.dispatch import decomposes_above_autograd
 from ..capture.model import real_inputs
 from ..options import resolve_dtype
@@ -80,7 +82,8 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     # record_shapes: the recorded inputs tell an op's overload (and so how it is dispatched)
     graphs: list = []
-    with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
+    with quiet_native_logs(), \
+            profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
         with record_function("tapescope::step0"):
             m = _build(model, device, dtype)
             args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype, gen)

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import json
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -232,19 +231,10 @@ def _hf(name, options, batch, seq):
 
 
 def _file(name, options, batch, seq):
+    from ..loading import load_function
+
+    build = load_function(name, "model builder")
     path, _, fn = name.rpartition(":")
-    if not os.path.exists(path):
-        raise SpecError(f"no such file: {path}")
-    mod_spec = importlib.util.spec_from_file_location(
-        "tapescope_user_" + os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(mod_spec)
-    try:
-        mod_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file failed to import
-        raise SpecError(f"importing {path} failed: {type(e).__name__}: {e}") from None
-    build = getattr(module, fn, None)
-    if not callable(build):
-        raise SpecError(f"{path} has no function {fn!r}")
     return ModelSpec(f"{os.path.basename(path)}:{fn}", lambda: build(**options))
 
 
@@ -256,6 +246,9 @@ def _suggest(word, known) -> str:
 def resolve(text: str, batch: int | None = None, seq: int | None = None,
             inputs: list[Spec] | None = None) -> ModelSpec:
     """A ModelSpec from a spec string (see FORMS). `inputs` replaces the derived inputs."""
+    for flag, n in (("--batch", batch), ("--seq", seq)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise SpecError(f"{flag} must be a whole number of at least 1, got {n!r}")
     text = text.strip()
     options: dict = {}
     if text.startswith("zoo:"):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.overrides import has_torch_function
 
 from ...torch_compat import forward_ad_level, linear_builtin, sdpa_builtin
+from ...errors import passes_user_calls
 from .registry import FUNCTION, RULES
 
 __all__ = ["linear_adds_in_place"]
@@ -35,6 +36,7 @@ def linear_adds_in_place(input, weight, bias) -> bool:
     return True
 
 
+@passes_user_calls
 def _linear(input, weight, bias=None):
     if linear_adds_in_place(input, weight, bias):
         return torch.matmul(input, weight.t()).add_(bias)

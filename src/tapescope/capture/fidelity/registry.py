@@ -42,6 +42,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ...errors import passes_user_calls
+
 __all__ = ["Rule", "RULES", "Rules", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
            "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "STAGES", "ANY_OP", "Alloc", "Free",
            "Output"]
@@ -119,6 +121,7 @@ class FidelityContext:
                 return f
         return None
 
+    @passes_user_calls
     def call(self, func, args, kwargs):
         """Run `func` as its FUNCTION rule says (plainly if it has none)."""
         try:
@@ -160,6 +163,8 @@ class Rules:
             raise ValueError(f"ANY_OP is for op rewrites; a {stage} rule names its ops")
 
         def decorate(handler):
+            if stage == FUNCTION:  # it runs the user's call of a torch function, the real way
+                passes_user_calls(handler)
             self.all.append(Rule(name or handler.__name__, stage, tuple(targets), handler,
                                  None if devices is None else frozenset(devices), source, test,
                                  (handler.__doc__ or "").strip()))
@@ -253,6 +258,7 @@ class FunctionRulesMode(TorchFunctionMode):
         self.ctx = ctx
         self.functions = ctx.functions = rules.functions
 
+    @passes_user_calls
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # every torch call of the step passes here: the common case (no rule) in one lookup
         try:

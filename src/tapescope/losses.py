@@ -1,0 +1,118 @@
+"""The loss of the step, by name: what `--loss` (and `profile(loss_fn="...")`) accepts.
+
+    sum             the sum of the model's floating-point outputs
+    mean            the mean of the model's floating-point outputs (summed over outputs)
+    cross-entropy   cross-entropy of the model's logits (the output, its `.logits` or its first
+                    tensor; classes on the last dimension) against an integer input of the logits'
+                    leading shape (the targets of a language model), else against class 0
+    FILE.py:FN      your own function, called as FN(output, *inputs) -> scalar
+    MODULE:FN       the same, from an importable module
+
+A loss is a function `loss(output, *inputs) -> scalar tensor`, run inside the step on the same
+(fake) tensors a real loop would use. Without one, the step uses the model's own loss: a zoo model's
+(a language model's cross-entropy, a classifier's), else a scalar output, else an output's scalar
+`.loss`, else the sum of the floating-point outputs (capture.step.default_loss).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+__all__ = ["LOSSES", "resolve_loss", "logits_of"]
+
+
+def _floating_outputs(output) -> list:
+    import torch
+
+    from .torch_compat import tree_leaves
+
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)
+              and t.is_floating_point() and t.requires_grad]
+    if not leaves and isinstance(output, dict):  # Hugging Face ModelOutput values
+        leaves = [t for t in output.values() if isinstance(t, torch.Tensor)
+                  and t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        from .errors import TapescopeError
+
+        raise TapescopeError("the model's output has no floating-point tensor that requires grad, "
+                             "so the loss has nothing to backpropagate")
+    return leaves
+
+
+def sum_loss(output, *inputs):
+    """The sum of every floating-point output."""
+    leaves = _floating_outputs(output)
+    loss = leaves[0].sum()
+    for t in leaves[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def mean_loss(output, *inputs):
+    """The mean of each floating-point output, added up."""
+    leaves = _floating_outputs(output)
+    loss = leaves[0].mean()
+    for t in leaves[1:]:
+        loss = loss + t.mean()
+    return loss
+
+
+def logits_of(output):
+    """The logits among a model's outputs: the tensor itself, `.logits` / ["logits"], else the
+    first floating-point tensor."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    return _floating_outputs(output)[0]
+
+
+def cross_entropy_loss(output, *inputs):
+    """Cross-entropy of the logits (classes on the last dimension) against an integer input of
+    the logits' leading shape (a language model's targets), else against class 0 everywhere."""
+    import torch
+    import torch.nn.functional as F
+
+    from .errors import TapescopeError
+    from .torch_compat import tree_leaves
+
+    logits = logits_of(output)
+    if logits.dim() == 0:
+        raise TapescopeError("--loss cross-entropy needs the model's logits, and the model returned "
+                             "a scalar (it computes its own loss: leave --loss out)")
+    lead = tuple(logits.shape[:-1]) if logits.dim() > 1 else ()
+    target = next((t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)
+                   and not t.is_floating_point() and t.dtype != torch.bool
+                   and tuple(t.shape) == lead), None)
+    if target is None:
+        target = torch.zeros(lead, dtype=torch.long, device=logits.device)
+    if logits.dim() > 2:
+        logits, target = logits.flatten(0, -2), target.flatten()
+    return F.cross_entropy(logits, target)
+
+
+LOSSES: dict[str, Callable] = {"sum": sum_loss, "mean": mean_loss,
+                               "cross-entropy": cross_entropy_loss}
+_ALIASES = {"ce": "cross-entropy", "cross_entropy": "cross-entropy", "crossentropy": "cross-entropy"}
+
+
+def resolve_loss(loss) -> Callable | None:
+    """None (the model's own loss), a callable, a name from LOSSES, or FILE.py:FN / MODULE:FN."""
+    if loss is None or callable(loss):
+        return loss
+    from .errors import TapescopeError
+
+    if not isinstance(loss, str):
+        raise TapescopeError(f"loss must be a function or a name, got {type(loss).__name__}")
+    name = _ALIASES.get(loss.strip().lower(), loss.strip().lower())
+    if name in LOSSES:
+        return LOSSES[name]
+    if ":" in loss:
+        from .loading import load_function
+
+        return load_function(loss.strip(), "loss")
+    raise TapescopeError(f"unknown loss {loss!r}; use {', '.join(LOSSES)}, or your own function "
+                         "as path/to/file.py:fn or module:fn (called as fn(output, *inputs))")
