@@ -18,6 +18,7 @@ __all__ = [
     "ModelError",
     "from_trace_failure",
     "passes_user_calls",
+    "user_error",
     "raised_by_tapescope",
 ]
 
@@ -56,6 +57,13 @@ class ModelError(TapescopeError):
 _PASS_THROUGH_CODE: set = set()
 
 
+def user_error(exc: BaseException) -> BaseException:
+    """Mark an error tapescope raises on PyTorch's behalf (what the real engine or kernel would
+    raise for the user's step) as the user's, not a bug of tapescope's."""
+    exc.tapescope_user = True
+    return exc
+
+
 def passes_user_calls(fn):
     """Mark `fn` as passing the user's own call on to torch (see raised_by_tapescope)."""
     _PASS_THROUGH_CODE.add(fn.__code__)
@@ -73,7 +81,7 @@ def raised_by_tapescope(e: BaseException) -> bool:
     """True if tapescope's own code raised `e` (a bug to report with its traceback): the innermost
     Python frame is tapescope's (not the zoo's) and it did not just pass the user's call on to
     torch, and no op of the user's step raised it."""
-    if getattr(e, "tapescope_op", None) is not None:
+    if getattr(e, "tapescope_op", None) is not None or getattr(e, "tapescope_user", False):
         return False
     tb = e.__traceback__
     last = None
@@ -161,7 +169,8 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
             f"{op} {where} cannot run on fake tensors: {exc}. Fix: register a fake implementation "
             f"with torch.library.register_fake('{_op_name(op)}').")
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return ModelError(f"the model raised {type(exc).__name__} {where}: {msg}".replace("  ", " "))
+    return ModelError(" ".join(filter(None, (f"the model raised {type(exc).__name__}", where)))
+                      + f": {msg}")
 
 
 # What torch says when a tensor subclass (a fake tensor) is asked for its data.

@@ -117,6 +117,12 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
                 found = m
         return found
 
+    base = trace.seq_base
+
+    def relative(seq):
+        """seq_nr counted from the capture's first autograd node (None: no node, or before it)."""
+        return None if seq is None or seq == _NO_NODE or seq < base else seq - base
+
     ops = []
     for k, r in enumerate(records):
         fwd = None
@@ -135,7 +141,7 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
         flops, read, written = costs(r.index)
         ops.append(Op(
             index=k, name=r.name, phase=r.phase, module=module,
-            seq_nr=None if r.seq_nr == _NO_NODE else r.seq_nr, forward_op=fwd, autograd_node=node,
+            seq_nr=relative(r.seq_nr), forward_op=fwd, autograd_node=node,
             inputs=r.inputs, outputs=outputs, flops=flops,
             bytes_read=read, bytes_written=written,
             saved=any(o.value in saved for o in outputs),

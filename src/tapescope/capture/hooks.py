@@ -29,6 +29,7 @@ Function path, which is).
 
 from __future__ import annotations
 
+import re
 import sys
 import weakref
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.function import BackwardCFunction
 
+from ..errors import user_error
 from ..torch_compat import (mark_internal_saved_tensors_hooks, node_sequence_nr,
                             pop_saved_tensors_hooks, push_saved_tensors_hooks, sequence_nr,
                             storage_key)
@@ -53,10 +55,13 @@ class _Held:
     `release_variables()`; it is weakly registered, so it also dies with its SavedVariable (a
     graph dropped without a backward, like the graph a checkpoint builds while recomputing)."""
 
-    __slots__ = ("value", "unpack", "claimed", "__weakref__")
+    __slots__ = ("value", "unpack", "claimed", "saved_as", "__weakref__")
 
-    def __init__(self, value, unpack=None):
+    def __init__(self, value, unpack=None, saved_as=None):
         self.value, self.unpack, self.claimed = value, unpack, False
+        # (version, output_nr, owner) for SavedVariable::unpack's version check; None for what
+        # another hook packed (the C++ check is skipped when saved-tensor hooks are set)
+        self.saved_as = saved_as
 
     def release(self) -> None:
         self.value = self.unpack = None
@@ -115,6 +120,9 @@ class SavedTensors:
         tape.mark_saved(t)
         seq = self._owner_seq(t)
         gf = t.grad_fn
+        # what SavedVariable::unpack checks (it skips the check when saved-tensor hooks are set,
+        # as ours are, so we make it): the version at save time, and what its message names
+        version, output_nr, owner = t._version, t.output_nr, (None if gf is None else _INPUT)
         if gf is not None and node_sequence_nr(gf) == sequence_nr() - 1:
             # A saved output: packing the tensor itself would make tensor -> grad_fn -> saved
             # tensor a cycle through C++ that never frees. Autograd saves outputs without their
@@ -123,13 +131,16 @@ class SavedTensors:
                 t = t.detach()
             if v is not None:
                 setattr(t, _VALUE_ATTR, v)
-        return self._register(_Held(t), seq)
+            owner = gf.name()  # a saved output names the node that saved it (saved_for)
+        return self._register(_Held(t, saved_as=(version, output_nr, owner)), seq)
 
     def unpack(self, held: _Held):
         t = held.value
         if t is None:
             raise RuntimeError("tapescope: a saved tensor was used after its node ran "
                                "(backward through the graph a second time?)")
+        if held.saved_as is not None and t._version != held.saved_as[0]:
+            raise user_error(RuntimeError(_modified_message(t, *held.saved_as)))
         self._claim(held)
         return t
 
@@ -264,6 +275,27 @@ def mark_variable_inputs(cls, args, out) -> None:
         if node is not None and type(node) is backward_cls:
             setattr(node, VARIABLE_INPUTS, tuple(isinstance(a, torch.Tensor) for a in args))
             return
+
+
+_INPUT = object()
+
+
+def _modified_message(t: torch.Tensor, saved_version: int, output_nr: int, owner) -> str:
+    """SavedVariable::unpack's message (torch/csrc/autograd/saved_variable.cpp), word for word:
+    the node it names is the saving node for a saved output, the tensor's current grad_fn for a
+    saved input, none for a leaf; this torch prints a node's name without its Backward suffix."""
+    if owner is _INPUT:
+        owner = t.grad_fn.name() if t.grad_fn is not None else None
+    name = None if owner is None else re.sub(r"Backward\d*$", "", owner)
+    which = "" if name is None else f", which is output {output_nr} of {name},"
+    hint = (" Hint: the backtrace further above shows the operation that failed to compute its "
+            "gradient. The variable in question was changed in there or anywhere later. Good luck!"
+            if torch.is_anomaly_enabled() else
+            " Hint: enable anomaly detection to find the operation that failed to compute its "
+            "gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False).")
+    return ("one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} [{', '.join(str(s) for s in t.shape)}]]{which} is at "
+            f"version {t._version}; expected version {saved_version} instead.{hint}")
 
 
 class HookRegistry:

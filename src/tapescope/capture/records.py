@@ -188,6 +188,10 @@ class Trace:
     storage_owner: dict = field(default_factory=dict)
     # forward autograd node seq_nr -> node name (e.g. "MmBackward0")
     node_names: dict = field(default_factory=dict)
+    # autograd's sequence counter when the capture began: records keep the counter's values (the
+    # engine and the nodes speak them); the op table shows seq_nr - seq_base, so that the same
+    # step gives the same numbers whatever the process ran before
+    seq_base: int = 0
     device: torch.device = torch.device("cpu")
     # how steady-state step 2 was obtained: "traced" or "reused forward+backward of step 1"
     step2: str = "none"

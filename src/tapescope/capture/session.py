@@ -167,6 +167,11 @@ class CaptureSession:
             except Exception as e:  # noqa: BLE001 - every failure of user code becomes a message
                 if raised_by_tapescope(e):
                     raise  # our bug, not the user's: keep the traceback
+                if getattr(e, "tapescope_phase", None) is None:
+                    try:
+                        e.tapescope_phase = self.tape.current_phase
+                    except AttributeError:  # exception types that refuse attributes
+                        pass
                 raise from_trace_failure(e) from e
         if self.shape_env is not None:
             self._record_shape_facts()

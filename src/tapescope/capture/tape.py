@@ -92,12 +92,17 @@ class Tape(FakeTensorMode):
         self._tape_live: dict[int, tuple[int, weakref.ref]] = {}  # StorageImpl address -> (id, ref)
         self._tape_phase = FORWARD
         self._tape_step = 0
-        self._tape_last_seq = sequence_nr()
+        self._tape_last_seq = self.trace.seq_base = sequence_nr()
         self._tape_next_value = 0
         self._tape_frames: dict = {}
         self._tape_internal_code: dict = {}  # code object -> not the user's (torch's, ours)
         self._tape_replay = DispatchReplay(self)
         self._tape_unbuilt = unbuilt_device_types()  # empty on a CUDA build: no check at all
+
+    @property
+    def current_phase(self) -> str:
+        """The phase being recorded (forward, backward, optimizer)."""
+        return self._tape_phase
 
     def set_backward_node(self, node) -> None:
         """The autograd node whose backward is running (None when the backward is done): the ops
@@ -319,6 +324,8 @@ class Tape(FakeTensorMode):
             func, args, kwargs = rules.rewrite(FORWARD_OP, ctx, func, args, kwargs)
         self._tape_depth += 1
         try:
+            if func in rules.check_targets:  # what the real kernel refuses, refused
+                rules.check(ctx, func, args, kwargs)
             out = self._run(func, types, args, kwargs)
             if func in rules.output_targets:
                 out = rules.output(ctx, func, args, out)

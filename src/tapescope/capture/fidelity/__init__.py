@@ -6,10 +6,12 @@ source it follows and a test against real execution (tests/test_engine.py has th
 sequence of the real step under torch.profiler, and the allocator's peak).
 """
 
-from . import (attention, backward, convolution, cuda_kernels, layouts, linear,  # noqa: F401
-               literals, losses, matmul, norms, pooling, reductions, rnn, views)  # registers
-from .registry import (ANY_OP, BACKWARD_OP, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE, Alloc,
-                       FidelityContext, Free, FunctionRulesMode, Output, Rule, RuleSet)
+from . import (attention, backward, checks, convolution, cuda_kernels, layouts,  # noqa: F401
+               linear, literals, losses, matmul, norms, pooling, reductions, rnn,  # registers
+               views)
+from .registry import (ANY_OP, BACKWARD_OP, CHECK, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE,
+                       Alloc, FidelityContext, Free, FunctionRulesMode, Output, Rule, RuleSet)
 
 __all__ = ["RULES", "Rule", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
-           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "ANY_OP", "Alloc", "Free", "Output"]
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "CHECK", "ANY_OP", "Alloc", "Free",
+           "Output"]

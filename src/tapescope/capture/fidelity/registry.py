@@ -16,6 +16,10 @@ A rule acts at one stage:
   a backward rule also gets the autograd node that runs (`ctx.node`).
 - OUTPUT: an aten op's fresh output is replaced by one with the real kernel's layout,
   `handler(ctx, func, args, out) -> out`.
+- CHECK: what the real kernel refuses and the fake (meta) kernel lets through, such as a float64
+  input into a float32 matmul: `handler(ctx, func, args, kwargs) -> None`, raising the real
+  kernel's error with its message. Runs before the op, forward and backward; a step PyTorch
+  would refuse is refused, never profiled.
 - WORKSPACE: scratch memory the real kernel allocates and frees inside the op (a reorder into a
   blocked layout, a GEMM fallback's per-thread buffers, a contiguous copy of an operand), which a
   fake kernel never allocates: `handler(ctx, func, args, kwargs, out) -> bytes | [bytes, ...] |
@@ -45,12 +49,12 @@ from torch.overrides import TorchFunctionMode
 from ...errors import passes_user_calls
 
 __all__ = ["Rule", "RULES", "Rules", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
-           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "STAGES", "ANY_OP", "Alloc", "Free",
-           "Output"]
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "CHECK", "STAGES", "ANY_OP", "Alloc",
+           "Free", "Output"]
 
 FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT = "function", "forward op", "backward op", "output"
-WORKSPACE = "workspace"
-STAGES = (FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT, WORKSPACE)
+WORKSPACE, CHECK = "workspace", "check"
+STAGES = (FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT, WORKSPACE, CHECK)
 ANY_OP = "any op"
 
 
@@ -198,6 +202,7 @@ class RuleSet:
         self.backward_targets = frozenset(self.by_stage[BACKWARD_OP])
         self.output_targets = frozenset(self.by_stage[OUTPUT])
         self.workspace_targets = frozenset(self.by_stage[WORKSPACE])
+        self.check_targets = frozenset(self.by_stage[CHECK])
         self.rewrites_any_forward = bool(self.any_op[FORWARD_OP])
         self.rewrites_any_backward = bool(self.any_op[BACKWARD_OP])
         duplicated = [f for f, hs in self.by_stage[FUNCTION].items() if len(hs) > 1]
@@ -222,6 +227,13 @@ class RuleSet:
             for h in handlers:
                 out = h(ctx, func, args, out)
         return out
+
+    def check(self, ctx: FidelityContext, func, args, kwargs) -> None:
+        """Raise what the real kernel of `func` would raise for these arguments (CHECK rules)."""
+        handlers = self.by_stage[CHECK].get(func)
+        if handlers is not None:
+            for h in handlers:
+                h(ctx, func, args, kwargs)
 
     def workspace(self, ctx: FidelityContext, func, args, kwargs, out) -> list:
         """The scratch the real kernel of this op allocates inside it, as a sequence of Alloc,
