@@ -1,5 +1,7 @@
 """User mistakes become messages that name the op, the module and the line, and say what to do."""
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -108,9 +110,69 @@ def test_cli_reports_errors_without_traceback():
     assert r.exit_code == 1 and "has no option n_layers" in r.output
 
 
-@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="needs a CPU-only torch build")
+# .ci/run runs these in a venv with a CPU-only torch and sets TAPESCOPE_EXPECT_CPU_ONLY_TORCH=1:
+# there a CUDA build (a wheel index that resolved torch==2.13.0 to a CUDA build) must fail the
+# run loudly, or CI would pass without ever testing the guards against the process abort.
+_EXPECT_CPU_ONLY = os.environ.get("TAPESCOPE_EXPECT_CPU_ONLY_TORCH") == "1"
+
+
+def _needs_cpu_only_torch():
+    if not torch.backends.cuda.is_built():
+        return
+    if _EXPECT_CPU_ONLY:
+        pytest.fail(f"TAPESCOPE_EXPECT_CPU_ONLY_TORCH=1 but torch {torch.__version__} is a CUDA "
+                    "build: the CPU-only guards would go untested. Install a CPU-only wheel "
+                    "(torch==2.13.0 from the CPU index) in this environment.")
+    pytest.skip("needs a CPU-only torch build (CI's CPU-only venv runs it)")
+
+
 def test_cuda_on_cpu_only_torch_fails_cleanly():
+    _needs_cpu_only_torch()
     with pytest.raises(DeviceError, match="CUDA build"):
         tapescope.profile(WrongShape, tapescope.spec((2, 5)), device="cuda")
     r = CliRunner().invoke(app, ["profile", "zoo:gpt2:n_layer=1", "--device", "cuda"])
     assert r.exit_code == 1 and "CUDA build" in r.output
+
+
+_ABORT_CASES = {
+    "cuda input spec on a cpu profile": """
+        tapescope.profile(lambda: nn.Linear(4, 4),
+                          tapescope.spec((2, 4), device="cuda", requires_grad=True), device="cpu")
+    """,
+    "forward makes a cuda tensor that requires grad": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+            def forward(self, x):
+                b = torch.zeros(4, device="cuda", requires_grad=True)
+                return (self.fc(x) + b.cpu()).sum()
+        tapescope.profile(M, tapescope.spec((2, 4)))
+    """,
+    "forward moves a tensor to cuda": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+            def forward(self, x):
+                return self.fc(x).cuda().sum()
+        tapescope.profile(M, tapescope.spec((2, 4)))
+    """,
+}
+
+
+@pytest.mark.parametrize("case", _ABORT_CASES)
+def test_cuda_on_cpu_only_torch_never_aborts_the_process(case):
+    """Torch itself aborts the process (SIGABRT, exit 134) on these; tapescope must refuse them
+    with a message. Each runs in its own process, so an abort fails the test, not the run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    _needs_cpu_only_torch()
+    code = ("import torch, torch.nn as nn, tapescope\n"
+            "try:\n" + textwrap.indent(textwrap.dedent(_ABORT_CASES[case]), "    ") +
+            "except tapescope.TapescopeError as e:\n    print('CLEAN:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert "CLEAN:" in r.stdout and ("CUDA build" in r.stdout or "cuda" in r.stdout), r.stdout

@@ -286,9 +286,9 @@ def analyse(trace: Trace, facts: dict, *, model: str, options: Options, inputs) 
     memory = memory_report(trace, main, ops, categories)
     first_peak = memory.peak_bytes if main.step == 1 else peak_bytes(trace, views[1])
     facts = dict(facts, step2=trace.step2)
-    dtype = options.dtype
+    dtype = options.dtype  # the cast asked for, else the parameters' own
     p = Profile(model=model, device=str(options.device),
-                dtype=None if dtype is None else str(dtype).replace("torch.", ""),
+                dtype=facts.get("param_dtype") if dtype is None else str(dtype).replace("torch.", ""),
                 inputs=inputs, steps=main.step, ops=ops, memory=memory,
                 first_step_peak_bytes=first_peak, facts=facts, trace=trace, options=options)
     p._costs, p._categories, p._retrace = costs, categories, None

@@ -61,7 +61,7 @@ def _progress(label: str, delay: float = 1.0):
 
 
 def _fail(e: Exception) -> None:
-    err.print(Text.assemble(("error:", "bold red"), " ", str(e)), highlight=False)
+    err.print(Text.assemble(("error:", "bold red"), " ", str(e)), highlight=False, soft_wrap=True)
     raise typer.Exit(1)
 
 

@@ -28,13 +28,13 @@ def is_native_log_line(line: bytes) -> bool:
 
 @contextmanager
 def quiet_native_logs():
+    fd = 2  # where C++ writes, whatever object sys.stderr is now
     try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, ValueError, OSError):  # stderr replaced by an object without a fd
+        sys.stderr.flush()
+        saved = os.dup(fd)
+    except (AttributeError, ValueError, OSError):  # no file descriptor 2 in this process
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(fd)
     with tempfile.TemporaryFile() as capture:
         os.dup2(capture.fileno(), fd)
         try:

@@ -157,9 +157,9 @@ def explain_op(op: str, device: str = "cuda", dtype=torch.float32) -> Explanatio
     from ..native_logs import quiet_native_logs
 
     prof = torch_profile()
-    with quiet_native_logs():
+    with quiet_native_logs():  # Kineto logs when the trace starts, stops and is read
         trace = trace_call(dev, lambda: _sample_args(func, dev, dtype), func, observe=lambda: prof)
-    calls = _call_tree(prof, dev.type, [r.func.name() for r in trace.ops if r.phase == FORWARD])
+        calls = _call_tree(prof, dev.type, [r.func.name() for r in trace.ops if r.phase == FORWARD])
     fwd = [r for r in trace.ops if r.phase == FORWARD]
     owners = {r.seq_nr: r.name for r in fwd if r.owns_node}
     nodes: dict = {}

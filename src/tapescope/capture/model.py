@@ -120,42 +120,12 @@ class _params_to_meta:
         nn.Module.register_buffer = self._reg_b
 
 
-_MODULE_DICTS = ("_parameters", "_buffers", "_modules")
-
-
 def fake_copy(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
-    """A copy of `model` sharing everything but its tensors, which are replaced by `make(t)`.
+    """A private copy of `model` whose tensors are replaced by `make(t)` (capture.isolation: the
+    state its attributes reach is copied too; the original model is never modified)."""
+    from .isolation import Isolation
 
-    Modules are copied shallowly (their code, config and hooks are the user's own); parameters,
-    buffers and tensor attributes are replaced, each original once, so tied weights stay tied.
-    The original model is never modified.
-    """
-    made: dict[int, torch.Tensor] = {}
-    copies: dict[int, nn.Module] = {}
-
-    def tensor(t):
-        r = made.get(id(t))
-        if r is None:
-            r = made[id(t)] = make(t)
-        return r
-
-    def module(m: nn.Module) -> nn.Module:
-        if id(m) in copies:
-            return copies[id(m)]
-        new = copy.copy(m)
-        copies[id(m)] = new
-        d = new.__dict__
-        for k, v in list(d.items()):
-            if isinstance(v, torch.Tensor):
-                d[k] = tensor(v)
-            elif k.endswith("hooks") and isinstance(v, dict):
-                d[k] = type(v)(v)  # our copy may gain hooks; the user's module must not
-        d["_parameters"] = {k: None if p is None else tensor(p) for k, p in m._parameters.items()}
-        d["_buffers"] = {k: None if b is None else tensor(b) for k, b in m._buffers.items()}
-        d["_modules"] = {k: None if c is None else module(c) for k, c in m._modules.items()}
-        return new
-
-    return module(model)
+    return Isolation(make, make).copy_model(model)
 
 
 def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torch.Tensor:

@@ -36,8 +36,9 @@ from ..torch_compat import (DimDynamic, ShapeEnv, constant_source, force_enable_
 from .engine import PythonEngine
 from .fidelity import RULES, FidelityContext, FunctionRulesMode
 from .hooks import HookRegistry, SavedTensors
+from .isolation import Isolation
 from .rng_state import track_rng_states
-from .model import Spec, build_on_meta, fake_copy, fake_inputs, fake_tensor_like
+from .model import Spec, build_on_meta, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
 from .optimizers import make_optimizer
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
@@ -173,6 +174,9 @@ class CaptureSession:
                     except AttributeError:  # exception types that refuse attributes
                         pass
                 raise from_trace_failure(e) from e
+        notes = self.isolation.notes + self.isolation.leaks(self.model)
+        if notes:
+            self.facts["isolation_notes"] = notes
         if self.shape_env is not None:
             self._record_shape_facts()
         if opts.gpu is not None:
@@ -193,7 +197,13 @@ class CaptureSession:
     def _make_fake_model(self) -> None:
         """The fake copy of the model and inputs, their tensors registered with the tape."""
         opts, tape = self.options, self.tape
-        self.fmodel = fake_copy(self.model, lambda t: fake_tensor_like(t, opts.device, opts.dtype))
+        # the model's private copy: parameters and buffers on the traced device and dtype; tensors
+        # of other state (caches, closures) keep their device, as model.to() leaves them
+        self.isolation = Isolation(
+            lambda t: fake_tensor_like(t, opts.device, opts.dtype),
+            lambda t: fake_tensor_like(t, opts.device if t.device.type == "meta" else t.device,
+                                       None))
+        self.fmodel = self.isolation.copy_model(self.model)
         sizes = {}
         if self.shape_env is not None:
             sizes, hints = _symbols(self.shape_env, opts.symbolic, (self.args, self.kwargs))
@@ -221,14 +231,21 @@ class CaptureSession:
             self.facts["checkpointing"] = [p.to_dict() for p in opts.checkpointing]
         self.params = list(self.fmodel.parameters())
         self.facts["parameters"] = sum(p.numel() for p in self.params)
+        by_dtype: dict = {}  # the parameters' dtype (most elements), for the report's header
+        for p in self.params:
+            if p.is_floating_point():
+                by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+        self.facts["param_dtype"] = str(max(by_dtype, key=by_dtype.get)).replace("torch.", "") \
+            if by_dtype else None
         # step 2 accumulates into an input's .grad if one gathers it: then it cannot be reused
         self.inputs_gather_grads = any(t.requires_grad and t.is_leaf for t in inputs)
 
     @contextmanager
     def _recording(self):
         rec = self.recorder
-        with track_modules(rec.modules, self.names), rec.saved.active(), \
-                rec.hooks.recording(), track_rng_states(rec.tape), _quiet_fake_tensor_log(), \
+        with self.isolation.shadows(), track_modules(rec.modules, self.names), \
+                rec.saved.active(), rec.hooks.recording(), track_rng_states(rec.tape), \
+                _quiet_fake_tensor_log(), \
                 rec.function_rules, self._compiling():
             yield
 

@@ -173,3 +173,14 @@ def index_add_dtypes(ctx, func, args, kwargs):
     if self.dtype != source.dtype:
         _refuse(f"index_add_(): self ({scalar_type_name(self.dtype)}) and source "
                 f"({scalar_type_name(source.dtype)}) must have the same scalar type")
+
+
+@RULES.register(CHECK, aten.mv.default, devices=_REAL_DEVICES,
+                source="aten/src/ATen/native/Blas.cpp (mv: addmv_ into a result of vec's dtype)",
+                test="tests/test_reliability.py::test_mixed_dtypes_are_refused_as_pytorch_refuses")
+def mv_same_dtype(ctx, func, args, kwargs):
+    mat, vec = args[:2]
+    if mat.dtype != vec.dtype:
+        _refuse(f"addmv input tensors must have the same dtype, but got "
+                f"{scalar_type_name(vec.dtype)}, {scalar_type_name(mat.dtype)}, and "
+                f"{scalar_type_name(vec.dtype)}")

@@ -1,0 +1,395 @@
+"""The model's private copy: profiling never changes what the user's model holds.
+
+The trace runs the user's own code on fake tensors. Whatever that code writes - a tensor cached in
+a dict attribute on the first call, an entry of a `functools.lru_cache`, a list a closure appends
+to - must land in a copy, or the user's model would hold fake tensors afterwards and fail on real
+data. So before the trace, everything the model reaches that can hold state gets a private copy:
+
+- modules: copied shallowly (code, config and hooks stay the user's), their parameters, buffers
+  and tensor attributes replaced by fake tensors (each original once, so tied weights stay tied);
+- state reachable from module attributes: containers (dict, list, set, deque, tuple), plain
+  objects with a `__dict__`, functions with closures or mutable defaults, partials, bound methods
+  (rebound to the copy of their module) and lru_cache wrappers (a fresh, empty cache around the
+  same function), recursively; a tensor found there becomes a fake one (its device kept);
+- state the model's code reads by name: the globals and class attributes that the methods of the
+  model's classes (and the functions they call, a few levels deep) name, when they are caches
+  (lru_cache wrappers) or mutable containers. These names are bound to private copies for the
+  duration of the trace and restored afterwards (as the hook registry does with torch's hook
+  entry points): the user's objects themselves are never written.
+
+What cannot be copied (an object that refuses `copy.copy`) is shared and named in
+`notes`; after the trace, `leaks(model)` walks what the model reaches once more and names any
+place that ended up holding a fake tensor, so the profile can say so.
+
+Not covered: state reached only through attributes of imported modules (`utils.CACHE[k] = t`),
+through C extensions, or through code more than `SCAN_DEPTH` calls away from the model's methods.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import copy
+import enum
+import functools
+import os
+import types
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Isolation", "SCAN_DEPTH"]
+
+SCAN_DEPTH = 3  # calls from a model method to a function whose globals are still scanned
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, range, torch.dtype, torch.device,
+          torch.Size, torch.memory_format, torch.layout, enum.Enum, type, types.ModuleType,
+          types.BuiltinFunctionType, types.BuiltinMethodType, types.CodeType,
+          torch.Generator, type(Ellipsis), type(NotImplemented), slice)
+_MUTABLE_CONTAINERS = (dict, list, set, collections.deque, bytearray)
+_LRU = type(functools.lru_cache(None)(lambda: None))
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+
+
+class Isolation:
+    """Private copies of a model and of the state its code reaches (see the module docstring).
+
+    make_module_tensor(t): the fake of a parameter, buffer or tensor attribute of a module;
+    make_state_tensor(t): the fake of a tensor found in other state (caches, closures, globals).
+    """
+
+    def __init__(self, make_module_tensor: Callable, make_state_tensor: Callable):
+        self._make_module_tensor = make_module_tensor
+        self._make_state_tensor = make_state_tensor
+        self._memo: dict[int, object] = {}
+        self._keep: list = []           # originals whose ids key the memo stay alive meanwhile
+        self.notes: list[str] = []       # what could not be isolated, and why
+        self._swaps: list = []           # (namespace, name, private value) bound during the trace
+
+    # ---- the copy -----------------------------------------------------------------------
+
+    def copy_model(self, model: nn.Module) -> nn.Module:
+        fake = self._copy(model, "model")
+        self._find_named_state(model)
+        return fake
+
+    def _remember(self, original, private):
+        self._memo[id(original)] = private
+        self._keep.append(original)
+        return private
+
+    def _tensor(self, t: torch.Tensor, make: Callable) -> torch.Tensor:
+        r = self._memo.get(id(t))
+        if r is None:
+            r = self._remember(t, make(t))
+        return r
+
+    def _copy(self, x, where: str):
+        """A private copy of `x` if it can hold state, else `x` itself."""
+        if isinstance(x, _ATOMS):
+            return x
+        known = self._memo.get(id(x))
+        if known is not None:
+            return known
+        if isinstance(x, torch.Tensor):
+            return self._tensor(x, self._make_state_tensor)
+        if isinstance(x, nn.Module):
+            return self._module(x, where)
+        if isinstance(x, (list, set, collections.deque, frozenset)):
+            new = self._remember(x, _empty_like(x))
+            items = [self._copy(v, f"{where}[]") for v in x]
+            if isinstance(x, frozenset):
+                new = self._remember(x, frozenset(items) if any(
+                    a is not b for a, b in zip(items, x)) else x)
+            else:
+                _fill(new, items)
+            return new
+        if isinstance(x, tuple):
+            items = [self._copy(v, f"{where}[{i}]") for i, v in enumerate(x)]
+            if all(a is b for a, b in zip(items, x)):
+                return self._remember(x, x)
+            new = type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+            return self._remember(x, new)
+        if isinstance(x, dict):
+            try:
+                new = copy.copy(x)  # keeps the type (OrderedDict, defaultdict's factory ...)
+            except Exception as e:  # noqa: BLE001 - an exotic dict subclass
+                return self._shared(x, where, e)
+            self._remember(x, new)
+            for k, v in x.items():
+                dict.__setitem__(new, k, self._copy(v, f"{where}[{k!r}]"))
+            return new
+        if isinstance(x, _LRU):
+            return self._remember(x, _fresh_lru(x))
+        if isinstance(x, types.FunctionType):
+            return self._function(x, where)
+        if isinstance(x, types.MethodType):
+            owner = self._copy(x.__self__, where)
+            func = self._copy(x.__func__, where)
+            if owner is x.__self__ and func is x.__func__:
+                return self._remember(x, x)
+            return self._remember(x, types.MethodType(func, owner))
+        if isinstance(x, functools.partial):
+            func = self._copy(x.func, where)
+            args = self._copy(x.args, where)
+            kwargs = self._copy(x.keywords, where)
+            if func is x.func and args is x.args and kwargs is x.keywords:
+                return self._remember(x, x)
+            return self._remember(x, functools.partial(func, *args, **kwargs))
+        if isinstance(x, (staticmethod, classmethod)):
+            inner = self._copy(x.__func__, where)
+            return self._remember(x, x if inner is x.__func__ else type(x)(inner))
+        if hasattr(x, "__dict__"):
+            return self._object(x, where)
+        return x  # opaque (a C object, a callable instance): shared
+
+    def _shared(self, x, where: str, why) -> object:
+        self.notes.append(f"{where} ({type(x).__name__}) is shared with the model: tapescope "
+                          f"cannot copy it ({why}); the trace writes it only if the model's "
+                          "code does")
+        return self._remember(x, x)
+
+    def _object(self, x, where: str):
+        """A plain object: copied when something it holds is (a cache dict, a tensor)."""
+        self._remember(x, x)  # until we know: cycles back to it see the original
+        state = {k: self._copy(v, f"{where}.{k}") for k, v in vars(x).items()}
+        if all(state[k] is v for k, v in vars(x).items()) and not _holds_mutable(vars(x)):
+            return x
+        try:
+            new = copy.copy(x)
+        except Exception as e:  # noqa: BLE001 - objects that refuse to be copied
+            self._memo.pop(id(x))
+            return self._shared(x, where, e)
+        try:
+            vars(new).update(state)
+        except TypeError as e:  # a read-only __dict__ (a mappingproxy)
+            self._memo.pop(id(x))
+            return self._shared(x, where, e)
+        return self._remember(x, new)
+
+    def _function(self, f: types.FunctionType, where: str):
+        """A function whose closure cells or defaults hold state gets its own cells/defaults."""
+        cells = f.__closure__ or ()
+        contents = []
+        for c in cells:
+            try:
+                contents.append(c.cell_contents)
+            except ValueError:  # an empty cell (a name assigned later)
+                contents.append(_EMPTY)
+        new_contents = [v if v is _EMPTY else self._copy(v, f"{where} (closure of "
+                                                             f"{f.__qualname__})")
+                        for v in contents]
+        defaults = self._copy(f.__defaults__, where) if f.__defaults__ else f.__defaults__
+        kwdefaults = self._copy(f.__kwdefaults__, where) if f.__kwdefaults__ else f.__kwdefaults__
+        if (all(a is b for a, b in zip(new_contents, contents)) and defaults is f.__defaults__
+                and kwdefaults is f.__kwdefaults__):
+            return self._remember(f, f)
+        closure = tuple(types.CellType() if v is _EMPTY else types.CellType(v)
+                        for v in new_contents) or None
+        new = types.FunctionType(f.__code__, f.__globals__, f.__name__, defaults, closure)
+        new.__kwdefaults__ = kwdefaults
+        new.__dict__.update(f.__dict__)
+        new.__qualname__, new.__module__, new.__doc__ = f.__qualname__, f.__module__, f.__doc__
+        return self._remember(f, new)
+
+    def _module(self, m: nn.Module, where: str) -> nn.Module:
+        new = copy.copy(m)
+        self._remember(m, new)
+        d = new.__dict__
+        for k, v in list(d.items()):
+            if k in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(v, torch.Tensor):
+                d[k] = self._tensor(v, self._make_module_tensor)
+            elif k in _HOOK_DICTS and isinstance(v, dict):
+                d[k] = type(v)(v)  # our copy may gain hooks; the user's module must not
+            else:
+                d[k] = self._copy(v, f"{where}.{k}")
+        make = self._make_module_tensor
+        d["_parameters"] = {k: None if p is None else self._tensor(p, make)
+                            for k, p in m._parameters.items()}
+        d["_buffers"] = {k: None if b is None else self._tensor(b, make)
+                         for k, b in m._buffers.items()}
+        d["_modules"] = {k: None if c is None else self._module_child(c, where, k)
+                         for k, c in m._modules.items()}
+        return new
+
+    def _module_child(self, c, where, name):
+        known = self._memo.get(id(c))
+        return known if known is not None else self._module(c, f"{where}.{name}")
+
+    # ---- state the code names ---------------------------------------------------------------
+
+    def _find_named_state(self, model: nn.Module) -> None:
+        """Globals and class attributes the model's code names that can hold state: bound to
+        private copies during the trace (see `shadows`)."""
+        seen_code, seen_ns = set(), set()
+        work = []  # (function, depth)
+        for m in model.modules():
+            for cls in type(m).__mro__:
+                if _is_library_class(cls):
+                    continue
+                for name, v in list(vars(cls).items()):
+                    raw = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+                    if isinstance(raw, types.FunctionType):
+                        work.append((raw, 0))
+                    elif isinstance(v, property):
+                        work.extend((f, 0) for f in (v.fget, v.fset) if f is not None)
+                    elif _stateful(raw) and (id(cls), name) not in seen_ns:
+                        seen_ns.add((id(cls), name))
+                        self._swaps.append((cls, name, self._copy(v, f"{cls.__qualname__}.{name}")))
+            for hooks in (m._forward_hooks, m._forward_pre_hooks):
+                work.extend((h, 0) for h in hooks.values() if isinstance(h, types.FunctionType))
+        while work:
+            f, depth = work.pop()
+            if not isinstance(f, types.FunctionType) or f.__code__ in seen_code \
+                    or _is_library_code(f.__code__):
+                continue
+            seen_code.add(f.__code__)
+            g = f.__globals__
+            for name in _global_names(f.__code__):
+                if name not in g:
+                    continue
+                v = g[name]
+                key = (id(g), name)
+                if _stateful(v) and key not in seen_ns:
+                    seen_ns.add(key)
+                    self._swaps.append((g, name, self._copy(v, f"global {name} of "
+                                                              f"{g.get('__name__', '?')}")))
+                elif isinstance(v, types.FunctionType) and depth < SCAN_DEPTH:
+                    work.append((v, depth + 1))
+            for cell in f.__closure__ or ():
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(v, types.FunctionType) and depth < SCAN_DEPTH:
+                    work.append((v, depth + 1))
+
+    @contextmanager
+    def shadows(self):
+        """Bind the named state to its private copies for the duration of the block."""
+        done = []
+        try:
+            for ns, name, private in self._swaps:
+                if isinstance(ns, dict):
+                    done.append((ns, name, ns.get(name, _EMPTY)))
+                    ns[name] = private
+                else:
+                    done.append((ns, name, vars(ns).get(name, _EMPTY)))
+                    setattr(ns, name, private)
+            yield
+        finally:
+            for ns, name, original in reversed(done):
+                if isinstance(ns, dict):
+                    if original is _EMPTY:
+                        ns.pop(name, None)
+                    else:
+                        ns[name] = original
+                elif original is _EMPTY:
+                    delattr(ns, name)
+                else:
+                    setattr(ns, name, original)
+
+    # ---- after the trace ----------------------------------------------------------------------
+
+    def leaks(self, model: nn.Module) -> list[str]:
+        """Places the user's model reaches that hold a fake tensor after the trace."""
+        from ..torch_compat import FakeTensor
+
+        found, seen = [], set()
+
+        def walk(x, where, depth=0):
+            if depth > 8 or isinstance(x, _ATOMS) or id(x) in seen:
+                return
+            seen.add(id(x))
+            if isinstance(x, FakeTensor):
+                found.append(where)
+            elif isinstance(x, torch.Tensor):
+                return
+            elif isinstance(x, dict):
+                for k, v in list(x.items()):
+                    walk(v, f"{where}[{k!r}]", depth + 1)
+            elif isinstance(x, (list, tuple, set, frozenset, collections.deque)):
+                for v in list(x):
+                    walk(v, f"{where}[]", depth + 1)
+            elif isinstance(x, nn.Module):
+                for k, v in vars(x).items():
+                    walk(v, f"{where}.{k}", depth + 1)
+            elif hasattr(x, "__dict__") and not isinstance(x, (types.FunctionType, type)):
+                for k, v in list(vars(x).items()):
+                    walk(v, f"{where}.{k}", depth + 1)
+
+        walk(model, "model")
+        for ns, name, _ in self._swaps:
+            value = ns.get(name) if isinstance(ns, dict) else vars(ns).get(name)
+            walk(value, f"global {name}" if isinstance(ns, dict) else f"{ns.__qualname__}.{name}")
+        return [f"{w} holds a fake tensor after the trace: tapescope could not isolate it"
+                for w in found]
+
+
+_EMPTY = object()
+
+
+def _empty_like(x):
+    if isinstance(x, collections.deque):
+        return collections.deque(maxlen=x.maxlen)
+    return type(x)() if type(x) in (list, set) else copy.copy(x)
+
+
+def _fill(new, items) -> None:
+    if isinstance(new, list):
+        new[:] = items
+    elif isinstance(new, collections.deque):
+        new.clear()
+        new.extend(items)
+    else:
+        new.clear()
+        new.update(items)
+
+
+def _holds_mutable(d: dict) -> bool:
+    return any(isinstance(v, _MUTABLE_CONTAINERS) or isinstance(v, _LRU) for v in d.values())
+
+
+def _stateful(v) -> bool:
+    """A global or class attribute worth a private copy: a cache or a mutable container."""
+    if isinstance(v, (staticmethod, classmethod)):
+        v = v.__func__
+    return isinstance(v, _LRU) or type(v) in (dict, list, set, collections.deque,
+                                              collections.OrderedDict, collections.defaultdict)
+
+
+def _fresh_lru(f):
+    """A new, empty cache around the same function, with the same size and typing."""
+    params = f.cache_parameters() if hasattr(f, "cache_parameters") else {"maxsize": 128,
+                                                                          "typed": False}
+    new = functools.lru_cache(maxsize=params["maxsize"], typed=params["typed"])(f.__wrapped__)
+    functools.update_wrapper(new, f.__wrapped__)
+    return new
+
+
+def _is_library_code(code) -> bool:
+    fn = code.co_filename
+    return fn.startswith((_TORCH_DIR, _STDLIB_DIR)) or fn.startswith("<")
+
+
+def _is_library_class(cls) -> bool:
+    return cls is object or (cls.__module__ or "").split(".", 1)[0] in ("torch", "builtins")
+
+
+def _global_names(code) -> set:
+    """Names a code object (and the code nested in it: lambdas, comprehensions) may read as
+    globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names - set(dir(builtins))
