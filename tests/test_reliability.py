@@ -22,7 +22,6 @@ import tapescope
 from tapescope.cli import app
 from tapescope.errors import DataDependentError, ModelError, TapescopeError, UnsupportedOpError
 
-from .conftest import TINY_GPT2
 
 # ---- the user's model is never touched -----------------------------------------------------
 
@@ -140,18 +139,40 @@ def _clear_caches():
     ClassCache._shared.clear()
 
 
+def _fake_tensors_in(obj, seen=None) -> list:
+    """Where a model's own state (attributes, containers, plain objects) holds a fake tensor."""
+    from tapescope.torch_compat import FakeTensor
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type(None))):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, FakeTensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, collections.deque)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.Tensor)):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [f for x in items for f in _fake_tensors_in(x, seen)]
+
+
 @pytest.mark.parametrize("cls", ISOLATION_CASES, ids=lambda c: c.__name__)
 def test_model_gives_the_same_real_output_after_profiling(cls):
     _clear_caches()
     model, twin = cls(), cls()
     twin.load_state_dict(model.state_dict())
     x = torch.randn(2, 4)
+    expected = twin(x)  # the real output, from the same (empty) caches the model starts with
+    _clear_caches()
     p = tapescope.profile(model, tapescope.spec((2, 4)))
     assert p.peak_bytes > 0
-    _clear_caches()  # the twin starts from the same (empty) global state the model had
-    expected = twin(x)
-    _clear_caches()
     assert torch.equal(model(x), expected)
+    globals_seen = [_table(4, torch.device("cpu")), _GLOBAL_CACHE, ClassCache._shared]
+    assert not _fake_tensors_in(model) and not _fake_tensors_in(globals_seen)
     assert not p.facts.get("isolation_notes"), p.facts.get("isolation_notes")
 
 
@@ -626,22 +647,36 @@ def test_header_names_the_dtype_and_small_parameter_counts():
     assert p.to_dict()["dtype"] == "float32"
 
 
+class _LongNames(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attention_query_key_value = nn.Linear(16, 16)
+        self.feed_forward_intermediate_dense = nn.Linear(16, 64)
+        self.feed_forward_output_projection = nn.Linear(64, 16)
+
+    def forward(self, x):
+        x = self.self_attention_query_key_value(x).relu()
+        return self.feed_forward_output_projection(self.feed_forward_intermediate_dense(x).relu())
+
+
 @pytest.mark.parametrize("width", [80, 120])
 def test_tables_wrap_names_at_their_dots(width):
     from rich.console import Console
 
     from tapescope.report.console import render_summary
-    from tapescope.zoo import resolve
 
-    z = resolve(TINY_GPT2, batch=2, seq=16)
-    p = tapescope.profile(z.build, *z.inputs, loss_fn=z.loss_fn)
+    p = tapescope.profile(lambda: nn.Sequential(*[nn.Sequential(_LongNames()) for _ in range(3)]),
+                          tapescope.spec((8, 16)), loss_fn=lambda out, x: out.mean())
     console = Console(width=width, record=True)
     render_summary(p, console)
     words = set(console.export_text().replace(".", " ").split())
-    for m in [m for m in p.memory.modules if m.module][:8]:  # the rows the table shows
-        for part in m.module.split("."):
-            if part and not part.isdigit():
-                assert part in words, (part, width)
+    names = ("self_attention_query_key_value", "feed_forward_intermediate_dense",
+             "feed_forward_output_projection")
+    for name in names:
+        assert name in words, (name, width)
+        pieces = [w for w in words if w != name and len(w) >= 3 and w in name
+                  and (name.startswith(w) or name.endswith(w))]
+        assert not pieces, (name, pieces, width)  # a name cut in the middle of a word
 
 
 def test_validate_shows_step_time_in_milliseconds():

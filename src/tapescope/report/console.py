@@ -7,6 +7,8 @@ Long names wrap after their dots, not in the middle of a word.
 
 from __future__ import annotations
 
+import re
+
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -25,36 +27,33 @@ def _mod(m) -> str:
 
 
 class _Dotted:
-    """A dotted name (module fqn, op name, file:line) that wraps after its dots, never inside a
-    word: rich wraps at spaces only, and would fold `h.0.attn.c_proj` anywhere."""
+    """A name (module fqn, op, file:line, a few words) that wraps after its dots, colons and
+    spaces, never inside a word while the word fits: rich wraps at spaces only, and folds
+    `h.0.attn.c_proj` anywhere."""
 
     def __init__(self, name):
         self.name = str(name)
-        cut = self.name.replace(":", ".").split(".")
-        self.parts = [p + "." for p in cut[:-1]] + cut[-1:]
-        # put the separators back as they were (":" for file:line)
-        pos, parts = 0, []
-        for p in self.parts:
-            parts.append(self.name[pos:pos + len(p)])
-            pos += len(p)
-        self.parts = parts
+        self.tokens = re.findall(r"[^.: ]*[.: ]+|[^.: ]+$", self.name) or [""]
 
     def __rich_measure__(self, console, options):
         from rich.measure import Measurement
 
-        return Measurement(min(max((len(p) for p in self.parts), default=0), options.max_width),
-                           len(self.name))
+        longest = max(len(t.rstrip(" ")) for t in self.tokens)
+        return Measurement(min(longest, options.max_width), min(len(self.name), options.max_width))
 
     def __rich_console__(self, console, options):
+        width = max(1, options.max_width)
         lines, line = [], ""
-        for p in self.parts:
-            if line and len(line) + len(p) > options.max_width:
-                lines.append(line)
+        for t in self.tokens:
+            if line and len(line) + len(t.rstrip(" ")) > width:
+                lines.append(line.rstrip(" "))
                 line = ""
-            line += p
-        lines.append(line)
-        text = Text("\n".join(lines), no_wrap=True, overflow="fold")
-        yield text
+            while len(t.rstrip(" ")) > width:  # one word wider than the column: no choice
+                lines.append(t[:width])
+                t = t[width:]
+            line += t
+        lines.append(line.rstrip(" "))
+        yield Text("\n".join(lines), no_wrap=True, overflow="crop")
 
     def __str__(self):
         return self.name
@@ -62,6 +61,32 @@ class _Dotted:
 
 def _breakable(name: str):
     return _Dotted(name) if name else Text("")
+
+
+def _table(title: str | None, headers, rows, width: int) -> Table:
+    """A table whose columns get their widths from their names' words: every column at least
+    as wide as its longest word (when the console allows it), the rest shared by how much more
+    each column would use. Rich's own collapse shrinks the widest columns first, mid-word."""
+    cells = [[_Dotted(c) for c in row] for row in rows]
+    heads = [_Dotted(h) for h in headers]
+    n = len(headers)
+    lo = [max(len(t.rstrip(" ")) for c in [heads[i], *(r[i] for r in cells)] for t in c.tokens)
+          for i in range(n)]
+    hi = [max(len(c.name) for c in [heads[i], *(r[i] for r in cells)]) for i in range(n)]
+    room = max(n, width - 2 * n)  # one space each side of each column
+    if sum(hi) <= room:
+        widths = hi
+    elif sum(lo) >= room:
+        widths = [max(1, room * w // sum(lo)) for w in lo]
+    else:
+        spare, want = room - sum(lo), sum(h - l for h, l in zip(hi, lo))
+        widths = [l + (h - l) * spare // want for h, l in zip(hi, lo)]
+    table = Table(title=title, title_justify="left", box=None)
+    for h, w in zip(headers, widths):
+        table.add_column(h, width=w, no_wrap=True)
+    for row in cells:
+        table.add_row(*row)
+    return table
 
 
 def _line(*parts) -> Text:
@@ -114,19 +139,18 @@ def render_summary(p, console: Console, top: int = 8) -> None:
             cats.add_row(f"  {c}", fmt_bytes(b), f"{share:6.1%}")
     console.print(cats)
 
-    live = Table(title="Largest tensors alive at the peak", title_justify="left", box=None)
-    live.add_column("bytes", no_wrap=True)
-    live.add_column("category", no_wrap=True)
-    live.add_column("made by", ratio=3)
-    live.add_column("module", ratio=2)
-    live.add_column("source", ratio=2)
+    rows = []
     for g in group_live_tensors(mem.live_at_peak)[:top]:
         t = g.first
-        src = t.source.rsplit("/", 1)[-1] if t.source else (t.owner or "")
         size = fmt_bytes(t.nbytes) + (f" ×{g.count}" if g.count > 1 else "")
-        made = f"#{t.op} {short_op(t.op_name)}" if t.op is not None else "before the step"
-        module = g.module if t.op is not None else (g.owner or "-")
-        live.add_row(size, t.category, _breakable(made), _breakable(_mod(module)), _breakable(src))
+        if t.op is None:  # a parameter, its gradient or state, an input: no op made it here
+            made, module, src = "before the step", g.owner or t.owner or "-", ""
+        else:
+            made, module = f"#{t.op} {short_op(t.op_name)}", _mod(g.module)
+            src = t.source.rsplit("/", 1)[-1] if t.source else ""
+        rows.append((size, t.category, made, module, src))
+    live = _table("Largest tensors alive at the peak",
+                  ("bytes", "category", "made by", "module", "source"), rows, console.width)
     console.print(live)
 
     _render_kernel_facts(p, console)
@@ -142,26 +166,20 @@ def render_summary(p, console: Console, top: int = 8) -> None:
     if p.cuda_memory is not None:
         _render_cuda(p, console)
 
-    mods = Table(title="Top modules by memory", title_justify="left", box=None)
-    mods.add_column("module", ratio=1)
-    mods.add_column("peak while running", no_wrap=True)
-    mods.add_column("saved for backward", no_wrap=True)
     shown = [m for m in mem.modules if m.module not in ("",)][:top]
-    for m in shown:
-        mods.add_row(_breakable(_mod(m.module)), fmt_bytes(m.peak_bytes), fmt_bytes(m.saved_bytes))
-    by_flops = Table(title="Top modules by FLOPs (their own ops; repeated blocks summed)",
-                     title_justify="left", box=None)
-    by_flops.add_column("module", ratio=1)
-    for col in ("instances", "FLOPs (fwd+bwd+opt)", "share"):
-        by_flops.add_column(col, no_wrap=True)
+    mods = _table("Top modules by memory", ("module", "peak while running", "saved for backward"),
+                  [(_mod(m.module), fmt_bytes(m.peak_bytes), fmt_bytes(m.saved_bytes))
+                   for m in shown], console.width)
     total = fl["total"] or 1
     own: dict = {}  # pattern -> {instance fqn -> FLOPs of its own ops}
     for fqn, v in module_rollup(p.ops, lambda op: op.flops, own=True).items():
         own.setdefault(module_pattern(fqn), {})[fqn] = v
     ranked = sorted(own.items(), key=lambda kv: -sum(kv[1].values()))
-    for pattern, per in ranked[:top]:
-        v = sum(per.values())
-        by_flops.add_row(_breakable(_mod(pattern)), str(len(per)), fmt_flops(v), f"{v / total:.1%}")
+    by_flops = _table("Top modules by FLOPs (their own ops; repeated blocks summed)",
+                      ("module", "instances", "FLOPs (fwd+bwd+opt)", "share"),
+                      [(_mod(pattern), str(len(per)), fmt_flops(sum(per.values())),
+                        f"{sum(per.values()) / total:.1%}") for pattern, per in ranked[:top]],
+                      console.width)
     console.print(Group(mods, by_flops))
 
     if p.uncounted_ops:
