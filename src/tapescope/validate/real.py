@@ -12,6 +12,7 @@ followed to the op (see `real_allocations`).
 from __future__ import annotations
 
 import copy
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,24 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # Garbage of earlier work (a traceback's frames holding tensors, say) must not be collected
+    # during the run: its frees would count against this step's live bytes.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        prof, graphs = _profiled_steps(model, inputs, input_kwargs, loss_fn, optimizer, device,
+                                       dtype, extra, steps, gen, activities, compile)
+    finally:
+        if was_enabled:
+            gc.enable()
+    real = _read_allocations(prof, device)
+    real.compiled_graphs = graphs
+    return real
+
+
+def _profiled_steps(model, inputs, input_kwargs, loss_fn, optimizer, device, dtype, extra, steps,
+                    gen, activities, compile):
     # record_shapes: the recorded inputs tell an op's overload (and so how it is dispatched)
     graphs: list = []
     with quiet_native_logs(), \
@@ -103,9 +122,7 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
                         else:
                             for p in m.parameters():
                                 p.grad = None
-    real = _read_allocations(prof, device)
-    real.compiled_graphs = graphs
-    return real
+    return prof, graphs
 
 
 def _compiled(model, opt, options, graphs: list):
