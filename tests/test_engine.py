@@ -228,6 +228,35 @@ def test_norm_backward_gives_grad_input_the_real_kernels_layout(norm):
     assert fake == real
 
 
+class _BatchNormOverTime(nn.Module):
+    """BatchNorm1d over the channels of a (batch, time, channels) input: it normalises a
+    transposed, non-contiguous tensor, and a reshape of its (transposed back) output follows."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(x.transpose(1, 2)).transpose(1, 2).reshape(-1, 8)
+
+
+def test_batch_norm_output_takes_the_real_kernels_layout():
+    """The CPU kernel allocates its output (and grad_input) contiguous whatever the input's
+    strides; the meta kernel keeps the input's. Then the reshape copies in the real step only."""
+    from tapescope.capture.model import spec as input_spec
+    from tapescope.validate.real import run_real_steps
+    from tapescope.zoo import ModelSpec
+
+    m = ModelSpec("bn", _BatchNormOverTime, (input_spec((5, 4, 8)),),
+                  loss_fn=lambda out, x: out.mean())
+    fake, real = _same_ops(m, steps=2, optimizer="adamw")
+    assert fake == real
+    p = profile_spec(m, optimizer="adamw")
+    peaks = run_real_steps(m.build, m.inputs, loss_fn=m.loss_fn, optimizer="adamw").peaks
+    assert 0 <= peaks[1] - p.first_step_peak_bytes <= 12  # the scalar operands' 0-d tensors
+    assert 0 <= peaks[2] - p.peak_bytes <= 12
+
+
 class _MaskedAttention(nn.Module):
     """Attention with a learnt additive mask (T5's relative position bias): SDPA's math path."""
 

@@ -43,3 +43,56 @@ RULES.register(
 )(_contiguous_grad_input(1))
 # The real kernels make grad_input in X's layout; for a contiguous X the decomposition again
 # follows grad_out.
+
+
+def _suggested_format(t):
+    from torch._prims_common import suggest_memory_format
+
+    return suggest_memory_format(t)
+
+
+def _in_suggested_format(x_index: int):
+    """out[0] as the real CPU kernel allocates it: `empty_like(X, X.suggest_memory_format())`,
+    contiguous (or channels-last) whatever X's strides, where the meta kernel keeps X's strides."""
+    def handler(ctx, func, args, out):
+        first = out[0]
+        fmt = _suggested_format(args[x_index])
+        if first is None or first.is_contiguous(memory_format=fmt):
+            return out
+        # a fresh output: its storage is shared with nothing yet, so it can be replaced
+        return (torch.empty_like(first, memory_format=fmt), *out[1:])
+    return handler
+
+
+for _op, _x, _name in ((aten.native_batch_norm.default, 0, "batch_norm_layout"),
+                       (aten._native_batch_norm_legit.default, 0, "batch_norm_legit_layout"),
+                       (aten._native_batch_norm_legit.no_stats, 0, "batch_norm_no_stats_layout"),
+                       (aten._native_batch_norm_legit_no_training.default, 0,
+                        "batch_norm_no_training_layout")):
+    RULES.register(
+        OUTPUT, _op, devices=("cpu",), name=_name,
+        source="aten/src/ATen/native/Normalization.cpp (batch_norm_cpu / batch_norm_backward_cpu: "
+               "empty_like(input, input.suggest_memory_format()))",
+        test="tests/test_fuzz.py (BatchNorm1d over a transposed input), "
+             "tests/test_engine.py::test_batch_norm_output_takes_the_real_kernels_layout",
+    )(_in_suggested_format(_x))
+# Found by the fuzz run: BatchNorm1d over x.transpose(1, 2) gave an output in X's permuted layout,
+# so a later reshape took a view where the real step copies (clone + _unsafe_view).
+
+
+_layout_of_grad_input = _in_suggested_format(1)
+
+
+@RULES.register(OUTPUT, aten.native_batch_norm_backward.default, devices=("cpu", "cuda"),
+                source="aten/src/ATen/native/Normalization.cpp (batch_norm_backward_cpu: "
+                       "grad_input only if output_mask[0], in input.suggest_memory_format()); "
+                       "cuda/Normalization.cu (batch_norm_backward_cuda: the same mask)",
+                test="tests/test_engine.py::test_batch_norm_output_takes_the_real_kernels_layout")
+def batch_norm_backward_outputs(ctx, func, args, out):
+    """The real kernels make only the gradients asked for (output_mask): a BatchNorm whose input
+    needs no gradient (the first layer) gets no grad_input; the meta kernel makes all three."""
+    mask = args[9] if len(args) > 9 else (True, True, True)
+    out = tuple(o if keep else None for o, keep in zip(out, mask))
+    if ctx.device.type == "cpu":
+        out = _layout_of_grad_input(ctx, func, args, out)
+    return out
