@@ -150,7 +150,9 @@ def _apply(name, block, x):
 # Layers whose real CPU kernels allocate scratch that tapescope does not model yet (README,
 # Accuracy): oneDNN's convolution reorders, the CPU flash-attention backward's workspace.
 KNOWN_WORKSPACE = {"conv1d": "oneDNN convolution scratch (not modelled; README, Accuracy)",
-                   "attention": "CPU flash-attention backward workspace (not modelled yet)"}
+                   "attention": "CPU flash-attention backward workspace (not modelled yet)",
+                   "batchnorm": "CPU batch-norm kernels' per-thread statistics buffers "
+                                "(not modelled yet)"}
 
 
 @st.composite
