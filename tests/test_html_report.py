@@ -171,14 +171,18 @@ def test_peak_is_marked_where_the_profile_says(browser, gpt2, gpt2_html):
 
 
 def test_live_tensors_at_the_peak_largest_first(browser, gpt2, gpt2_html):
+    from tapescope.analysis.memory import group_live_tensors
+
     o = opened(browser, gpt2_html)
     rows = o.rows("#live-table tbody tr")
-    live = gpt2.memory.live_at_peak
-    assert len(rows) == len(live)
-    for row, t in zip(rows, live):
-        assert row.startswith(fmt_bytes(t.nbytes)) and t.category in row
-    made = next(t for t in live if t.op is not None)
-    row = rows[live.index(made)]
+    groups = group_live_tensors(gpt2.memory.live_at_peak)
+    assert len(rows) == len(groups) < len(gpt2.memory.live_at_peak)  # per-layer repeats grouped
+    assert sum(g.count for g in groups) == len(gpt2.memory.live_at_peak)
+    for row, g in zip(rows, groups):
+        count = f" \u00d7{g.count}" if g.count > 1 else ""
+        assert row.startswith(fmt_bytes(g.first.nbytes) + count) and g.first.category in row
+    made = next(g.first for g in groups if g.first.op is not None)
+    row = rows[[g.first for g in groups].index(made)]
     assert f"#{made.op} {made.op_name}" in row and made.source.rsplit("/", 1)[-1] in row
     o.page.close()
 

@@ -722,3 +722,27 @@ def test_help_answers_without_importing_torch():
         best = min(best or 9e9, cpu)
         assert out.split()[-1] == "NO-TORCH" and "Usage" in out
     assert best < 0.5, best
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch")
+def test_gpu_summary_explains_the_allocator_figures_and_where_it_runs_out():
+    from rich.console import Console
+
+    from tapescope.analysis.gpu_memory import cublas_workspace_bytes
+    from tapescope.report.console import render_summary
+    from tapescope.report.text import fmt_bytes
+
+    p = tapescope.profile(lambda: nn.Linear(64, 64), tapescope.spec((8, 64)), gpu="h100")
+    console = Console(width=200, record=True)
+    render_summary(p, console)
+    text = console.export_text()
+    ws = fmt_bytes(cublas_workspace_bytes(p.gpu.compute_capability))
+    assert "NVIDIA H100" in text.splitlines()[0]
+    assert "above the tensor peak" in text and f"{ws} workspace" in text
+    big = tapescope.profile(lambda: nn.Linear(40_000, 40_000), tapescope.spec((8, 40_000)),
+                            gpu="4090")  # 6.4 GB of weights, three times that for AdamW
+    console = Console(width=200, record=True)
+    render_summary(big, console)
+    text = console.export_text()
+    assert big.cuda_memory.oom and "does not fit" in text
+    assert f"runs out of memory at {big.cuda_memory.oom_at}" in text

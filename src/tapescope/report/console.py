@@ -201,9 +201,13 @@ def _render_cuda(p, console: Console) -> None:
                         f"{fmt_bytes(cm.nvidia_smi)} of {fmt_bytes(cm.capacity)}: ", verdict))
     extra = cm.max_allocated - max(p.peak_bytes, p.first_step_peak_bytes)
     if extra > 0:
+        from ..analysis.gpu_memory import cublas_workspace_bytes
+
+        ws = cublas_workspace_bytes(p.gpu.compute_capability)
         console.print(f"  max_memory_allocated is {fmt_bytes(extra)} above the tensor peak: the "
-                      "caching allocator rounds each block up (to 512 B, and large ones to 2 MiB "
-                      "segments' splits) and cuBLAS keeps a workspace per stream", highlight=False)
+                      "caching allocator rounds every block up to a multiple of 512 bytes, and "
+                      f"cuBLAS keeps a {fmt_bytes(ws)} workspace from the first matmul on",
+                      highlight=False, markup=False)
     if cm.oom and cm.oom_at:
         console.print(_line(("  runs out of memory at ", "red"), str(cm.oom_at)))
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())

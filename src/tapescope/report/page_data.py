@@ -139,9 +139,18 @@ def _peak(p) -> dict:
 
 
 def _live(p) -> list:
-    return [{"bytes": _num(t.nbytes), "category": t.category, "op": t.op, "op_name": t.op_name,
-             "module": t.module, "owner": t.owner, "source": t.source}
-            for t in p.memory.live_at_peak]
+    """Tensors alive at the peak, repeats grouped (the same size, category, op and line in
+    instances of one block: analysis.memory.group_live_tensors); `bytes` is each one's size."""
+    from ..analysis.memory import group_live_tensors
+
+    out = []
+    for g in group_live_tensors(p.memory.live_at_peak):
+        t = g.first
+        out.append({"bytes": _num(t.nbytes), "count": g.count, "category": t.category,
+                    "op": t.op, "op_name": t.op_name,
+                    "module": t.module if g.count == 1 else g.module,
+                    "owner": t.owner if g.count == 1 else g.owner, "source": t.source})
+    return out
 
 
 def _modules(p, times) -> dict:

@@ -344,10 +344,10 @@
     }
     sum.append(el("b", { text: fmtBytes(p.bytes) }), " live while op ", el("b", { text: opLabel(p.op) }),
       " ran (", phaseChip(phaseOf(p.op)), " module " + modLabel(opModule(p.op)) + "). ",
-      "Largest tensors alive there (" + D.live.length + " shown):");
+      "Largest tensors alive there (repeats in instances of one block grouped):");
     table(document.getElementById("live-table"), [
-      { label: "bytes", num: true, get: (t) => fmtBytes(t.bytes) },
-      { label: "share", num: true, get: (t) => pct(t.bytes, p.bytes) },
+      { label: "bytes", num: true, get: (t) => fmtBytes(t.bytes) + (t.count > 1 ? " \u00d7" + t.count : "") },
+      { label: "share", num: true, get: (t) => pct(t.bytes * (t.count || 1), p.bytes) },
       { label: "category", get: (t) => el("span", null, el("i", { class: "sw", color: CAT_COLOR[t.category] }), t.category) },
       { label: "made by", code: true, get: (t) => (t.op == null ? el("span", { class: "muted", text: "before the step" }) : opLabel(t.op)) },
       { label: "module", code: true, get: (t) => modLabel(t.module) },
