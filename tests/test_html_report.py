@@ -521,3 +521,32 @@ def synthetic_profile(layers: int) -> Profile:
                           "optimizer": {"name": "AdamW", "implementation": "for-loop"},
                           "amp": None, "step2": "reused"},
                    trace=trace)
+
+
+def test_gpu_chart_puts_phases_in_proportion_to_their_time(browser, tmp_path, gpt2, gpt2_html):
+    """With a time estimate the chart's x axis is time: each phase spans its estimated time (a
+    for-loop optimizer's many small ops no longer take most of the width); without one it is
+    the op index."""
+    import math
+
+    from tapescope.report.page_data import page_data
+
+    if not torch.backends.cuda.is_built():
+        pytest.skip("needs a CUDA build of torch")
+    p = profile_spec(tiny(TINY_LLAMA), name="llama", device="cuda", gpu="h100", amp="bf16")
+    T = page_data(p)["timeline"]
+    from tapescope.report.phases import phase_runs
+
+    for (phase, a, b), (name, t0, t1) in zip(phase_runs(p.ops), T["phase_t"], strict=True):
+        assert name == phase
+        assert math.isclose(t1 - t0, 1e3 * sum(p.time.op_seconds[a:b]), rel_tol=1e-9,
+                            abs_tol=1e-12)
+    assert math.isclose(T["t_end"], 1e3 * sum(p.time.op_seconds), rel_tol=1e-9)
+    path = tmp_path / "timed.html"
+    write_html(p, path)
+    o = opened(browser, path)
+    assert "estimated time (ms)" in o.page.locator("#chart").inner_text() and not o.errors
+    o.page.close()
+    o = opened(browser, gpt2_html)
+    assert "estimated time" not in o.page.locator("#chart").inner_text()
+    o.page.close()

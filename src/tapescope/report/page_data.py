@@ -36,7 +36,7 @@ def page_data(p, max_points: int = 4000) -> dict:
         "phases": phase_runs(p.ops),
         "ops": {"name": op_name, "module": op_module, "names": names.table,
                 "modules": modules.table},
-        "timeline": _timeline(p, max_points),
+        "timeline": _timeline(p, max_points, times),
         "peak": _peak(p),
         "live": _live(p),
         "modules": _modules(p, times),
@@ -118,7 +118,11 @@ def _meta(p, times) -> dict:
     }
 
 
-def _timeline(p, max_points) -> dict:
+def _timeline(p, max_points, times=None) -> dict:
+    """The chart's points: op indices `x`, and with a time estimate (CUDA profiles) `t`, each
+    shown op's start in milliseconds, with `phase_t` (the phases' start and end times) and
+    `peak_t`: the page then draws against time, so each phase takes its share of the step's
+    time rather than of its op count (an optimizer's many small ops take little)."""
     mem = p.memory
     total = mem.timeline
     keep = [mem.peak_op] if total else []
@@ -128,7 +132,16 @@ def _timeline(p, max_points) -> dict:
         values = mem.timeline_by_category.get(c)
         if values and any(values):  # a category never alive in the step takes no space
             series[c] = [_num(values[i]) for i in idx]
-    return {"x": idx, "series": series, "n": len(total)}
+    out = {"x": idx, "series": series, "n": len(total)}
+    if times is not None and total:
+        start = [0.0]
+        for s in times:
+            start.append(start[-1] + s * 1e3)
+        out["t"] = [start[i] for i in idx]
+        out["t_end"] = start[-1]
+        out["phase_t"] = [[ph, start[a], start[b]] for ph, a, b in phase_runs(p.ops)]
+        out["peak_t"] = start[mem.peak_op]
+    return out
 
 
 def _peak(p) -> dict:

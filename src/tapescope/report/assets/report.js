@@ -168,6 +168,12 @@
     const host = document.getElementById("chart");
     const T = D.timeline;
     const x = T.x;
+    // with a time estimate (CUDA profiles) the x axis is time: each phase takes its share of
+    // the step's time; else it is the op index
+    const useTime = Array.isArray(T.t);
+    const xs = useTime ? T.t : x;
+    const phaseSpans = useTime ? T.phase_t : D.phases.map(([ph, a, b]) => [ph, a - 0.5, b - 0.5]);
+    const peakX = useTime ? T.peak_t : peak.op;
     const cats = D.categories.filter((c) => T.series[c.name]);
     const peak = D.peak;
 
@@ -198,7 +204,7 @@
     });
     const order = cats.map((_, k) => k).reverse();
     const stepped = uPlot.paths.stepped({ align: 1 });
-    const data = [x, ...order.map((k) => cum[k])];
+    const data = [xs, ...order.map((k) => cum[k])];
     const series = [{ label: "op" }, ...order.map((k) => ({
       label: cats[k].name, stroke: cats[k].color, fill: cats[k].color, width: 1,
       paths: stepped, points: { show: false },
@@ -217,8 +223,8 @@
       ctx.beginPath();
       ctx.rect(b.left, b.top, b.width, b.height);
       ctx.clip();
-      for (const [phase, start, end] of D.phases) {
-        const x0 = u.valToPos(start - 0.5, "x", true), x1 = u.valToPos(end - 0.5, "x", true);
+      for (const [phase, start, end] of phaseSpans) {
+        const x0 = u.valToPos(start, "x", true), x1 = u.valToPos(end, "x", true);
         if (x1 < b.left || x0 > b.left + b.width) continue;
         const color = D.phase_colors[phase] || "#888";
         if (!strip) {
@@ -254,10 +260,10 @@
 
     function placePeak(u) {
       const sx = u.scales.x;
-      const visible = peak.op != null && peak.op >= sx.min && peak.op <= sx.max;
+      const visible = peak.op != null && peakX >= sx.min && peakX <= sx.max;
       marker.hidden = markerLabel.hidden = !visible;
       if (!visible) return;
-      const left = u.valToPos(peak.op, "x"), top = u.valToPos(peak.bytes, "y");
+      const left = u.valToPos(peakX, "x"), top = u.valToPos(peak.bytes, "y");
       marker.style.left = left + "px";
       marker.style.top = top + "px";
       // keep the label inside the plot: left of the marker when the peak is on the right half
@@ -266,7 +272,7 @@
       markerLabel.style.left = onRight ? "" : left + 10 + "px";
       markerLabel.style.right = onRight ? u.over.clientWidth - left + 10 + "px" : "";
       const ctx = u.ctx;
-      const cx = u.valToPos(peak.op, "x", true);
+      const cx = u.valToPos(peakX, "x", true);
       ctx.save();
       ctx.strokeStyle = "#cf222e";
       ctx.lineWidth = 1.5 * px;
@@ -315,7 +321,9 @@
         y: { range: (u, lo, hi) => [0, Math.max(1, hi) * 1.12] },
       },
       axes: [
-        { label: "op", labelSize: 18, size: 34, values: (u, splits) => splits.map((v) => (Number.isInteger(v) ? v.toLocaleString("en-US") : "")) },
+        useTime
+          ? { label: "estimated time (ms)", labelSize: 18, size: 34, values: (u, splits) => splits.map((v) => v.toLocaleString("en-US", { maximumFractionDigits: 3 })) }
+          : { label: "op", labelSize: 18, size: 34, values: (u, splits) => splits.map((v) => (Number.isInteger(v) ? v.toLocaleString("en-US") : "")) },
         // powers of two: ticks at 256 KiB, 512 KiB, 768 KiB ... rather than 244.14 KiB
         { size: 78, incrs: BYTE_INCRS, values: (u, splits) => splits.map(fmtAxisBytes) },
       ],
