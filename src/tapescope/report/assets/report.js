@@ -173,9 +173,10 @@
     const useTime = Array.isArray(T.t);
     const xs = useTime ? T.t : x;
     const phaseSpans = useTime ? T.phase_t : D.phases.map(([ph, a, b]) => [ph, a - 0.5, b - 0.5]);
-    const peakX = useTime ? T.peak_t : peak.op;
     const cats = D.categories.filter((c) => T.series[c.name]);
     const peak = D.peak;
+    const peakX = useTime ? T.peak_t : peak.op;
+    host.dataset.axis = useTime ? "time" : "op";
 
     const legend = document.getElementById("legend");
     for (const c of D.categories) {
