@@ -11,9 +11,9 @@ data. So before the trace, everything the model reaches that can hold state gets
   objects with a `__dict__`, functions with closures or mutable defaults, partials, bound methods
   (rebound to the copy of their module) and lru_cache wrappers (a fresh, empty cache around the
   same function), recursively; a tensor found there becomes a fake one (its device kept);
-- state the model's code reads by name: the globals and class attributes that the methods of the
-  model's classes (and the functions they call, a few levels deep) name, when they are caches
-  (lru_cache wrappers) or mutable containers. These names are bound to private copies for the
+- state the model's code reads by name: the globals and class attributes named by the modules'
+  `forward` methods and hooks, and by the methods and functions they name in turn (a few levels
+  deep), when they are caches (lru_cache wrappers) or mutable containers. These names are bound to private copies for the
   duration of the trace and restored afterwards (as the hook registry does with torch's hook
   entry points): the user's objects themselves are never written.
 
@@ -50,6 +50,9 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes, range, torch.dtype,
           torch.Size, torch.memory_format, torch.layout, enum.Enum, type, types.ModuleType,
           types.BuiltinFunctionType, types.BuiltinMethodType, types.CodeType,
           torch.Generator, type(Ellipsis), type(NotImplemented), slice)
+_EXACT_ATOMS = frozenset((type(None), bool, int, float, str, bytes, torch.dtype, torch.device,
+                          torch.Size))  # the common case, by one set lookup
+_BUILTIN_NAMES = frozenset(dir(builtins))
 _MUTABLE_CONTAINERS = (dict, list, set, collections.deque, bytearray)
 _LRU = type(functools.lru_cache(None)(lambda: None))
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -93,7 +96,7 @@ class Isolation:
 
     def _copy(self, x, where: str):
         """A private copy of `x` if it can hold state, else `x` itself."""
-        if isinstance(x, _ATOMS):
+        if type(x) in _EXACT_ATOMS or isinstance(x, _ATOMS):
             return x
         known = self._memo.get(id(x))
         if known is not None:
@@ -229,24 +232,29 @@ class Isolation:
 
     def _find_named_state(self, model: nn.Module) -> None:
         """Globals and class attributes the model's code names that can hold state: bound to
-        private copies during the trace (see `shadows`)."""
-        seen_code, seen_ns = set(), set()
-        work = []  # (function, depth)
+        private copies during the trace (see `shadows`).
+
+        The code followed: each module class's `forward` and forward hooks, then every method of
+        the class, global function or closure that code names, `SCAN_DEPTH` calls deep."""
+        classes = []  # user classes of the model's modules, most derived first
         for m in model.modules():
             for cls in type(m).__mro__:
-                if _is_library_class(cls):
-                    continue
-                for name, v in list(vars(cls).items()):
-                    raw = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
-                    if isinstance(raw, types.FunctionType):
-                        work.append((raw, 0))
-                    elif isinstance(v, property):
-                        work.extend((f, 0) for f in (v.fget, v.fset) if f is not None)
-                    elif _stateful(raw) and (id(cls), name) not in seen_ns:
-                        seen_ns.add((id(cls), name))
-                        self._swaps.append((cls, name, self._copy(v, f"{cls.__qualname__}.{name}")))
+                if cls not in classes and not _is_library_class(cls):
+                    classes.append(cls)
+        members: dict = {}  # attribute name -> [(class, raw value)] over the model's classes
+        for cls in classes:
+            for name, v in vars(cls).items():
+                if not name.startswith("__"):
+                    members.setdefault(name, []).append((cls, v))
+        work = []  # (function, depth)
+        for cls in classes:
+            fwd = vars(cls).get("forward")
+            if isinstance(fwd, types.FunctionType):
+                work.append((fwd, 0))
+        for m in model.modules():
             for hooks in (m._forward_hooks, m._forward_pre_hooks):
                 work.extend((h, 0) for h in hooks.values() if isinstance(h, types.FunctionType))
+        seen_code, seen_ns = set(), set()
         while work:
             f, depth = work.pop()
             if not isinstance(f, types.FunctionType) or f.__code__ in seen_code \
@@ -254,7 +262,17 @@ class Isolation:
                 continue
             seen_code.add(f.__code__)
             g = f.__globals__
-            for name in _global_names(f.__code__):
+            names = _global_names(f.__code__)
+            for name in names:
+                for cls, v in members.get(name, ()):  # self.name / type(self).name / Cls.name
+                    raw = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+                    if isinstance(v, property):
+                        work.extend((h, depth + 1) for h in (v.fget, v.fset) if h is not None)
+                    elif isinstance(raw, types.FunctionType):
+                        work.append((raw, depth + 1))
+                    elif _stateful(raw) and (id(cls), name) not in seen_ns:
+                        seen_ns.add((id(cls), name))
+                        self._swaps.append((cls, name, self._copy(v, f"{cls.__qualname__}.{name}")))
                 if name not in g:
                     continue
                 v = g[name]
@@ -392,4 +410,4 @@ def _global_names(code) -> set:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _global_names(const)
-    return names - set(dir(builtins))
+    return names - _BUILTIN_NAMES
