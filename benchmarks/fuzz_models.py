@@ -4,7 +4,8 @@
 
 Every example runs the real step on the CPU under torch.profiler and tapescope's prediction of it.
 Outcomes: match (equal, up to the 0-d scalar tensors of Python-number operands measured in the
-same run), refused (PyTorch raised, and tapescope raised a TapescopeError), mismatch (with the
+same run), refused (PyTorch raised, and tapescope raised a TapescopeError quoting PyTorch's
+message), refused differently (both raised, for different reasons), mismatch (with the
 known gap it comes from, or none), crash (tapescope raised something else), false refusal
 (tapescope refused a step PyTorch runs), missed refusal (tapescope profiled a step PyTorch
 refuses). Prints a markdown summary for docs/fuzz.md.
@@ -58,7 +59,8 @@ def main() -> None:
     total = sum(kinds.values())
     print(f"{total} examples (hypothesis seed {args.seed}) in {time.perf_counter() - t0:.0f} s\n")
     print("| outcome | examples |\n|---|---|")
-    for k in ("match", "refused", "mismatch", "crash", "false refusal", "missed refusal"):
+    for k in ("match", "refused", "refused differently", "mismatch", "crash", "false refusal",
+              "missed refusal"):
         print(f"| {k} | {kinds.get(k, 0)} |")
     if reasons:
         print("\n| mismatch explained by | examples | largest error |\n|---|---|---|")
