@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable

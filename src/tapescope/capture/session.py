@@ -496,8 +496,10 @@ def _name_forward_nodes(loss: torch.Tensor, trace: Trace) -> None:
 
     fn = loss.grad_fn
     if fn is None:
-        raise TapescopeError("the loss does not require grad: no parameter of the model took part in "
-                             "computing it (are all parameters frozen, or is the forward under no_grad?)")
+        raise TapescopeError(
+            "the loss does not require grad (PyTorch: element 0 of tensors does not require grad "
+            "and does not have a grad_fn): no parameter of the model took part in computing it "
+            "(are all parameters frozen, or is the forward under no_grad?)")
     seen, stack, names = set(), [fn], trace.node_names
     while stack:
         node = stack.pop()
