@@ -191,6 +191,26 @@ def test_profiling_leaves_filled_caches_as_they_were():
     assert type(model.state.last) is torch.Tensor and type(model.history[0]) is torch.Tensor
 
 
+class HoldsOperators(nn.Module):
+    """Holds dispatcher operator objects in mutable state (as a selective-checkpointing policy
+    does): they are handles, shared, never copied."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.keep = {"ops": [torch.ops.aten.mm, torch.ops.aten.addmm.default]}
+
+    def forward(self, x):
+        assert self.keep["ops"][0] is torch.ops.aten.mm
+        return self.fc(x).relu()
+
+
+def test_operator_objects_in_model_state_are_shared():
+    model = HoldsOperators()
+    p = tapescope.profile(model, tapescope.spec((2, 4)))
+    assert p.peak_bytes > 0 and model.keep["ops"][1] is torch.ops.aten.addmm.default
+
+
 # ---- what PyTorch refuses is refused -----------------------------------------------------------
 
 

@@ -268,8 +268,14 @@ linear_builtin = torch._C._nn.linear
 sdpa_builtin = torch._C._nn.scaled_dot_product_attention
 
 
+# The operator objects (torch.ops.aten.mm, aten.mm.default, higher-order ops): immutable handles
+# to the dispatcher, never state a model owns (copying one breaks its __getattr__).
+OPERATOR_TYPES = (torch._ops.OpOverloadPacket, torch._ops.OperatorBase)
+
+
 # What tests/test_torch_compat.py checks on every torch CI installs: each entry must resolve.
 PRIVATE_NAMES = (
+    "torch._ops.OpOverloadPacket", "torch._ops.OperatorBase",
     "torch.autograd._get_sequence_nr", "torch._C._current_autograd_node",
     "torch._C._storage_Use_Count", "torch._C._dispatch_tls_is_dispatch_key_excluded",
     "torch._C.DispatchKey.ADInplaceOrView", "torch._C._get_default_device",

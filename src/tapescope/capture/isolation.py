@@ -40,6 +40,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..torch_compat import OPERATOR_TYPES
+
 __all__ = ["Isolation", "SCAN_DEPTH"]
 
 SCAN_DEPTH = 3  # calls from a model method to a function whose globals are still scanned
@@ -49,7 +51,7 @@ _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, range, torch.dtype, torch.device,
           torch.Size, torch.memory_format, torch.layout, enum.Enum, type, types.ModuleType,
           types.BuiltinFunctionType, types.BuiltinMethodType, types.CodeType,
-          torch.Generator, type(Ellipsis), type(NotImplemented), slice)
+          torch.Generator, type(Ellipsis), type(NotImplemented), slice, *OPERATOR_TYPES)
 _EXACT_ATOMS = frozenset((type(None), bool, int, float, str, bytes, torch.dtype, torch.device,
                           torch.Size))  # the common case, by one set lookup
 _BUILTIN_NAMES = frozenset(dir(builtins))
