@@ -52,6 +52,11 @@ class Profile:
     # a compiled step (profile(..., compile=...)): what torch.compile did, and the eager step
     compiled: object = field(default=None, repr=False)  # analysis.compiled.CompiledReport
     eager: "Profile | None" = field(default=None, repr=False)
+    # a distributed profile (mesh=...): every rank's memory (distributed.profile.RankProfile) and
+    # the mesh, rank classes and process groups (DistributedFacts); the rest of this Profile is
+    # the trace of the rank with the highest peak
+    ranks: list | None = None
+    distributed: object = field(default=None, repr=False)
 
     @property
     def peak_bytes(self):
@@ -122,7 +127,25 @@ class Profile:
 
         if self.gpu is None or self.trace.device.type != "cuda":
             return None
-        return estimate_step_time(self.ops, self.trace, self.gpu)
+        comm = {c.op: c.seconds for c in self.collectives} if self.collectives else None
+        return estimate_step_time(self.ops, self.trace, self.gpu, comm)
+
+    @cached_property
+    def collectives(self) -> list:
+        """The step's collectives (analysis.collectives.Collective), with their time on the GPU's
+        interconnect; empty for a single-device profile."""
+        from .analysis.collectives import collectives
+
+        if self.distributed is None:
+            return []
+        return collectives(self.ops, self.facts, self.gpu)
+
+    @cached_property
+    def collective_table(self) -> list:
+        """The collectives grouped by kind, mesh dimension and size (CollectiveRow)."""
+        from .analysis.collectives import collective_table
+
+        return collective_table(self.collectives, self.gpu)
 
     @cached_property
     def graph(self) -> torch.fx.GraphModule:
@@ -172,7 +195,7 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
             amp=None, steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
             engine: str = "python", symbolic=(), gpu=None, alloc_conf=None, checkpointing=(),
             threads: int | None = None, cpu_isa: str | None = None, progress=None,
-            compile=None) -> Profile:
+            compile=None, mesh=None, parallelize=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
@@ -210,17 +233,27 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
         optimizer). torch.compile's own pipeline runs on fake tensors (capture/compiled.py); the
         Profile is the compiled step's, `p.eager` the same step run eagerly, `p.compiled` what
         the compiler did (saved and recomputed tensors, graph breaks, FLOPs with recompute).
+    mesh: {"dp": 8, "tp": 8}: profile every rank of a job on this device mesh (names and sizes,
+        outermost first, as init_device_mesh takes them; world size = their product), in this
+        process, with torch's fake process group. `parallelize(model, mesh)` applies your
+        torch.distributed code (fully_shard, parallelize_module, replicate, HSDP ...) to the
+        model and returns it, as your training script does. `p.peak_bytes` is the highest
+        rank's, `p.ranks` every rank's; ranks whose shards have the same shapes are traced once.
+        Inputs are one rank's.
     """
     options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, gpu=gpu,
                              dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
                              alloc_conf=alloc_conf, checkpointing=checkpointing, compile=compile,
-                             threads=threads, cpu_isa=cpu_isa)
+                             threads=threads, cpu_isa=cpu_isa, mesh=mesh,
+                             parallelize=parallelize)
     return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
                             options, progress)
 
 
 def profile_workload(workload: Workload, options: Options, progress=None) -> Profile:
     """`profile` for an already resolved workload and options (what the CLI calls)."""
+    if options.mesh is not None:
+        return _profile_ranks(workload, options, progress)
     if options.compile is not None:
         return _profile_compiled(workload, options, progress)
     if options.symbolic and not isinstance(workload.model, torch.nn.Module) \
@@ -292,6 +325,21 @@ def analyse(trace: Trace, facts: dict, *, model: str, options: Options, inputs) 
                 inputs=inputs, steps=main.step, ops=ops, memory=memory,
                 first_step_peak_bytes=first_peak, facts=facts, trace=trace, options=options)
     p._costs, p._categories, p._retrace = costs, categories, None
+    return p
+
+
+def _profile_ranks(workload: Workload, options: Options, progress=None) -> Profile:
+    from .distributed.profile import profile_ranks
+
+    inputs = [_describe_input(x) for x in workload.args]
+
+    def analyse_rank(trace, facts):
+        with _gc_paused():
+            return analyse(trace, facts, model=workload.display_name, options=options,
+                           inputs=inputs)
+
+    p, ranks, dist = profile_ranks(workload, options, analyse_rank, progress)
+    p.ranks, p.distributed = ranks, dist
     return p
 
 

@@ -83,23 +83,29 @@ def _workload(spec, batch, seq, inputs):
 
 
 def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None,
-             symbolic=(), compile=None, threads=None, cpu_isa=None):
+             symbolic=(), compile=None, threads=None, cpu_isa=None, parallel=None):
     from .options import Options
 
+    mesh = parallelize = None
+    if parallel is not None:
+        from .distributed.presets import parallelization
+
+        mesh, parallelize, amp = parallelization(**parallel, amp=amp)
     return Options.create(loss_fn=model_loss if loss is None else loss,
                           optimizer=None if optimizer == "none" else optimizer,
                           device=device, gpu=gpu, dtype=dtype, amp=amp, steps=steps,
                           alloc_conf=alloc_conf, symbolic=symbolic, compile=compile,
-                          threads=threads, cpu_isa=cpu_isa)
+                          threads=threads, cpu_isa=cpu_isa, mesh=mesh, parallelize=parallelize)
 
 
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
-                 alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None):
+                 alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None,
+                 parallel=None):
     from .api import profile_workload
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
     options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
-                       compile=compile, threads=threads, cpu_isa=cpu_isa)
+                       compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel)
     what = "compiling and tracing" if compile else "tracing"
     with _progress(f"{what} {workload.name} on fake {options.device.type} tensors") as progress:
         return profile_workload(workload, options, progress)
@@ -159,6 +165,19 @@ ThreadsOpt = typer.Option(None, "--threads",
 CpuIsaOpt = typer.Option(None, "--cpu-isa",
                          help="CPU: avx2 or avx512, the ISA oneDNN picks kernels for "
                               "(default: this machine's).")
+FsdpOpt = typer.Option(1, "--fsdp", help="FSDP2 over N ranks: every block and the root sharded (torchtitan's wrap).")
+TpOpt = typer.Option(1, "--tp", help="Tensor parallel over M ranks, with the architecture's Megatron-style plan.")
+HsdpOpt = typer.Option(1, "--hsdp", help="With --fsdp: replicate the shards R times (HSDP); alone, DDP over R ranks.")
+DpReplicateOpt = typer.Option(1, "--dp-replicate", help="Data parallel replicas R (same as --hsdp).")
+ParallelizeOpt = typer.Option(None, "--parallelize", help="file.py:fn, your parallelize(model, mesh); with --mesh dp=4,tp=2.")
+MeshOpt = typer.Option(None, "--mesh", help="With --parallelize: the device mesh, names and sizes, e.g. dp=4,tp=2.")
+
+
+def _parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh) -> dict:
+    return dict(fsdp=fsdp, tp=tp, hsdp=hsdp, dp_replicate=dp_replicate, parallelize=parallelize,
+                mesh=mesh)
+
+
 AllocConfOpt = typer.Option(None, "--alloc-conf",
                             help="CUDA caching-allocator settings as PYTORCH_ALLOC_CONF writes them, "
                                  "e.g. expandable_segments:True (default: the environment's).")
@@ -180,6 +199,8 @@ def profile_cmd(
     optimizer: str = OptimOpt, steps: int = StepsOpt, input: Optional[List[str]] = InputOpt,
     loss: Optional[str] = LossOpt, alloc_conf: Optional[str] = AllocConfOpt,
     threads: Optional[int] = ThreadsOpt, cpu_isa: Optional[str] = CpuIsaOpt,
+    fsdp: int = FsdpOpt, tp: int = TpOpt, hsdp: int = HsdpOpt, dp_replicate: int = DpReplicateOpt,
+    parallelize: Optional[str] = ParallelizeOpt, mesh: Optional[str] = MeshOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
     html_file: Optional[str] = typer.Option(None, "--html", help="Write an interactive, self-contained HTML report."),
@@ -203,7 +224,8 @@ def profile_cmd(
                                            compile_backend)
         p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp, gpu,
                          alloc_conf, loss, compile=compile_options, threads=threads,
-                         cpu_isa=cpu_isa)
+                         cpu_isa=cpu_isa,
+                         parallel=_parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh))
         elapsed = time.perf_counter() - t0
         from .report.console import render_compiled, render_summary
 
@@ -371,6 +393,7 @@ def fit_cmd(
     dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt,
     input: Optional[List[str]] = InputOpt, loss: Optional[str] = LossOpt,
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Also print the peak for sizes A..B, e.g. 1..4096."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Compare the (FSDP, TP) layouts of this many GPUs of --gpu."),
     json_file: Optional[str] = JsonOpt,
 ):
     """The largest batch (or, with --batch, sequence length) whose step fits the memory budget.
@@ -380,6 +403,9 @@ def fit_cmd(
         _check_outputs(json=json_file)
         from .fit import fit_workload, parse_bytes, parse_sweep, sweep as sweep_sizes
 
+        if gpus is not None:
+            return _fit_layouts(spec, gpus, gpu, batch, seq, input, loss, dtype, amp, optimizer,
+                                json_file)
         dim = "seq" if batch is not None else "batch"
         sweep_range = parse_sweep(sweep) if sweep else None
         budget_bytes = parse_bytes(budget) if budget is not None else None
@@ -431,6 +457,24 @@ def plan_cmd(
 
             write_text(code_file, plan.code())
             out.print(Text(f"wrote {code_file}"))
+
+
+def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimizer,
+                 json_file) -> None:
+    """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank. Exits 1 when
+    none fits."""
+    from .distributed.layouts import fit_layouts
+    from .report.console import render_layouts
+
+    workload, model_loss = _workload(spec, batch, seq, inputs)
+    options = _options(model_loss, loss, optimizer, "cuda", gpu or "h100", dtype, amp)
+    with _progress(f"profiling the layouts of {gpus} GPUs for {workload.name}") as progress:
+        rows = fit_layouts(workload, options, gpus, progress=progress)
+    render_layouts(rows, workload.name, gpus, options, out)
+    _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
+                            "layouts": [r.to_dict() for r in rows]})
+    if not any(r.fits for r in rows):
+        raise typer.Exit(1)
 
 
 @app.command("validate")

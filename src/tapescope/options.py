@@ -176,6 +176,9 @@ class Options:
     cpu: the CPU whose kernels a cpu profile follows (devices.cpu.CpuTarget: the vector ISA
         oneDNN dispatches on and the intra-op threads it sizes per-thread buffers for); by
         default this machine's, or the `cpu_isa` / `threads` given to `create`.
+    mesh: a distributed job's device mesh (distributed.mesh.MeshSpec: dimension names and sizes);
+        every rank is profiled. parallelize: `fn(model, device_mesh) -> model`, the user's
+        torch.distributed code applied to each simulated rank's model.
     """
 
     loss_fn: Callable | None = None
@@ -191,12 +194,14 @@ class Options:
     checkpointing: tuple = ()
     compile: CompileOptions | None = None
     cpu: Any = None
+    mesh: Any = None
+    parallelize: Callable | None = None
 
     @classmethod
     def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
                amp=None, steps: int = 2, engine: str = "python", symbolic=(),
                alloc_conf=None, checkpointing=(), compile=None, threads: int | None = None,
-               cpu_isa: str | None = None) -> "Options":
+               cpu_isa: str | None = None, mesh=None, parallelize=None) -> "Options":
         """Check and resolve every option; a bad one raises a TapescopeError that says why."""
         from .losses import resolve_loss
 
@@ -250,11 +255,16 @@ class Options:
         if compile is not None and symbolic:
             raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
                                  "compile with dynamic=True to see the graphs torch.compile makes)")
+        mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine)
+        if mesh is not None and (compile is not None or checkpointing):
+            raise TapescopeError("a distributed profile (mesh=) with compile= or a checkpointing "
+                                 "plan is not supported yet; apply checkpointing in your "
+                                 "parallelize function, as torchtitan does")
         return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
                    amp=amp, steps=steps, engine=engine, symbolic=tuple(symbolic or ()),
                    alloc_conf=_resolve_alloc_conf(alloc_conf),
                    checkpointing=_resolve_checkpointing(checkpointing), compile=compile,
-                   cpu=_resolve_cpu(cpu_isa, threads))
+                   cpu=_resolve_cpu(cpu_isa, threads), mesh=mesh, parallelize=parallelize)
 
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""
@@ -271,6 +281,29 @@ def _resolve_checkpointing(checkpointing) -> tuple:
     if isinstance(policies, (str, UnitPolicy)):
         policies = (policies,)
     return tuple(UnitPolicy.of(p) for p in policies)
+
+
+def _check_mesh(mesh, parallelize, device, symbolic, engine):
+    """The MeshSpec of a distributed profile (None without one); mesh and parallelize go together."""
+    if mesh is None and parallelize is None:
+        return None
+    if mesh is None:
+        raise TapescopeError("parallelize= needs mesh=, the device mesh to run it on "
+                             "(e.g. mesh={'dp': 4, 'tp': 2})")
+    if not callable(parallelize):
+        raise TapescopeError("mesh= needs parallelize=fn, where fn(model, mesh) applies your "
+                             "torch.distributed code (fully_shard, parallelize_module, ...) to the "
+                             "model and returns it (CLI: --fsdp/--tp or --parallelize file.py:fn)")
+    if device.type not in ("cpu", "cuda"):
+        raise TapescopeError(f"a distributed profile traces device cpu or cuda, not {device}")
+    if symbolic:
+        raise TapescopeError("symbolic sizes are not supported with mesh= yet; profile concrete sizes")
+    if engine != "python":
+        raise TapescopeError("a distributed profile runs the backward with tapescope's engine "
+                             "(engine='python'): FSDP2's hooks need its graph task")
+    from .distributed.mesh import mesh_spec
+
+    return mesh_spec(mesh)
 
 
 def _resolve_gpu(gpu):

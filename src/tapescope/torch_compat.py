@@ -60,6 +60,8 @@ __all__ = [
     "profiler_event_tree", "schema_types", "shape_env_facts", "suggest_memory_format",
     "select_conv_backend", "PRIVATE_NAMES",
     "function_modes_suspended", "saved_tensor_hooks_suspended", "graph_task_keep_graph_query",
+    "is_wrapper_subclass", "local_shard_shape", "process_group_ranks", "unset_fake_mode",
+    "active_fake_mode", "c10d_collective_result", "clear_dtensor_caches", "StridedShard",
 ]
 
 
@@ -273,6 +275,91 @@ sdpa_builtin = torch._C._nn.scaled_dot_product_attention
 OPERATOR_TYPES = (torch._ops.OpOverloadPacket, torch._ops.OperatorBase)
 
 
+# ---- subclasses, autograd's graph task, torch.distributed (capture/graph_task.py, distributed/) ---
+
+def is_wrapper_subclass(t: torch.Tensor) -> bool:
+    """A tensor subclass that wraps others and says which (__tensor_flatten__): DTensor, ..."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t)
+
+
+def local_shard_shape(global_shape, mesh_shape, coordinate, placements) -> tuple:
+    """The local shape of a DTensor on the rank at `coordinate` of its mesh (DTensor's own rule,
+    the one FSDP2 and tensor parallelism shard by)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return tuple(_compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate),
+                                                        placements, skip_offset=True)[0])
+
+
+def process_group_ranks() -> dict:
+    """ProcessGroup -> {global rank: group rank} for every group this process created."""
+    from torch.distributed.distributed_c10d import _world
+
+    return dict(_world.pg_group_ranks)
+
+
+def unset_fake_mode():
+    """A context in which no fake mode is active (DeviceMesh's rank bookkeeping runs there)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+# c10d's in-place collectives (they write their output arguments and return them with a Work):
+# the result torch's Meta registration gives them (torch/distributed/_meta_registrations.py),
+# made without FakeTensorMode's generic dispatch, which takes 10-15 ms for a scatter_ of a
+# list of lists (DTensor's distribute_tensor issues one per tensor-parallel parameter). With the
+# fake process group nothing moves either way. name -> whether the result leads with args[0].
+_C10D_RESULTS = {"broadcast_": True, "allreduce_": True, "allgather_": True,
+                 "_allgather_base_": True, "reduce_scatter_": True, "_reduce_scatter_base_": True,
+                 "scatter_": True, "alltoall_": True, "reduce_": False, "gather_": False,
+                 "alltoall_base_": False, "barrier": False, "send": False, "recv_": False,
+                 "recv_any_source_": False}
+
+
+def c10d_collective_result(func, args):
+    """(outputs, FakeWork) or FakeWork for a c10d collective on fake tensors; None for others."""
+    first = _C10D_RESULTS.get(func.overloadpacket.__name__)
+    if first is None:
+        return None
+    from torch._C._distributed_c10d import FakeWork
+
+    work = FakeWork().boxed()
+    return (args[0], work) if first else work
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's process-wide caches: sharding decisions (Python and the C++ fast path),
+    redistribution plans, transform infos, output metadata, mesh topologies."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
+                   getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None),
+                   getattr(MeshTopoInfo, "build_from_mesh", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
+try:  # the placement FSDP2 gives a parameter it shards over a tensor-parallel dimension
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+except ImportError:  # pragma: no cover - a torch without it, or without torch.distributed
+    class StridedShard:  # never an instance: the rule falls back to DTensor's own
+        pass
+
+
+def active_fake_mode():
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode()
+
+
 # What tests/test_torch_compat.py checks on every torch CI installs: each entry must resolve.
 PRIVATE_NAMES = (
     "torch._ops.OpOverloadPacket", "torch._ops.OperatorBase",
@@ -308,6 +395,23 @@ PRIVATE_NAMES = (
     "torch._inductor.config.force_disable_caches",
     "torch._prims_common.suggest_memory_format",
     "torch._C._select_conv_backend",
+    # graph task stand-in (capture/graph_task.py) and wrapper subclasses (capture/tape.py)
+    "torch._C._current_graph_task_id", "torch._C._will_engine_execute_node",
+    "torch.autograd.variable.Variable._execution_engine",
+    "torch.utils._python_dispatch.is_traceable_wrapper_subclass",
+    # distributed/ (mesh.py, ranks.py, groups.py, fidelity.py)
+    "torch.testing._internal.distributed.fake_pg.FakeStore",
+    "torch.distributed.tensor._utils._compute_local_shape_and_global_offset",
+    "torch.distributed.distributed_c10d._world",
+    "torch._subclasses.fake_tensor.unset_fake_temporarily", "torch._guards.detect_fake_mode",
+    "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached",
+    "torch.distributed._functional_collectives._are_we_tracing",
+    "torch.distributed._mesh_layout._MeshLayout.remap_to_tensor",
+    "torch.distributed.device_mesh.DeviceMesh._concatenate",
+    "torch._C._distributed_c10d.FakeWork",
+    "torch.distributed.tensor.debug._clear_sharding_prop_cache",
+    "torch.distributed.tensor._redistribute.clear_redistribute_planner_cache",
+    "torch.distributed.tensor.placement_types._StridedShard",
 )
 
 # Names tapescope only accommodates where torch has them: it never calls them, and an older torch

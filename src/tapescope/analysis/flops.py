@@ -478,6 +478,12 @@ ZERO_FLOP_OPS = {getattr(aten, n) for n in (
 ) if hasattr(aten, n)}
 
 
+# torch.distributed's ops move or pack data: collectives (the adds of a reduction run in the
+# communication library's kernels, on the interconnect's time, not counted as model FLOPs) and
+# FSDP2's copy-in / copy-out / chunk_cat copies
+_DISTRIBUTED_NAMESPACES = ("c10d", "_c10d_functional", "fsdp")
+
+
 # ---- lookup -----------------------------------------------------------------------------------
 
 _ARG_NAMES: dict = {}
@@ -506,7 +512,7 @@ def op_flops(op: OpRecord) -> int | None:
     formula = _FORMULAS.get(packet)
     if formula is not None:
         return formula(op, _bind(func, op.args, op.kwargs))
-    if packet in ZERO_FLOP_OPS or func.is_view:
+    if packet in ZERO_FLOP_OPS or func.is_view or func.namespace in _DISTRIBUTED_NAMESPACES:
         return 0
     name = packet.__name__
     if name.startswith("_foreach_"):

@@ -60,8 +60,9 @@ def _events(trace: Trace, gpu=None):
     views = step_views(trace)
     steady = views[max(views)]
     out, labels = [], []
-    for s in storages:  # the model and inputs, created before the first step
-        if s.created_by is None and s.device == device:
+    for sid in sorted(views[1].initial):  # the model and inputs, made before the first step
+        s = storages[sid]                  # (or by a setup step: a rank's parallelisation)
+        if s.device == device:
             out.append((("setup", s.id), s.nbytes))
             labels.append("setup")
     workspace_at = None

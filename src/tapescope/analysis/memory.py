@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..capture.records import (BUFFER, CATEGORIES, GRADIENT, INPUT, OPTIMIZER_STATE, PARAMETER,
-                               SAVED, TEMPORARY, WORKSPACE, Trace)
+from ..capture.records import ALL_CATEGORIES, CATEGORIES, ROLE_ORDER, SAVED, TEMPORARY, Trace
 from .events import device_events, initially_live, live_after
 from .modules import ancestors
 from .ops import Op
@@ -116,7 +115,7 @@ def storage_categories(trace: Trace) -> list[str]:
     cats = []
     for s in trace.storages:
         roles = s.roles
-        for role in (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT, WORKSPACE):
+        for role in ROLE_ORDER:
             if role in roles:
                 cats.append(role)
                 break
@@ -136,14 +135,23 @@ def peak_bytes(trace: Trace, view: StepView) -> int:
     return peak
 
 
+def _categories_in(categories: list[str]) -> tuple:
+    """The core categories, and the distributed ones some storage has, in report order."""
+    extra = set(categories).difference(CATEGORIES)
+    if not extra:
+        return CATEGORIES
+    return tuple(c for c in ALL_CATEGORIES if c in CATEGORIES or c in extra)
+
+
 def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[str],
                   top: int = 20) -> MemoryReport:
+    names = _categories_in(categories)
     storages = trace.storages
     local = {t: k for k, t in enumerate(view.ops)}
     n_ops = len(view.ops)
 
     initial = initially_live(trace, view)
-    by_cat = dict.fromkeys(CATEGORIES, 0)
+    by_cat = dict.fromkeys(names, 0)
     for sid in initial:
         by_cat[categories[sid]] += storages[sid].nbytes
     total = sum(by_cat.values())
@@ -151,7 +159,7 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
     initial_cat = dict(by_cat)
 
     timeline = [None] * n_ops
-    timeline_cat = {c: [None] * n_ops for c in CATEGORIES}
+    timeline_cat = {c: [None] * n_ops for c in names}
     peak, peak_event, peak_pos = total, -1, 0
     for e, pos, sid, delta in device_events(trace, view):
         nbytes = storages[sid].nbytes if delta > 0 else -storages[sid].nbytes
@@ -161,21 +169,21 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
             peak, peak_event, peak_pos = total, e, pos
         if n_ops and (timeline[pos] is None or total > timeline[pos]):
             timeline[pos] = total  # the highest level while the op ran
-            for c in CATEGORIES:
+            for c in names:
                 timeline_cat[c][pos] = by_cat[c]
     # ops that allocated and freed nothing carry the level of the op before them
     last, last_cat = initial_bytes, initial_cat
     for p in range(n_ops):
         if timeline[p] is None:
             timeline[p] = last
-            for c in CATEGORIES:
+            for c in names:
                 timeline_cat[c][p] = last_cat[c]
         else:
             last = timeline[p]
-            last_cat = {c: timeline_cat[c][p] for c in CATEGORIES}
+            last_cat = {c: timeline_cat[c][p] for c in names}
 
     live_at_peak = live_after(trace, view, peak_event)
-    at_peak = dict.fromkeys(CATEGORIES, 0)
+    at_peak = dict.fromkeys(names, 0)
     for sid in live_at_peak:
         at_peak[categories[sid]] += storages[sid].nbytes
     tensors = []

@@ -36,6 +36,14 @@ def step_views(trace: Trace) -> dict[int, StepView]:
     for s in trace.segments:
         by_step.setdefault(s.step, []).append(s)
     initial = frozenset(s.id for s in trace.storages if s.created_by is None)
+    if 0 in by_step:  # setup work before step 1: what it leaves alive is there when step 1 starts
+        alive = set(initial)
+        for _, sid, delta in _events(trace, by_step[0]):
+            if delta > 0:
+                alive.add(sid)
+            else:
+                alive.discard(sid)
+        initial = frozenset(alive)
 
     if trace.step2 == "reused":
         s1 = [s for s in by_step[1]]

@@ -12,6 +12,15 @@ starting each when the host has launched it and the previous one has finished; a
 on the host (`.item()`) waits for the GPU. The step takes until both are done, so a step of many
 small ops is host-bound, as real eager steps are.
 
+Collectives of a distributed step (`comm`: op -> seconds on the interconnect, from
+analysis.collectives) run on a communication stream of their own, as NCCL kernels do on the
+streams FSDP2 and c10d give them: a collective starts when the host has issued it, the stream is
+free and the ops that wrote its inputs are done; an op that reads what a collective wrote waits
+for it. So FSDP2's prefetched all-gathers overlap the compute before them, and a tensor-parallel
+all-reduce whose output the next op needs is exposed. `exposed_comm` is the time compute waited
+on collectives; `comm_overlap` the share of communication hidden behind compute. (NCCL kernels
+also take SMs from the compute they overlap; not modelled.)
+
 Constants come from devices.efficiency (priors until measured on a GPU; the result says which).
 """
 
@@ -51,15 +60,32 @@ class StepTime:
     calibrated: bool = False
     bound: str = ""                 # "gpu", or "host" when the GPU idles half the step or more
     recompute: float = 0.0          # GPU seconds of ops recomputed by activation checkpointing
+    comm: float = 0.0               # seconds of collectives on the interconnect
+    exposed_comm: float = 0.0       # seconds compute waited for collectives
+
+    @property
+    def comm_overlap(self) -> float:
+        """Share of the collectives' time hidden behind compute (1 without collectives)."""
+        return 1.0 - self.exposed_comm / self.comm if self.comm else 1.0
 
     def to_dict(self) -> dict:
-        return {"seconds": self.seconds, "gpu_busy": self.gpu_busy, "host": self.host,
-                "by_phase": self.by_phase, "mfu": self.mfu, "calibrated": self.calibrated,
-                "bound": self.bound, "recompute": self.recompute}
+        d = {"seconds": self.seconds, "gpu_busy": self.gpu_busy, "host": self.host,
+             "by_phase": self.by_phase, "mfu": self.mfu, "calibrated": self.calibrated,
+             "bound": self.bound, "recompute": self.recompute}
+        if self.comm:
+            d.update(comm=self.comm, exposed_comm=self.exposed_comm,
+                     comm_overlap=self.comm_overlap)
+        return d
 
 
-def estimate_step_time(ops: list, trace: Trace, gpu) -> StepTime:
-    """Wall time of a step's ops (analysis.ops.Op, in order) on `gpu` (a devices.gpus.GPU)."""
+def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -> StepTime:
+    """Wall time of a step's ops (analysis.ops.Op, in order) on `gpu` (a devices.gpus.GPU).
+
+    comm: op index (in the step) -> seconds of that collective on the interconnect."""
+    comm = comm or {}
+    comm_t = comm_total = exposed = 0.0
+    ready: dict = {}     # storage -> when the collective that last wrote it is done
+    written: dict = {}   # storage -> when the compute op that last wrote it is done
     host = gpu_t = busy = recompute = 0.0
     calibrated = True
     op_seconds = []
@@ -73,6 +99,16 @@ def estimate_step_time(ops: list, trace: Trace, gpu) -> StepTime:
         host += HOST_OP_S if kernel else HOST_VIEW_S
         t = 0.0
         total_flops += op.flops or 0
+        c = comm.get(op.index)
+        if c is not None:
+            start = max(comm_t, host, *(written.get(r.storage, 0.0) for r in op.inputs))
+            comm_t = start + c
+            comm_total += c
+            for r in op.outputs:
+                ready[r.storage] = comm_t
+            op_seconds.append(0.0)
+            phase_end[op.phase] = max(gpu_t, host, comm_t)
+            continue
         if kernel:
             cls = op_class(func)
             eff = efficiency_for(cls, gpu.key)
@@ -86,16 +122,25 @@ def estimate_step_time(ops: list, trace: Trace, gpu) -> StepTime:
             compute = flops / (_peak(gpu, cls, dtype) * eff.compute * max(fill, 0.05)) if flops else 0.0
             memory = (op.bytes_read + op.bytes_written) / (gpu.memory_bandwidth * eff.memory)
             t = max(compute, memory) + KERNEL_OVERHEAD_S
-            gpu_t = max(gpu_t, host) + t
+            start = max(gpu_t, host)
+            if ready:
+                waits = max((ready.get(r.storage, 0.0) for r in op.inputs), default=0.0)
+                if waits > start:
+                    exposed += waits - start
+                    start = waits
+            gpu_t = start + t
             busy += t
             if op.recompute:
                 recompute += t
+            if comm:
+                for r in op.outputs:
+                    written[r.storage] = gpu_t
         if func.overloadpacket is _ITEM and op.inputs and op.inputs[0].storage >= 0 \
                 and storages[op.inputs[0].storage].device.type == "cuda":
             host = max(host, gpu_t)  # .item() waits for the GPU
         op_seconds.append(t)
         phase_end[op.phase] = max(gpu_t, host)
-    total = max(gpu_t, host)
+    total = max(gpu_t, host, comm_t)
     by_phase, start = {}, 0.0
     for phase in ("forward", "backward", "optimizer"):
         if phase in phase_end:
@@ -105,4 +150,4 @@ def estimate_step_time(ops: list, trace: Trace, gpu) -> StepTime:
     mfu = (total_flops / total / peak) if total and peak else 0.0
     # host-bound: the GPU waits for launches more than half the step
     return StepTime(total, busy, host, by_phase, op_seconds, mfu, calibrated,
-                    "gpu" if busy >= total / 2 else "host", recompute)
+                    "gpu" if busy >= total / 2 else "host", recompute, comm_total, exposed)

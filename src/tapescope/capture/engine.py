@@ -38,6 +38,7 @@ from ..torch_compat import (graph_task_keep_graph_query, is_zerotensor, node_inp
                             node_sequence_nr, post_accumulate_grad_hooks, set_graph_task_id,
                             statically_known_true, storage_use_count, tensor_backward_hooks,
                             use_count)
+from .graph_task import GraphTask, standing_in
 from .hooks import VARIABLE_INPUTS, HookRegistry, SavedTensors
 from .view_replay import ViewRegeneration, as_strided_backward, emulable
 
@@ -187,8 +188,11 @@ class PythonEngine:
         self._hold(grad)
         reentrant = torch.autograd.backward  # a backward inside a node runs here too
         torch.autograd.backward = self._reentrant_backward
+        # hooks may ask the C++ engine about its graph task (FSDP2 queues its final callback)
         try:
-            self._run([(loss.grad_fn, loss.output_nr, grad)])
+            with standing_in(GraphTask(loss.grad_fn, self._dependencies)) as graph_task:
+                self._run([(loss.grad_fn, loss.output_nr, grad)])
+                graph_task.run_final_callbacks()
         finally:
             torch.autograd.backward = reentrant
         self._drop(grad)
@@ -483,8 +487,10 @@ class PythonEngine:
         variable = getattr(node, VARIABLE_INPUTS, None)
         if variable is not None:
             outputs = [g for g, is_tensor in zip(outputs, variable) if is_tensor]
-        n = len(node.next_functions)
-        outputs = (outputs + [None] * n)[:n]
+            n = len(node.next_functions)
+            outputs = (outputs + [None] * n)[:n]
+        else:  # a Function applied while nothing was recorded (a parallelize step, say)
+            outputs = _per_edge(node, outputs)
         for g in outputs:
             self._hold(g)
         return outputs
@@ -540,6 +546,25 @@ class PythonEngine:
 
 def _graph_not_kept() -> bool:
     return False
+
+
+def _per_edge(node, grads: list) -> list:
+    """The user's backward returns one gradient per forward input; the node has one edge per
+    tensor input (PyNode::apply drops the positions of non-tensor inputs, `is_variable_input`).
+    Python sees `needs_input_grad` per forward input and the edges: the inputs that need a
+    gradient are the edges with a function, in order; the other edges get nothing.
+    (FSDP2's RegisterPostBackwardFunction.apply(param_group, *inputs) returns (None, *grads).)"""
+    edges = node.next_functions
+    n = len(edges)
+    needs = getattr(node, "needs_input_grad", None)
+    if needs is None or len(needs) == n:
+        return (grads + [None] * n)[:n]
+    wanted = [i for i, need in enumerate(needs) if need]
+    out = [None] * n
+    for j, i in zip((j for j, (fn, _) in enumerate(edges) if fn is not None), wanted):
+        if i < len(grads):
+            out[j] = grads[i]
+    return out
 
 
 def _same_shape(a, b) -> bool:

@@ -27,10 +27,15 @@ __all__ = [
     "Trace",
     "LOSS_MODULE",
     "INTERNAL_GUARD",
+    "SETUP",
+    "CATEGORIES",
+    "ALL_CATEGORIES",
+    "DISTRIBUTED_CATEGORIES",
 ]
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
+SETUP = "setup"  # step 0: work done on the model before the first step (parallelising it)
 LOSS_MODULE = "(loss)"  # the module name of ops computing the loss outside the model
 INTERNAL_GUARD = "<tapescope>"  # where a guard tapescope's own code placed comes from
 
@@ -42,6 +47,20 @@ SAVED, TEMPORARY = "saved activations", "temporaries"
 # scratch a real kernel allocates and frees inside one op (capture/fidelity: WORKSPACE rules)
 WORKSPACE = "kernel workspace"
 CATEGORIES = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT, SAVED, TEMPORARY, WORKSPACE)
+# Roles only a distributed step has (distributed/categories.py): the shard of a parameter a rank
+# keeps, the full parameter it gathers for compute, and the flat buffers collectives use.
+SHARDED_PARAMETER, UNSHARDED_PARAMETER = "sharded parameters", "unsharded parameters"
+ALL_GATHER_BUFFER, REDUCE_SCATTER_BUFFER = "all-gather buffers", "reduce-scatter buffers"
+COMM_STAGING = "communication staging"
+DISTRIBUTED_CATEGORIES = (SHARDED_PARAMETER, UNSHARDED_PARAMETER, ALL_GATHER_BUFFER,
+                          REDUCE_SCATTER_BUFFER, COMM_STAGING)
+# Which role decides a storage's category when it plays several; the first wins
+ROLE_ORDER = (PARAMETER, SHARDED_PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT, WORKSPACE,
+              UNSHARDED_PARAMETER, ALL_GATHER_BUFFER, REDUCE_SCATTER_BUFFER, COMM_STAGING)
+# Every category in report order; a report lists the core CATEGORIES and the others it has
+ALL_CATEGORIES = (PARAMETER, SHARDED_PARAMETER, UNSHARDED_PARAMETER, BUFFER, GRADIENT,
+                  OPTIMIZER_STATE, INPUT, ALL_GATHER_BUFFER, REDUCE_SCATTER_BUFFER, COMM_STAGING,
+                  SAVED, TEMPORARY, WORKSPACE)
 
 
 @dataclass(frozen=True, slots=True)

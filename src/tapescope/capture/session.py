@@ -19,6 +19,7 @@ The collaborators, each made here and handed to the others explicitly:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -42,7 +43,7 @@ from .model import Spec, build_on_meta, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
 from .optimizers import make_optimizer
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
-                      OPTIMIZER, OPTIMIZER_STATE, PARAMETER, GuardRecord, Trace)
+                      OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, GuardRecord, Trace)
 from .step import train_step
 from .tape import ModuleStack, Tape
 from .view_replay import ViewRegeneration
@@ -123,9 +124,13 @@ def trace_call(device: torch.device, make_inputs, fn, observe=nullcontext, gpu=N
 class CaptureSession:
     """One capture of a workload under options. `run()` once."""
 
-    def __init__(self, workload: Workload, options: Options, progress=None):
+    def __init__(self, workload: Workload, options: Options, progress=None, prepare=None):
+        """prepare: `fn(fake_model) -> model`, run on the fake copy before the first step and
+        recorded as step 0 (setup): a simulated rank's parallelisation (distributed/profile.py).
+        What it leaves alive is there when step 1 starts."""
         self.options = options
         self.progress = progress
+        self.prepare = prepare
         model = workload.model
         if not isinstance(model, nn.Module):
             if not callable(model):
@@ -152,7 +157,7 @@ class CaptureSession:
 
     def run(self) -> tuple[Trace, dict]:
         opts, trace = self.options, self.trace
-        with self.tape:
+        with self.tape, self.tape.recording_resizes():
             self._make_fake_model()
             self.optimizer = make_optimizer(opts.optimizer, self.params, opts.device)
             self.facts["optimizer"] = None if self.optimizer is None else \
@@ -204,6 +209,13 @@ class CaptureSession:
             lambda t: fake_tensor_like(t, opts.device if t.device.type == "meta" else t.device,
                                        None))
         self.fmodel = self.isolation.copy_model(self.model)
+        if self.prepare is not None:
+            with tape.phase(0, SETUP):
+                self.fmodel = self.prepare(self.fmodel)
+                # what prepare replaced can sit in reference cycles (FSDP2's module <-> state),
+                # freed whenever the collector next runs; a training script's step 1 starts
+                # long after that, so collect now, while the frees are recorded
+                gc.collect()
         sizes = {}
         if self.shape_env is not None:
             sizes, hints = _symbols(self.shape_env, opts.symbolic, (self.args, self.kwargs))
@@ -309,8 +321,11 @@ class CaptureSession:
             self._zero_grad(1)
             return
         # step 2 repeats step 1's forward and backward when the model kept its tensors, no input
-        # gathers a .grad and the optimizer step freed only what it made
-        if (_tensors_fingerprint(self.fmodel) == before and not self.inputs_gather_grads
+        # gathers a .grad and the optimizer step freed only what it made. (After FSDP2's prepare
+        # too: its first forward initialises lazily, bookkeeping that allocates as later forwards
+        # do; tests/test_distributed.py checks steady peaks against real runs.)
+        if (_tensors_fingerprint(self.fmodel) == before
+                and not self.inputs_gather_grads
                 and _self_contained(trace, trace.segments[-1])):
             with self._phase(2, OPTIMIZER):
                 opt.step()

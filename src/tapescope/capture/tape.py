@@ -30,8 +30,8 @@ import torch
 from ..errors import passes_user_calls
 from ..options import check_device_build, unbuilt_device_types
 from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
-                            current_autograd_node, node_sequence_nr, sequence_nr, storage_key,
-                            untyped_storage_key)
+                            c10d_collective_result, current_autograd_node, is_wrapper_subclass,
+                            node_sequence_nr, sequence_nr, storage_key, untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
 from .records import (BACKWARD, FORWARD, WORKSPACE, Frame, OpRecord, Segment, StorageRecord,
@@ -55,6 +55,7 @@ _TORCH_OPTIM_DIR = _TORCH_DIR + "optim" + os.sep  # an optimizer's update lines 
 _CAPTURE_DIR = os.path.dirname(__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(_CAPTURE_DIR.rstrip(os.sep))
 _OWN_FILES = (os.path.join(_PACKAGE_DIR, "api.py"), os.path.join(_PACKAGE_DIR, "torch_compat.py"))
+_DISTRIBUTED_DIR = os.path.join(_PACKAGE_DIR, "distributed") + os.sep  # runs the user's parallelize
 _STDLIB_HELPERS = ("contextlib.py", "functools.py")
 
 
@@ -89,7 +90,8 @@ class Tape(FakeTensorMode):
         self._tape_backward_node = None  # set by tapescope's engine; else the C++ engine's node
         self.in_pack_hook = 0  # > 0 while a saved-tensor pack hook other than ours runs in an op
         self._tape_depth = 0
-        self._tape_live: dict[int, tuple[int, weakref.ref]] = {}  # StorageImpl address -> (id, ref)
+        # StorageImpl address -> [storage id, weakref]; the id changes when the storage is resized
+        self._tape_live: dict[int, list] = {}
         self._tape_phase = FORWARD
         self._tape_step = 0
         self._tape_last_seq = self.trace.seq_base = sequence_nr()
@@ -194,22 +196,75 @@ class Tape(FakeTensorMode):
         trace = self.trace
         sid = len(trace.storages)
         trace.storages.append(StorageRecord(sid, st.nbytes(), t.device, created_by))
+        entry = [sid, None]
 
-        def on_free(_, key=key, sid=sid, trace=trace, live=self._tape_live):
+        def on_free(_, key=key, entry=entry, trace=trace, live=self._tape_live):
             live.pop(key, None)
             if self._tape_recording:
-                trace.events.append((len(trace.ops) - 1, sid, -1))
+                trace.events.append((len(trace.ops) - 1, entry[0], -1))
 
-        self._tape_live[key] = (sid, weakref.ref(st, on_free))
+        entry[1] = weakref.ref(st, on_free)
+        self._tape_live[key] = entry
         return sid, True
+
+    def storage_resized(self, st, nbytes_before: int) -> None:
+        """`UntypedStorage.resize_` changed a storage's size in place (FSDP frees an unsharded
+        parameter with resize_(0) and allocates it again with resize_(n)). The real allocator
+        allocates the new size, copies, and frees the old block; so does the trace: a new
+        StorageRecord for the same storage object, born (and the old one dead) at the last op
+        recorded."""
+        entry = self._tape_live.get(untyped_storage_key(st))
+        nbytes = st.nbytes()
+        if entry is None or nbytes == nbytes_before:
+            return
+        trace = self.trace
+        old = entry[0]
+        at = len(trace.ops) - 1
+        sid = len(trace.storages)
+        trace.storages.append(StorageRecord(sid, nbytes, trace.storages[old].device,
+                                            at if at >= 0 else None, set(trace.storages[old].roles)))
+        entry[0] = sid
+        if self._tape_recording:  # an empty storage holds no memory: no event for it
+            if nbytes:
+                trace.events.append((at, sid, 1))
+            if nbytes_before:
+                trace.events.append((at, old, -1))
+
+    @contextmanager
+    def recording_resizes(self):
+        """Tell the tape when a storage it knows is resized in place (`storage_resized`).
+
+        `UntypedStorage.resize_` changes a storage without dispatching an op, so a dispatch mode
+        never sees it; FSDP2 frees and re-allocates unsharded parameters that way. The method is
+        wrapped on the class while the block runs (storages the tape does not know are resized
+        as before), and restored after.
+        """
+        original = torch.UntypedStorage.resize_
+
+        def resize_(st, size):
+            before = st.nbytes()
+            out = original(st, size)
+            self.storage_resized(st, before)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = original
 
     def register(self, t: torch.Tensor, name: str, role: str | None = None,
                  owner: str | None = None) -> int:
         """Name a tensor that exists before the step (parameter, buffer, input, state).
 
         Returns its storage id; the storage is marked with `role` for the memory categories and
-        `owner` (a parameter's fqn) for the reports.
+        `owner` (a parameter's fqn) for the reports. A tensor subclass that wraps others (a
+        DTensor and its local shard) is registered by the tensors it wraps, which hold its memory.
         """
+        inner = _wrapped(t)
+        if inner is not None:
+            sids = [self.register(x, name, role, owner) for x in inner]
+            return sids[0] if sids else -1
         sid, _ = self._storage_of(t, None)
         v = getattr(t, _VALUE_ATTR, None)
         if v is None:
@@ -223,7 +278,11 @@ class Tape(FakeTensorMode):
         return sid
 
     def storage_id(self, t: torch.Tensor) -> int | None:
-        """Storage id of a tensor the tape has seen, else None."""
+        """Storage id of a tensor the tape has seen, else None (for a tensor subclass that wraps
+        others, the first wrapped tensor's)."""
+        inner = _wrapped(t)
+        if inner is not None:
+            return self.storage_id(inner[0]) if inner else None
         entry = self._tape_live.get(storage_key(t))
         return None if entry is None else entry[0]
 
@@ -269,6 +328,7 @@ class Tape(FakeTensorMode):
                 skip = internal[code] = (
                     (fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
                     or fn.startswith(_CAPTURE_DIR) or fn in _OWN_FILES
+                    or fn.startswith(_DISTRIBUTED_DIR)
                     or fn.endswith(_STDLIB_HELPERS))
             if not skip:
                 key = (code.co_filename, f.f_lineno)
@@ -287,7 +347,10 @@ class Tape(FakeTensorMode):
         if self._tape_unbuilt:
             self._refuse_unbuilt_devices(func, args, kwargs)
         if (self._tape_depth or not self._tape_recording or func in _NOT_OPS
-                or func.namespace in _NOT_OP_NAMESPACES):
+                or func.namespace in _NOT_OP_NAMESPACES
+                or any(t is not FakeTensor and t is not torch.Tensor for t in types)):
+            # (a tensor subclass among the arguments, a DTensor say: FakeTensorMode declines,
+            # the subclass runs the op on the tensors it wraps, and those ops come back here)
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is _DETACH and (self.in_pack_hook or not adinplaceorview_excluded()
                                 or self._issued_by_another_mode()):
@@ -449,6 +512,10 @@ class Tape(FakeTensorMode):
 
     @passes_user_calls
     def _run(self, func, types, args, kwargs):
+        if func.namespace == "c10d":
+            out = c10d_collective_result(func, args)
+            if out is not None:
+                return out
         if func is _LIFT_FRESH and self._tape_replay.enabled:
             out = self._tape_replay.literal(args[0])
             if out is not None:
@@ -528,15 +595,27 @@ class Tape(FakeTensorMode):
             r = self._in_ref(a)
             tensors.append(r)
             return r
-        if type(a) in (list, tuple) and a and any(isinstance(x, torch.Tensor) for x in a):
-            out = []
-            for x in a:
-                if isinstance(x, torch.Tensor):
-                    x = self._in_ref(x)
-                    tensors.append(x)
-                out.append(x)
-            return tuple(out)
+        if type(a) in (list, tuple) and a:
+            if any(isinstance(x, torch.Tensor) for x in a):
+                out = []
+                for x in a:
+                    if isinstance(x, torch.Tensor):
+                        x = self._in_ref(x)
+                        tensors.append(x)
+                    out.append(x)
+                return tuple(out)
+            if type(a[0]) in (list, tuple):  # a list of tensor lists (c10d's scatter_, say):
+                return tuple(self._convert(x, tensors) for x in a)  # the trace keeps no tensor
         return a
+
+
+def _wrapped(t: torch.Tensor) -> list | None:
+    """The tensors a wrapper subclass (DTensor, ...) holds, per __tensor_flatten__; None for a
+    tensor that holds its own memory (plain or fake)."""
+    if type(t) in (torch.Tensor, FakeTensor, torch.nn.Parameter) or not is_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()
+    return [x for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor)]
 
 
 def _device_of(args, out) -> torch.device:

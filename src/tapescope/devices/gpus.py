@@ -47,6 +47,9 @@ __all__ = [
     "get_gpu",
     "cuda_context_bytes",
     "usable_memory_bytes",
+    "Interconnect",
+    "INTERCONNECTS",
+    "interconnect",
 ]
 
 DTYPES: tuple[str, ...] = ("fp64", "fp64_tensor", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
@@ -402,3 +405,78 @@ def cuda_context_bytes(gpu: GPU) -> int:
 def usable_memory_bytes(gpu: GPU) -> int:
     """What the caching allocator can take: the memory torch reports, less the CUDA context."""
     return (gpu.reported_memory_bytes or gpu.memory_bytes) - cuda_context_bytes(gpu)
+
+
+# ---- interconnects ---------------------------------------------------------------------------
+# How a GPU talks to the others in its node and to other nodes, per direction, per GPU, in
+# bytes/s (decimal, as datasheets print them; NVIDIA prints NVLink and PCIe bandwidth as the sum
+# of both directions, halved here). `inter_node` is the network a server built around the GPU
+# gives each GPU: the DGX/HGX reference designs put one NIC per GPU (rail-optimised). Where no
+# reference server exists (PCIe cards) it is None and the collective model assumes
+# DEFAULT_INTER_NODE_BANDWIDTH, and says so.
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    intra_node: float            # bytes/s per direction, GPU to GPU inside a node
+    intra_kind: str              # "NVLink 4 (NVSwitch)", "PCIe Gen4 x16", ...
+    inter_node: float | None     # bytes/s per direction per GPU across nodes
+    inter_kind: str
+    gpus_per_node: int
+    source: str
+
+
+DEFAULT_INTER_NODE_BANDWIDTH = 25e9   # 200 Gb/s per GPU (one HDR / 200 GbE NIC), an assumption
+
+_GBPS = 1e9 / 8   # one Gb/s in bytes/s
+
+# fmt: off
+INTERCONNECTS: Mapping[str, Interconnect] = MappingProxyType({
+    # H100 datasheet: "NVLink: 900GB/s; PCIe Gen5: 128GB/s" (both directions). DGX H100 datasheet:
+    # 8x single-port ConnectX-7 VPI, 400 Gb/s InfiniBand (NDR), one per GPU; NVSwitch inside.
+    "h100-sxm": Interconnect(450e9, "NVLink 4 (NVSwitch)", 400 * _GBPS, "InfiniBand NDR 400 Gb/s",
+                             8, "NVIDIA H100 datasheet; NVIDIA DGX H100 datasheet"),
+    # PCIe cards: GPU to GPU over PCIe Gen5 x16 (the NVLink bridge joins pairs only)
+    "h100-pcie": Interconnect(64e9, "PCIe Gen5 x16", None, "unspecified", 8,
+                              "NVIDIA H100 datasheet (PCIe Gen5 128GB/s; NVLink bridge 600GB/s for pairs)"),
+    "h100-nvl": Interconnect(64e9, "PCIe Gen5 x16", None, "unspecified", 8,
+                             "NVIDIA H100 NVL datasheet (PCIe Gen5 128GB/s; NVLink bridge 600GB/s for pairs)"),
+    # H200 datasheet: NVLink 900GB/s; DGX H200: 8x ConnectX-7 400 Gb/s
+    "h200-sxm": Interconnect(450e9, "NVLink 4 (NVSwitch)", 400 * _GBPS, "InfiniBand NDR 400 Gb/s",
+                             8, "NVIDIA H200 datasheet; NVIDIA DGX H200 datasheet"),
+    # HGX B200: NVLink 5, 1.8TB/s per GPU; DGX B200: 8x single-port ConnectX-7 400 Gb/s
+    "b200-sxm": Interconnect(900e9, "NVLink 5 (NVSwitch)", 400 * _GBPS, "InfiniBand NDR 400 Gb/s",
+                             8, "NVIDIA HGX B200 / DGX B200 datasheets"),
+    # A100 datasheet: NVLink 600GB/s, PCIe Gen4 64GB/s; DGX A100: 8x single-port ConnectX-6 200 Gb/s
+    "a100-sxm-80gb": Interconnect(300e9, "NVLink 3 (NVSwitch)", 200 * _GBPS,
+                                  "InfiniBand HDR 200 Gb/s", 8,
+                                  "NVIDIA A100 datasheet; NVIDIA DGX A100 datasheet"),
+    "a100-sxm-40gb": Interconnect(300e9, "NVLink 3 (NVSwitch)", 200 * _GBPS,
+                                  "InfiniBand HDR 200 Gb/s", 8,
+                                  "NVIDIA A100 datasheet; NVIDIA DGX A100 datasheet"),
+    "a100-pcie-80gb": Interconnect(32e9, "PCIe Gen4 x16", None, "unspecified", 8,
+                                   "NVIDIA A100 datasheet (PCIe Gen4 64GB/s; NVLink bridge for pairs)"),
+    "rtx-3090": Interconnect(32e9, "PCIe Gen4 x16", None, "unspecified", 8,
+                             "PCI Express 4.0 x16: 32 GB/s per direction"),
+    "l4": Interconnect(32e9, "PCIe Gen4 x16", None, "unspecified", 8,
+                       "NVIDIA L4 datasheet (PCIe Gen4 x16 64GB/s)"),
+    "l40s": Interconnect(32e9, "PCIe Gen4 x16", None, "unspecified", 8,
+                         "NVIDIA L40S datasheet (PCIe Gen4 x16 64GB/s)"),
+    "rtx-4090": Interconnect(32e9, "PCIe Gen4 x16", None, "unspecified", 8,
+                             "PCI Express 4.0 x16: 32 GB/s per direction"),
+    "t4": Interconnect(16e9, "PCIe Gen3 x16", None, "unspecified", 8,
+                       "NVIDIA T4 datasheet (PCIe Gen3 x16 32GB/s)"),
+    # V100 SXM2: NVLink 2, 300GB/s; DGX-1: 4x EDR 100 Gb/s InfiniBand for 8 GPUs
+    "v100-sxm2-16gb": Interconnect(150e9, "NVLink 2 (hybrid cube mesh)", 50 * _GBPS,
+                                   "InfiniBand EDR 100 Gb/s, one per two GPUs", 8,
+                                   "NVIDIA V100 datasheet; NVIDIA DGX-1 datasheet"),
+})
+# fmt: on
+
+
+def interconnect(gpu: GPU) -> Interconnect:
+    """The interconnect of a catalogue GPU (its reference server's network)."""
+    found = INTERCONNECTS.get(gpu.key)
+    if found is None:  # a GPU added to the catalogue without its links: say PCIe Gen4
+        return Interconnect(32e9, "PCIe Gen4 x16 (assumed)", None, "unspecified", 8, "assumed")
+    return found

@@ -15,11 +15,11 @@ from rich.text import Text
 
 from ..analysis.memory import group_live_tensors
 from ..analysis.modules import module_pattern, module_rollup
-from ..capture.records import CATEGORIES
+from ..capture.records import ALL_CATEGORIES
 from .text import fmt_bytes, fmt_count, fmt_flops, short_op
 
 __all__ = ["render_summary", "render_ops", "render_diff", "render_fit", "render_compiled",
-           "render_validation"]
+           "render_validation", "render_distributed", "render_layouts"]
 
 
 def _mod(m) -> str:
@@ -132,7 +132,7 @@ def render_summary(p, console: Console, top: int = 8) -> None:
         console.print(_line(f"  reached at op {op.index} ", (op.name, "bold"),
                             f" ({op.phase}) in module {_mod(op.module)}{where}"))
     cats = Table(box=None, show_header=False, pad_edge=False)
-    for c in CATEGORIES:
+    for c in ALL_CATEGORIES:
         b = mem.at_peak.get(c, 0)
         if b:
             share = b / mem.peak_bytes if mem.peak_bytes else 0
@@ -182,6 +182,9 @@ def render_summary(p, console: Console, top: int = 8) -> None:
                       console.width)
     console.print(Group(mods, by_flops))
 
+    if p.distributed is not None:
+        render_distributed(p, console, top=top)
+
     if p.uncounted_ops:
         console.print(_line(("Ops without a FLOP formula", "yellow"), " (not in the totals): " +
                             ", ".join(f"{k} ×{v}" for k, v in sorted(p.uncounted_ops.items()))))
@@ -214,6 +217,81 @@ def _render_cuda(p, console: Console) -> None:
     console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
                         f"{t.mfu:.0%}", ("" if t.calibrated else
                                          " (timing constants not yet calibrated on a GPU)", "dim")))
+
+
+def _ranks_text(ranks) -> str:
+    """(0, 1, 2, 5) -> '0-2, 5'"""
+    out, start, prev = [], None, None
+    for r in list(ranks) + [None]:
+        if start is None:
+            start = prev = r
+        elif r is not None and r == prev + 1:
+            prev = r
+        else:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = prev = r
+    return ", ".join(out)
+
+
+def render_distributed(p, console: Console, top: int = 8) -> None:
+    """Every rank's memory, the collectives and the step time of a distributed profile."""
+    d = p.distributed
+    classes = d.classes
+    how = "ranks whose shards have the same shapes run the same step: one trace each" \
+        if classes.provable else "a mesh without names: every rank traced"
+    console.print(f"[bold]Mesh[/] {d.mesh} = {d.mesh.world_size} ranks, parallelised by "
+                  f"{p.facts.get('parallelize', '?')}; {len(classes.members)} traced ({how})",
+                  highlight=False)
+    by_rank = {r.rank: r for r in p.ranks}
+    t = Table(title="Per rank", title_justify="left", box=None)
+    timed = any(r.step_seconds is not None for r in p.ranks)
+    for col in ("ranks", "peak (steady)", "first step") + (("step", "MFU") if timed else ()) + (
+            "largest categories at the peak",):
+        t.add_column(col)
+    for members in classes.members:
+        r = by_rank[members[0]]
+        cats = sorted(r.at_peak.items(), key=lambda kv: -kv[1])[:4]
+        times = (f"{r.step_seconds * 1e3:.1f} ms", f"{r.mfu:.0%}") if timed else ()
+        t.add_row(_ranks_text(members), fmt_bytes(r.peak_bytes), fmt_bytes(r.first_step_peak_bytes),
+                  *times, ", ".join(f"{c} {fmt_bytes(b)}" for c, b in cats))
+    console.print(t)
+    rows = p.collective_table
+    if rows:
+        c = Table(title=f"Collectives of rank {p.facts.get('rank', 0)} per step",
+                  title_justify="left", box=None)
+        for col in ("kind", "mesh dim", "ranks", "bytes per rank", "count", "link", "time"):
+            c.add_column(col)
+        for r in rows[:top]:
+            c.add_row(r.kind, r.group, str(r.group_size), fmt_bytes(r.nbytes), str(r.count),
+                      r.link, f"{r.seconds * 1e3:.2f} ms" if p.gpu is not None else "-")
+        if len(rows) > top:
+            c.add_row(f"... {len(rows) - top} more", "", "", "", "", "", "")
+        console.print(c)
+    tm = p.time
+    if tm is not None and tm.comm:
+        console.print(f"  collectives {tm.comm * 1e3:.1f} ms on the interconnect, "
+                      f"{tm.exposed_comm * 1e3:.1f} ms exposed ({tm.comm_overlap:.0%} overlapped "
+                      f"with compute); per-rank step {tm.seconds * 1e3:.1f} ms, MFU {tm.mfu:.0%}")
+
+
+def render_layouts(rows, name: str, gpus: int, options, console: Console) -> None:
+    """fit --gpus: one row per (FSDP, TP) layout."""
+    console.print(f"[bold]{name}[/] on {gpus} x {options.gpu.name}: (FSDP, TP) layouts at the "
+                  "model's per-rank batch", highlight=False)
+    t = Table(box=None)
+    for col in ("layout", "peak per rank", "nvidia-smi", "fits", "step", "MFU", "tokens/s"):
+        t.add_column(col)
+    for r in rows:
+        if r.peak_bytes is None:
+            t.add_row(str(r.layout), "-", "-", "-", "-", "-", f"[dim]{r.note}[/]")
+            continue
+        fits = "-" if r.fits is None else ("yes" if r.fits else "[red]no[/]")
+        t.add_row(str(r.layout), fmt_bytes(r.peak_bytes),
+                  fmt_bytes(r.reserved_bytes) if r.reserved_bytes else "-", fits,
+                  f"{r.step_seconds * 1e3:.0f} ms" if r.step_seconds else "-",
+                  f"{r.mfu:.0%}" if r.mfu is not None else "-",
+                  f"{r.tokens_per_second:,.0f}" if r.tokens_per_second else "-")
+    console.print(t)
 
 
 def render_ops(p, console: Console, phases=("forward", "backward")) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from ..analysis.modules import ancestors, module_rollup
 from ..analysis.ops import param_module
-from ..capture.records import BACKWARD, CATEGORIES, FORWARD, PARAMETER
+from ..capture.records import ALL_CATEGORIES, BACKWARD, FORWARD, PARAMETER
 from .downsample import downsample
 from .palette import PHASE_COLORS, category_color
 from .phases import phase_runs
@@ -31,7 +31,7 @@ def page_data(p, max_points: int = 4000) -> dict:
     times = op_times(p)
     return {
         "meta": _meta(p, times),
-        "categories": [{"name": c, "color": category_color(c)} for c in CATEGORIES],
+        "categories": [{"name": c, "color": category_color(c)} for c in ALL_CATEGORIES],
         "phase_colors": PHASE_COLORS,
         "phases": phase_runs(p.ops),
         "ops": {"name": op_name, "module": op_module, "names": names.table,
@@ -128,7 +128,7 @@ def _timeline(p, max_points, times=None) -> dict:
     keep = [mem.peak_op] if total else []
     idx = downsample(total, max_points, keep)
     series = {}
-    for c in CATEGORIES:
+    for c in ALL_CATEGORIES:
         values = mem.timeline_by_category.get(c)
         if values and any(values):  # a category never alive in the step takes no space
             series[c] = [_num(values[i]) for i in idx]

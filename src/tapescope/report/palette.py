@@ -6,7 +6,7 @@ cumulative sum painted over the one above it) without colours blending into fals
 
 from __future__ import annotations
 
-from ..capture.records import BACKWARD, CATEGORIES, FORWARD, OPTIMIZER
+from ..capture.records import ALL_CATEGORIES, BACKWARD, FORWARD, OPTIMIZER
 
 __all__ = ["CATEGORY_COLORS", "PHASE_COLORS", "category_color"]
 
@@ -19,11 +19,16 @@ CATEGORY_COLORS = {
     "saved activations": "#59a14f",
     "temporaries": "#e15759",
     "kernel workspace": "#edc948",
+    "sharded parameters": "#3b5f8a",
+    "unsharded parameters": "#a0cbe8",
+    "all-gather buffers": "#8cd17d",
+    "reduce-scatter buffers": "#ffbe7d",
+    "communication staging": "#d4a6c8",
 }
 
 PHASE_COLORS = {FORWARD: "#4e79a7", BACKWARD: "#e15759", OPTIMIZER: "#76b7b2"}
 
-assert set(CATEGORY_COLORS) == set(CATEGORIES), "every memory category needs a colour"
+assert set(CATEGORY_COLORS) == set(ALL_CATEGORIES), "every memory category needs a colour"
 
 
 def category_color(category: str) -> str:

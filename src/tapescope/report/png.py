@@ -6,7 +6,7 @@ needed). The same downsampling as the HTML chart keeps long steps light while ke
 
 from __future__ import annotations
 
-from ..capture.records import CATEGORIES
+from ..capture.records import ALL_CATEGORIES
 from .downsample import downsample
 from .palette import PHASE_COLORS, category_color
 from .phases import phase_runs
@@ -41,7 +41,7 @@ def write_png(profile, path, *, max_points: int = 4000, width: float = 10.0, hei
     mem = profile.memory
     idx = downsample(mem.timeline, max_points, [mem.peak_op] if mem.timeline else [])
     unit, scale = next((u, s) for u, s in _UNITS if s <= max(mem.peak_bytes, 1))
-    cats = [c for c in CATEGORIES if any(mem.timeline_by_category.get(c) or ())]
+    cats = [c for c in ALL_CATEGORIES if any(mem.timeline_by_category.get(c) or ())]
 
     fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)

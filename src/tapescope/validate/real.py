@@ -48,6 +48,9 @@ class RealStep:
     # compiled steps: ("dynamo", [source of each graph input]) for each graph dynamo made, then
     # ("forward" | "backward", graph) for each partitioned graph compiled from it, in order
     compiled_graphs: list = field(default_factory=list)
+    # step -> bytes of program allocations freed by another thread than the step's (program_only):
+    # a backend thread dropped the last reference, at a moment that varies from run to run
+    late_frees: dict = field(default_factory=dict)
 
     def op_names(self, step: int, phases=("forward", "backward", "optimizer")) -> list[str]:
         """The step's aten ops as tapescope names them without overload: 'aten.mm'."""
@@ -196,12 +199,25 @@ def _overload_name(name: str, inputs=()) -> str:
     return getattr(packet, "default" if "default" in names else names[0]).name()
 
 
-def _read_allocations(prof, device: torch.device) -> RealStep:
+def _read_allocations(prof, device: torch.device, program_only: bool = False) -> RealStep:
+    """The allocator's events in time order, live bytes and each step's peak.
+
+    program_only: count only the program's tensors: allocations made by the thread that runs the
+    step outside a collective's call. A communication backend allocates staging buffers of its own
+    (gloo copies a reduce-scatter's input and gathers into a buffer of its own, partly in its
+    worker threads) and frees them when its work object dies, on whichever thread drops it last,
+    sometimes where the profiler does not see it; the allocator's total includes them at moments
+    that vary from run to run. A GPU backend (NCCL) allocates no tensors. Live bytes are then the
+    running sum of the program's allocations and their frees, matched by address.
+    """
     from ..torch_compat import profiler_event_tree, profiler_event_types
 
     _EventType = profiler_event_types()
     raw = []
     out = RealStep()
+
+    step_threads = set()
+    collective_ptrs = set()  # storages a collective read or wrote (record_shapes has them)
 
     def walk(e, step, phase, inside_op):
         if e.tag == _EventType.Allocation:
@@ -211,7 +227,14 @@ def _read_allocations(prof, device: torch.device) -> RealStep:
                             inside_op if inside_op is not False else None))
         elif e.tag == _EventType.TorchOp:
             name = e.name
+            if program_only and name.startswith(_COLLECTIVE_PREFIXES):
+                for i in e.extra_fields.inputs:
+                    for t in (i if isinstance(i, list) else [i]):
+                        ptr = getattr(t, "storage_data_ptr", None)
+                        if ptr:
+                            collective_ptrs.add(ptr)
             if name.startswith("tapescope::step"):
+                step_threads.add(e.start_tid)
                 step = int(name[len("tapescope::step"):])
             elif name.startswith("tapescope::phase::"):
                 phase = name[len("tapescope::phase::"):]
@@ -226,13 +249,22 @@ def _read_allocations(prof, device: torch.device) -> RealStep:
     for root in profiler_event_tree(prof):
         walk(root, 0, None, False)
     raw.sort(key=lambda r: r[0])
+    if program_only:
+        raw = _program_allocations(raw, step_threads, collective_ptrs)
     if not raw:
         return out
     base = raw[0][2] - raw[0][1]
     level = {}
+    running = 0
+    step = phase = None
     for _, size, total, e, top in raw:
-        step, phase, op = _context(e)
-        live = total - base
+        if e is not None:
+            step, phase, op = _context(e)
+        if total is None:  # a free a backend thread made, at the step the program was in
+            op = None
+            out.late_frees[step] = out.late_frees.get(step, 0) - size
+        running += size
+        live = running if program_only else total - base
         out.events.append(Allocation(step, phase, op, size, live, top))
         out.peaks[step] = max(out.peaks.get(step, live), live)
         level.setdefault(step, live - size)
@@ -240,6 +272,56 @@ def _read_allocations(prof, device: torch.device) -> RealStep:
     for step, start in level.items():
         out.peaks[step] = max(out.peaks[step], start)
     return out
+
+
+_COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:")
+
+
+def _program_allocations(raw: list, threads: set, collective_ptrs: set) -> list:
+    """The events of allocations the step's thread made outside a collective, and their frees.
+
+    A collective's tensor can be freed by a backend thread the profiler does not follow. The
+    allocator's running total still shows it: between two recorded events the total changes by
+    more than the second event's size. Such a drop of exactly the size of a live program
+    allocation that a collective used is that allocation's free (emitted with total None); one
+    never seen at all shows when its address is handed out again. Every free that did not happen
+    on the step's thread is returned with total None (a late free).
+    """
+    mine: dict[int, int] = {}  # address -> size of a live program allocation
+    out = []
+    previous = None
+    for r in raw:
+        size, e = r[1], r[3]
+        ptr = e.extra_fields.ptr
+        total = r[2]
+        if previous is not None and total - size < previous:
+            unseen = previous - (total - size)
+            gone = next((p for p, n in mine.items() if n == unseen and p in collective_ptrs), None)
+            if gone is not None:
+                del mine[gone]
+                out.append((r[0], -unseen, None, None, None))
+        previous = total
+        if size > 0:
+            if e.start_tid not in threads or _inside_collective(e):
+                continue
+            if ptr in mine:  # its free happened where the profiler could not see it
+                out.append((r[0], -mine[ptr], None, None, None))
+            mine[ptr] = size
+            out.append(r)
+        elif mine.get(ptr) == -size:
+            del mine[ptr]
+            # freed by a backend thread the profiler follows: late all the same
+            out.append(r if e.start_tid in threads else (r[0], size, None, None, None))
+    return out
+
+
+def _inside_collective(e) -> bool:
+    p = e.parent
+    while p is not None:
+        if p.name.startswith(("c10d::", "gloo:", "nccl:")):
+            return True
+        p = p.parent
+    return False
 
 
 def _context(e):

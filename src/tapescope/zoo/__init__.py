@@ -2,7 +2,8 @@
 
     zoo:gpt2                 GPT-2 small (zoo:gpt2:n_layer=2,n_embd=256 to resize)
     zoo:llama                a small Llama (RMSNorm, SwiGLU, RoPE, GQA); presets zoo:llama-7b,
-                             zoo:llama3-8b, zoo:llama-70b; zoo:llama:dim=1024,n_layers=4 to resize
+                             zoo:llama3-8b, zoo:llama-70b, zoo:llama3-405b;
+                             zoo:llama:dim=1024,n_layers=4 to resize
     torchvision:NAME         any torchvision.models name, random init
     timm:NAME                any timm model name, random init
     hf:CONFIG_CLASS          a transformers config class with its defaults (hf:BertConfig),
@@ -107,7 +108,7 @@ def _llama(name, options, batch, seq):
     return ModelSpec(name, lambda: Llama(c), (tokens, tokens))
 
 
-ZOO = {"gpt2": _gpt2, **{k: _llama for k in ("llama", "llama-7b", "llama3-8b", "llama-70b")}}
+ZOO = {"gpt2": _gpt2, **{k: _llama for k in ("llama", "llama-7b", "llama3-8b", "llama-70b", "llama3-405b")}}
 
 
 def _classification_loss(out, *inputs):

@@ -36,6 +36,10 @@ PRESETS = {
                              ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
     "llama-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                              max_seq_len=4096),
+    # Llama 3.1 405B's shape (Dubey et al. 2024, Table 3): 126 layers, model dim 16,384, FFN
+    # 53,248, 128 heads, 8 key/value heads, vocabulary 128,256
+    "llama3-405b": LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128,
+                               n_kv_heads=8, ffn_dim=53248, max_seq_len=8192, rope_theta=500000.0),
 }
 
 
@@ -61,9 +65,10 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism a rank holds n_heads / tp of them
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = rope(q, self.theta), rope(k, self.theta)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=self.n_kv_heads != self.n_heads)

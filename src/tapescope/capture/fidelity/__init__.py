@@ -6,8 +6,8 @@ source it follows and a test against real execution (tests/test_engine.py has th
 sequence of the real step under torch.profiler, and the allocator's peak).
 """
 
-from . import (attention, backward, checks, convolution, cuda_kernels, layouts,  # noqa: F401
-               linear, literals, losses, matmul, norms, pooling, reductions, rnn,  # registers
+from . import (attention, backward, checks, collectives, convolution, cuda_kernels,  # noqa: F401
+               layouts, linear, literals, losses, matmul, norms, pooling, reductions, rnn,  # registers
                views)
 from .registry import (ANY_OP, BACKWARD_OP, CHECK, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE,
                        Alloc, FidelityContext, Free, FunctionRulesMode, Output, Rule, RuleSet)

@@ -1,0 +1,133 @@
+"""torch.cuda's stream, event and device calls for a machine without a GPU, while a profile runs.
+
+FSDP2 asks the device for its streams and events (`FSDPCommContext.lazy_init` creates the
+all-gather and reduce-scatter streams with `torch.cuda.Stream(priority=-1)`; every unshard
+records an Event and the compute stream waits on it) and for the current device
+(`_get_device_from_mesh` calls `torch.cuda.current_device()`). Without a GPU each of these
+calls `torch.cuda._lazy_init()`, which raises "Found no NVIDIA driver on your system". Tracing on
+fake CUDA tensors needs none of them to do anything: no kernel runs, so nothing needs ordering.
+
+So while a distributed CUDA profile runs, these attributes of `torch.cuda` (and
+`torch.accelerator.current_stream`) are replaced by stand-ins that need no driver, and restored
+afterwards: current_device, set_device, device_count, is_initialized, Stream, Event,
+current_stream, default_stream, stream, synchronize, and get_device_capability (c10d's broadcast
+asks it, to decide how NCCL sends fp8), which answers the profiled GPU's compute capability. Only these names are replaced; the fake
+tensors themselves never touch the driver (FakeTensorMode runs meta kernels).
+
+The stand-in streams remember which stream is current (`StreamLog`), so the trace knows which ops
+FSDP2 issued on its all-gather and reduce-scatter streams.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["cuda_without_gpu", "StreamLog"]
+
+
+class StreamLog:
+    """The stand-in streams of one profile, and which one is current."""
+
+    def __init__(self):
+        self._ids = itertools.count()
+        self.default = _Stream(self, priority=0, name="default")
+        self.current = self.default
+
+
+class _Stream:
+    def __init__(self, log: StreamLog, device=None, priority: int = 0, name: str | None = None,
+                 **_):
+        self.log, self.priority = log, priority
+        self.id = next(log._ids)
+        self.name = name or f"stream{self.id}"
+        self.device = torch.device("cuda", 0)
+        self.device_index, self.device_type = 0, "cuda"
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _Event()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self):
+        self._previous = self.log.current
+        self.log.current = self
+        return self
+
+    def __exit__(self, *exc):
+        self.log.current = self._previous
+
+    def __repr__(self) -> str:
+        return f"<stand-in cuda stream {self.name}>"
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, **_):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextmanager
+def cuda_without_gpu(compute_capability: tuple = (9, 0)):
+    """Stand in for the driver-backed parts of torch.cuda that FSDP2 and DeviceMesh call."""
+    log = StreamLog()
+
+    def make_stream(device=None, priority=0, **kw):
+        return _Stream(log, device, priority)
+
+    @contextmanager
+    def stream(s):
+        if s is None:
+            yield
+            return
+        with s:
+            yield
+
+    replaced = {
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "device_count": lambda: 1,
+        "is_initialized": lambda: True,
+        "Stream": make_stream,
+        "Event": _Event,
+        "current_stream": lambda device=None: log.current,
+        "default_stream": lambda device=None: log.default,
+        "stream": stream,
+        "synchronize": lambda device=None: None,
+        "get_device_capability": lambda device=None: tuple(compute_capability),
+    }
+    saved = {name: getattr(torch.cuda, name) for name in replaced}
+    saved_accel = torch.accelerator.current_stream
+    for name, fn in replaced.items():
+        setattr(torch.cuda, name, fn)
+    torch.accelerator.current_stream = lambda device=None: log.current
+    try:
+        yield log
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.cuda, name, fn)
+        torch.accelerator.current_stream = saved_accel

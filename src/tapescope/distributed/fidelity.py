@@ -1,0 +1,234 @@
+"""Where torch.distributed behaves differently on fake tensors than in the real eager step.
+
+1. DTensor and the functional collectives ask `_are_we_tracing()`, which is True whenever a
+   FakeTensorMode is active (they take fake mode to mean "torch.compile is tracing"). Then DTensor
+   recomputes sharding decisions for every op instead of caching them, plans redistributions
+   without its cache, and waits for each collective at once instead of returning an
+   AsyncCollectiveTensor that waits at first use. tapescope traces the eager step, so while a
+   distributed capture runs the modules that imported `_are_we_tracing` see the eager answer
+   (False). The names are patched in those modules only, and restored on exit.
+2. DTensor computes an op's output metadata by running the op on global-shaped fake tensors in
+   the active fake mode (ShardingPropagator._propagate_tensor_meta_non_cached). In a real run
+   that mode is a private FakeTensorMode and allocates nothing; here it is the Tape, which would
+   record those ops as if the step ran them. They run unrecorded.
+3. DeviceMesh keeps its ranks in a small CPU int tensor and finds sub-meshes, concatenations
+   (FSDP2 + TP joins its data-parallel and tensor-parallel meshes) and coordinates with tensor ops
+   (`as_strided`, `== rank`, `nonzero`). In a real job those run on that real tensor; under the
+   Tape they would meet a fake mode that refuses a real input, or give fake, data-less results
+   (`nonzero`). So the DeviceMesh methods that compute on the rank tensor run with the fake mode
+   unset (`unset_fake_temporarily`), as in a real job: this is what made FSDP2 + TP fail under
+   FakeTensorMode before.
+4. DTensor caches sharding decisions, redistribution plans and mesh topologies process-wide,
+   keyed by meshes that compare equal across worlds (same layout, names and device): a decision
+   cached while simulating rank 0 would be reused for rank 1016 of the same job, or by a later
+   profile, with rank 0's process groups in it. Every capture starts and ends with those caches
+   empty, so that no rank or profile sees another's.
+5. Speed only, same answers: for a foreach op (the optimizer's, over every parameter) DTensor
+   calls `_propagate_use_strided_shard_flag(child, op_schema)` once per list element, and each
+   call walks every argument of the whole op (`op_schema.args_spec`) to find one flag: quadratic
+   in the number of parameters, 10 s of a 32-layer 70B step's first optimizer step. The flag
+   depends only on which values the strided-shard arguments carry, so each op's arguments are
+   summarised once (one spec per distinct value) and the function runs on that summary.
+   Likewise `expand_to_full_mesh_op_strategy` enumerates every combination of placements over
+   the mesh for each list element (~3 ms each; DTensor's own note calls it "prohibitively
+   expensive"), though the elements of an optimizer's lists repeat a handful of layouts: within a
+   capture its result is kept per (mesh, per-element schema, strategies, options) and reused for
+   equal elements. Both are pure functions of those arguments; the memo ends with the capture.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+
+__all__ = ["eager_distributed"]
+
+# DeviceMesh methods that compute on the mesh's rank tensor (torch 2.14); absent ones are skipped
+_MESH_TENSOR_METHODS = ("__init__", "mesh", "_compute_coordinates_from_mesh",
+                        "_get_mesh_tensor_from_full_mesh", "_init_one_process_group",
+                        "from_group", "_concatenate")
+
+# modules that bind `_are_we_tracing` at import (torch 2.6 - 2.14); absent ones are skipped
+_TRACING_CHECK_MODULES = (
+    "torch.distributed._functional_collectives",
+    "torch.distributed.tensor._dispatch",
+    "torch.distributed.tensor._sharding_prop",
+    "torch.distributed.tensor._redistribute",
+    "torch.distributed.tensor._collective_utils",
+    "torch.distributed.tensor._decompositions",
+)
+
+
+def _not_tracing() -> bool:
+    return False
+
+
+class _ArgsSpecs:
+    """What `_propagate_use_strided_shard_flag` reads of an OpSchema: its argument specs."""
+
+    __slots__ = ("args_spec",)
+
+    def __init__(self, specs):
+        self.args_spec = specs
+
+
+def _strided_flag_once_per_op():
+    """Patch `_propagate_use_strided_shard_flag` (see point 5); returns the undo."""
+    try:
+        from torch.distributed.tensor import _sharding_prop as sp
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return lambda: None
+    original = getattr(sp, "_propagate_use_strided_shard_flag", None)
+    if original is None:
+        return lambda: None
+    last: list = [None, None]  # (op_schema, its summary): the children of one op come together
+
+    def summary(op_schema):
+        if last[0] is not op_schema:
+            by_value = {}
+            for spec in op_schema.args_spec:
+                if any(isinstance(p, _StridedShard) for p in spec.placements):
+                    by_value.setdefault(spec.use_strided_shard_as_shard_order, spec)
+            last[0], last[1] = op_schema, _ArgsSpecs(tuple(by_value.values()))
+        return last[1]
+
+    def propagate_flag(op_strategy, op_schema):
+        try:
+            return original(op_strategy, summary(op_schema))
+        except AttributeError:  # a torch whose function reads more of the schema
+            return original(op_strategy, op_schema)
+
+    sp._propagate_use_strided_shard_flag = propagate_flag
+    restore_expand = _expansions_memoised()
+
+    def restore():
+        sp._propagate_use_strided_shard_flag = original
+        last[0] = last[1] = None
+        restore_expand()
+
+    return restore
+
+
+def _expansions_memoised():
+    """Memoise `expand_to_full_mesh_op_strategy` for the capture (see point 5); the undo."""
+    try:
+        from torch.distributed.tensor._ops import utils
+    except ImportError:
+        return lambda: None
+    original = getattr(utils, "expand_to_full_mesh_op_strategy", None)
+    if original is None:
+        return lambda: None
+    memo: dict = {}
+
+    def expand(mesh, op_schema, single_mesh_dim_strategies, **kwargs):
+        if kwargs.get("full_mesh_strategy_filter") is not None:  # a closure: no key for it
+            return original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
+        try:
+            key = (mesh, op_schema, tuple(tuple(s) for s in single_mesh_dim_strategies),
+                   tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                for k, v in kwargs.items())))
+            found = memo.get(key)
+        except TypeError:  # unhashable (symbolic sizes): compute
+            return original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
+        if found is None:
+            found = memo[key] = original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
+        return found
+
+    utils.expand_to_full_mesh_op_strategy = expand
+
+    def restore():
+        utils.expand_to_full_mesh_op_strategy = original
+        memo.clear()
+
+    return restore
+
+
+def _clear_dtensor_caches() -> None:
+    from ..torch_compat import clear_dtensor_caches
+
+    clear_dtensor_caches()
+
+
+def _real(fn):
+    from functools import wraps
+
+    from ..torch_compat import unset_fake_mode
+
+    @wraps(fn)
+    def run(*args, **kwargs):
+        with unset_fake_mode():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _mesh_bookkeeping_on_real_tensors():
+    """Wrap DeviceMesh's rank-tensor methods to run outside the fake mode; returns the undo."""
+    from torch.distributed import _mesh_layout
+    from torch.distributed.device_mesh import DeviceMesh
+
+    saved = []
+    targets = [(DeviceMesh, n) for n in _MESH_TENSOR_METHODS]
+    targets.append((_mesh_layout._MeshLayout, "remap_to_tensor"))
+    for cls, name in targets:
+        attr = cls.__dict__.get(name)
+        if attr is None:
+            continue
+        if isinstance(attr, staticmethod):
+            new = staticmethod(_real(attr.__func__))
+        elif isinstance(attr, property):
+            new = property(_real(attr.fget), attr.fset, attr.fdel, attr.__doc__)
+        elif callable(attr):
+            new = _real(attr)
+        else:
+            continue
+        saved.append((cls, name, attr))
+        setattr(cls, name, new)
+
+    def restore():
+        for cls, name, attr in saved:
+            setattr(cls, name, attr)
+
+    return restore
+
+
+@contextmanager
+def eager_distributed():
+    """Run DTensor and the functional collectives as in an eager step while a capture runs."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    from ..capture.tape import Tape
+    from ..torch_compat import active_fake_mode
+
+    saved = []
+    for name in _TRACING_CHECK_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "_are_we_tracing"):
+            saved.append((mod, mod._are_we_tracing))
+            mod._are_we_tracing = _not_tracing
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate_unrecorded(self, op_schema):
+        tape = active_fake_mode()
+        if not isinstance(tape, Tape):
+            return propagate(self, op_schema)
+        with tape.unrecorded():
+            return propagate(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate_unrecorded
+    restore_mesh = _mesh_bookkeeping_on_real_tensors()
+    restore_flag = _strided_flag_once_per_op()
+    _clear_dtensor_caches()
+    try:
+        yield
+    finally:
+        _clear_dtensor_caches()
+        restore_flag()
+        restore_mesh()
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        for mod, fn in saved:
+            mod._are_we_tracing = fn

@@ -1,0 +1,101 @@
+"""Which (FSDP, TP) layout of N GPUs trains a model best: `tapescope fit SPEC --gpus 64 --gpu h100`.
+
+The sensible layouts of N GPUs, as torchtitan users pick them: tensor parallelism inside a node
+(TP degree a power of two up to the GPUs of a node, dividing N), FSDP over the rest. Each is
+profiled with the preset parallelisation (presets.py) at the model's per-rank batch; a row gives
+the highest rank's peak, whether it fits the GPU (the caching allocator's predicted reserved
+memory plus the CUDA context against the GPU's memory), the step time, MFU and the tokens per
+second of the whole job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import TapescopeError
+from .presets import Layout, preset_parallelize
+
+__all__ = ["LayoutRow", "candidate_layouts", "fit_layouts"]
+
+
+@dataclass
+class LayoutRow:
+    layout: Layout
+    peak_bytes: int | None = None        # highest rank, steady state
+    reserved_bytes: int | None = None    # what nvidia-smi would show on that rank
+    fits: bool | None = None
+    step_seconds: float | None = None
+    mfu: float | None = None
+    tokens_per_second: float | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"fsdp": self.layout.fsdp, "tp": self.layout.tp, "peak_bytes": self.peak_bytes,
+                "nvidia_smi_bytes": self.reserved_bytes, "fits": self.fits,
+                "step_seconds": self.step_seconds, "mfu": self.mfu,
+                "tokens_per_second": self.tokens_per_second, "note": self.note}
+
+
+def candidate_layouts(gpus: int, gpus_per_node: int = 8) -> list[Layout]:
+    if gpus < 1:
+        raise TapescopeError("--gpus must be at least 1")
+    out, tp = [], 1
+    while tp <= min(gpus, gpus_per_node):
+        if gpus % tp == 0:
+            out.append(Layout(fsdp=gpus // tp, tp=tp))
+        tp *= 2
+    return out
+
+
+def _tokens(workload) -> int:
+    """Tokens of one rank's batch: the elements of the first integer input (token ids)."""
+    import torch
+
+    for x in workload.args:
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and not dtype.is_floating_point and dtype != torch.bool:
+            n = 1
+            for s in x.shape:
+                n *= s
+            return n
+    return 0
+
+
+def fit_layouts(workload, options, gpus: int, progress=None) -> list[LayoutRow]:
+    """Profile every candidate layout of `gpus` GPUs of `options.gpu` (device cuda)."""
+    from ..api import profile_workload
+    from ..devices.gpus import interconnect
+
+    if options.device.type != "cuda" or options.gpu is None:
+        raise TapescopeError("fit --gpus compares layouts on a GPU: give --gpu (h100, a100, ...)")
+    mp, amp = options.amp, None  # FSDP2's mixed precision stands in for autocast
+    rows = []
+    tokens = _tokens(workload)
+    for layout in candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node):
+        row = LayoutRow(layout)
+        rows.append(row)
+        if progress is not None:
+            progress(0, str(layout))
+        opts = options.but(amp=amp, mesh=_mesh_spec(layout),
+                           parallelize=preset_parallelize(layout, mp))
+        try:
+            p = profile_workload(workload, opts)
+        except TapescopeError as e:
+            row.note = str(e).split(";")[0]
+            continue
+        cm, t = p.cuda_memory, p.time
+        row.peak_bytes = p.peak_bytes
+        row.reserved_bytes = cm.nvidia_smi if cm is not None else None
+        row.fits = None if cm is None else not cm.oom
+        if t is not None:
+            row.step_seconds, row.mfu = t.seconds, t.mfu
+            # every data-parallel replica (FSDP rank group) processes its own batch
+            row.tokens_per_second = tokens * layout.fsdp * layout.dp_replicate / t.seconds \
+                if tokens and t.seconds else None
+    return rows
+
+
+def _mesh_spec(layout: Layout):
+    from .mesh import mesh_spec
+
+    return mesh_spec(layout.mesh)

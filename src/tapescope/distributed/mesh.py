@@ -1,0 +1,86 @@
+"""The device mesh a profile simulates, and a fake world of ranks to build it in one process.
+
+`mesh={"dp": 8, "tp": 8}` names the mesh dimensions, outermost first, as
+`init_device_mesh(device, (8, 8), mesh_dim_names=("dp", "tp"))` does; the world size is their
+product. Each simulated rank runs in this process against torch's fake process group
+(`torch.testing._internal.distributed.fake_pg`: collectives complete at once and move no data),
+so the user's own torch.distributed code builds exactly the mesh, sub-groups and sharded
+parameters it builds on that rank of a real job.
+
+The default process group is process-wide state in torch.distributed: `fake_world` creates it for
+one rank, and destroys it on exit, so two profiles never see each other's. A process that already
+has a process group (a real job) is refused rather than disturbed.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import TapescopeError
+
+__all__ = ["MeshSpec", "mesh_spec", "fake_world"]
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    names: tuple
+    sizes: tuple
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def coordinate(self, rank: int) -> dict:
+        """Rank -> its index along each named dimension (row-major, as init_device_mesh lays
+        ranks out)."""
+        out = {}
+        for name, size in zip(reversed(self.names), reversed(self.sizes)):
+            out[name] = rank % size
+            rank //= size
+        return {n: out[n] for n in self.names}
+
+    def as_dict(self) -> dict:
+        return dict(zip(self.names, self.sizes))
+
+    def __str__(self) -> str:
+        return " x ".join(f"{n} {s}" for n, s in zip(self.names, self.sizes))
+
+
+def mesh_spec(mesh) -> MeshSpec:
+    """A MeshSpec from {"dp": 4, "tp": 2} (or a MeshSpec)."""
+    if isinstance(mesh, MeshSpec):
+        return mesh
+    if not isinstance(mesh, dict) or not mesh:
+        raise TapescopeError(f"mesh must name its dimensions and sizes, e.g. mesh={{'dp': 4, 'tp': 2}}; "
+                             f"got {mesh!r}")
+    for name, size in mesh.items():
+        if not isinstance(name, str) or not isinstance(size, int) or size < 1:
+            raise TapescopeError(f"mesh dimension {name!r}: {size!r} must be a name and a size >= 1")
+    return MeshSpec(tuple(mesh), tuple(mesh.values()))
+
+
+@contextmanager
+def fake_world(spec: MeshSpec, rank: int, device_type: str):
+    """Be `rank` of a fake world of `spec.world_size` ranks; yields the DeviceMesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_available():
+        raise TapescopeError("this build of PyTorch has no torch.distributed")
+    if dist.is_initialized():
+        raise TapescopeError(
+            "a process group is already initialised in this process; tapescope simulates the ranks "
+            "of a distributed job with torch's fake process group and needs a process without one "
+            "(run it outside the training job)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.world_size)
+    try:
+        yield init_device_mesh(device_type, spec.sizes, mesh_dim_names=spec.names)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,292 @@
+"""Ready-made parallelisations for the CLI's --fsdp / --tp / --hsdp / --dp-replicate, as torchtitan
+applies them (torchtitan/models/llama3/infra/parallelize.py): tensor parallelism first, with the
+architecture's Megatron-style plan, then FSDP2 on every block and on the root.
+
+A `Layout` names the degrees; its mesh is ("dp_replicate", "dp_shard", "tp"), outermost first,
+dimensions of size 1 left out, as torchtitan's ParallelDims builds it:
+- dp_shard (--fsdp N): FSDP2, parameters sharded over N ranks;
+- dp_replicate (--hsdp R, or --dp-replicate R): with dp_shard, HSDP (fully_shard on the 2-D
+  (dp_replicate, dp_shard) mesh: replicate across, shard within); alone, data parallelism with
+  `replicate` (torch's FSDP2-based DDP);
+- tp (--tp M): tensor parallelism with the plan of the model's architecture (TP_PLANS), on the
+  innermost dimension, so that a tensor-parallel group sits inside a node.
+
+Mixed precision: with amp, FSDP2's MixedPrecisionPolicy gathers parameters in the amp dtype and
+reduces gradients in fp32 (torchtitan's default), in place of autocast.
+
+TP plans are registered by architecture, each a small function `plan(model, tp_mesh)` next to
+a test of whether a model is of that architecture. A model without one gets a message that
+says to pass its own `--parallelize file.py:fn`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import TapescopeError
+
+__all__ = ["Layout", "preset_parallelize", "TP_PLANS", "transformer_blocks"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    fsdp: int = 1
+    tp: int = 1
+    dp_replicate: int = 1
+
+    def __post_init__(self):
+        for name in ("fsdp", "tp", "dp_replicate"):
+            if getattr(self, name) < 1:
+                raise TapescopeError(f"--{name.replace('_', '-')} must be at least 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.fsdp * self.tp * self.dp_replicate
+
+    @property
+    def mesh(self) -> dict:
+        dims = {"dp_replicate": self.dp_replicate, "dp_shard": self.fsdp, "tp": self.tp}
+        mesh = {k: v for k, v in dims.items() if v > 1}
+        return mesh or {"dp_shard": 1}
+
+    def __str__(self) -> str:
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"{'HSDP' if self.fsdp > 1 else 'DDP'} {self.dp_replicate}")
+        if self.fsdp > 1:
+            parts.append(f"FSDP {self.fsdp}")
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        return " x ".join(parts) or "1 rank"
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model: the longest nn.ModuleList whose members share a class
+    (Llama's `layers`, GPT-2's `h`, a ViT's encoder layers)."""
+    best: list = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best) \
+                and len({type(b) for b in m}) == 1:
+            best = list(m)
+    return best
+
+
+# ---- tensor-parallel plans, by architecture ----------------------------------------------------
+
+TP_PLANS: list[tuple[str, Callable, Callable]] = []   # (name, matches(model), plan(model, mesh))
+
+
+def register_tp_plan(name: str, matches: Callable):
+    def decorate(plan):
+        TP_PLANS.append((name, matches, plan))
+        return plan
+    return decorate
+
+
+def _is_zoo_llama(model) -> bool:
+    from ..zoo.llama import Llama
+
+    return isinstance(model, Llama)
+
+
+@register_tp_plan("llama (torchtitan)", _is_zoo_llama)
+def _llama_plan(model, tp_mesh) -> None:
+    """torchtitan's Llama plan: vocabulary-parallel embedding and output, sequence-parallel norms,
+    column-parallel q/k/v and w1/w3, row-parallel wo and w2."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    _check_heads(model.config.n_heads, model.config.n_kv_heads, tp_mesh.size())
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),),
+                                            desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def _check_heads(heads: int, kv_heads: int | None, tp: int) -> None:
+    """Column-parallel q/k/v split the heads: the degree must divide them (torchtitan asserts
+    the same)."""
+    for what, n in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if n is not None and n % tp:
+            raise TapescopeError(f"tensor parallel degree {tp} does not divide the model's {n} "
+                                 f"{what}; use a degree that does")
+
+
+def _hf_plan(model) -> dict | None:
+    config = getattr(model, "config", None)
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    plan.update(getattr(model, "_tp_plan", None) or {})
+    return plan
+
+
+@register_tp_plan("transformers (the model's own base_model_tp_plan)",
+                  lambda m: _hf_plan(m) is not None)
+def _transformers_plan(model, tp_mesh) -> None:
+    """The plan a transformers model ships (config.base_model_tp_plan, the model's _tp_plan),
+    each style as the DTensor style with the layouts transformers gives it
+    (transformers/distributed/tensor_parallel.py registers them)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    gathered = lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())  # noqa: E731
+    split_in = lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())  # noqa: E731
+    styles = {
+        "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+        "colwise_rep": gathered, "colwise_gather_output": gathered,
+        "rowwise_rep": split_in, "rowwise_split_input": split_in,
+        "embedding_rowwise": split_in, "sequence_parallel": SequenceParallel,
+    }
+    config = model.config
+    _check_heads(getattr(config, "num_attention_heads", 1),
+                 getattr(config, "num_key_value_heads", None), tp_mesh.size())
+    plan = {}
+    for pattern, style in _hf_plan(model).items():
+        if style not in styles:
+            raise TapescopeError(f"the model's tensor-parallel plan uses style {style!r} for "
+                                 f"{pattern}, which tapescope's preset does not translate; pass "
+                                 "your own --parallelize file.py:fn")
+        plan[pattern] = styles[style]()
+    parallelize_module(model, tp_mesh, plan)
+
+
+def tp_plan_for(model) -> tuple[str, Callable]:
+    for name, matches, plan in TP_PLANS:
+        if matches(model):
+            return name, plan
+    raise TapescopeError(
+        f"no tensor-parallel plan for {type(model).__name__} (known: "
+        f"{', '.join(n for n, _, _ in TP_PLANS)}); profile it with --fsdp only, or pass your own "
+        "--parallelize file.py:fn")
+
+
+# ---- the preset -------------------------------------------------------------------------------
+
+def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> Callable:
+    """parallelize(model, mesh) for a Layout: TP plan, then FSDP2 per block and at the root (or
+    replicate for data parallelism without sharding)."""
+
+    def parallelize(model: nn.Module, mesh) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if layout.tp > 1:
+            _, plan = tp_plan_for(model)
+            plan(model, mesh["tp"])
+        mp = MixedPrecisionPolicy() if mp_dtype is None else \
+            MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+        if layout.fsdp > 1:
+            dp = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+            blocks = transformer_blocks(model)
+            for i, block in enumerate(blocks):
+                # torchtitan: the last block stays unsharded after forward (backward needs it next)
+                fully_shard(block, mesh=dp, mp_policy=mp,
+                            reshard_after_forward=i < len(blocks) - 1)
+            fully_shard(model, mesh=dp, mp_policy=mp)
+        elif layout.dp_replicate > 1:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(model, mesh=mesh["dp_replicate"], mp_policy=mp)
+        return model
+
+    parallelize.__name__ = f"the {layout} preset" + (
+        f" with FSDP2 mixed precision {str(mp_dtype).replace('torch.', '')}"
+        if mp_dtype is not None and (layout.fsdp > 1 or layout.dp_replicate > 1) else "")
+    return parallelize
+
+
+# ---- what the CLI flags ask for ----------------------------------------------------------------
+
+def parse_mesh(text: str) -> dict:
+    """'dp=4,tp=2' -> {'dp': 4, 'tp': 2} (outermost first)."""
+    mesh = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, size = item.partition("=")
+        try:
+            mesh[name.strip()] = int(size)
+        except ValueError:
+            raise TapescopeError(f"cannot read mesh {text!r}: write names and sizes like "
+                                 "dp=4,tp=2") from None
+    if not mesh:
+        raise TapescopeError(f"cannot read mesh {text!r}: write names and sizes like dp=4,tp=2")
+    return mesh
+
+
+def load_function(text: str) -> Callable:
+    """'path/to/file.py:fn' -> the function fn of that file."""
+    import importlib.util
+    import os
+
+    path, _, fn = text.rpartition(":")
+    if not path.endswith(".py") or not fn:
+        raise TapescopeError(f"--parallelize takes file.py:function, got {text!r}")
+    if not os.path.exists(path):
+        raise TapescopeError(f"no such file: {path}")
+    spec = importlib.util.spec_from_file_location(
+        "tapescope_parallelize_" + os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file failed to import
+        raise TapescopeError(f"importing {path} failed: {type(e).__name__}: {e}") from None
+    found = getattr(module, fn, None)
+    if not callable(found):
+        raise TapescopeError(f"{path} has no function {fn!r}")
+    return found
+
+
+def parallelization(fsdp: int = 1, tp: int = 1, hsdp: int = 1, dp_replicate: int = 1,
+                    parallelize: str | None = None, mesh: str | None = None, amp=None):
+    """(mesh dict, parallelize fn, amp for autocast) from the CLI's flags; (None, None, amp)
+    when none asks for more than one rank. With a preset and amp, FSDP2's MixedPrecisionPolicy
+    takes the place of autocast."""
+    from ..options import resolve_dtype
+
+    replicate = max(hsdp, dp_replicate)
+    if parallelize is not None:
+        fn = load_function(parallelize)
+        if mesh is not None:
+            return parse_mesh(mesh), fn, amp
+        layout = Layout(fsdp=fsdp, tp=tp, dp_replicate=replicate)
+        if layout.world_size == 1:
+            raise TapescopeError("--parallelize needs the mesh it runs on: --mesh dp=4,tp=2 (or "
+                                 "--fsdp/--tp/--hsdp, which name it dp_replicate, dp_shard, tp)")
+        return layout.mesh, fn, amp
+    if mesh is not None:
+        raise TapescopeError("--mesh goes with --parallelize file.py:fn (the presets --fsdp/--tp "
+                             "name their own mesh)")
+    layout = Layout(fsdp=fsdp, tp=tp, dp_replicate=replicate)
+    if layout.world_size == 1:
+        return None, None, amp
+    mp = None
+    if amp is not None and (layout.fsdp > 1 or layout.dp_replicate > 1):
+        try:
+            mp, amp = resolve_dtype(amp), None
+        except ValueError as e:
+            raise TapescopeError(str(e)) from None
+    return layout.mesh, preset_parallelize(layout, mp), amp

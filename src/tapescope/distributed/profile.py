@@ -1,0 +1,184 @@
+"""Profile every rank of a parallelised training step in one process, on fake tensors.
+
+For each simulated rank: a fake process group makes this process that rank of a world of
+`prod(mesh)` ranks, `init_device_mesh` builds the mesh, and the user's own `parallelize(model,
+mesh)` runs on tapescope's fake copy of the model (recorded as step 0, setup). The training steps
+are then traced exactly as for one device: FSDP2's hooks all-gather and reduce-scatter through the
+fake group (the collectives are recorded as ops, with their buffers), DTensor runs each op on the
+local shards, and tapescope's own autograd engine runs the backward (it answers FSDP2's
+queue_callback and graph-task queries, capture/graph_task.py). Ranks whose shards have the same
+shapes are traced once (ranks.py).
+
+device="cuda" on a machine without a GPU: DeviceMesh needs no GPU with the fake backend (torch
+skips device setup for it), and FSDP2's streams, events and current_device are answered by
+cuda_standin.py.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..capture.session import CaptureSession
+from ..errors import TapescopeError
+from ..options import Options, Workload
+from .categories import assign_roles
+from .fidelity import eager_distributed
+from .groups import collective_groups, process_groups
+from .mesh import MeshSpec, fake_world
+from .ranks import RankClasses, rank_classes, shard_layouts
+
+__all__ = ["RankProfile", "DistributedFacts", "profile_ranks"]
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """One rank's memory: its peak (steady state) and first-step peak, and the categories at the
+    peak. `traced_as` is the rank whose trace stands for this one (itself if it was traced)."""
+
+    rank: int
+    coordinate: dict
+    peak_bytes: int
+    first_step_peak_bytes: int
+    at_peak: dict
+    traced_as: int
+    step_seconds: float | None = None   # on the profiled GPU (device cuda), with its collectives
+    mfu: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "coordinate": self.coordinate, "peak_bytes": self.peak_bytes,
+                "first_step_peak_bytes": self.first_step_peak_bytes, "at_peak": self.at_peak,
+                "traced_as": self.traced_as, "step_seconds": self.step_seconds, "mfu": self.mfu}
+
+
+@dataclass
+class DistributedFacts:
+    """What a distributed profile knows beyond one rank's trace."""
+
+    mesh: MeshSpec
+    classes: RankClasses
+    groups: dict                            # group name -> GroupInfo (of the reported rank)
+    profiles: dict = field(default_factory=dict, repr=False)   # traced rank -> Profile
+    trace_seconds: dict = field(default_factory=dict)     # traced rank -> seconds to trace it
+    trace_cpu_seconds: dict = field(default_factory=dict)  # ... this process's CPU time
+
+    def to_dict(self) -> dict:
+        return {"mesh": self.mesh.as_dict(), "world_size": self.mesh.world_size,
+                "rank_classes": [list(m) for m in self.classes.members],
+                "classes_provable": self.classes.provable,
+                "traced_ranks": sorted(self.profiles), "trace_seconds": self.trace_seconds,
+                "trace_cpu_seconds": self.trace_cpu_seconds}
+
+
+def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
+    """Trace one rank of each class; returns (the Profile of the rank with the highest peak,
+    every rank's RankProfile, DistributedFacts). `analyse(trace, facts) -> Profile`."""
+    from ..capture.model import build_on_meta
+
+    spec = options.mesh
+    if not isinstance(workload.model, torch.nn.Module):
+        # built once: every rank copies the same meta model
+        workload = replace(workload, model=build_on_meta(workload.model))
+
+    def trace_rank(rank: int):
+        seen: dict = {}
+
+        def prepare(fmodel):
+            try:
+                out = options.parallelize(fmodel, device_mesh)
+            except TapescopeError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the user's parallelisation failed
+                raise _parallelize_failed(e, options.parallelize, rank) from e
+            if out is None:
+                out = fmodel  # parallelised in place
+            _refuse_ddp(out)
+            seen["layouts"] = shard_layouts(out)
+            seen["sharded"] = _sharded_names(out)
+            return out
+
+        standin = nullcontext()
+        if options.device.type == "cuda":
+            from .cuda_standin import cuda_without_gpu
+
+            standin = cuda_without_gpu(options.gpu.compute_capability)
+        with standin, eager_distributed(), fake_world(spec, rank, options.device.type) as device_mesh:
+            trace, facts = CaptureSession(workload, options, progress, prepare=prepare).run()
+            groups = process_groups(spec)
+            facts["collective_groups"] = collective_groups(trace)
+        facts["process_groups"] = {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
+                                          "ranks": list(g.ranks)} for name, g in groups.items()}
+        sharded = {sid for sid, fqn in trace.storage_owner.items() if fqn in seen["sharded"]}
+        assign_roles(trace, sharded)
+        facts["mesh"] = spec.as_dict()
+        facts["rank"] = rank
+        facts["parallelize"] = getattr(options.parallelize, "__name__", str(options.parallelize))
+        return analyse(trace, facts), seen["layouts"], groups
+
+    seconds, cpu = {}, {}
+    start, start_cpu = time.perf_counter(), time.process_time()
+    first, layouts, groups = trace_rank(0)
+    seconds[0], cpu[0] = time.perf_counter() - start, time.process_time() - start_cpu
+    classes = rank_classes(spec, layouts)
+    profiles, group_maps = {0: first}, {0: groups}
+    for rep in classes.representatives:
+        if rep not in profiles:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            profiles[rep], _, group_maps[rep] = trace_rank(rep)
+            seconds[rep], cpu[rep] = time.perf_counter() - start, time.process_time() - start_cpu
+
+    ranks = []
+    for rep, members in zip(classes.representatives, classes.members):
+        p = profiles[rep]
+        p.distributed = DistributedFacts(spec, classes, group_maps[rep], {})  # its collectives
+        at_peak = {k: v for k, v in p.memory.at_peak.items() if v}
+        t = p.time
+        for r in members:
+            ranks.append(RankProfile(r, spec.coordinate(r), p.peak_bytes, p.first_step_peak_bytes,
+                                     at_peak, rep, None if t is None else t.seconds,
+                                     None if t is None else t.mfu))
+    ranks.sort(key=lambda r: r.rank)
+    top = max(profiles, key=lambda r: (profiles[r].peak_bytes, -r))
+    return profiles[top], ranks, DistributedFacts(spec, classes, group_maps[top], profiles, seconds,
+                                                  cpu)
+
+
+_DDP_NOTE = (
+    "torch.nn.parallel.DistributedDataParallel reduces gradients from C++ hooks that its reducer "
+    "puts on the autograd engine's AccumulateGrad nodes, which tapescope's Python engine cannot "
+    "call (and its constructor reads parameter values). Profile data parallelism with "
+    "torch.distributed._composable.replicate_with_fsdp.replicate (FSDP2's DDP), --dp-replicate "
+    "N, or FSDP2 (--fsdp N / --hsdp R).")
+
+
+def _refuse_ddp(model) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+        raise TapescopeError(_DDP_NOTE)
+
+
+def _parallelize_failed(e: Exception, fn, rank: int) -> TapescopeError:
+    """The user's parallelize raised on a simulated rank: say where, and what to do."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if any("nn/parallel/distributed.py" in f.filename for f in frames):
+        return TapescopeError(_DDP_NOTE)
+    user = [f for f in frames if "site-packages" not in f.filename and "/tapescope/" not in f.filename]
+    where = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
+    return TapescopeError(
+        f"parallelize ({getattr(fn, '__name__', fn)}) failed on simulated rank {rank}{where}: "
+        f"{type(e).__name__}: {e}. It runs on fake tensors (no data) with torch's fake process "
+        "group, so code that reads parameter values cannot run there.")
+
+
+def _sharded_names(model) -> set:
+    """Names of the parameters that are shards (a DTensor sharded on some mesh dimension)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return {fqn for fqn, p in model.named_parameters(remove_duplicate=False)
+            if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)}

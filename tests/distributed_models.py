@@ -1,0 +1,81 @@
+"""Small models and parallelisations for the distributed truth tests.
+
+Module-level functions: the real runs spawn one process per rank, which import them by name.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import tapescope
+
+D = 64
+INPUT = tapescope.spec((4, 16, D))
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    """Residual MLP blocks and a 10-way head: 10 rows do not split evenly over 4 ranks, so FSDP
+    gives ranks 0-2 three rows of the head and rank 3 one (uneven shards, rank classes)."""
+
+    def __init__(self, d=D, n=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build():
+    return Net()
+
+
+def fsdp(model, mesh):
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _tp_blocks(model, tp_mesh):
+    for b in model.blocks:
+        parallelize_module(b, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def tp(model, mesh):
+    _tp_blocks(model, mesh["tp"])
+    return model
+
+
+def fsdp_tp(model, mesh):
+    _tp_blocks(model, mesh["tp"])
+    return fsdp(model, mesh["dp"])
+
+
+def replicate(model, mesh):
+    """Data parallelism the FSDP2 way (torch's `replicate`): every rank holds the whole model and
+    all-reduces gradients per block."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
+
+    for b in model.blocks:
+        _replicate(b, mesh=mesh)
+    _replicate(model, mesh=mesh)
+    return model
+
+
+def ddp(model, mesh):
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_mesh=mesh)

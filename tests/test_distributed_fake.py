@@ -1,0 +1,137 @@
+"""Distributed profiles without running anything for real: the collectives a rank issues, against
+counts and sizes derived by hand from FSDP2's and tensor parallelism's rules; the CUDA route on a
+machine without a GPU; profiles that leave no trace in the process; the CLI presets."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from typer.testing import CliRunner
+
+import tapescope
+from tapescope.analysis.collectives import collective_seconds
+from tapescope.cli import app
+from tapescope.devices.gpus import get_gpu, interconnect
+
+from . import distributed_models as dm
+
+BLOCK = 64 * 256 + 256 + 256 * 64 + 64   # one Block's parameters
+HEAD = 64 * 10 + 10
+F32 = 4
+
+
+def _rows(p):
+    return {(r.kind, r.group, r.nbytes): r.count for r in p.collective_table}
+
+
+def test_fsdp_collectives_by_hand():
+    """FSDP2 over 2 ranks, every block and the root wrapped: forward all-gathers the root (the
+    head) and each block; backward all-gathers each block again (blocks reshard after forward,
+    the root does not) and reduce-scatters every group. An all-gather's size is its output, the
+    whole group's parameters (padded to a multiple of the world size)."""
+    p = tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=dm.fsdp)
+    assert _rows(p) == {("all_gather", "dp", BLOCK * F32): 4, ("all_gather", "dp", HEAD * F32): 1,
+                        ("reduce_scatter", "dp", BLOCK * F32): 2,
+                        ("reduce_scatter", "dp", HEAD * F32): 1}
+    cats = p.memory.at_peak
+    assert cats["sharded parameters"] == (2 * BLOCK + HEAD) * F32 // 2
+
+
+def test_tensor_parallel_collectives_by_hand():
+    """Colwise up, rowwise down: each block all-reduces its output in forward and its input's
+    gradient in backward, except the first block, whose input needs no gradient."""
+    p = tapescope.profile(dm.build, dm.INPUT, mesh={"tp": 2}, parallelize=dm.tp)
+    activation = 4 * 16 * 64 * F32
+    assert _rows(p) == {("all_reduce", "tp", activation): 3}
+
+
+def test_cuda_without_a_gpu_and_nothing_left_behind():
+    """device='cuda' on this GPU-less machine: FSDP2 + TP trace, streams and events stood in for;
+    afterwards torch.cuda and torch.distributed are as they were, and a second profile gives the
+    same numbers."""
+    before = (torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.current_device)
+    kw = dict(mesh={"dp": 2, "tp": 2}, parallelize=dm.fsdp_tp, device="cuda", gpu="h100")
+    a = tapescope.profile(dm.build, dm.INPUT, **kw)
+    b = tapescope.profile(dm.build, dm.INPUT, **kw)
+    assert (torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.current_device) == before
+    assert not dist.is_initialized()
+    assert [r.peak_bytes for r in a.ranks] == [r.peak_bytes for r in b.ranks]
+    assert len(a.ranks) == 4 and a.time.comm > 0 and a.ranks[0].step_seconds == a.time.seconds
+
+
+def test_ring_time_by_hand():
+    """An all-gather of S bytes on n ranks moves S (n-1)/n through each link (nccl-tests' bus
+    bandwidth); inside an H100 node that is NVLink at 450 GB/s per direction."""
+    ic = interconnect(get_gpu("h100"))
+    s = 1 << 30
+    t, inter = collective_seconds("all_gather", s, range(8), ic)
+    assert not inter
+    assert t == pytest.approx(s * 7 / 8 / (450e9 * 0.8) + 10e-6)
+    t2, inter2 = collective_seconds("all_reduce", s, range(0, 16, 2), ic)  # 2 nodes: InfiniBand
+    assert inter2 and t2 == pytest.approx(2 * s * 7 / 8 / (50e9 * 0.9) + 25e-6)
+
+
+def test_a_process_group_already_there_is_refused():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(tapescope.TapescopeError, match="already initialised"):
+            tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=dm.fsdp)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mesh_needs_parallelize():
+    with pytest.raises(tapescope.TapescopeError, match="parallelize"):
+        tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2})
+
+
+TINY_LLAMA = "zoo:llama:dim=64,n_layers=2,n_heads=4,n_kv_heads=2,ffn_dim=160,vocab_size=128"
+
+
+def test_cli_presets_fsdp_and_tp(tmp_path):
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", TINY_LLAMA, "--batch", "2", "--seq", "32", "--fsdp",
+                                 "2", "--tp", "2", "--device", "cuda", "--amp", "bf16",
+                                 "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "Per rank" in r.output and "Collectives" in r.output and "dp_shard" in r.output
+    d = json.loads(out.read_text())
+    assert len(d["ranks"]) == 4 and d["distributed"]["mesh"] == {"dp_shard": 2, "tp": 2}
+    kinds = {c["kind"] for c in d["collectives"]}
+    assert {"all_gather", "reduce_scatter"} <= kinds
+
+
+def test_cli_tp_without_a_plan_says_what_to_do():
+    r = CliRunner().invoke(app, ["profile", "zoo:gpt2:n_layer=1,n_embd=64,n_head=2,vocab_size=64,"
+                                 "block_size=32", "--batch", "1", "--seq", "16", "--tp", "2"])
+    assert r.exit_code == 1 and "--parallelize" in r.output
+
+
+def test_hsdp_reduces_across_replicas():
+    """HSDP (--fsdp 2 --hsdp 2): gradients are reduce-scattered within a shard group, then
+    all-reduced across the replicas; parameters gathered within the shard group only."""
+    from tapescope.distributed.presets import Layout, preset_parallelize
+
+    layout = Layout(fsdp=2, dp_replicate=2)
+    p = tapescope.profile(dm.build, dm.INPUT, mesh=layout.mesh,
+                          parallelize=preset_parallelize(layout))
+    kinds = {(r.kind, r.group) for r in p.collective_table}
+    assert kinds == {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"),
+                     ("all_reduce", "dp_replicate")}
+    assert len(p.ranks) == 4
+
+
+def test_transformers_models_bring_their_own_tp_plan():
+    from tapescope.distributed.presets import Layout, preset_parallelize
+    from tapescope.zoo import resolve
+
+    m = resolve("hf:LlamaConfig:num_hidden_layers=2,hidden_size=64,intermediate_size=128,"
+                "num_attention_heads=4,num_key_value_heads=2,vocab_size=128", batch=2, seq=16)
+    layout = Layout(tp=2)
+    p = tapescope.profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+                          mesh=layout.mesh, parallelize=preset_parallelize(layout))
+    assert {r.group for r in p.collective_table} == {"tp"}
+    assert p.memory.at_peak["sharded parameters"] > 0
