@@ -83,6 +83,11 @@ class Isolation:
     def copy_model(self, model: nn.Module) -> nn.Module:
         fake = self._copy(model, "model")
         self._find_named_state(model)
+        # the memo only pairs originals with copies while copying; kept, it would hold every fake
+        # parameter alive after a parallelize step replaced it (FSDP2 shards them), and the
+        # trace would count them to the end of the step
+        self._memo.clear()
+        self._keep.clear()
         return fake
 
     def _remember(self, original, private):
