@@ -11,10 +11,11 @@ only needs the command line) answers without importing torch.
 __version__ = "0.1.0"
 
 __all__ = ["profile", "Profile", "plan_checkpointing", "Plan", "spec", "Spec", "CompileOptions",
-           "TapescopeError", "__version__"]
+           "Sizes", "TapescopeError", "__version__"]
 
 _LAZY = {"profile": ".api", "Profile": ".api", "spec": ".capture.model", "Spec": ".capture.model",
          "TapescopeError": ".errors", "CompileOptions": ".options",
+         "Sizes": ".capture.data_values",
          "plan_checkpointing": ".checkpointing", "Plan": ".checkpointing"}
 
 

@@ -48,6 +48,9 @@ class Profile:
     facts: dict = field(default_factory=dict)
     trace: Trace | None = field(default=None, repr=False)
     symbolic: object = field(default=None, repr=False)  # analysis.symbolic.SymbolicProfile
+    # analysis.data_sizes.DataSizeReport: the assumptions data-dependent sizes were given, the
+    # peak as their formula; None when no size depended on tensor values
+    data_sizes: object = field(default=None, repr=False)
     options: Options | None = field(default=None, repr=False)
     # a compiled step (profile(..., compile=...)): what torch.compile did, and the eager step
     compiled: object = field(default=None, repr=False)  # analysis.compiled.CompiledReport
@@ -192,10 +195,11 @@ class Profile:
 
 
 def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=None,
-            amp=None, steps: int = 2, input_kwargs: dict | None = None, name: str | None = None,
-            engine: str = "python", symbolic=(), gpu=None, alloc_conf=None, checkpointing=(),
-            threads: int | None = None, cpu_isa: str | None = None, progress=None,
-            compile=None, mesh=None, parallelize=None) -> Profile:
+            amp=None, steps: int = 2, accumulate: int = 1, input_kwargs: dict | None = None,
+            name: str | None = None, engine: str = "python", symbolic=(), gpu=None,
+            alloc_conf=None, checkpointing=(), sizes=None, threads: int | None = None,
+            cpu_isa: str | None = None, progress=None, compile=None, mesh=None,
+            parallelize=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
@@ -214,6 +218,9 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
     amp: run forward and loss under torch.autocast with this dtype ("bf16", "fp16"): mixed
         precision with fp32 parameters (works for device="cuda" without a GPU).
     steps: 2 (default) reports the steady state, with optimizer state alive; 1 the first step.
+    accumulate: gradient accumulation over this many micro-batches per optimizer step: forward,
+        `loss / accumulate` and backward each time (the same inputs), then one optimizer step
+        and zero_grad, as a training loop runs them.
     engine: "python" (default) runs backward with tapescope's own engine, which needs no GPU;
         "torch" calls loss.backward() (needs a GPU for device="cuda").
     symbolic: names of input dimensions to keep symbolic, e.g. ("batch", "seq"): one trace then
@@ -227,6 +234,12 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
     checkpointing: activation checkpointing to apply to the traced copy of the model: a plan from
         `tapescope.plan_checkpointing`, or module names / (name, "full" | "selective") pairs /
         checkpointing.UnitPolicy values. The model itself is not modified.
+    sizes: what sizes that depend on tensor values are assumed to be (`tapescope.Sizes`):
+        a mixture of experts' routing, "balanced" (default: tokens x top-k / experts per
+        expert), "worst" (every token to one expert) or shares per expert; and
+        {"mask": fraction} for boolean masks no routing decides. Such sizes stay symbols:
+        `p.symbolic` has the memory as a formula of them, `p.at(name=...)` evaluates it, and
+        `p.trace.assumptions` / the report name every assumption used.
     progress: progress(step, phase) is called as each phase of each step is traced.
     compile: profile the step as `torch.compile(model, ...)` runs it: True, or a dict /
         `tapescope.CompileOptions` (mode, fullgraph, dynamic, backend, activation_memory_budget,
@@ -245,7 +258,7 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
                              dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
                              alloc_conf=alloc_conf, checkpointing=checkpointing, compile=compile,
                              threads=threads, cpu_isa=cpu_isa, mesh=mesh,
-                             parallelize=parallelize)
+                             parallelize=parallelize, sizes=sizes, accumulate=accumulate)
     return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
                             options, progress)
 
@@ -266,14 +279,21 @@ def profile_workload(workload: Workload, options: Options, progress=None) -> Pro
     inputs = [_describe_input(x) for x in workload.args]
     sp = None
     with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
-        if options.symbolic:
+        from .analysis.data_sizes import data_size_report
+
+        if trace.symbols:  # named dimensions, or sizes the data decides
             from .analysis.symbolic import instantiate, symbolic_profile
 
             sp, sym_trace, conv = symbolic_profile(trace)
+            data_sizes = data_size_report(trace, sp)
             trace = instantiate(sym_trace, conv, trace.hints)
             inputs = [_describe_input(x, trace_hints=sp.hints) for x in workload.args]
+        else:
+            data_sizes = data_size_report(trace, None)
         p = analyse(trace, facts, model=workload.display_name, options=options, inputs=inputs)
-    p.symbolic = sp
+    p.symbolic, p.data_sizes = sp, data_sizes
+    if data_sizes is not None:
+        p.facts["data_sizes"] = data_sizes.to_dict()
     if options.symbolic:
         def retrace(sizes):
             resized = replace(workload, args=_resize(workload.args, sizes),

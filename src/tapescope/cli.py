@@ -83,7 +83,8 @@ def _workload(spec, batch, seq, inputs):
 
 
 def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None,
-             symbolic=(), compile=None, threads=None, cpu_isa=None, parallel=None):
+             symbolic=(), compile=None, threads=None, cpu_isa=None, parallel=None, routing=None,
+             mask=None, accumulate=1):
     from .options import Options
 
     mesh = parallelize = None
@@ -95,17 +96,32 @@ def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, allo
                           optimizer=None if optimizer == "none" else optimizer,
                           device=device, gpu=gpu, dtype=dtype, amp=amp, steps=steps,
                           alloc_conf=alloc_conf, symbolic=symbolic, compile=compile,
-                          threads=threads, cpu_isa=cpu_isa, mesh=mesh, parallelize=parallelize)
+                          threads=threads, cpu_isa=cpu_isa, mesh=mesh, parallelize=parallelize,
+                          sizes=_sizes(routing, mask), accumulate=accumulate)
+
+
+def _sizes(routing, mask):
+    """--routing balanced|worst|4,1,1,1 and --mask-fraction F as a sizes= value."""
+    if routing is None and mask is None:
+        return None
+    if routing is not None and "," in routing:
+        try:
+            routing = tuple(float(x) for x in routing.split(","))
+        except ValueError:
+            raise TapescopeError(f"--routing {routing!r}: give balanced, worst or shares per "
+                                 "expert such as 4,1,1,1") from None
+    return {"routing": routing or "balanced", "mask": mask}
 
 
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
                  alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None,
-                 parallel=None):
+                 parallel=None, routing=None, mask=None, accumulate=1):
     from .api import profile_workload
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
     options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
-                       compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel)
+                       compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel,
+                       routing=routing, mask=mask, accumulate=accumulate)
     what = "compiling and tracing" if compile else "tracing"
     with _progress(f"{what} {workload.name} on fake {options.device.type} tensors") as progress:
         return profile_workload(workload, options, progress)
@@ -178,6 +194,16 @@ def _parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh) -> dict:
                 mesh=mesh)
 
 
+AccumulateOpt = typer.Option(1, "--accumulate",
+                             help="Gradient accumulation: micro-batches per optimizer step (each "
+                                  "runs forward, loss / N and backward on the given inputs).")
+RoutingOpt = typer.Option(None, "--routing",
+                          help="Mixture-of-experts routing to assume: balanced (default: tokens x "
+                               "top-k / experts each), worst (every token to one expert) or shares "
+                               "per expert, e.g. 4,1,1,1.")
+MaskOpt = typer.Option(None, "--mask-fraction",
+                       help="Fraction of elements a boolean mask keeps (x[x > 0], nonzero) where "
+                            "no routing decides it.")
 AllocConfOpt = typer.Option(None, "--alloc-conf",
                             help="CUDA caching-allocator settings as PYTORCH_ALLOC_CONF writes them, "
                                  "e.g. expandable_segments:True (default: the environment's).")
@@ -201,6 +227,8 @@ def profile_cmd(
     threads: Optional[int] = ThreadsOpt, cpu_isa: Optional[str] = CpuIsaOpt,
     fsdp: int = FsdpOpt, tp: int = TpOpt, hsdp: int = HsdpOpt, dp_replicate: int = DpReplicateOpt,
     parallelize: Optional[str] = ParallelizeOpt, mesh: Optional[str] = MeshOpt,
+    routing: Optional[str] = RoutingOpt, mask_fraction: Optional[float] = MaskOpt,
+    accumulate: int = AccumulateOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
     html_file: Optional[str] = typer.Option(None, "--html", help="Write an interactive, self-contained HTML report."),
@@ -225,7 +253,8 @@ def profile_cmd(
         p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp, gpu,
                          alloc_conf, loss, compile=compile_options, threads=threads,
                          cpu_isa=cpu_isa,
-                         parallel=_parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh))
+                         parallel=_parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh),
+                         routing=routing, mask=mask_fraction, accumulate=accumulate)
         elapsed = time.perf_counter() - t0
         from .report.console import render_compiled, render_summary
 
@@ -485,6 +514,7 @@ def validate_cmd(
     dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt,
     input: Optional[List[str]] = InputOpt, loss: Optional[str] = LossOpt,
     warmup: int = typer.Option(2, "--warmup"), steps: int = typer.Option(5, "--steps"),
+    accumulate: int = AccumulateOpt,
     json_file: Optional[str] = JsonOpt,
 ):
     """Predict the step, run it for real on this machine's device, and compare."""
@@ -500,7 +530,8 @@ def validate_cmd(
             v = validate(m.build, *m.inputs, input_kwargs=m.input_kwargs,
                          loss_fn=m.loss_fn if loss is None else loss,
                          optimizer=None if optimizer == "none" else optimizer, device=device,
-                         dtype=dtype, amp=amp, warmup=warmup, steps=steps, name=m.name)
+                         dtype=dtype, amp=amp, warmup=warmup, steps=steps, name=m.name,
+                         accumulate=accumulate)
         render_validation(v, out)
         _write_json(json_file, to_jsonable(v))
 

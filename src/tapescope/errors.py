@@ -138,20 +138,31 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
     from .torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
                                GuardOnDataDependentSymNode, UnsupportedOperatorException)
 
+    from .capture.data_values import RandomValueRead
+
     op = getattr(exc, "tapescope_op", None) or getattr(exc, "func", None)
     where = _where(exc)
+    if isinstance(exc, RandomValueRead):
+        return DataDependentError(
+            f"{op} {where} reads a random number the step drew at {exc.drawn} and decides on it "
+            "(LayerDrop, a random resize), so the step's memory depends on the draw, which fake "
+            "tensors do not make. Fix: switch that randomness off while profiling (layerdrop=0, "
+            "one fixed size), or profile each outcome with a model that takes it.")
     if isinstance(exc, (DataDependentOutputException, GuardOnDataDependentSymNode)):
         return DataDependentError(
             f"{op} {where} reads a tensor's value (like .item() or a Python `if` on a tensor); "
             "fake tensors have shapes but no values, so the step cannot be traced past it. "
             "Fix: compute the value from shapes or Python numbers, or move the check out of "
-            "forward/backward.")
+            "forward/backward. (Values a mixture-of-experts router decides are assumed from its "
+            "routing, sizes='balanced' by default, when the router selects with torch.topk, "
+            "argmax or max(dim).)")
     if isinstance(exc, DynamicOutputShapeException):
         return DataDependentError(
             f"{op} {where} returns a tensor whose shape depends on tensor values (nonzero, "
             "boolean-mask indexing, unique); fake tensors have no values to decide it. "
-            "Fix: use a fixed-shape form (torch.where, masked_fill, multiplying by the mask) in "
-            "the model, or profile the rest of the model without that module.")
+            "Fix: give the fraction of elements the mask keeps, sizes={'mask': F} (CLI: "
+            "--mask-fraction F); or use a fixed-shape form (torch.where, masked_fill, multiplying "
+            "by the mask).")
     if isinstance(exc, UnsupportedOperatorException):
         return UnsupportedOpError(
             f"{op} {where} has no meta/fake implementation, so it cannot run without real data. "

@@ -165,8 +165,11 @@ class Options:
     gpu: for cuda, the catalogue GPU (devices.gpus.GPU) whose kernel choices are followed.
     dtype: cast floating-point parameters and inputs; amp: autocast dtype for forward and loss.
     steps: 1 (first step) or 2 (steady state, optimizer state alive).
+    accumulate: micro-batches per optimizer step (gradient accumulation; capture.step).
     engine: "python" (tapescope's autograd engine; no GPU needed) or "torch" (loss.backward()).
     symbolic: names of input dimensions to keep symbolic ("batch", "seq").
+    sizes: what data-dependent sizes are assumed to be (capture.data_values.Sizes: the routing of
+        a mixture of experts, the fraction a boolean mask keeps).
     alloc_conf: the CUDA caching allocator's settings (analysis.allocator.AllocatorConfig) for the
         predicted torch.cuda figures; by default read from the environment as torch reads it
         (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF).
@@ -188,6 +191,7 @@ class Options:
     dtype: torch.dtype | None = None
     amp: torch.dtype | None = None
     steps: int = 2
+    accumulate: int = 1
     engine: str = "python"
     symbolic: tuple = ()
     alloc_conf: Any = None
@@ -196,12 +200,14 @@ class Options:
     cpu: Any = None
     mesh: Any = None
     parallelize: Callable | None = None
+    sizes: Any = None
 
     @classmethod
     def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
                amp=None, steps: int = 2, engine: str = "python", symbolic=(),
                alloc_conf=None, checkpointing=(), compile=None, threads: int | None = None,
-               cpu_isa: str | None = None, mesh=None, parallelize=None) -> "Options":
+               cpu_isa: str | None = None, mesh=None, parallelize=None, sizes=None,
+               accumulate: int = 1) -> "Options":
         """Check and resolve every option; a bad one raises a TapescopeError that says why."""
         from .losses import resolve_loss
 
@@ -229,6 +235,9 @@ class Options:
                     "an Optimizer class or a function params -> optimizer")
         if steps not in (1, 2):
             raise TapescopeError(f"steps must be 1 (first step only) or 2 (steady state), got {steps}")
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise TapescopeError(f"accumulate must be a whole number of micro-batches >= 1, "
+                                 f"got {accumulate!r}")
         if engine not in ENGINES:
             raise TapescopeError(f"engine must be one of {ENGINES}, got {engine!r}")
         if isinstance(symbolic, str):
@@ -260,11 +269,14 @@ class Options:
             raise TapescopeError("a distributed profile (mesh=) with compile= or a checkpointing "
                                  "plan is not supported yet; apply checkpointing in your "
                                  "parallelize function, as torchtitan does")
+        from .capture.data_values import Sizes
+
         return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
                    amp=amp, steps=steps, engine=engine, symbolic=tuple(symbolic or ()),
                    alloc_conf=_resolve_alloc_conf(alloc_conf),
                    checkpointing=_resolve_checkpointing(checkpointing), compile=compile,
-                   cpu=_resolve_cpu(cpu_isa, threads), mesh=mesh, parallelize=parallelize)
+                   cpu=_resolve_cpu(cpu_isa, threads), mesh=mesh, parallelize=parallelize,
+                   sizes=Sizes.create(sizes), accumulate=accumulate)
 
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""

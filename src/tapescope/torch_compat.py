@@ -24,12 +24,14 @@ from torch._subclasses.fake_tensor import (  # noqa: F401 - re-exported
     FakeTensorMode,
     UnsupportedOperatorException,
     in_kernel_invocation_manager,
+    unset_fake_temporarily,
 )
 
 # ---- symbolic shapes (torch/fx/experimental/symbolic_shapes.py, torch/_guards.py) ----------------
 from torch.fx.experimental.symbolic_shapes import (  # noqa: F401 - re-exported
     DimDynamic,
     ShapeEnv,
+    free_unbacked_symbols,
     statically_known_true,
 )
 
@@ -39,7 +41,7 @@ except ImportError:  # pragma: no cover - older torch
     GuardOnDataDependentSymNode = ()
 
 # ---- pytrees, dispatch-mode utilities -------------------------------------------------------------
-from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401 - re-exported
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map  # noqa: F401 - re-exported
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
 from torch.utils._mode_utils import no_dispatch  # noqa: F401
 
@@ -47,6 +49,7 @@ __all__ = [
     "FakeTensor", "FakeTensorMode", "in_kernel_invocation_manager", "DataDependentOutputException",
     "DynamicOutputShapeException", "UnsupportedOperatorException", "GuardOnDataDependentSymNode",
     "ShapeEnv", "DimDynamic", "statically_known_true", "tree_leaves", "tree_map",
+    "tree_flatten", "free_unbacked_symbols", "unset_fake_temporarily",
     "disable_current_modes", "no_dispatch",
     "sequence_nr", "node_sequence_nr", "current_autograd_node", "use_count", "storage_use_count",
     "storage_key", "untyped_storage_key", "is_zerotensor", "node_input_metadata", "tensor_backward_hooks",
@@ -371,6 +374,9 @@ PRIVATE_NAMES = (
     "torch._C._nn.scaled_dot_product_attention", "torch.autograd.forward_ad._current_level",
     "torch._subclasses.fake_tensor.FakeTensorMode.cache_bypasses",
     "torch._subclasses.fake_tensor.in_kernel_invocation_manager",
+    "torch._subclasses.fake_tensor.unset_fake_temporarily",
+    "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols",
+    "torch.fx.experimental.symbolic_shapes.ShapeEnv.set_real_tensor_prop_unbacked_vals",
     "torch.utils._foreach_utils._get_foreach_kernels_supported_devices",
     "torch._dynamo.source.ConstantSource", "torch._guards.SLoc", "torch._C._profiler._EventType",
     "torch.utils._python_dispatch._disable_current_modes", "torch.utils._mode_utils.no_dispatch",

@@ -215,6 +215,9 @@ class _Converter:
         self.names = tuple(trace.symbols)
         self.symbols = tuple(sympy.Symbol(n, integer=True, positive=True) for n in self.names)
         self.rename = {trace.symbols[n]: s for n, s in zip(self.names, self.symbols)}
+        by_name = dict(zip(self.names, self.symbols))
+        for sym, name in trace.unbacked.items():  # every symbol of a data-dependent size
+            self.rename[sym] = by_name[name]
         self.memo: dict = {}
         self.polys: dict = {}
 

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from ..torch_compat import OPERATOR_TYPES
 
@@ -210,7 +211,7 @@ class Isolation:
         return self._remember(f, new)
 
     def _module(self, m: nn.Module, where: str) -> nn.Module:
-        new = copy.copy(m)
+        new = _shallow_copy(m)
         self._remember(m, new)
         d = new.__dict__
         for k, v in list(d.items()):
@@ -361,6 +362,18 @@ class Isolation:
 
 
 _EMPTY = object()
+
+
+def _shallow_copy(m: nn.Module) -> nn.Module:
+    """copy.copy, also for a module with parametrizations (weight_norm, spectral_norm,
+    orthogonal): torch gives its class a __getstate__ that refuses serialization, which copy.copy
+    goes through. The copy keeps that class, so reading `weight` runs the parametrization's
+    forward on the copy's tensors inside the step, as it does in a real run."""
+    if not parametrize.is_parametrized(m):
+        return copy.copy(m)
+    new = object.__new__(type(m))
+    new.__dict__.update(m.__dict__)
+    return new
 
 
 def _empty_like(x):

@@ -86,7 +86,9 @@ def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
             raise ModelBuildError(
                 f"could not build the model without allocating it: on the meta device it failed with "
                 f"{type(first).__name__}: {first}; building parameter by parameter failed with "
-                f"{type(second).__name__}: {second}") from second
+                f"{type(second).__name__}: {second}. If its init reads tensor values (an .item(), "
+                f"an allclose check), build the model yourself and pass the nn.Module to "
+                f"profile(): tapescope copies it onto fake tensors and never changes it") from second
     if not isinstance(model, nn.Module):
         raise ModelBuildError(f"the model builder returned {type(model).__name__}, not an nn.Module")
     return model
@@ -182,7 +184,8 @@ def real_inputs(inputs: Any, device, dtype: torch.dtype | None, generator: torch
                 t = torch.randint(0, x.high or 1, x.shape, dtype=dt, generator=generator).to(dev)
             return t.requires_grad_(True) if x.requires_grad else t
         if isinstance(x, torch.Tensor):
-            t = x.detach().to(device=device, dtype=dtype if (dtype and x.is_floating_point()) else x.dtype)
+            t = x.detach().to(device=device, dtype=dtype if (dtype and x.is_floating_point()) else x.dtype,
+                              copy=True)  # the step's own copy: made (and counted) with the step
             return t.requires_grad_(x.requires_grad)
         return x
 

@@ -24,16 +24,17 @@ import logging
 import os
 import sys
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
-from ..errors import TapescopeError, from_trace_failure, raised_by_tapescope
+from ..errors import DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope
 from ..options import Options, Workload
 from ..torch_compat import (DimDynamic, ShapeEnv, constant_source, force_enable_autocast,
                             hook_guard_locations, shape_env_facts, tree_leaves, tree_map,
                             user_source_location)
+from .data_values import DataValues
 from .engine import PythonEngine
 from .fidelity import RULES, FidelityContext, FunctionRulesMode
 from .hooks import HookRegistry, SavedTensors
@@ -54,8 +55,18 @@ __all__ = ["capture", "CaptureSession", "Recorder", "trace_call", "autocast"]
 def capture(workload: Workload, options: Options, progress=None) -> tuple[Trace, dict]:
     """Trace `options.steps` (1 or 2) training steps; returns the Trace and facts about the run.
 
-    progress(step, phase) is called after each phase."""
-    return CaptureSession(workload, options, progress).run()
+    A step whose sizes depend on tensor values (a mixture of experts' routing, a boolean mask) is
+    traced again with a ShapeEnv that carries those sizes as unbacked symbols, their values
+    given by `options.sizes` (data_values.py); the first attempt runs without one, as most
+    steps need none. progress(step, phase) is called after each phase."""
+    if not isinstance(workload.model, nn.Module) and callable(workload.model):
+        workload = replace(workload, model=build_on_meta(workload.model))  # once, for both
+    try:
+        return CaptureSession(workload, options, progress).run()
+    except DataDependentError:
+        if options.symbolic:
+            raise  # that session had a ShapeEnv and values already
+    return CaptureSession(workload, options, progress, data_dependent=True).run()
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -84,11 +95,13 @@ class Recorder:
     engine: PythonEngine
 
     @classmethod
-    def create(cls, device: torch.device, gpu=None, shape_env=None, cpu=None) -> "Recorder":
+    def create(cls, device: torch.device, gpu=None, shape_env=None, cpu=None,
+               values=None) -> "Recorder":
         from ..devices.cpu import cpu_target
 
         views, modules = ViewRegeneration(), ModuleStack()
-        fidelity = FidelityContext(device, gpu, cpu=cpu or cpu_target(), views=views)
+        fidelity = FidelityContext(device, gpu, cpu=cpu or cpu_target(), views=views,
+                                   values=values)
         rules = RULES.for_device(device.type)
         tape = Tape(rules=rules, fidelity=fidelity, views=views, modules=modules,
                     shape_env=shape_env)
@@ -124,10 +137,13 @@ def trace_call(device: torch.device, make_inputs, fn, observe=nullcontext, gpu=N
 class CaptureSession:
     """One capture of a workload under options. `run()` once."""
 
-    def __init__(self, workload: Workload, options: Options, progress=None, prepare=None):
+    def __init__(self, workload: Workload, options: Options, progress=None, prepare=None,
+                 data_dependent: bool = False):
         """prepare: `fn(fake_model) -> model`, run on the fake copy before the first step and
         recorded as step 0 (setup): a simulated rank's parallelisation (distributed/profile.py).
-        What it leaves alive is there when step 1 starts."""
+        What it leaves alive is there when step 1 starts.
+        data_dependent: trace with a ShapeEnv whose unbacked symbols carry the sizes the data
+        decides (capture() retries with it when the first attempt meets one)."""
         self.options = options
         self.progress = progress
         self.prepare = prepare
@@ -143,10 +159,16 @@ class CaptureSession:
         if options.symbolic:
             self.shape_env = ShapeEnv(duck_shape=False)  # batch 8 and seq 8 stay two symbols
             args, kwargs = _as_specs((args, kwargs))
+        elif data_dependent:
+            # an .item() of a tensor no assumption decided stops at that op, not at a later guard
+            self.shape_env = ShapeEnv(allow_scalar_outputs=False)
         self.args, self.kwargs = args, kwargs
+        # always on: routers get their assumed indices (cheap: nothing else is touched until one
+        # is seen); sizes they decide need the ShapeEnv of a data-dependent retry
+        self.values = DataValues(options.sizes, self.shape_env)
 
         rec = self.recorder = Recorder.create(options.device, options.gpu, self.shape_env,
-                                              options.cpu)
+                                              options.cpu, self.values)
         self.tape, self.saved, self.engine = rec.tape, rec.saved, rec.engine
         self.trace = self.tape.trace
         self.facts: dict = {}
@@ -184,6 +206,7 @@ class CaptureSession:
             self.facts["isolation_notes"] = notes
         if self.shape_env is not None:
             self._record_shape_facts()
+        self.values.write(trace)
         if opts.gpu is not None:
             self.facts["gpu"] = opts.gpu.key
         if opts.device.type == "cuda":
@@ -197,6 +220,8 @@ class CaptureSession:
         # what fidelity rules could only estimate (kernel workspaces of heuristic kernel choices)
         self.facts["heuristics"] = {topic: list(texts) for topic, texts in
                                     self.recorder.fidelity.notes.items()}
+        if opts.accumulate > 1:
+            self.facts["accumulate"] = opts.accumulate
         return trace, self.facts
 
     def _make_fake_model(self) -> None:
@@ -233,6 +258,12 @@ class CaptureSession:
         inputs = [x for x in tree_leaves((self.fargs, self.fkwargs)) if isinstance(x, torch.Tensor)]
         for i, t in enumerate(inputs):
             tape.register(t, f"input{i}", INPUT)
+        given = [x for x in tree_leaves((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, Spec))
+                 if isinstance(x, (torch.Tensor, Spec))]
+        for i, (x, t) in enumerate(zip(given, inputs)):
+            if (isinstance(x, torch.Tensor) and x.device.type != "meta"
+                    and not x.is_floating_point() and not x.is_complex()):
+                self.values.give_input(t, x, f"input{i}")
         if opts.checkpointing:  # after naming: parameters and modules keep the user's names
             from ..checkpointing.policy import apply_policies
 
@@ -344,7 +375,8 @@ class CaptureSession:
             else nullcontext
         train_step(self.step_model, self.fargs, self.fkwargs, opts.loss_fn, self.optimizer, step=step,
                    phase=self._phase, backward=self._backward, forward_context=forward_context,
-                   loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE))
+                   loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
+                   accumulate=opts.accumulate)
         self._mark_grads_and_state()
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -478,13 +510,19 @@ def _as_specs(inputs):
 def _quiet_fake_tensor_log():
     """FakeTensorMode logs a traceback when a meta kernel rejects its inputs (a shape mismatch in
     the user's model). We turn that error into a message; the log would only repeat it."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+    logs = [logging.getLogger(name) for name in (
+        "torch._subclasses.fake_tensor",
+        # a guard evaluated with an assumed value logs each one (data_values.py): the report
+        # names the assumptions instead
+        "torch.fx.experimental.symbolic_shapes")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def _self_contained(trace: Trace, seg) -> bool:

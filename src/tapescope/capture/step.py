@@ -3,6 +3,16 @@
 The step: forward, loss, backward, optimizer.step(), optimizer.zero_grad(set_to_none=True). The
 model output is dropped as soon as the loss is computed, so it lives on only if autograd saved it
 (the convention of a loop that writes `loss = loss_fn(model(x), y)`).
+
+With gradient accumulation over N micro-batches the step runs forward, `loss / N` and backward N
+times, the gradients adding up, then one optimizer step, as a training loop writes it:
+
+    for micro_batch in range(N):
+        loss = loss_fn(model(x), y) / N
+        loss.backward()
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+
+Each micro-batch takes the same inputs (a data loader's next batch has the same shapes).
 """
 
 from __future__ import annotations
@@ -56,13 +66,19 @@ def forward_and_loss(model, args, kwargs, loss_fn, loss_context=nullcontext) -> 
 def train_step(model, args, kwargs, loss_fn, optimizer, *, step: int = 1,
                phase: Callable = lambda step, name: nullcontext(),
                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
-               forward_context: Callable = nullcontext, loss_context: Callable = nullcontext) -> None:
-    """Forward, backward and optimizer step; `phase(step, name)` brackets each part."""
-    with phase(step, FORWARD), forward_context():
-        loss = forward_and_loss(model, args, kwargs, loss_fn, loss_context)
-    with phase(step, BACKWARD):
-        backward(loss)
-        del loss
+               forward_context: Callable = nullcontext, loss_context: Callable = nullcontext,
+               accumulate: int = 1) -> None:
+    """Forward and backward of each of `accumulate` micro-batches, then the optimizer step;
+    `phase(step, name)` brackets each part."""
+    for _ in range(accumulate):
+        with phase(step, FORWARD), forward_context():
+            loss = forward_and_loss(model, args, kwargs, loss_fn, loss_context)
+            if accumulate > 1:
+                with loss_context():
+                    loss = loss / accumulate
+        with phase(step, BACKWARD):
+            backward(loss)
+            del loss
     if optimizer is not None:
         with phase(step, OPTIMIZER):
             optimizer.step()

@@ -351,7 +351,7 @@ class Tape(FakeTensorMode):
                 or any(t is not FakeTensor and t is not torch.Tensor for t in types)):
             # (a tensor subclass among the arguments, a DTensor say: FakeTensorMode declines,
             # the subclass runs the op on the tensors it wraps, and those ops come back here)
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return self._fake_dispatch(func, types, args, kwargs)
         if func is _DETACH and (self.in_pack_hook or not adinplaceorview_excluded()
                                 or self._issued_by_another_mode()):
             # Not an op of the program: C++ autograd copied a TensorImpl (saving or unpacking a
@@ -369,6 +369,8 @@ class Tape(FakeTensorMode):
             v = getattr(args[0], _VALUE_ATTR, None)
             if v is not None:
                 setattr(out, _VALUE_ATTR, v)
+            if self.fidelity.values is not None:
+                self.fidelity.values.alias(args[0], out)  # a saved tensor keeps its values
             return out
         # a recomputed op is a forward op: the forward rules and view tracking apply
         backward = self._tape_phase == BACKWARD and not self._recomputing()
@@ -385,6 +387,16 @@ class Tape(FakeTensorMode):
                 func, args, kwargs = rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
         elif rules.rewrites_any_forward or func in rules.forward_targets:
             func, args, kwargs = rules.rewrite(FORWARD_OP, ctx, func, args, kwargs)
+        values = ctx.values  # data-dependent sizes: values an assumption gives (data_values.py)
+        if values is not None and values.live:
+            try:
+                done, result = values.before(func, args, kwargs)
+            except Exception as e:
+                self._annotate(e, func)
+                raise
+            if done:  # an `.item()` of a tensor whose values the assumption decided
+                self._record(func, args, kwargs, result)
+                return result
         self._tape_depth += 1
         try:
             if func in rules.check_targets:  # what the real kernel refuses, refused
@@ -399,9 +411,17 @@ class Tape(FakeTensorMode):
             self._tape_depth -= 1
         if func is _LIFT_FRESH and not isinstance(args[0], FakeTensor):
             self._record_tensor_literal(args[0], out)
+            if values is not None:
+                values.give_literal(out, args[0])
         else:
             first_event = len(self.trace.events)
             self._record(func, args, kwargs, out)
+            if values is not None and (values.live or func in values.routers):
+                try:
+                    values.after(func, args, kwargs, out, self._op_frame)
+                except Exception as e:
+                    self._annotate(e, func)
+                    raise
             if func in rules.workspace_targets:
                 self._tape_depth += 1  # a rule reads metadata; what it ran is not the program's
                 try:
@@ -490,6 +510,15 @@ class Tape(FakeTensorMode):
         events.extend((index, sid, -1) for sid in reversed(live.values()))
         trace.events.extend(events)
 
+    def _fake_dispatch(self, func, types, args, kwargs):
+        kernel = self.rules.kernels.get(func)
+        if kernel is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        # the capture's own fake kernel (fidelity/fake_kernels.py), run the way FakeTensorMode
+        # runs a custom op's registered fake kernel: under the mode, so it makes fake tensors
+        with self:
+            return kernel(self.fidelity, *args, **kwargs)
+
     @passes_user_calls
     def _run_quietly(self, func, types, args, kwargs):
         self._tape_depth += 1
@@ -524,6 +553,8 @@ class Tape(FakeTensorMode):
             done, out = self._tape_replay.constant_op(func, args, kwargs)
             if done:
                 return out
+        if func in self.rules.kernels:
+            return self._fake_dispatch(func, types, args, kwargs)  # not FakeTensorMode's cache
         replay = self._tape_replay
         key = replay.key(func, args, kwargs)
         if key is not None:
@@ -585,6 +616,10 @@ class Tape(FakeTensorMode):
         else:
             rec.frame = self._user_frame()
         trace.ops.append(rec)
+
+    def _op_frame(self) -> Frame | None:
+        """The user's source line of the op just recorded (a backward op: the stack's)."""
+        return self.trace.ops[-1].frame or self._user_frame(3)
 
     def _backward_node(self):
         """The autograd node whose backward is running (our engine's, or the C++ engine's)."""

@@ -16,7 +16,7 @@ from rich.text import Text
 from ..analysis.memory import group_live_tensors
 from ..analysis.modules import module_pattern, module_rollup
 from ..capture.records import ALL_CATEGORIES
-from .text import fmt_bytes, fmt_count, fmt_flops, short_op
+from .text import assumption_lines, fmt_bytes, fmt_count, fmt_flops, short_op
 
 __all__ = ["render_summary", "render_ops", "render_diff", "render_fit", "render_compiled",
            "render_validation", "render_distributed", "render_layouts"]
@@ -103,6 +103,7 @@ def _header(p) -> Text:
     bits = [p.model, p.device + (f" ({p.gpu.name})" if p.gpu is not None else ""), precision,
             " × ".join("x".join(str(s) for s in i["shape"]) for i in p.inputs if isinstance(i, dict)) or "-",
             f"{opt['name']} ({opt['implementation']})" if opt else "no optimizer",
+            *([f"{f['accumulate']} micro-batches per step"] if f.get("accumulate") else []),
             f"{fmt_count(f.get('parameters', 0))} parameters"]
     return Text(" · ".join(bits), style="bold")
 
@@ -131,6 +132,8 @@ def render_summary(p, console: Console, top: int = 8) -> None:
         where = f" at {op.source.filename.rsplit('/', 1)[-1]}:{op.source.lineno}" if op.source else ""
         console.print(_line(f"  reached at op {op.index} ", (op.name, "bold"),
                             f" ({op.phase}) in module {_mod(op.module)}{where}"))
+    for line in assumption_lines(p):
+        console.print("  " + line, highlight=False, markup=False)
     cats = Table(box=None, show_header=False, pad_edge=False)
     for c in ALL_CATEGORIES:
         b = mem.at_peak.get(c, 0)

@@ -1,7 +1,8 @@
 """Plain-text views of a Profile (the CLI renders richer ones)."""
 from __future__ import annotations
 
-__all__ = ["fmt_bytes", "fmt_flops", "fmt_count", "short_op", "summary_text", "ops_table_text"]
+__all__ = ["fmt_bytes", "fmt_flops", "fmt_count", "short_op", "summary_text", "ops_table_text",
+           "assumption_lines"]
 
 
 def fmt_bytes(n) -> str:
@@ -54,6 +55,7 @@ def summary_text(p) -> str:
     for c, b in p.memory.at_peak.items():
         if b:
             lines.append(f"  {c:>18}: {fmt_bytes(b)}")
+    lines += ["  " + line for line in assumption_lines(p)]
     lines.append("  FLOPs: " + ", ".join(f"{k} {fmt_flops(v)}" for k, v in p.flops.items()))
     if p.uncounted_ops:
         lines.append("  uncounted ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(p.uncounted_ops.items())))
@@ -74,3 +76,25 @@ def ops_table_text(p) -> str:
             continue
         rows.append(f"{'' if op.seq_nr is None else op.seq_nr}|{op.name}|{op.module or ''}")
     return "\n".join(rows)
+
+
+def assumption_lines(p) -> list[str]:
+    """What the profile assumed about sizes that depend on tensor values, and the peak as their
+    formula (analysis.data_sizes); nothing when it assumed nothing."""
+    ds = p.data_sizes
+    if ds is None:
+        return []
+    lines = []
+    for a in ds.assumptions:
+        tail = "" if a.decided else "; no size of this step depends on it"
+        lines.append(f"Assumed at {a.where}: {a.detail}{tail}")
+    for s in ds.sizes:
+        how = ("pinned: the code loops or branches on it" if s.pinned else
+               "a symbol of the formulas")
+        lines.append(f"Size decided by data: {s.name} = {s.value} ({s.op} at {s.where}; {how})")
+    if ds.peak is not None and ds.peak.free_symbols:
+        names = ", ".join(sorted(str(x) for x in ds.peak.free_symbols))
+        lines.append(f"Peak near these values = {ds.peak} bytes (p.at({names}=...) evaluates it)")
+    elif ds.sizes:
+        lines.append("Peak near these values does not depend on them")
+    return lines

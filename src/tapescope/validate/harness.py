@@ -51,7 +51,8 @@ def same_ops(profile, real_names: list[str]) -> tuple[bool, list[str]]:
     fake = []
     for i, op in enumerate(ops):
         nxt = ops[i + 1] if i + 1 < len(ops) else None
-        if (op.name == "aten.clone.default" and nxt is not None and nxt.name.endswith("_.default")
+        if (op.name == "aten.clone.default" and nxt is not None
+                and nxt.name.split(".")[1].endswith("_")   # an in-place op: div_.Tensor, add_...
                 and nxt.inputs and op.inputs and nxt.inputs[0].value == op.inputs[0].value):
             continue
         fake.append(f"{op.phase} {op.name.rsplit('.', 1)[0]}")
@@ -62,7 +63,7 @@ def same_ops(profile, real_names: list[str]) -> tuple[bool, list[str]]:
 
 
 def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, warmup, steps,
-                amp=None):
+                amp=None, accumulate=1):
     device = torch.device(device)
     m = _build(build, device, dtype)
     args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype,
@@ -77,7 +78,8 @@ def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, 
             if i == warmup:
                 torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        train_step(m, args, kwargs, loss_fn, opt, **({"forward_context": ctx} if ctx else {}))
+        train_step(m, args, kwargs, loss_fn, opt, accumulate=accumulate,
+                   **({"forward_context": ctx} if ctx else {}))
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         if cuda:
@@ -93,7 +95,7 @@ def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, 
 
 def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw", device=None,
              dtype=None, amp=None, warmup: int = 2, steps: int = 5, name: str | None = None,
-             gpu=None) -> Validation:
+             gpu=None, accumulate: int = 1) -> Validation:
     """Profile the step, run it for real on `device` (default: the GPU if there is one, else the
     CPU) and compare. Quantities are bytes, except "step time" (seconds)."""
     from ..api import profile
@@ -121,26 +123,28 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
         gpu = resolve_gpu_key(torch.cuda.get_device_name())
     p = profile(model if isinstance(model, torch.nn.Module) else build_on_meta(model), *inputs,
                 loss_fn=loss_fn, input_kwargs=input_kwargs, optimizer=optimizer, device=device,
-                dtype=dtype, amp=amp, name=name, gpu=gpu)
+                dtype=dtype, amp=amp, name=name, gpu=gpu, accumulate=accumulate)
     v = Validation(p.model, str(dev), gpu)
     if dev.type == "cpu":
         real = run_real_steps(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
-                              device=dev, dtype=dtype, amp=amp)
+                              device=dev, dtype=dtype, amp=amp, accumulate=accumulate)
         v.rows += [("first-step peak bytes", p.first_step_peak_bytes, real.peaks.get(1)),
                    ("steady peak bytes", p.peak_bytes, real.peaks.get(2))]
         v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
                                                for s, ph, n in real.ops if s == 2 and ph])
-        t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp)
+        t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp,
+                        accumulate)
         v.rows.append(("step time", None, t["time"]))
         return v
     # CUDA: a real GPU is present
     real = run_real_steps(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
-                          device=dev, dtype=dtype, amp=amp)
+                          device=dev, dtype=dtype, amp=amp, accumulate=accumulate)
     v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
                                            for s, ph, n in real.ops if s == 2 and ph])
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp)
+    t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp,
+                    accumulate)
     cm = p.cuda_memory
     v.rows += [("steady peak bytes (tensors)", p.peak_bytes, real.peaks.get(2)),
                ("max_memory_allocated (steady)", cm.steady_allocated, t["steady_allocated"]),

@@ -38,6 +38,7 @@ class Allocation:
     nbytes: int      # positive: allocation, negative: free
     live: int        # live bytes after this event
     top_op: int | None = None  # index in RealStep.ops of the dispatched op it happened in
+    ptr: int | None = None     # the block's address: pairs an allocation with its free
 
 
 @dataclass
@@ -51,6 +52,31 @@ class RealStep:
     # step -> bytes of program allocations freed by another thread than the step's (program_only):
     # a backend thread dropped the last reference, at a moment that varies from run to run
     late_frees: dict = field(default_factory=dict)
+
+    def scratch_at_peak(self, step: int) -> tuple[int, str | None]:
+        """Bytes alive at the step's peak that the op running then allocated and frees before
+        it returns (a kernel's scratch, which a fake kernel does not allocate), and that op."""
+        events = [e for e in self.events if e.step == step]
+        peak = self.peaks.get(step)
+        at = next((i for i, e in enumerate(events) if e.live == peak), None)
+        if at is None:
+            return 0, None
+        top = events[at].top_op
+        if top is None:
+            return 0, None
+        alive: dict = {}
+        for e in events[:at + 1]:
+            if e.nbytes > 0:
+                alive[e.ptr] = e
+            else:
+                alive.pop(e.ptr, None)
+        freed_by: dict = {}   # each block's first free after the peak: by which op
+        for e in events[at + 1:]:
+            if e.nbytes < 0:
+                freed_by.setdefault(e.ptr, e.top_op)
+        scratch = sum(a.nbytes for a in alive.values()
+                      if a.top_op == top and freed_by.get(a.ptr, -1) == top)
+        return scratch, self.ops[top][2]
 
     def op_names(self, step: int, phases=("forward", "backward", "optimizer")) -> list[str]:
         """The step's aten ops as tapescope names them without overload: 'aten.mm'."""
@@ -71,8 +97,9 @@ def _build(model, device, dtype):
 
 def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimizer="adamw",
                    device="cpu", dtype=None, amp=None, steps: int = 2, seed: int = 0,
-                   compile=None) -> RealStep:
-    """Run `steps` real training steps on `device` and return each step's peak live bytes.
+                   compile=None, accumulate: int = 1) -> RealStep:
+    """Run `steps` real training steps on `device` (each of `accumulate` micro-batches) and
+    return each step's peak live bytes.
 
     compile: True, a dict or options.CompileOptions: the model runs as
     `torch.compile(model, mode=..., fullgraph=..., dynamic=...)` (inductor, real kernels), with
@@ -91,7 +118,7 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
     gc.disable()
     try:
         prof, graphs = _profiled_steps(model, inputs, input_kwargs, loss_fn, optimizer, device,
-                                       dtype, extra, steps, gen, activities, compile)
+                                       dtype, extra, steps, gen, activities, compile, accumulate)
     finally:
         if was_enabled:
             gc.enable()
@@ -101,7 +128,7 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
 
 
 def _profiled_steps(model, inputs, input_kwargs, loss_fn, optimizer, device, dtype, extra, steps,
-                    gen, activities, compile):
+                    gen, activities, compile, accumulate=1):
     # record_shapes: the recorded inputs tell an op's overload (and so how it is dispatched)
     graphs: list = []
     with quiet_native_logs(), \
@@ -118,7 +145,8 @@ def _profiled_steps(model, inputs, input_kwargs, loss_fn, optimizer, device, dty
         with _compile_config(compile):
             for s in range(1, steps + 1):
                 with record_function(f"tapescope::step{s}"):
-                    train_step(m, args, kwargs, loss_fn, opt, step=s, phase=phase, **extra)
+                    train_step(m, args, kwargs, loss_fn, opt, step=s, phase=phase,
+                               accumulate=accumulate, **extra)
                     with record_function("tapescope::phase::zero_grad"):
                         if opt is not None:
                             opt.zero_grad(set_to_none=True)
@@ -224,7 +252,7 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False) ->
             f = e.extra_fields
             if f.device.type == device.type:
                 raw.append((e.start_time_ns, f.alloc_size, f.total_allocated, e,
-                            inside_op if inside_op is not False else None))
+                            inside_op if inside_op is not False else None, f.ptr))
         elif e.tag == _EventType.TorchOp:
             name = e.name
             if program_only and name.startswith(_COLLECTIVE_PREFIXES):
@@ -257,7 +285,7 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False) ->
     level = {}
     running = 0
     step = phase = None
-    for _, size, total, e, top in raw:
+    for _, size, total, e, top, ptr in raw:
         if e is not None:
             step, phase, op = _context(e)
         if total is None:  # a free a backend thread made, at the step the program was in
@@ -265,7 +293,7 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False) ->
             out.late_frees[step] = out.late_frees.get(step, 0) - size
         running += size
         live = running if program_only else total - base
-        out.events.append(Allocation(step, phase, op, size, live, top))
+        out.events.append(Allocation(step, phase, op, size, live, top, ptr))
         out.peaks[step] = max(out.peaks.get(step, live), live)
         level.setdefault(step, live - size)
     # a step's peak is at least what was alive when it began
@@ -292,26 +320,26 @@ def _program_allocations(raw: list, threads: set, collective_ptrs: set) -> list:
     previous = None
     for r in raw:
         size, e = r[1], r[3]
-        ptr = e.extra_fields.ptr
+        ptr = r[5]
         total = r[2]
         if previous is not None and total - size < previous:
             unseen = previous - (total - size)
             gone = next((p for p, n in mine.items() if n == unseen and p in collective_ptrs), None)
             if gone is not None:
                 del mine[gone]
-                out.append((r[0], -unseen, None, None, None))
+                out.append((r[0], -unseen, None, None, None, gone))
         previous = total
         if size > 0:
             if e.start_tid not in threads or _inside_collective(e):
                 continue
             if ptr in mine:  # its free happened where the profiler could not see it
-                out.append((r[0], -mine[ptr], None, None, None))
+                out.append((r[0], -mine[ptr], None, None, None, ptr))
             mine[ptr] = size
             out.append(r)
         elif mine.get(ptr) == -size:
             del mine[ptr]
             # freed by a backend thread the profiler follows: late all the same
-            out.append(r if e.start_tid in threads else (r[0], size, None, None, None))
+            out.append(r if e.start_tid in threads else (r[0], size, None, None, None, ptr))
     return out
 
 

@@ -7,11 +7,12 @@ sequence of the real step under torch.profiler, and the allocator's peak).
 """
 
 from . import (attention, backward, checks, collectives, convolution, cuda_kernels,  # noqa: F401
-               layouts, linear, literals, losses, matmul, norms, pooling, reductions, rnn,  # registers
-               views)
-from .registry import (ANY_OP, BACKWARD_OP, CHECK, FORWARD_OP, FUNCTION, OUTPUT, RULES, WORKSPACE,
-                       Alloc, FidelityContext, Free, FunctionRulesMode, Output, Rule, RuleSet)
+               data, fake_kernels, layouts, linear, literals, losses, matmul, norms, pooling,
+               reductions, rnn, views)  # registers
+from .registry import (ANY_OP, BACKWARD_OP, CHECK, FORWARD_OP, FUNCTION, KERNEL, OUTPUT, RULES,
+                       WORKSPACE, Alloc, FidelityContext, Free, FunctionRulesMode, Output, Rule,
+                       RuleSet)
 
 __all__ = ["RULES", "Rule", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
-           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "CHECK", "ANY_OP", "Alloc", "Free",
-           "Output"]
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "CHECK", "KERNEL", "ANY_OP", "Alloc",
+           "Free", "Output"]

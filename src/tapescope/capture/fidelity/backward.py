@@ -27,3 +27,57 @@ def index_backward_accumulates_in_place(ctx, func, args, kwargs):
     if not accumulate:
         return None
     return _INDEX_PUT_IMPL, (self, indices, values, True, True), {}
+
+
+# value_selecting_reduction_backward: the gradient of max/min/topk/kthvalue/mode/median/sort along
+# a dimension, for each node that calls it
+_VALUE_SELECTING_NODES = frozenset({
+    "TopkBackward0", "MaxBackward0", "MinBackward0", "KthvalueBackward0", "ModeBackward0",
+    "MedianBackward1", "NanmedianBackward1", "SortBackward0", "SortBackward1"})
+_NEW_ZEROS, _ZEROS = torch.ops.aten.new_zeros.default, torch.ops.aten.zeros.default
+_SCATTER, _SCATTER_ = torch.ops.aten.scatter.src, torch.ops.aten.scatter_.src
+
+
+def _in_value_selecting_backward(ctx) -> bool:
+    return ctx.node is not None and ctx.node.name() in _VALUE_SELECTING_NODES
+
+
+@RULES.register(BACKWARD_OP, _NEW_ZEROS,
+                source="aten/src/ATen/native/ReduceOps.cpp (value_selecting_reduction_backward)",
+                test="tests/test_engine.py::test_value_selecting_backward_scatters_in_place")
+def value_selecting_backward_makes_zeros(ctx, func, args, kwargs):
+    """The gradient buffer is `at::zeros(sizes, grad.options())` for plain tensors."""
+    if not _in_value_selecting_backward(ctx):
+        return None
+    grad, size = args[0], args[1]
+    return _ZEROS, (size,), {"dtype": kwargs.get("dtype") or grad.dtype,
+                             "layout": kwargs.get("layout") or grad.layout,
+                             "device": kwargs.get("device") or grad.device}
+
+
+@RULES.register(BACKWARD_OP, _SCATTER,
+                source="aten/src/ATen/native/ReduceOps.cpp (value_selecting_reduction_backward: "
+                       "scatter_ unless a tensor subclass is involved)",
+                test="tests/test_engine.py::test_value_selecting_backward_scatters_in_place")
+def value_selecting_backward_scatters_in_place(ctx, func, args, kwargs):
+    """`grad_in.scatter_(dim, indices, grad)` into the zeros for plain tensors; `scatter`, a second
+    input-sized tensor, for subclasses."""
+    if not _in_value_selecting_backward(ctx):
+        return None
+    return _SCATTER_, args, kwargs
+
+
+_SCATTER_ADD, _SCATTER_ADD_ = torch.ops.aten.scatter_add.default, torch.ops.aten.scatter_add_.default
+
+
+@RULES.register(BACKWARD_OP, _SCATTER_ADD,
+                source="torch/csrc/autograd/FunctionsManual.cpp (gather_backward: scatter_add_ into "
+                       "grad.new_zeros unless index or grad is a tensor subclass)",
+                test="tests/test_engine.py::test_gather_backward_scatters_in_place")
+def gather_backward_scatters_in_place(ctx, func, args, kwargs):
+    """GatherBackward0 (the gradient of `x.gather(dim, index)`: a router's weights of the chosen
+    experts) adds into the zeros it made for plain tensors; `scatter_add` for subclasses makes a
+    second input-sized tensor."""
+    if ctx.node is None or ctx.node.name() != "GatherBackward0":
+        return None
+    return _SCATTER_ADD_, args, kwargs

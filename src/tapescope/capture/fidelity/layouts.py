@@ -96,3 +96,16 @@ def batch_norm_backward_outputs(ctx, func, args, out):
     if ctx.device.type == "cpu":
         out = _layout_of_grad_input(ctx, func, args, out)
     return out
+
+
+@RULES.register(
+    OUTPUT, aten._log_softmax_backward_data.default,
+    source="aten/src/ATen/native/SoftMax.cpp (TORCH_META_FUNC(_log_softmax_backward_data): "
+           "grad_input in LEGACY_CONTIGUOUS_MEMORY_FORMAT)",
+    test="tests/test_fake_kernels.py::test_ctc_loss_matches_the_real_kernel")
+def log_softmax_backward_layout(ctx, func, args, out):
+    """The real kernel's grad_input is contiguous; the decomposition's follows grad_output, which
+    is transposed when the log-softmax output was (a CTC loss takes it as time-major)."""
+    if out.is_contiguous():
+        return out
+    return torch.empty_like(out, memory_format=torch.contiguous_format)

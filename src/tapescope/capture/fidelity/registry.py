@@ -20,6 +20,10 @@ A rule acts at one stage:
   input into a float32 matmul: `handler(ctx, func, args, kwargs) -> None`, raising the real
   kernel's error with its message. Runs before the op, forward and backward; a step PyTorch
   would refuse is refused, never profiled.
+- KERNEL: the fake kernel of an op whose own fake kernel refuses inputs the real kernel of the
+  device runs (`_grouped_mm` in fp32): `handler(ctx, *args, **kwargs) -> outputs`, which the
+  capture's Tape runs in place of FakeTensorMode's kernel (fake_kernels.py says why not through
+  torch.library).
 - WORKSPACE: scratch memory the real kernel allocates and frees inside the op (a reorder into a
   blocked layout, a GEMM fallback's per-thread buffers, a contiguous copy of an operand), which a
   fake kernel never allocates: `handler(ctx, func, args, kwargs, out) -> bytes | [bytes, ...] |
@@ -49,12 +53,13 @@ from torch.overrides import TorchFunctionMode
 from ...errors import passes_user_calls
 
 __all__ = ["Rule", "RULES", "Rules", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
-           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "CHECK", "STAGES", "ANY_OP", "Alloc",
-           "Free", "Output"]
+           "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "CHECK", "KERNEL", "STAGES", "ANY_OP",
+           "Alloc", "Free", "Output"]
 
 FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT = "function", "forward op", "backward op", "output"
 WORKSPACE, CHECK = "workspace", "check"
-STAGES = (FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT, WORKSPACE, CHECK)
+KERNEL = "fake kernel"
+STAGES = (FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT, WORKSPACE, CHECK, KERNEL)
 ANY_OP = "any op"
 
 
@@ -108,6 +113,7 @@ class FidelityContext:
     gpu: Any = None
     cpu: Any = None                     # devices.cpu.CpuTarget: the ISA and threads kernels see
     views: Any = None                   # capture.view_replay.ViewRegeneration of this capture
+    values: Any = None                  # capture.data_values.DataValues, when sizes depend on data
     node: Any = None                    # the autograd node running (backward), else None
     running: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)   # e.g. "sdpa:flash" -> calls
@@ -205,9 +211,11 @@ class RuleSet:
         self.check_targets = frozenset(self.by_stage[CHECK])
         self.rewrites_any_forward = bool(self.any_op[FORWARD_OP])
         self.rewrites_any_backward = bool(self.any_op[BACKWARD_OP])
-        duplicated = [f for f, hs in self.by_stage[FUNCTION].items() if len(hs) > 1]
-        if duplicated:  # a function runs one way; two rules for it would be a contradiction
-            raise ValueError(f"two function rules for {duplicated}")
+        self.kernels = {op: hs[0] for op, hs in self.by_stage[KERNEL].items()}
+        for stage in (FUNCTION, KERNEL):  # a function or kernel runs one way: two rules contradict
+            duplicated = [f for f, hs in self.by_stage[stage].items() if len(hs) > 1]
+            if duplicated:
+                raise ValueError(f"two {stage} rules for {duplicated}")
 
     def rewrite(self, stage: str, ctx: FidelityContext, func, args, kwargs):
         """(func, args, kwargs) after the rules of `stage` (FORWARD_OP or BACKWARD_OP)."""

@@ -1,0 +1,603 @@
+"""Data-dependent sizes: the value an explicit assumption gives them, carried as unbacked symbols.
+
+A size that depends on tensor values (how many tokens a router sends to an expert, how many
+elements a boolean mask keeps) cannot be read from shapes. PyTorch's ShapeEnv carries such a size
+as an unbacked SymInt (`u0`): the op that makes it (nonzero, masked_select, unique ...) gives its
+output that size and every later op computes with it symbolically. What is missing is a value:
+a Python branch or loop on it stops a fake trace. tapescope takes the value from an assumption
+(`Sizes`), and the report names every assumption it used:
+
+- routing: the indices a router selects (aten.topk's, argmax's) get real values that realize the
+  assumed routing: "balanced" (tokens x top-k / experts per expert), "worst" (every token to
+  expert 0, the rest spread evenly), or the user's shares per expert. Every op whose tensor inputs
+  all carry values then runs for real on those values (a one-hot, a histogram, a sort,
+  `expert_mask[e]`: small integer tensors), so each size, `.item()`, `.tolist()` or Python branch
+  they decide has the value a real step routed that way has. A nonzero's unbacked size gets its
+  value through ShapeEnv.set_real_tensor_prop_unbacked_vals, the mechanism torch's draft export
+  uses: a guard on it evaluates with the value and becomes a runtime assertion.
+- mask: a boolean mask no assumption decided (`x[x > 0]`) keeps the user's fraction of elements.
+- input: an integer input the user gave as a real tensor (labels, token ids) keeps its values.
+
+The sizes stay symbols: memory and FLOPs are formulas of them (analysis/symbolic.py), one name per
+source line, op and value (under balanced routing every expert's token count comes from one line
+with one value: one name, "peak = f(that count)"), evaluated at the assumed values.
+
+Why our own propagation rather than FakeTensorMode(propagate_real_tensors=True): that mode runs
+every op for real when its inputs have real values, factory functions included, which would
+allocate the model. Here only the routing's descendants carry values, each at most VALUE_LIMIT
+elements.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..errors import TapescopeError
+from ..torch_compat import (DynamicOutputShapeException, free_unbacked_symbols, tree_flatten,
+                            tree_map, unset_fake_temporarily)
+
+__all__ = ["Sizes", "DataValues", "DataSize", "Assumption", "RandomValueRead", "expert_counts",
+           "routing_indices", "ROUTINGS"]
+
+ROUTINGS = ("balanced", "worst")
+VALUE_LIMIT = 1 << 22     # elements: larger tensors are not given values (then no assumption holds)
+FACTORY_LIMIT = 1 << 16   # factory outputs (arange(E), a causal mask) get values up to this size
+
+_ATTR = "_tapescope_data"  # (real tensor, frozenset of assumption ids), on a fake tensor
+_RANDOM = "_tapescope_random"  # on a small fake tensor a random draw decided: where it was drawn
+RANDOM_LIMIT = 64          # elements: a random scalar (LayerDrop's torch.rand([])), not a mask
+aten = torch.ops.aten
+
+
+# ---- the assumption ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sizes:
+    """What data-dependent sizes are assumed to be.
+
+    routing: "balanced" (default), "worst", or one share per expert (e.g. (4, 1, 1, 1): expert 0
+        gets four times the tokens of each other expert).
+    mask: the fraction of elements a boolean mask keeps where no routing decided it (None: such
+        a mask stops the trace with a message asking for it).
+    """
+
+    routing: str | tuple = "balanced"
+    mask: float | None = None
+
+    @classmethod
+    def create(cls, sizes) -> "Sizes":
+        """From a Sizes, None, "balanced" / "worst", a sequence of shares or a dict of fields."""
+        if sizes is None:
+            return cls()
+        if isinstance(sizes, str):
+            sizes = cls(routing=sizes)
+        elif isinstance(sizes, dict):
+            unknown = set(sizes) - {"routing", "mask"}
+            if unknown:
+                raise TapescopeError(f"sizes has no field {', '.join(sorted(unknown))}; use "
+                                     "routing= (balanced, worst or shares) and mask= (a fraction)")
+            sizes = cls(**sizes)
+        elif isinstance(sizes, (list, tuple)):
+            sizes = cls(routing=tuple(sizes))
+        elif not isinstance(sizes, Sizes):
+            raise TapescopeError(f"sizes must be 'balanced', 'worst', shares per expert or a dict, "
+                                 f"got {type(sizes).__name__}")
+        routing = sizes.routing
+        if isinstance(routing, (list, tuple)):
+            try:
+                routing = tuple(float(s) for s in routing)
+            except (TypeError, ValueError):
+                raise TapescopeError(f"routing shares must be numbers, got {sizes.routing}") from None
+            if not routing or min(routing) < 0 or sum(routing) <= 0:
+                raise TapescopeError(f"routing shares must be >= 0 and not all 0, got {routing}")
+        elif routing not in ROUTINGS:
+            raise TapescopeError(f"routing must be one of {', '.join(ROUTINGS)} or shares per "
+                                 f"expert, got {routing!r}")
+        mask = sizes.mask
+        if mask is not None and not (0.0 <= float(mask) <= 1.0):
+            raise TapescopeError(f"mask must be a fraction between 0 and 1, got {mask}")
+        return cls(routing, None if mask is None else float(mask))
+
+    def describe_routing(self) -> str:
+        if isinstance(self.routing, tuple):
+            return "shares " + ":".join(f"{s:g}" for s in self.routing)
+        return self.routing
+
+
+def expert_counts(tokens: int, k: int, experts: int, routing) -> list[int]:
+    """How many of the tokens x k assignments each expert receives under `routing` (each count
+    at most `tokens`: a token picks an expert once)."""
+    total = tokens * k
+
+    def spread(n, over):
+        return [n // over + (1 if i < n % over else 0) for i in range(over)] if over else []
+
+    if routing == "balanced":
+        return spread(total, experts)
+    if routing == "worst":
+        return [tokens] + spread(total - tokens, experts - 1)
+    shares = tuple(routing)
+    if len(shares) != experts:
+        raise TapescopeError(f"routing gives {len(shares)} shares, but the router chooses among "
+                             f"{experts} experts")
+    raw = [s / sum(shares) * total for s in shares]
+    counts = [int(r) for r in raw]
+    for i in sorted(range(experts), key=lambda i: counts[i] - raw[i])[:total - sum(counts)]:
+        counts[i] += 1  # largest remainders first: the counts add up to tokens x k
+    if max(counts) > tokens:
+        raise TapescopeError(f"routing shares {shares} send {max(counts)} of {tokens} tokens x "
+                             f"top-{k} to one expert; a token picks an expert once, so a share "
+                             f"can be at most 1/{k} of the total")
+    return counts
+
+
+def routing_indices(tokens: int, k: int, experts: int, routing) -> torch.Tensor:
+    """(tokens, k) expert indices realizing `routing`: expert e appears counts[e] times, never
+    twice for one token (the assignments are laid out column by column, and a run of one expert
+    is at most `tokens` long, so it meets each token at most once)."""
+    counts = expert_counts(tokens, k, experts, routing)
+    order = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
+    return order.view(k, tokens).t().contiguous()
+
+
+# ---- records ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Assumption:
+    """One place where an assumption gave values: a router's selection, a mask."""
+
+    kind: str     # "routing" or "mask"
+    where: str    # the source line
+    detail: str   # what was assumed, in words
+    decided: bool = True  # False: no size or value read of the step depended on it
+
+
+@dataclass(frozen=True)
+class DataSize:
+    """A size the data decides, as the trace carries it: one name, its assumed value."""
+
+    name: str
+    value: int
+    op: str
+    where: str
+    assumptions: tuple   # indices into Trace.assumptions: what decided it
+
+
+# ---- the per-capture value model ---------------------------------------------------------------
+
+@dataclass
+class DataValues:
+    """Values for the tensors an assumption decides, and for the sizes they decide, in one capture.
+
+    The Tape calls `before` for an op about to run (an `.item()` of a valued tensor is answered
+    from its value) and `after` for each recorded op (values flow to its outputs; a new unbacked
+    size gets its value).
+    """
+
+    sizes: Sizes
+    shape_env: object
+    assumptions: list = field(default_factory=list)        # Assumption
+    data_sizes: list = field(default_factory=list)         # DataSize
+    names: dict = field(default_factory=dict)              # unbacked sympy symbol -> name
+    used: set = field(default_factory=set)                 # assumption indices that decided a size
+    _sources: dict = field(default_factory=dict)           # (kind, where) -> assumption index
+    _groups: dict = field(default_factory=dict)            # (op, where, value) -> name
+    _taken: set = field(default_factory=set)
+    _active: bool = False                                  # some tensor has values
+    routers = None   # the ops whose selections are routings (set below the class)
+
+    @property
+    def live(self) -> bool:
+        """Whether ops other than a router's need a look (the Tape asks before each op)."""
+        return self._active or self.shape_env is not None
+
+    # ---- values on fake tensors --------------------------------------------------------------
+
+    @staticmethod
+    def value(t):
+        return getattr(t, _ATTR, None)
+
+    def read(self, t, how: str = "tolist"):
+        """The values of a fake tensor the capture knows, read as `t.tolist()` / `t.numpy()`
+        would (None if it has none); they then count as used by the step."""
+        v = self.value(t)
+        if v is None:
+            return None
+        self.used.update(v[1])
+        with unset_fake_temporarily():  # called from inside the capture's fake mode
+            return getattr(v[0], how)()
+
+    def alias(self, src, dst) -> None:
+        """`dst` is `src` again (autograd's copy of a saved tensor): the same values."""
+        for attr in (_ATTR, _RANDOM):
+            v = getattr(src, attr, None)
+            if v is not None:
+                setattr(dst, attr, v)
+
+    def _set(self, t, real, sources) -> None:
+        setattr(t, _ATTR, (real, sources))
+
+    def _drop(self, t) -> None:
+        if hasattr(t, _ATTR):
+            delattr(t, _ATTR)
+
+    # ---- hooks the Tape calls -------------------------------------------------------------------
+
+    def before(self, func, args, kwargs):
+        """(True, result) for an op whose result is data (an `.item()`, `equal`) on valued
+        tensors: the real result. Else (False, None). Reading a random draw raises
+        RandomValueRead: the step decides on a number no assumption can give."""
+        if torch.Tag.data_dependent_output not in func.tags:
+            return False, None
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        drawn = next((getattr(t, _RANDOM) for t in tensors if hasattr(t, _RANDOM)), None)
+        if drawn is not None:
+            raise RandomValueRead(func, drawn)
+        if not tensors or any(self.value(t) is None for t in tensors):
+            return False, None
+        out, sources = self._run_real(func, args, kwargs)
+        if out is None:
+            return False, None
+        self.used.update(sources)
+        return True, out
+
+    def after(self, func, args, kwargs, out, where) -> None:
+        """Give the outputs of a recorded op their values and new unbacked sizes their values.
+        `where()` names the user's source line (asked only when needed: it walks the stack)."""
+        if func in _ROUTERS and self._route(func, args, kwargs, out, where):
+            self._active = True
+            return
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            if self._active:  # x.uniform_(): whatever values x had are gone
+                for t in tree_flatten((args, kwargs))[0]:
+                    if isinstance(t, torch.Tensor) and _written(func, t, args, kwargs):
+                        self._drop(t)
+            if self._mark_random(out, where):  # a number the code may branch on
+                self._active = True
+            return  # a random draw has no value tapescope could know
+        if not self.live:
+            return  # no tensor has values and no size can depend on them: nothing to do
+        tensors = _tensors(args, kwargs.values())
+        outs = [out] if isinstance(out, torch.Tensor) else \
+            _tensors(out) if isinstance(out, (list, tuple)) else []
+        drawn = next((getattr(t, _RANDOM) for t in tensors if hasattr(t, _RANDOM)), None)
+        if drawn is not None:  # a comparison with a random draw is random too
+            for o in outs:
+                if o.numel() <= RANDOM_LIMIT:
+                    setattr(o, _RANDOM, drawn)
+        fresh = self._fresh_symbols(outs)
+        valued = [self.value(t) for t in tensors]
+        if tensors and all(v is not None for v in valued):
+            real, sources = self._run_real(func, args, kwargs)
+            if real is not None:
+                self._attach(outs, [r for r in tree_flatten(real)[0]
+                                    if isinstance(r, torch.Tensor)], sources, func, where)
+        elif func in _FILLS and outs and _small_factory(func, outs):
+            fill = _FILLS[func](args, kwargs)  # ones_like(x): x's values do not matter
+            with unset_fake_temporarily():
+                real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=outs[0].dtype)
+            self._set(outs[0], real, frozenset())
+            self._active = True
+        elif not tensors and outs and _small_factory(func, outs):
+            real, sources = self._run_real(func, args, kwargs)
+            if real is not None:
+                self._attach(outs, [r for r in tree_flatten(real)[0]
+                                    if isinstance(r, torch.Tensor)], sources, func, where)
+        else:
+            for t, v in zip(tensors, valued):  # an in-place op with inputs we cannot follow
+                if v is not None and _written(func, t, args, kwargs):
+                    self._drop(t)
+        fresh = [s for s in fresh if s not in self.names]
+        if fresh:
+            self._mask_sizes(func, args, kwargs, fresh, tensors, where)
+
+    def write(self, trace) -> None:
+        """The data-dependent sizes as the trace's symbols: name -> symbol, hint, range, and a
+        name pinned to one value where the trace specialised any of its symbols."""
+        env = self.shape_env
+        trace.unbacked = dict(self.names)
+        trace.assumptions = [replace(a, decided=i in self.used)
+                             for i, a in enumerate(self.assumptions)]
+        trace.data_sizes = list(self.data_sizes)
+        for d in self.data_sizes:
+            members = [s for s, n in self.names.items() if n == d.name]
+            trace.symbols.setdefault(d.name, members[0])
+            trace.hints[d.name] = d.value
+            for s in members:
+                r = env.replacements.get(s)
+                if r is not None and getattr(r, "is_Integer", False):
+                    trace.replacements[d.name] = r
+            vr = env.var_to_range.get(members[0])
+            lo = int(vr.lower) if vr is not None and vr.lower.is_Integer else 0
+            trace.ranges[d.name] = (lo, None)
+
+    def give_literal(self, fake, real) -> None:
+        """`torch.tensor(data)` made in the step from Python data: an integer or boolean one
+        keeps its values (a mask computed with numpy, a list of ids)."""
+        if real.is_floating_point() or real.is_complex() or real.numel() > VALUE_LIMIT:
+            return
+        with unset_fake_temporarily():
+            value = real.detach().clone()
+        self._set(fake, value, frozenset())
+        self._active = True
+
+    def give_input(self, fake, real, name: str) -> None:
+        """An input the user gave as a real integer tensor (labels, token ids) keeps its values:
+        the real step reads them (a `labels.max()` check, the targets a CTC loss selects)."""
+        if real.numel() > VALUE_LIMIT:
+            return
+        shape = "x".join(str(s) for s in real.shape)
+        a = self._assumption("input", name, f"the values of {name} ({str(real.dtype)[6:]} "
+                                            f"{shape}) as given")
+        with unset_fake_temporarily():  # called inside the capture's fake mode
+            value = real.detach().cpu().clone()
+        self._set(fake, value, frozenset((a,)))
+        self._active = True
+
+    def _mark_random(self, out, where) -> bool:
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if not outs or any(isinstance(s, torch.SymInt) for o in outs for s in o.shape) \
+                or sum(o.numel() for o in outs) > RANDOM_LIMIT:
+            return False  # a dropout mask, not a number the code decides on
+        w = where()
+        for o in outs:
+            self._drop(o)
+            setattr(o, _RANDOM, _short(w) or "?")
+        return True
+
+    # ---- routing ----------------------------------------------------------------------------------
+
+    def _route(self, func, args, kwargs, out, where) -> bool:
+        src = args[0]
+        if not src.is_floating_point():
+            return False
+        index_pos, k, dim = _ROUTERS[func](args, kwargs)
+        idx = out[index_pos] if isinstance(out, (tuple, list)) else out
+        if not isinstance(idx, torch.Tensor) or idx.numel() == 0 or idx.numel() > VALUE_LIMIT:
+            return False
+        dim = dim % max(src.dim(), 1)
+        experts = self._int(src.shape[dim])
+        shape = [self._int(s) for s in idx.shape]
+        if None in shape or experts is None:
+            return False
+        tokens = idx.numel() // k if k else 0
+        if k >= experts or tokens == 0:
+            return False  # selecting every candidate (a sort) routes nothing
+        routing = self.sizes.routing
+        real = routing_indices(tokens, k, experts, routing)  # (tokens, k)
+        if idx.dim() == src.dim():  # the chosen experts along `dim`
+            rest = shape[:dim] + shape[dim + 1:]
+            real = real.reshape(rest + [k]).movedim(-1, dim).contiguous()
+        else:  # argmax without keepdim
+            real = real.reshape(shape)
+        counts = expert_counts(tokens, k, experts, routing)
+        detail = (f"{self.sizes.describe_routing()} routing: {tokens} tokens x top-{k} over "
+                  f"{experts} experts -> {_counts_text(counts)} per expert")
+        a = self._assumption("routing", _short(where()) or "?", detail)
+        self._set(idx, real, frozenset((a,)))
+        return True
+
+    def _assumption(self, kind, where, detail) -> int:
+        key = (kind, where, detail)
+        i = self._sources.get(key)
+        if i is None:
+            i = self._sources[key] = len(self.assumptions)
+            self.assumptions.append(Assumption(kind, where, detail))
+        return i
+
+    # ---- running ops on values --------------------------------------------------------------------
+
+    def _run_real(self, func, args, kwargs):
+        """func on the values (CPU tensors) of its tensor arguments: (result, sources), or
+        (None, ...) if an argument has no concrete value or the op refuses."""
+        sources: set = set()
+        missing = []
+
+        def real(x):
+            if isinstance(x, torch.Tensor):
+                v = self.value(x)
+                if v is None:
+                    missing.append(x)
+                    return x
+                if v[0].numel() > VALUE_LIMIT:
+                    missing.append(x)
+                sources.update(v[1])
+                return v[0]
+            if isinstance(x, torch.device):
+                return torch.device("cpu")
+            if isinstance(x, torch.SymInt):
+                c = self._int(x)
+                if c is None:
+                    missing.append(x)
+                return c
+            return x
+
+        rargs, rkwargs = tree_map(real, (args, kwargs))
+        if missing:
+            return None, sources
+        if "device" in rkwargs:
+            rkwargs["device"] = torch.device("cpu")
+        if "pin_memory" in rkwargs:
+            rkwargs["pin_memory"] = False
+        try:
+            with unset_fake_temporarily(), torch.no_grad():
+                return func(*rargs, **rkwargs), frozenset(sources)
+        except Exception:  # noqa: BLE001 - an op the values cannot run: no value, the trace goes on
+            return None, sources
+
+    def _attach(self, outs, reals, sources, func, where) -> None:
+        if len(outs) != len(reals):
+            return
+        for t, r in zip(outs, reals):
+            if t.dim() != r.dim():
+                continue
+            for s, rs in zip(t.shape, r.shape):
+                self._bind(s, rs, func, where, sources)
+            self._set(t, r, sources)
+
+    def _int(self, s):
+        """A size as an int: its value, or the value the assumption gave it (None if neither)."""
+        if isinstance(s, int):
+            return s
+        env = self.shape_env
+        if env is None:
+            return None
+        e = s.node.expr.xreplace(env.backed_var_to_val).xreplace(env.real_tensor_prop_unbacked_vals)
+        return int(e) if e.is_number else None
+
+    def _bind(self, s, value, func, where, sources) -> None:
+        if isinstance(s, int):
+            return
+        expr = s.node.expr
+        if not expr.is_Symbol or expr in self.names or expr not in free_unbacked_symbols(s):
+            return
+        self._name(expr, int(value), func, where, sources)
+
+    def _name(self, sym, value, func, where, sources) -> None:
+        self.shape_env.set_real_tensor_prop_unbacked_vals(sym, value)
+        w = where()
+        where_text = str(_short(w)) if w is not None else "?"
+        key = (func.name(), where_text, value)
+        name = self._groups.get(key)
+        if name is None:
+            base = _symbol_name(func, w)
+            name, n = base, 1
+            while name in self._taken:
+                n += 1
+                name = f"{base}_{n}"
+            self._taken.add(name)
+            self._groups[key] = name
+            self.data_sizes.append(DataSize(name, value, str(func), where_text,
+                                            tuple(sorted(sources))))
+        self.names[sym] = name
+        self.used.update(sources)
+
+    # ---- masks no routing decided -----------------------------------------------------------------
+
+    def _fresh_symbols(self, outs) -> list:
+        if self.shape_env is None:
+            return []
+        syms = []
+        for t in outs:
+            for s in t.shape:
+                if not isinstance(s, int):
+                    syms.extend(x for x in free_unbacked_symbols(s) if x not in self.names)
+        return list(dict.fromkeys(syms))
+
+    def _mask_sizes(self, func, args, kwargs, fresh, tensors, where) -> None:
+        """A new unbacked size no value decided: a valued boolean mask among the inputs decides
+        it (x[mask]); else the assumed mask fraction of the input's elements; else stop."""
+        masks = [t for t in tensors if t.dtype == torch.bool and self.value(t) is not None]
+        if len(fresh) == 1 and len(masks) == 1:
+            real, sources = self.value(masks[0])
+            self._name(fresh[0], int(real.sum()), func, where, sources)
+            return
+        fraction = self.sizes.mask
+        w = where()
+        if fraction is None or not tensors:
+            # torch's own error for it: the capture names the op, module and line, and the fix
+            raise DynamicOutputShapeException(func)
+        bools = [t for t in tensors if t.dtype == torch.bool]
+        numel = 1  # of the mask (x[mask], masked_select), else of the input (nonzero(x), unique)
+        for s in (bools or tensors)[0].shape:
+            numel *= self._int(s) or 0
+        a = self._assumption("mask", str(_short(w) if w else "?"),
+                             f"a boolean mask keeps {fraction:.0%} of its {numel} elements")
+        for sym in fresh:
+            self._name(sym, int(round(fraction * numel)), func, where, frozenset((a,)))
+
+
+class RandomValueRead(RuntimeError):
+    """The step reads a number it drew at random (and branches on it)."""
+
+    def __init__(self, func, drawn: str):
+        super().__init__(f"{func} reads a random number drawn at {drawn}")
+        self.func, self.drawn = func, drawn
+
+
+# ---- which ops route, which are small factories -------------------------------------------------
+
+def _topk(args, kwargs):
+    k = args[1] if len(args) > 1 else kwargs["k"]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    return 1, int(k), dim
+
+
+def _argmax(args, kwargs):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return 0, 1, -1 if dim is None else dim
+
+
+def _max_dim(args, kwargs):
+    return 1, 1, args[1] if len(args) > 1 else kwargs["dim"]
+
+
+_ROUTERS = {aten.topk.default: _topk, aten.argmax.default: _argmax, aten.max.dim: _max_dim}
+DataValues.routers = frozenset(_ROUTERS)
+
+
+# factories that take a tensor for its shape only, and the value they fill with
+_FILLS = {aten.ones_like.default: lambda a, k: 1, aten.zeros_like.default: lambda a, k: 0,
+          aten.full_like.default: lambda a, k: a[1], aten.new_ones.default: lambda a, k: 1,
+          aten.new_zeros.default: lambda a, k: 0, aten.new_full.default: lambda a, k: a[2]}
+
+
+def _small_factory(func, outs) -> bool:
+    """A small tensor made from no data (arange(E), full((S, S), -inf)): its values are known."""
+    if func in (aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                aten.new_empty.default, aten.new_empty_strided.default):
+        return False  # no values to give
+    n = 0
+    for o in outs:
+        for s in o.shape:
+            if not isinstance(s, int):
+                return False
+        n += o.numel()
+    return n <= FACTORY_LIMIT
+
+
+def _tensors(*groups) -> list:
+    """The tensors among op arguments (lists of tensors one level deep, as aten takes them):
+    cheaper than a pytree walk, and this runs for every op once values are about."""
+    out = []
+    for group in groups:
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif type(a) in (list, tuple):
+                out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+def _written(func, t, args, kwargs) -> bool:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        a = args[i] if i < len(args) else kwargs.get(arg.name)
+        if a is t:
+            return True
+    return False
+
+
+def _counts_text(counts: list) -> str:
+    distinct = sorted(set(counts), reverse=True)
+    if len(distinct) == 1:
+        return str(distinct[0])
+    return ", ".join(str(c) for c in counts)
+
+
+def _short(frame):
+    if frame is None:
+        return None
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+
+
+def _symbol_name(func, frame) -> str:
+    op = func.name().split("::")[-1].strip("_")
+    if frame is None:
+        return op
+    stem = os.path.splitext(os.path.basename(frame.filename))[0]
+    return f"{op}_{stem}_{frame.lineno}"
