@@ -303,3 +303,35 @@ def test_a_branch_on_a_random_draw_names_the_draw_and_the_fix():
         tapescope.profile(_LayerDrop, tapescope.spec((T, D)))
     msg = str(e.value)
     assert "random number" in msg and "test_data_sizes.py" in msg and "Fix:" in msg
+
+
+def test_cli_routing_names_the_assumption_in_console_and_json(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    model = tmp_path / "moe.py"
+    model.write_text(
+        "import torch, torch.nn as nn\n"
+        "class MoE(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.gate, self.experts = nn.Linear(16, 4), nn.ModuleList(nn.Linear(16, 16) for _ in range(4))\n"
+        "    def forward(self, x):\n"
+        "        idx = self.gate(x).topk(2, dim=-1)[1]\n"
+        "        out = torch.zeros_like(x)\n"
+        "        for e in range(4):\n"
+        "            token, _ = torch.where(idx == e)\n"
+        "            out.index_add_(0, token, self.experts[e](x[token]))\n"
+        "        return out.pow(2).mean()\n"
+        "def build():\n"
+        "    return MoE()\n")
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", f"{model}:build", "--input", "64,16", "--routing",
+                                 "worst", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "worst routing: 64 tokens x top-2 over 4 experts -> 64, 22, 21, 21 per expert" in r.output
+    facts = json.loads(out.read_text())["facts"]["data_sizes"]
+    assert facts["assumptions"][0]["decided"] and {s["value"] for s in facts["sizes"]} == {64, 22, 21}
