@@ -145,8 +145,9 @@ ROWS += [
     Row("hf vision", "hf:SwinConfig", _hf_vision("SwinConfig", embed_dim=16, depths=[1, 1],
                                                  num_heads=[2, 2], image_size=32, patch_size=4,
                                                  window_size=4), "2 x 32"),
-    Row("hf vision", "hf:ConvNextConfig", _hf_vision("ConvNextConfig", hidden_sizes=[16, 32],
-                                                     depths=[1, 1], image_size=32), "2 x 32"),
+    Row("hf vision", "hf:ConvNextConfig", _hf_vision("ConvNextConfig", num_stages=2,
+                                                     hidden_sizes=[16, 32], depths=[1, 1],
+                                                     image_size=32), "2 x 32"),
 ]
 
 # ---- transformers: mixtures of experts, state-space models -------------------------------------------
