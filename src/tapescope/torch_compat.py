@@ -273,6 +273,22 @@ linear_builtin = torch._C._nn.linear
 sdpa_builtin = torch._C._nn.scaled_dot_product_attention
 
 
+# No torch function mode or subclass handler sees the calls made inside (a context manager).
+disable_torch_function = torch._C.DisableTorchFunction
+
+
+def without_torch_function(fn):
+    """Run `fn` with no torch function mode: for work the C++ engine does in C++ in a real step
+    (gradient validation, layout checks), which no mode sees there."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with disable_torch_function():
+            return fn(*args, **kwargs)
+    return run
+
+
 # The operator objects (torch.ops.aten.mm, aten.mm.default, higher-order ops): immutable handles
 # to the dispatcher, never state a model owns (copying one breaks its __getattr__).
 OPERATOR_TYPES = (torch._ops.OpOverloadPacket, torch._ops.OperatorBase)
@@ -365,6 +381,7 @@ def active_fake_mode():
 
 # What tests/test_torch_compat.py checks on every torch CI installs: each entry must resolve.
 PRIVATE_NAMES = (
+    "torch._C.DisableTorchFunction",
     "torch._ops.OpOverloadPacket", "torch._ops.OperatorBase",
     "torch.autograd._get_sequence_nr", "torch._C._current_autograd_node",
     "torch._C._storage_Use_Count", "torch._C._dispatch_tls_is_dispatch_key_excluded",

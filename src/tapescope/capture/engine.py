@@ -37,7 +37,7 @@ import torch
 from ..torch_compat import (graph_task_keep_graph_query, is_zerotensor, node_input_metadata,
                             node_sequence_nr, post_accumulate_grad_hooks, set_graph_task_id,
                             statically_known_true, storage_use_count, tensor_backward_hooks,
-                            use_count)
+                            use_count, without_torch_function)
 from .graph_task import GraphTask, standing_in
 from .hooks import VARIABLE_INPUTS, HookRegistry, SavedTensors
 from .view_replay import ViewRegeneration, as_strided_backward, emulable
@@ -522,6 +522,7 @@ class PythonEngine:
             for hook in list(post.values()):
                 hook(variable)
 
+    @without_torch_function
     def _validate(self, node, outputs: list) -> list:
         """validate_outputs: reduce broadcast gradients and cast dtypes to what the next node expects."""
         for i, (nxt, nr) in enumerate(node.next_functions):
@@ -600,6 +601,7 @@ def _dense(t) -> bool:
     return True
 
 
+@without_torch_function
 def _obeys_layout_contract(grad, variable) -> bool:
     if _dense(variable):
         for size, gs, vs in zip(grad.shape, grad.stride(), variable.stride()):

@@ -33,7 +33,7 @@ from ..errors import DataDependentError, TapescopeError, from_trace_failure, rai
 from ..options import Options, Workload
 from ..torch_compat import (DimDynamic, ShapeEnv, constant_source, force_enable_autocast,
                             hook_guard_locations, shape_env_facts, tree_leaves, tree_map,
-                            user_source_location)
+                            user_source_location, without_torch_function)
 from .data_values import DataValues
 from .engine import PythonEngine
 from .fidelity import RULES, FidelityContext, FunctionRulesMode
@@ -403,6 +403,7 @@ class CaptureSession:
                 for p in self.params:
                     p.grad = None
 
+    @without_torch_function  # tapescope's bookkeeping, not the user's calls
     def _mark_grads_and_state(self) -> None:
         """Name the storages of gradients and optimizer state after the parameter they serve."""
         fqn = self.param_fqn
