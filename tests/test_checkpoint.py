@@ -286,7 +286,7 @@ def test_transformers_decoder_takes_the_eager_mask_path(checkpointing):
     high before)."""
     import warnings
 
-    import transformers.utils.import_utils as iu
+    import transformers.masking_utils as mu
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     m = tiny(TINY_LLAMA, batch=2, seq=32)
@@ -299,7 +299,7 @@ def test_transformers_decoder_takes_the_eager_mask_path(checkpointing):
                 model.gradient_checkpointing_enable()
         return model
 
-    original = iu.is_fake_tensor
+    original = mu.is_tracing
     if checkpointing:  # non-reentrant stops early inside each layer's last projection (above)
         _check(build, m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
                no_kernel=["aten.mm"] * 2)
@@ -310,6 +310,6 @@ def test_transformers_decoder_takes_the_eager_mask_path(checkpointing):
         assert abs(p.peak_bytes - real.peaks[2]) <= 12
         assert _aligned(_normalise_fake(p.ops), _real_ops(real, 2)) == []
     # the library's own answer is back, and it never changed for other fake tensors
-    assert iu.is_fake_tensor is original
+    assert mu.is_tracing is original
     with FakeTensorMode() as mode:
-        assert iu.is_fake_tensor(mode.from_tensor(torch.ones(2)))
+        assert mu.is_tracing(mode.from_tensor(torch.ones(2)))

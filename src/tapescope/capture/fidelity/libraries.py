@@ -4,7 +4,7 @@ A model library may check for fake tensors itself to avoid a data-dependent bran
 nobody can answer while tracing. tapescope's fake tensors stand for a real eager step, which takes
 the other branch; where the library's question changes the op sequence or the memory, the real
 answer is given for the capture's own tensors, and the branch's data-dependent question goes to
-tapescope like any other (values from data_values.py; otherwise a retry or a clear message).
+tapescope like any other (values from data_values.py), where tapescope can answer it.
 
 A rule names the module, the attribute that answers, and how to answer for the capture
 (`answer(original, tape) -> replacement`). Why a module attribute and not the TorchFunctionMode
@@ -35,25 +35,35 @@ class LibraryBranch:
     test: str
 
 
-def _not_fake_for_the_capture(original, tape):
-    def is_fake_tensor(x) -> bool:
-        if getattr(x, "fake_mode", None) is tape:
-            return False  # a tensor of the eager step tapescope stands for
-        return original(x)
-    return is_fake_tensor
+def _eager_where_answerable(original, tape):
+    """is_tracing(t) for the masking code: the eager step's False where tapescope can answer the
+    question that follows (the tensor's values are known, data_values.py), the library's own
+    answer otherwise. In the first attempt of a capture no values are tracked yet: False lets
+    the question reach tapescope, which stops it as data-dependent, and the capture is retried
+    with values (session.capture); there an input without values (an attention mask given as a
+    shape) keeps the traced path, as before this rule."""
+    def is_tracing(tensor=None) -> bool:
+        if tensor is None or getattr(tensor, "fake_mode", None) is not tape or original(None):
+            return original(tensor)  # not the capture's tensor, or truly compiling / tracing
+        values = tape.fidelity.values
+        if values is None or values.shape_env is None:
+            return False
+        return values.value(tensor) is None
+    return is_tracing
 
 
 LIBRARY_BRANCHES = (
-    # transformers' is_tracing(t) is true for a FakeTensor, and its masking code then skips the
+    # transformers' masking code asks is_tracing(t), true for any FakeTensor, and then skips the
     # checks of an eager step: find_packed_sequence_indices returns the packed-sequence mask
-    # without asking whether position_ids hold one sequence (they do: arange), and a full 4-D
-    # attention mask is built where the eager step passes none to SDPA (+2.35% on a 2-layer
-    # Llama with use_cache=False, +1.40% with gradient checkpointing). Under torch.compile,
-    # is_tracing stays true through is_torchdynamo_compiling(), as in the real compiled step.
-    LibraryBranch("transformers.utils.import_utils", "is_fake_tensor",
-                  _not_fake_for_the_capture,
-                  source="transformers/utils/import_utils.py (is_tracing, is_fake_tensor); "
-                         "masking_utils.py (find_packed_sequence_indices, _ignore_causal_mask_sdpa)",
+    # without asking whether position_ids hold one sequence (an arange: they do), and a full
+    # 4-D attention mask is built where the eager step gives SDPA none (+2.35% on a 2-layer
+    # Llama with use_cache=False, +1.40% with gradient checkpointing, which forces it). Only
+    # the masking module's name is answered: other checks (modeling_utils' padding warning reads
+    # input_ids) keep the library's answer. Under torch.compile is_tracing stays true, as in the
+    # real compiled step.
+    LibraryBranch("transformers.masking_utils", "is_tracing", _eager_where_answerable,
+                  source="transformers/masking_utils.py (find_packed_sequence_indices, "
+                         "_ignore_causal_mask_sdpa); utils/import_utils.py (is_tracing)",
                   test="tests/test_checkpoint.py::test_transformers_decoder_takes_the_eager_mask_path"),
 )
 
