@@ -42,6 +42,34 @@ def build():
     return Net()
 
 
+class RoutedBlock(nn.Module):
+    """Experts chosen per token by a data-dependent selection (`nonzero`), as an MoE layer does;
+    token i goes to expert i % experts, so the real run and tapescope's values agree."""
+
+    def __init__(self, d, experts=3):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        owner = torch.arange(flat.shape[0], device=x.device) % len(self.experts)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            idx = (owner == e).nonzero().squeeze(1)  # a size only the values decide
+            out = out.index_add(0, idx, expert(flat[idx]))
+        return x + out.reshape(x.shape)
+
+
+class RoutedNet(Net):
+    def __init__(self, d=D, n=2):
+        super().__init__(d, n)
+        self.blocks = nn.ModuleList(RoutedBlock(d) for _ in range(n))
+
+
+def build_routed():
+    return RoutedNet()
+
+
 def fsdp(model, mesh):
     for b in model.blocks:
         fully_shard(b, mesh=mesh)

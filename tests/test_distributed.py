@@ -26,18 +26,23 @@ STEPS = 3    # steps 2 and 3 are both the steady state
 REPEATS = 2  # each case runs twice in the same processes: more observations of each step
 CASES = {
     2: [("fsdp", {"dp": 2}, dm.fsdp), ("tp", {"tp": 2}, dm.tp),
-        ("replicate", {"dp": 2}, dm.replicate)],  # data parallelism, FSDP2's DDP
+        ("replicate", {"dp": 2}, dm.replicate),  # data parallelism, FSDP2's DDP
+        ("fsdp routed", {"dp": 2}, dm.fsdp)],  # experts picked by nonzero: sizes from values
     4: [("fsdp", {"dp": 4}, dm.fsdp), ("fsdp+tp", {"dp": 2, "tp": 2}, dm.fsdp_tp)],
 }
 SCALAR_TEMPS = 16  # the CPU kernels' Python-scalar temporaries (README, Accuracy): 4-12 bytes
+
+
+def _build(name):
+    return dm.build_routed if "routed" in name else dm.build
 
 
 @pytest.fixture(scope="module")
 def real():
     out = {}
     for world, cases in CASES.items():
-        jobs = [RealJob(dm.build, (dm.INPUT,), mesh, par, steps=STEPS)
-                for _, mesh, par in cases for _ in range(REPEATS)]
+        jobs = [RealJob(_build(name), (dm.INPUT,), mesh, par, steps=STEPS)
+                for name, mesh, par in cases for _ in range(REPEATS)]
         runs = run_real_jobs(jobs)
         for i, (name, _, _) in enumerate(cases):
             out[(world, name)] = runs[i * REPEATS:(i + 1) * REPEATS]
@@ -56,7 +61,7 @@ def _matches(pred: int, observed: list) -> None:
 @pytest.mark.parametrize("world,name", [(w, n) for w, cases in CASES.items() for n, _, _ in cases])
 def test_every_rank_matches_its_real_process(real, world, name):
     mesh, par = next((m, p) for n, m, p in CASES[world] if n == name)
-    p = tapescope.profile(dm.build, dm.INPUT, mesh=mesh, parallelize=par)
+    p = tapescope.profile(_build(name), dm.INPUT, mesh=mesh, parallelize=par)
     assert len(p.ranks) == world
     runs = real[(world, name)]
     for members in p.distributed.classes.members:

@@ -276,24 +276,7 @@ def profile_workload(workload: Workload, options: Options, progress=None) -> Pro
         # built once: at() traces it again outside the formulas' range
         workload = replace(workload, model=build_on_meta(workload.model))
     trace, facts = capture(workload, options, progress)
-    inputs = [_describe_input(x) for x in workload.args]
-    sp = None
-    with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
-        from .analysis.data_sizes import data_size_report
-
-        if trace.symbols:  # named dimensions, or sizes the data decides
-            from .analysis.symbolic import instantiate, symbolic_profile
-
-            sp, sym_trace, conv = symbolic_profile(trace)
-            data_sizes = data_size_report(trace, sp)
-            trace = instantiate(sym_trace, conv, trace.hints)
-            inputs = [_describe_input(x, trace_hints=sp.hints) for x in workload.args]
-        else:
-            data_sizes = data_size_report(trace, None)
-        p = analyse(trace, facts, model=workload.display_name, options=options, inputs=inputs)
-    p.symbolic, p.data_sizes = sp, data_sizes
-    if data_sizes is not None:
-        p.facts["data_sizes"] = data_sizes.to_dict()
+    p = _analyse_captured(trace, facts, workload, options)
     if options.symbolic:
         def retrace(sizes):
             resized = replace(workload, args=_resize(workload.args, sizes),
@@ -301,10 +284,10 @@ def profile_workload(workload: Workload, options: Options, progress=None) -> Pro
             return profile_workload(resized, options.but(symbolic=()))
 
         p._retrace = retrace
-        if sp.specialized:
+        if p.symbolic.specialized:
             from .analysis.symbolic import fit_pinned
 
-            fit_pinned(sp, retrace)
+            fit_pinned(p.symbolic, retrace)
     return p
 
 
@@ -348,15 +331,35 @@ def analyse(trace: Trace, facts: dict, *, model: str, options: Options, inputs) 
     return p
 
 
+def _analyse_captured(trace: Trace, facts: dict, workload: Workload, options: Options) -> Profile:
+    """`analyse`, with the formulas of a trace that has symbols (named dimensions, or sizes the
+    data decides) evaluated at their values."""
+    inputs = [_describe_input(x) for x in workload.args]
+    sp = None
+    with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
+        from .analysis.data_sizes import data_size_report
+
+        if trace.symbols:
+            from .analysis.symbolic import instantiate, symbolic_profile
+
+            sp, sym_trace, conv = symbolic_profile(trace)
+            data_sizes = data_size_report(trace, sp)
+            trace = instantiate(sym_trace, conv, trace.hints)
+            inputs = [_describe_input(x, trace_hints=sp.hints) for x in workload.args]
+        else:
+            data_sizes = data_size_report(trace, None)
+        p = analyse(trace, facts, model=workload.display_name, options=options, inputs=inputs)
+    p.symbolic, p.data_sizes = sp, data_sizes
+    if data_sizes is not None:
+        p.facts["data_sizes"] = data_sizes.to_dict()
+    return p
+
+
 def _profile_ranks(workload: Workload, options: Options, progress=None) -> Profile:
     from .distributed.profile import profile_ranks
 
-    inputs = [_describe_input(x) for x in workload.args]
-
     def analyse_rank(trace, facts):
-        with _gc_paused():
-            return analyse(trace, facts, model=workload.display_name, options=options,
-                           inputs=inputs)
+        return _analyse_captured(trace, facts, workload, options)
 
     p, ranks, dist = profile_ranks(workload, options, analyse_rank, progress)
     p.ranks, p.distributed = ranks, dist

@@ -96,7 +96,7 @@ class SymbolicProfile:
             for i, e in enumerate(exprs[:-1])], (exprs[-1], True))
 
     def category_exprs(self) -> list[dict]:
-        return [{c: self.expr(p.categories[c]) for c in CATEGORIES} for p in self.pieces]
+        return [{c: self.expr(v) for c, v in p.categories.items()} for p in self.pieces]
 
     # ---- evaluation -----------------------------------------------------------------------
 
@@ -123,7 +123,7 @@ class SymbolicProfile:
         first, _ = _best(self.first_pieces, vals)
         return Estimate(dict(zip(self.names, vals)), best, first,
                         {k: _eval(v, vals) for k, v in self.flops_poly.items()},
-                        {c: _eval(best_piece.categories[c], vals) for c in CATEGORIES},
+                        {c: _eval(v, vals) for c, v in best_piece.categories.items()},
                         best_piece.op)
 
 
@@ -353,13 +353,13 @@ def _pieces(trace: Trace, view: StepView, conv: _Converter, categories, lows) ->
         p, ps = polys(sid)
         _add(total, p, 1)
         _add(total_s, ps, 1)
-        _add(by_cat[categories[sid]], p, 1)
+        _add(by_cat.setdefault(categories[sid], {}), p, 1)  # + a rank's distributed ones
     pieces = [(dict(total_s), Piece(dict(total), 0, {c: dict(v) for c, v in by_cat.items()}))]
     for _, pos, sid, delta in device_events(trace, view):
         p, ps = polys(sid)
         _add(total, p, delta)
         _add(total_s, ps, delta)
-        _add(by_cat[categories[sid]], p, delta)
+        _add(by_cat.setdefault(categories[sid], {}), p, delta)
         if delta < 0:
             continue
         if any(_covers(qs, total_s) for qs, _ in pieces):

@@ -53,21 +53,24 @@ from .view_replay import ViewRegeneration
 __all__ = ["capture", "CaptureSession", "Recorder", "trace_call", "autocast"]
 
 
-def capture(workload: Workload, options: Options, progress=None) -> tuple[Trace, dict]:
+def capture(workload: Workload, options: Options, progress=None,
+            prepare=None) -> tuple[Trace, dict]:
     """Trace `options.steps` (1 or 2) training steps; returns the Trace and facts about the run.
 
     A step whose sizes depend on tensor values (a mixture of experts' routing, a boolean mask) is
     traced again with a ShapeEnv that carries those sizes as unbacked symbols, their values
     given by `options.sizes` (data_values.py); the first attempt runs without one, as most
-    steps need none. progress(step, phase) is called after each phase."""
+    steps need none. progress(step, phase) is called after each phase; `prepare(fake_model)`
+    (a distributed profile's parallelisation) runs on each attempt's fake model."""
     if not isinstance(workload.model, nn.Module) and callable(workload.model):
         workload = replace(workload, model=build_on_meta(workload.model))  # once, for both
     try:
-        return CaptureSession(workload, options, progress).run()
+        return CaptureSession(workload, options, progress, prepare=prepare).run()
     except DataDependentError:
         if options.symbolic:
             raise  # that session had a ShapeEnv and values already
-    return CaptureSession(workload, options, progress, data_dependent=True).run()
+    return CaptureSession(workload, options, progress, prepare=prepare,
+                          data_dependent=True).run()
 
 
 def autocast(device: torch.device, dtype: torch.dtype):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..capture.session import CaptureSession
+from ..capture.session import capture
 from ..errors import TapescopeError
 from ..options import Options, Workload
 from .categories import assign_roles
@@ -106,7 +106,9 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
 
             standin = cuda_without_gpu(options.gpu.compute_capability)
         with standin, eager_distributed(), fake_world(spec, rank, options.device.type) as device_mesh:
-            trace, facts = CaptureSession(workload, options, progress, prepare=prepare).run()
+            # (capture retries a step whose sizes depend on data - an MoE's routing - with
+            # values, as for one device; the fake world stays up for the retry)
+            trace, facts = capture(workload, options, progress, prepare=prepare)
             groups = process_groups(spec)
             facts["collective_groups"] = collective_groups(trace)
         facts["process_groups"] = {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
