@@ -26,31 +26,6 @@ EXACT_BYTES = 16        # Python-number scalars a CPU kernel makes inside an op 
 GOAL = 1e-3             # 0.1%
 
 
-def _forced_routing(build, routing):
-    """The real model with each router's top-k indices replaced by `routing`, written by hand:
-    balanced takes experts (t*k + j) mod E; worst gives every token expert 0 and spreads its other
-    choices round-robin over the rest (the counts tapescope's assumption gives)."""
-    import torch
-
-    def forced(logits, indices):
-        tokens, k = indices.shape
-        experts = logits.shape[-1]
-        rows = [[(t * k + j) % experts for j in range(k)] if routing == "balanced" else
-                [0] + [1 + (t * (k - 1) + j) % (experts - 1) for j in range(k - 1)]
-                for t in range(tokens)]
-        return torch.tensor(rows, dtype=indices.dtype)
-
-    def wrapped():
-        model = build()
-        for mod in model.modules():
-            if type(mod).__name__.endswith("TopKRouter"):
-                mod.register_forward_hook(
-                    lambda mod, args, out: (out[0], out[1], forced(out[0], out[2])))
-        return model
-
-    return wrapped
-
-
 def run_one(index: int, threads: int) -> dict:
     import torch
 
@@ -81,7 +56,9 @@ def run_one(index: int, threads: int) -> dict:
                               for a in p.data_sizes.assumptions]
     build = m.build
     if row.options.get("forced_routing"):
-        build = _forced_routing(build, row.options["forced_routing"])
+        from tapescope.validate.routing import forced_routing
+
+        build = forced_routing(build, row.options["forced_routing"])
     t0 = time.perf_counter()
     real = run_real_steps(build, m.inputs, m.input_kwargs, loss_fn=m.loss_fn,
                           accumulate=accumulate)

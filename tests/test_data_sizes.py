@@ -216,22 +216,9 @@ def test_mixtral_eager_experts_match_a_real_step_routed_as_assumed(routing):
     m = tiny(MIXTRAL_EAGER, batch=4, seq=64)
     p = profile_spec(m, sizes=routing)
 
-    def forced(logits, indices):
-        tokens, k = indices.shape
-        experts = logits.shape[-1]
-        rows = [[(t * k + j) % experts for j in range(k)] if routing == "balanced" else
-                [0] + [1 + (t * (k - 1) + j) % (experts - 1) for j in range(k - 1)]
-                for t in range(tokens)]
-        return torch.tensor(rows, dtype=indices.dtype)
+    from tapescope.validate.routing import forced_routing
 
-    def build():
-        model = m.build()
-        for mod in model.modules():
-            if type(mod).__name__ == "MixtralTopKRouter":
-                mod.register_forward_hook(
-                    lambda mod, args, out: (out[0], out[1], forced(out[0], out[2])))
-        return model
-
+    build = forced_routing(m.build, routing)
     real = run_real_steps(build, m.inputs, m.input_kwargs, loss_fn=m.loss_fn)
     assert _rel(p.first_step_peak_bytes, real.peaks[1]) < 1e-3
     assert _rel(p.peak_bytes, real.peaks[2]) < 1e-3

@@ -12,7 +12,6 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
 
 from ..torch_compat import dispatch_dump_table
 

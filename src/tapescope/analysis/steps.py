@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capture.records import BACKWARD, FORWARD, OPTIMIZER, Segment, Trace
+from ..capture.records import BACKWARD, FORWARD, Segment, Trace
 
 __all__ = ["StepView", "step_views"]
 

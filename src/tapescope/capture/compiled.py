@@ -43,7 +43,7 @@ import re
 import types
 import uuid
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 

@@ -9,7 +9,6 @@ choice torch makes for real tensors on the traced device instead.
 from __future__ import annotations
 
 import inspect
-from typing import Callable
 
 import torch
 

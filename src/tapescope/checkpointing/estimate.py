@@ -115,7 +115,6 @@ def unit_effects(profile, fqns: list[str]) -> list[UnitEffect]:
     trace = profile.trace
     ops = profile.ops
     categories = getattr(profile, "_categories", None) or storage_categories(trace)
-    saved_values = trace.saved_values
     seconds = _op_seconds(profile)
     cpu = trace.device.type == "cpu"
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
 
 from ..errors import TapescopeError
 

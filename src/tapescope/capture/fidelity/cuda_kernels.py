@@ -114,7 +114,7 @@ def flash_backward_scratch(ctx, func, args, kwargs, out):
                 source=f"{_ATTN} (_efficient_attention_backward: delta; "
                        "mem_eff_attention/kernel_backward.h workspace_size)", test=_TEST)
 def efficient_attention_backward_scratch(ctx, func, args, kwargs, out):
-    grad_out, q = args[0], args[1]
+    q = args[1]
     # SDPA's variant takes (b, h, s, d); the raw op (b, s, h, d)
     sdpa = func is aten._scaled_dot_product_efficient_attention_backward.default
     b, h, s_q = (q.shape[0], q.shape[1], q.shape[2]) if sdpa else \
