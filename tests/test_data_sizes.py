@@ -223,7 +223,16 @@ def test_mixtral_eager_experts_match_a_real_step_routed_as_assumed(routing):
     assert _rel(p.first_step_peak_bytes, real.peaks[1]) < 1e-3
     assert _rel(p.peak_bytes, real.peaks[2]) < 1e-3
     (a,) = p.data_sizes.assumptions
-    assert a.decided and a.where == "modeling_mixtral.py:107" and routing in a.detail
+    assert a.decided and routing in a.detail
+    # the router's top-k line of the transformers installed (its line number moves between
+    # releases: read it from the file, not from a pin)
+    import linecache
+
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+
+    name, line = a.where.split(":")
+    assert name == "modeling_mixtral.py"
+    assert "torch.topk(" in linecache.getline(mixtral.__file__, int(line))
 
 
 # ---- values the step makes or is given: literals, fills, inputs, random draws -----------------
