@@ -352,3 +352,123 @@ ROWS += [
         lambda: ModelSpec("small CNN", _SmallCNN, (spec((8, 3, 32, 32)),)), "8 x 3x32x32",
         {"accumulate": 4}),
 ]
+
+# ---- the rows an AVX-512 host first showed off (issue 23), at reduced sizes ----------------------------
+
+
+def _channels_last(name, make_spec):
+    """A model and its image input in channels-last memory format, as `model.to(memory_format=
+    torch.channels_last)` training scripts run it."""
+    def make():
+        m = make_spec()
+        build = m.build
+
+        def build_cl():
+            return build().to(memory_format=torch.channels_last)
+        return ModelSpec(name, build_cl, m.inputs, m.input_kwargs, m.loss_fn)
+    return make
+
+
+class _DCGANGenerator(nn.Module):
+    """DCGAN's generator (Radford et al.): transposed convolutions up from a latent, mse against
+    a target image."""
+
+    def __init__(self, nz=32, ngf=16):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.ConvTranspose2d(nz, ngf * 4, 4, 1, 0, bias=False), nn.BatchNorm2d(ngf * 4), nn.ReLU(),
+            nn.ConvTranspose2d(ngf * 4, ngf * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(ngf * 2),
+            nn.ReLU(),
+            nn.ConvTranspose2d(ngf * 2, ngf, 4, 2, 1, bias=False), nn.BatchNorm2d(ngf), nn.ReLU(),
+            nn.ConvTranspose2d(ngf, 3, 4, 2, 1, bias=False), nn.Tanh())
+
+    def forward(self, z):
+        out = self.net(z)
+        return F.mse_loss(out, torch.zeros_like(out))
+
+
+class _HiFiGANBlock(nn.Module):
+    """HiFi-GAN's generator pattern: a 1-D transposed-convolution upsampler and dilated 1-D
+    residual convolutions (leaky ReLU), L1 against a waveform."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.pre = nn.Conv1d(16, c, 7, padding=3)
+        self.up = nn.ConvTranspose1d(c, c // 2, 16, 8, padding=4)
+        self.res = nn.ModuleList(nn.Conv1d(c // 2, c // 2, 3, dilation=d, padding=d)
+                                 for d in (1, 3, 5))
+        self.post = nn.Conv1d(c // 2, 1, 7, padding=3)
+
+    def forward(self, mel):
+        x = self.up(F.leaky_relu(self.pre(mel), 0.1))
+        for conv in self.res:
+            x = x + conv(F.leaky_relu(x, 0.1))
+        wav = torch.tanh(self.post(F.leaky_relu(x, 0.1)))
+        return F.l1_loss(wav, torch.zeros_like(wav))
+
+
+class _UNet3D(nn.Module):
+    """A small 3-D U-Net (volumetric segmentation): Conv3d, max-pool, transposed Conv3d, skip."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv3d(1, c, 3, padding=1), nn.ReLU(),
+                                  nn.Conv3d(c, c, 3, padding=1), nn.ReLU())
+        self.mid = nn.Sequential(nn.Conv3d(c, 2 * c, 3, padding=1), nn.ReLU())
+        self.up = nn.ConvTranspose3d(2 * c, c, 2, stride=2)
+        self.out = nn.Conv3d(2 * c, 3, 1)
+
+    def forward(self, x):
+        d = self.down(x)
+        m = self.mid(F.max_pool3d(d, 2))
+        logits = self.out(torch.cat([self.up(m), d], dim=1))
+        return F.cross_entropy(logits, torch.zeros(logits.shape[0], *logits.shape[2:],
+                                                   dtype=torch.long))
+
+
+def _segformer():
+    import transformers
+
+    config = transformers.SegformerConfig(num_channels=3, num_encoder_blocks=2, depths=[1, 1],
+                                          sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                          patch_sizes=[7, 3], strides=[4, 2],
+                                          num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                                          decoder_hidden_size=32, num_labels=4)
+    labels = spec((2, 64, 64), dtype=torch.int64, high=4)
+    return ModelSpec("hf:SegformerForSemanticSegmentation",
+                     lambda: transformers.SegformerForSemanticSegmentation(config),
+                     (spec((2, 3, 64, 64)),), {"labels": labels})
+
+
+class _AutocastGPT(nn.Module):
+    """A small GPT whose forward runs under CPU autocast in bf16 (the bf16 matmul kernels)."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+
+        self.gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=256))
+
+    def forward(self, tokens):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.gpt(tokens, labels=tokens).loss
+
+
+ROWS += [
+    Row("hf vision", "hf:ConvNextV2Config", _hf_vision("ConvNextV2Config", num_stages=2,
+                                                       hidden_sizes=[16, 32], depths=[1, 1],
+                                                       image_size=32), "2 x 32"),
+    _row("timm", "timm:edgenext_xx_small", batch=2, seq=64),
+    Row("timm", "timm:mobilenetv4_conv_small (channels-last)",
+        _channels_last("timm:mobilenetv4_conv_small",
+                       _zoo("timm:mobilenetv4_conv_small", 2, 64)), "2 x 64"),
+    _row("timm", "timm:eva02_tiny_patch14_224", batch=1, seq=None),
+    _row("timm", "timm:dla34", batch=2, seq=64),
+    Row("hf vision", "hf:SegformerForSemanticSegmentation", _segformer, "2 x 64"),
+    _plain("DCGAN generator", _DCGANGenerator, spec((4, 32, 1, 1))),
+    _plain("HiFi-GAN-like upsampler", _HiFiGANBlock, spec((2, 16, 32))),
+    _plain("3-D U-Net", _UNet3D, spec((2, 1, 16, 16, 16))),
+    _plain("GPT under CPU autocast bf16", _AutocastGPT,
+           spec((2, 32), dtype=torch.int64, high=256)),
+]

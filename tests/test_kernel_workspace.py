@@ -175,20 +175,23 @@ def test_lstm_matches_the_allocator(batch, seq, input_size, hidden, layers, bidi
 
 class _Conv(torch.nn.Module):
     """One convolution whose input needs a gradient (a parameter scales it), so that its
-    backward computes grad_input too; `first=True` keeps the input leaf (a first layer)."""
+    backward computes grad_input too; `first=True` keeps the input leaf (a first layer);
+    `dims=3` makes it a Conv3d."""
 
     def __init__(self, c, o, k, stride=1, padding=0, dilation=1, groups=1, channels_last=False,
-                 first=False):
+                 first=False, dims=2):
         super().__init__()
-        self.conv = torch.nn.Conv2d(c, o, k, stride, padding, dilation, groups)
-        self.scale = torch.nn.Parameter(torch.ones(c, 1, 1))
+        conv = torch.nn.Conv3d if dims == 3 else torch.nn.Conv2d
+        self.conv = conv(c, o, k, stride, padding, dilation, groups)
+        self.scale = torch.nn.Parameter(torch.ones(c, *(1,) * dims))
         self.channels_last, self.first = channels_last, first
+        self.format = torch.channels_last_3d if dims == 3 else torch.channels_last
 
     def forward(self, x):
         if not self.first:
             x = x * self.scale
         if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=self.format)
         return self.conv(x).pow(2).sum()
 
 
@@ -213,6 +216,11 @@ CONVS = {  # name -> (_Conv arguments, input shape); the kernels named are AVX2'
     "7x7/2 stem of a first layer": ((3, 64, 7, 2, 3, 1, 1, False, True), (2, 3, 64, 64)),
     "3x3/2 NCHW": ((64, 128, 3, 2, 1), (2, 64, 16, 16)),
     "grouped NCHW": ((64, 64, 3, 1, 1, 1, 4), (2, 64, 16, 16)),
+    "few input channels (AVX-512 pads them to a block)": ((8, 64, 3, 1, 1), (2, 8, 16, 16)),
+    "3-D, few channels (GEMM weight gradient, columns per depth slice)":
+        ((8, 8, 3, 1, 1, 1, 1, False, False, 3), (2, 8, 16, 16, 16)),
+    "3-D (direct weight gradient, batch-split reduction)":
+        ((16, 16, 3, 1, 1, 1, 1, False, False, 3), (2, 16, 8, 8, 8)),
 }
 
 

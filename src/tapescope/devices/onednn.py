@@ -9,18 +9,25 @@ is reordered into a buffer the size of the operand in that layout (blocked layou
 channels up to the block: 8 floats on AVX2, 16 on AVX-512), and the scratchpad is allocated
 through PyTorch's allocator (ideep's scratchpad mode "user").
 
-What is modelled from the kernels' sources, and checked against the allocator on an AVX2 machine
-(tests/test_kernel_workspace.py):
+What is modelled from the kernels' sources, and checked against the allocator on AVX2 machines
+and on an AVX-512 one (an AMD EPYC; tests/test_kernel_workspace.py, which also caps that host at
+AVX2 in a child process):
 - NCHW: the blocked direct kernels (jit_avx2_convolution, jit_avx2_1x1_convolution,
-  jit_avx2_dw_convolution) - their layouts, so the reorders, and the padded-bias scratchpad;
+  jit_avx2_dw_convolution; jit_avx512_common_convolution, _1x1_, _dw_) - their layouts, so the
+  reorders, and the padded-bias scratchpad; 2-D and 3-D;
+- AVX-512's direct weight gradient (jit_avx512_common_conv_bwd_weights_kernel_f32_t): its own
+  applicability (kernels taller than the map, channels-last depthwise padded per group), its
+  `balance` and the batch-split reduction buffers, the bias gradient's cpu_reducer and their
+  page-aligned barriers; where it refuses, oneDNN goes on to the AVX2 kernels, which an AVX-512
+  machine also runs;
 - the GEMM fallback for weight gradients (gemm_convolution_bwd_weights_t, src/cpu/
-  gemm_convolution_utils.cpp), taken where the direct kernel refuses (dilation, kw >= 14,
-  kh > ih, ...): per-thread im2col columns and per-thread weight accumulators
-  (`key_conv_wei_reduction`, booked as `nthr * weights_d.size()` floats - bytes counted as
-  floats, so four times the weights per thread).
-Everything else (brgemm kernels for channels-last tensors and for first-layer backward-data,
-the GEMM forward whose blocking follows the L2 size, AVX-512 kernels, which this project has
-not measured yet) is a heuristic: the reorders follow the layouts the kernel is known to pick,
+  gemm_convolution_utils.cpp), taken where the direct kernels refuse: per-thread im2col columns
+  of one depth slice and per-thread weight accumulators (`key_conv_wei_reduction`, booked as
+  `nthr * weights_d.size()` floats - bytes counted as floats, so four times the weights per
+  thread).
+Everything else (brgemm kernels for channels-last tensors and for AVX2's first-layer
+backward-data, the GEMM forward whose blocking follows the L2 size, the 1x1 weight gradient's
+reduction buffers) is a heuristic: the reorders follow the layouts the kernel is known to pick,
 the scratchpad is an estimate, and the choice carries `exact=False` so the report says so.
 """
 
@@ -174,8 +181,9 @@ def backward_data(c: Conv, cpu: CpuTarget) -> Primitive:
     if c.channels_last:  # brgemm_convolution_bwd_t<isa>: weights into its IC blocks
         return Primitive(f"brg_conv_bwd:{isa}", weights=_rnd_up(c.ic_g, 3 * block) * c.groups
                          * c.oc_g * c.ks * _F32, scratchpad=_brgemm_scratch(c, cpu), exact=False)
-    if _flat(c, cpu) and not c.pointwise:
-        # the direct kernel refuses a flat source; the brgemm kernels run in NHWC
+    if _flat(c, cpu) and not c.pointwise and isa != "avx512":
+        # AVX2's direct kernel refuses a flat source; the brgemm kernels run in NHWC (AVX-512's
+        # direct kernel pads the few channels to a block instead: is_1stconv is false there)
         return Primitive(f"brgconv_strided:{isa}", src=_plain(c.mb, c.oc, c.out_spatial),
                          weights=_rnd_up(c.ic, block) * c.oc * c.ks * _F32,
                          dst=_plain(c.mb, c.ic, c.in_spatial),
@@ -327,21 +335,23 @@ def _dw_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive:
 
 def _gemm_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive:
     """gemm_convolution_bwd_weights_t on plain layouts (gemm_convolution_utils.cpp, init_conf,
-    the `!jcp.is_nspc && is_bwd_w` branch)."""
+    the `!jcp.is_nspc && is_bwd_w` branch). Its `os` and `is` are one depth slice (oh * ow,
+    ih * iw): a 3-D convolution's columns are made slice by slice."""
     weights = c.oc * c.ic_g * c.ks * _F32          # weights_d.size(), in bytes
     src, dst = _plain(c.mb, c.ic, c.in_spatial), _plain(c.mb, c.oc, c.out_spatial)
+    os = prod(c.out_size[-2:])
     # 1 GiB, or 15 x threads x the operands: above it the columns are cut to an os block
     limit = min(1 << 30, 15 * cpu.threads * (src + weights + dst))
     estimate = _F32 * cpu.threads * weights + _F32 * cpu.threads * c.ic_g * c.ks * cpu.simd_floats
-    outer = (estimate < limit and c.out_spatial // cpu.threads < 256
+    outer = (estimate < limit and os // cpu.threads < 256
              and (c.mb != 1 or c.groups > 2))
     nthr = cpu.threads if outer else 1
     reduction = nthr * weights * _F32 + _ALIGN  # book<float>(nthr * weights_d.size())
     unit = (c.in_size == c.out_size and all(s == 1 for s in c.stride) and c.ks == 1)
-    os_block = c.out_spatial
+    os_block = os
     col = 0 if unit else c.ic_g * c.ks * os_block
     if col and limit - reduction < nthr * col * _F32:  # cut the columns to fit
-        max_os_block = (limit - reduction) // (_F32 * nthr * (col // c.out_spatial))
+        max_os_block = (limit - reduction) // (_F32 * nthr * (col // os))
         os_block = max(cpu.simd_floats, int(max_os_block * 0.05))
         col = c.ic_g * c.ks * os_block
     columns = nthr * col * _F32 + _ALIGN if col else 0
@@ -381,20 +391,29 @@ def _avx512_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive | 
     Unlike the AVX2 kernel it takes kernels taller than the map (a 3x3 on a 2x2 map, a 9x9
     depthwise on 2x2 channels-last) as long as the padding is at most half the kernel; it pads
     channels to 16 (NCHW; per group on NHWC) and reduces the threads' partial weight gradients
-    in `key_conv_wei_bia_reduction` when `balance` splits the batch (init_scratchpad)."""
-    if len(c.kernel) != 2:
+    in `key_conv_wei_bia_reduction` when `balance` splits the batch (init_scratchpad).
+    3-D convolutions (harness_3d_reduction) follow the same code."""
+    if len(c.kernel) not in (2, 3):
         return None
-    (kh, kw), (ih, iw), (oh, ow) = c.kernel, c.in_size, c.out_size
-    (sh, sw), (t_pad, l_pad) = c.stride, c.padding
-    dh, dw = c.dilation[0] - 1, c.dilation[1] - 1          # oneDNN's dilation: 0 = none
+    three_d = len(c.kernel) == 3
+    pad3 = (1,) * (3 - len(c.kernel))                       # a 2-D problem has depth 1
+    (kd, kh, kw), (id_, ih, iw), (od, oh, ow) = (pad3 + c.kernel, pad3 + c.in_size,
+                                                 pad3 + c.out_size)
+    (sh, sw), (t_pad, l_pad) = c.stride[-2:], c.padding[-2:]
+    dh, dw = c.dilation[-2] - 1, c.dilation[-1] - 1        # oneDNN's dilation: 0 = none
     ext_kh, ext_kw = (kh - 1) * (dh + 1) + 1, (kw - 1) * (dw + 1) + 1
     if (dh and sh != 1) or (dh and ext_kh > ih):
         return None
+    if three_d:  # no depth dilation; the depth padding inside the kernel
+        sd, f_pad = c.stride[0], c.padding[0]
+        back_pad = max(0, (od - 1) * sd + kd - id_ - f_pad)
+        if c.dilation[0] != 1 or f_pad >= kd or back_pad >= kd or (f_pad and kd >= id_ + f_pad):
+            return None
     r_pad = max(0, (ow - 1) * sw + ext_kw - iw - l_pad)
     b_pad = max(0, (oh - 1) * sh + ext_kh - ih - t_pad)
     nxc = c.channels_last
     first = c.groups == 1 and c.ic < 16                     # is_1stconv on avx512_core
-    hw_transp = (not nxc and 14 <= kw < 20 and ow == 1 and kw == iw and sh == sw == 1
+    hw_transp = (not three_d and not nxc and 14 <= kw < 20 and ow == 1 and kw == iw and sh == sw == 1
                  and not dh and not dw and not any((t_pad, l_pad, r_pad, b_pad)))
     if not (l_pad < ext_kw and r_pad < ext_kw and t_pad <= ext_kh // 2 and b_pad <= ext_kh // 2
             and l_pad <= _AVX512_MAX_UR_W and r_pad <= _AVX512_MAX_UR_W):
@@ -408,40 +427,75 @@ def _avx512_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive | 
         return None
     oc = _rnd_up(c.oc_g, 16) if pad else c.oc_g
     ic = c.ic_g if first else (_rnd_up(c.ic_g, 16) if pad else c.ic_g)
-    nthr_mb = _avx512_bwd_weights_nthr_mb(c, cpu.threads, oc, ic, ih, oh, iw, ow, nxc,
-                                          hw_transp, dh)
+    nthr_mb, nthr = _avx512_bwd_weights_threads(c, cpu.threads, oc, ic, (id_, ih, iw),
+                                                (od, oh, ow), nxc, hw_transp, dh)
     scratch = 0
     if nthr_mb > 1:
         weights_and_bias = c.groups * _rnd_up(oc, 16) * (ic if first else _rnd_up(ic, 16)) \
             * c.ks + c.groups * _rnd_up(oc, 16)
         scratch += weights_and_bias * (nthr_mb - 1) * _F32 + _ALIGN
-        scratch += _BARRIER_CTX + _ALIGN                    # key_conv_wei_bia_reduction_bctx
+        scratch += _barriers(1)                             # key_conv_wei_bia_reduction_bctx
     if c.bias and c.oc_g % 16:
         scratch += c.groups * _rnd_up(oc, 16) * _F32 + _ALIGN  # key_conv_padded_bias
-    # measured on an AVX-512 host: a first layer whose batch the threads split books 8,192 B
-    # more scratchpad than init_scratchpad and the bias reducer account for (not found in the
-    # sources yet); every other case is exact
-    exact = not (first and nthr_mb > 1)
+    if c.bias:  # init_balancers: the bias gradient's cpu_reducer_t (prefix_reducer_bia)
+        scratch += _cpu_reducer_scratch(nthr, 16, c.groups * -(-oc // 16), c.mb,
+                                        nthr * 3 * 5 * 5 * 16 * 16)
     if nxc:
         weights = c.groups * _rnd_up(c.oc_g, 16) * _rnd_up(c.ic_g, 16) * c.ks * _F32
-        return Primitive("jit:avx512", dst=weights, bias=bias, scratchpad=scratch, exact=exact)
+        return Primitive("jit:avx512", dst=weights, bias=bias, scratchpad=scratch)
     return Primitive("jit:avx512", src=0 if first else _blocked(c.mb, c.ic, c.in_spatial, 16),
                      diff_dst=_blocked(c.mb, c.oc, c.out_spatial, 16),
-                     dst=_direct_weights(c, 16, first), bias=bias, scratchpad=scratch,
-                     exact=exact)
+                     dst=_direct_weights(c, 16, first), bias=bias, scratchpad=scratch)
 
 
-_BARRIER_CTX = 64   # sizeof(simple_barrier::ctx_t): one cache line
+_PAGE = 4096
 
 
-def _avx512_bwd_weights_nthr_mb(c: Conv, nthreads: int, oc: int, ic: int, ih: int, oh: int,
-                                iw: int, ow: int, nxc: bool, hw_transp: bool, dh: int) -> int:
-    """The threads that split the batch: jit_avx512_common_conv_bwd_weights_kernel_f32_t::
-    balance (its two cost searches, followed line by line), for the 2-D harnesses."""
+def _barriers(n: int) -> int:
+    """`book<simple_barrier::ctx_t>(key, n)`: the barrier context is 4096-aligned on Linux
+    (cpu_barrier.hpp CTX_ALIGNMENT), so sizeof is a page and the booking's alignment a page too
+    (memory_tracking.hpp: capacity = size + max(alignof(T), 128))."""
+    return n * _PAGE + _PAGE
+
+
+def _cpu_reducer_scratch(nthr: int, job_size: int, njobs: int, reduction_size: int,
+                         max_buffer_size: int) -> int:
+    """cpu_reducer_t's scratchpad (src/cpu/x64/cpu_reducer.cpp): reduce_balancer_t::balance
+    splits the threads into groups; with more than one thread per group, the space of all but
+    the groups' masters, page-aligned, and a barrier per group."""
+    min_per_group = max(1, njobs // nthr)
+    max_per_group = max(1, max_buffer_size // (nthr * job_size))
+    ngroups = min(njobs // min_per_group, nthr)
+    nthr_per_group = min(nthr // ngroups, reduction_size)   # lock-free: threads may share a group
+    per_group_ub = -(-njobs // ngroups)
+    best = njobs * job_size * reduction_size
+    for c_per_group in range(min_per_group, njobs):
+        c_ngroups = min(njobs // c_per_group, nthr)
+        c_nthr = min(nthr // c_ngroups, reduction_size)
+        c_ub = -(-njobs // c_ngroups)
+        if c_nthr > 1 and c_ub > max_per_group:
+            continue
+        cost = job_size * c_ub * (-(-reduction_size // c_nthr) + (c_nthr != 1))
+        if cost < best:
+            ngroups, nthr_per_group, per_group_ub, best = c_ngroups, c_nthr, c_ub, cost
+    if nthr_per_group == 1:
+        return 0
+    space = ngroups * (nthr_per_group - 1) * per_group_ub * job_size * _F32
+    return space + _PAGE + _barriers(ngroups)               # book<float>(..., PAGE_4K)
+
+
+def _avx512_bwd_weights_threads(c: Conv, nthreads: int, oc: int, ic: int, in_dhw: tuple,
+                                out_dhw: tuple, nxc: bool, hw_transp: bool,
+                                dh: int) -> tuple[int, int]:
+    """(threads that split the batch, threads in all): jit_avx512_common_conv_bwd_weights_
+    kernel_f32_t::balance (its two cost searches, followed line by line)."""
     if nthreads < c.groups:
-        return 1
+        return 1, nthreads
     nthr = nthreads // c.groups
-    two_d = not dh and oh > _AVX512_MIN_OH_REDUCE and not hw_transp and not nxc
+    (id_, ih, iw), (od, oh, ow) = in_dhw, out_dhw
+    three_d = len(c.kernel) == 3
+    two_d = (not three_d and not dh and oh > _AVX512_MIN_OH_REDUCE and not hw_transp
+             and not nxc)
     if hw_transp:
         ih, oh, iw, ow = iw, ow, ih, oh                     # tr_ih, ow-as-oh, tr_iw, oh-as-ow
     ih_r, oh_r = (ih, oh) if two_d else (1, 1)
@@ -450,12 +504,13 @@ def _avx512_bwd_weights_nthr_mb(c: Conv, nthreads: int, oc: int, ic: int, ih: in
     nb_oc, nb_ic = -(-oc // 16), -(-ic // 16)
     ic_block = ic if (c.groups == 1 and c.ic < 16) else 16
     g = 1                                                   # div_up(ngroups, nthr_g = ngroups)
-    sd, (sh, sw) = 1, c.stride
+    sd = c.stride[0] if three_d else 1
+    sh, sw = c.stride[-2:]
 
     def mem(mb, ocb, icb):
-        return (-(-c.mb * ih_r // mb) * g * -(-nb_ic // icb) * ic_block * ih_n * iw
+        return (-(-c.mb * ih_r // mb) * g * -(-nb_ic // icb) * ic_block * ih_n * iw * id_
                 // sd // sh // sw
-                + -(-c.mb * oh_r // mb) * g * -(-nb_oc // ocb) * 16 * oh_n * ow
+                + -(-c.mb * oh_r // mb) * g * -(-nb_oc // ocb) * 16 * oh_n * ow * od
                 + 8 * g * -(-nb_oc // ocb) * -(-nb_ic // icb) * c.ks * ic_block * 16)
 
     def comp(mb, ocb, icb):
@@ -463,7 +518,7 @@ def _avx512_bwd_weights_nthr_mb(c: Conv, nthreads: int, oc: int, ic: int, ih: in
 
     best = (1, 1, 1)
     best_mem = mem(*best)
-    mb_max = min(nthr, c.mb * nthr_oh_reduce)
+    mb_max = min(nthr, c.mb * od * nthr_oh_reduce)
     for mb in range(1, mb_max + 1):
         par = nthr // mb
         for ocb in range(1, min(par, nb_oc) + 1):
@@ -482,5 +537,5 @@ def _avx512_bwd_weights_nthr_mb(c: Conv, nthreads: int, oc: int, ic: int, ih: in
                 best_comp, best = work, (mb, ocb, icb)
     nthr_mb = best[0]
     if nthreads // 2 < nthr_mb < nthreads:
-        nthr_mb = min(c.mb * nthr_oh_reduce, nthreads)
-    return nthr_mb
+        nthr_mb = min(c.mb * od * nthr_oh_reduce, nthreads)
+    return nthr_mb, nthr_mb * c.groups * best[1] * best[2]

@@ -106,8 +106,8 @@ def backward_steps(c: onednn.Conv, d: onednn.Primitive | None,
 
 def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                groups) -> bool:
-    if transposed or x.dtype != torch.float32 or x.dim() not in (3, 4):
-        return False  # not modelled: transposed, 3-D and reduced-precision convolutions
+    if transposed or x.dtype != torch.float32 or x.dim() not in (3, 4, 5):
+        return False  # not modelled: transposed and reduced-precision convolutions
     backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
                                   output_padding, groups)
     threads = ctx.cpu.threads
@@ -148,7 +148,7 @@ def convolution_scratch(ctx, func, args, kwargs, out):
                       groups):
         return None
     cl = _uses_channels_last(x, weight)
-    fmt = _CL[4] if cl else torch.contiguous_format
+    fmt = _CL[max(x.dim(), 4)] if cl else torch.contiguous_format
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
     c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl)
     prim = onednn.forward(c, ctx.cpu)
@@ -166,7 +166,7 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
                       groups):
         return None
     cl = _uses_channels_last(x, weight)
-    fmt = _CL[4] if cl else torch.contiguous_format
+    fmt = _CL[max(x.dim(), 4)] if cl else torch.contiguous_format
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
     c = conv_problem(xs, ws, bool(mask[2]), stride, padding, dilation, groups, cl)
     d = onednn.backward_data(c, ctx.cpu) if mask[0] else None
