@@ -86,6 +86,35 @@ def test_reduction_copies_its_input():
         assert checked and all(m == p for m, p in checked), (name, checked)
 
 
+
+class _PixelClassifier(torch.nn.Module):
+    """A segmentation head: a 1x1 convolution's channels-last class scores, log-softmax over the
+    classes (dim 1) and a per-pixel NLL; `softmax=True` uses softmax instead."""
+
+    def __init__(self, softmax=False):
+        super().__init__()
+        self.head = torch.nn.Conv2d(16, 8, 1).to(memory_format=torch.channels_last)
+        self.softmax = softmax
+
+    def forward(self, x):
+        logits = self.head(x.contiguous(memory_format=torch.channels_last))
+        if self.softmax:
+            return logits.softmax(1).pow(2).mean()
+        return F.nll_loss(logits.log_softmax(1), torch.zeros(x.shape[0], *x.shape[2:],
+                                                             dtype=torch.long))
+
+
+@pytest.mark.parametrize("softmax", [False, True])
+def test_softmax_copies_a_non_contiguous_input(softmax):
+    """SoftMax.cpp's CPU kernels read `input.contiguous()`: channels-last logits are copied."""
+    p, real, ops = _measure(lambda: _PixelClassifier(softmax), (tapescope.spec((4, 16, 32, 32)),),
+                            optimizer="sgd")
+    name = "aten._softmax" if softmax else "aten._log_softmax"
+    checked = _excess(ops, name, "forward")
+    assert checked and all(m == p for m, p in checked), checked
+    assert checked[0][0] > 4 * 8 * 32 * 32 * 4      # the result and an input-sized copy
+    assert p.first_step_peak_bytes == real.peaks[1]
+
 class _SumOfLinear(torch.nn.Module):
     """`out.sum()` as the loss: the Linear's backward gets the expanded 1 as its gradient."""
 
