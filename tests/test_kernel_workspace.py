@@ -115,6 +115,59 @@ def test_softmax_copies_a_non_contiguous_input(softmax):
     assert checked[0][0] > 4 * 8 * 32 * 32 * 4      # the result and an input-sized copy
     assert p.first_step_peak_bytes == real.peaks[1]
 
+
+class _CrossAttention(torch.nn.Module):
+    """Queries of one sequence attending to another through F.scaled_dot_product_attention
+    (CPU: the flash kernel); `loss_on_heads` reduces the (batch, heads, seq, head) output
+    directly, so the backward's grad_out is not contiguous in the kernel's layout."""
+
+    def __init__(self, heads, head, mode):
+        super().__init__()
+        self.heads, self.head, self.mode = heads, head, mode
+        self.q = torch.nn.Linear(heads * head, heads * head)
+        self.kv = torch.nn.Linear(heads * head, 2 * heads * head)
+
+    def forward(self, x, y):
+        (b, lq, _), s = x.shape, y.shape[1]
+        q = self.q(x).view(b, lq, self.heads, self.head).transpose(1, 2)
+        k, v = (t.transpose(1, 2) for t in self.kv(y).view(b, s, 2, self.heads,
+                                                              self.head).unbind(2))
+        mask = torch.ones(b, 1, lq, s, dtype=torch.bool) if self.mode == "mask" else None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           is_causal=self.mode == "causal")
+        if self.mode == "loss_on_heads":
+            return o.pow(2).mean()
+        return o.transpose(1, 2).reshape(b, lq, -1).pow(2).mean()
+
+
+FLASH = {  # name -> (heads, head size, queries, keys, mode, threads)
+    "32-query blocks, one thread": (2, 16, 64, 64, "", 1),
+    "64-query blocks": (2, 16, 256, 64, "", 2),
+    "256-query blocks, short keys": (4, 8, 800, 100, "", 2),
+    "boolean mask": (2, 16, 64, 64, "mask", 2),
+    "causal, keys over a block": (2, 8, 70, 600, "causal", 2),
+    "grad_out copied to the kernel's layout": (2, 16, 64, 64, "loss_on_heads", 2),
+}
+
+
+@pytest.mark.parametrize("name", FLASH)
+def test_cpu_flash_attention_buffers(name):
+    """FlashAttentionKernel.cpp's per-thread buffers, sized by its query/key blocks and the
+    thread count (capture/fidelity/cpu_attention.py), against the allocator, op by op."""
+    heads, head, lq, s, mode, threads = FLASH[name]
+    build = lambda: _CrossAttention(heads, head, mode)  # noqa: E731
+    inputs = (tapescope.spec((2, lq, heads * head)), tapescope.spec((2, s, heads * head)))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        p, real, ops = _measure(build, inputs, optimizer="sgd")
+    finally:
+        torch.set_num_threads(before)
+    checked = (_excess(ops, "aten._scaled_dot_product_flash_attention_for_cpu")
+               + _excess(ops, "aten._scaled_dot_product_flash_attention_for_cpu_backward"))
+    assert len(checked) == 2 and all(m == p for m, p in checked), checked
+    assert p.first_step_peak_bytes == real.peaks[1]
+
 class _SumOfLinear(torch.nn.Module):
     """`out.sum()` as the loss: the Linear's backward gets the expanded 1 as its gradient."""
 
