@@ -60,6 +60,23 @@ def test_cuda_without_a_gpu_and_nothing_left_behind():
     assert len(a.ranks) == 4 and a.time.comm > 0 and a.ranks[0].step_seconds == a.time.seconds
 
 
+@pytest.mark.parametrize("parallelize", [dm.fsdp_own_mesh, dm.fsdp_default_mesh])
+def test_cuda_parallelize_that_builds_its_own_mesh(parallelize):
+    """init_device_mesh("cuda", ...) inside parallelize, and fully_shard without a mesh (its
+    default mesh is on the accelerator: cuda in a GPU job), on this GPU-less machine: FSDP2's
+    collectives as by hand (test_fsdp_collectives_by_hand) on a cuda mesh; the meshes' rank maps
+    are host memory, so the GPU's peak is that of the same FSDP2 on the given mesh."""
+    kw = dict(mesh={"dp": 2}, device="cuda", gpu="h100")
+    p = tapescope.profile(dm.build, dm.INPUT, parallelize=parallelize, **kw)
+    given = tapescope.profile(dm.build, dm.INPUT, parallelize=dm.fsdp, **kw)
+    assert {(k, n): c for (k, _, n), c in _rows(p).items()} == {
+        ("all_gather", BLOCK * F32): 4, ("all_gather", HEAD * F32): 1,
+        ("reduce_scatter", BLOCK * F32): 2, ("reduce_scatter", HEAD * F32): 1}
+    assert [r.peak_bytes for r in p.ranks] == [r.peak_bytes for r in given.ranks]
+    assert p.time.comm > 0
+    assert not dist.is_initialized() and torch._C._get_accelerator().type == "cpu"
+
+
 def test_ring_time_by_hand():
     """An all-gather of S bytes on n ranks moves S (n-1)/n through each link (nccl-tests' bus
     bandwidth); inside an H100 node that is NVLink at 450 GB/s per direction."""
