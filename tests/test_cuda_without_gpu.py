@@ -145,3 +145,17 @@ def test_sdpa_kernel_priority_on_cuda_without_a_gpu(compile, first):
     assert set(p.facts["sdpa_backends"]) == {first}
     assert not torch._C._dispatch_has_kernel_for_dispatch_key(
         "aten::scaled_dot_product_attention", "AutogradCUDA")
+
+
+@pytest.mark.parametrize("gpu,backend", [("h100", "cudnn"), ("a100", "flash")])
+def test_compiled_attention_takes_the_gpus_backend(gpu, backend):
+    """AOTAutograd traces F.scaled_dot_product_attention through the C++ composite, which on a
+    GPU picks the backend (sm90: cuDNN, sm80: flash, bf16, head dim 16; sdp_utils.cpp): its
+    graph holds that backend's forward and backward, not the math decomposition."""
+    p = tapescope.profile(_Attention(torch.nn.functional.scaled_dot_product_attention),
+                          tapescope.spec((2, 32, 64), dtype="bf16"), device="cuda", gpu=gpu,
+                          dtype="bf16", compile={"backend": "aot_eager"})
+    ops = {op.name for op in p.ops}
+    assert {f"aten._scaled_dot_product_{backend}_attention.default",
+            f"aten._scaled_dot_product_{backend}_attention_backward.default"} <= ops
+    assert "aten._safe_softmax.default" not in ops and "aten.bmm.default" not in ops
