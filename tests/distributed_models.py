@@ -77,6 +77,31 @@ def fsdp(model, mesh):
     return model
 
 
+def fsdp_own_mesh(model, mesh):
+    """FSDP2 on a mesh the parallelisation builds itself, under its own dimension name (as
+    torchtitan's ParallelDims does); the mesh it is given is used for its device type only."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    own = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("fsdp",))
+    return fsdp(model, own)
+
+
+def fsdp_default_mesh(model, mesh):
+    """FSDP2's most basic form: fully_shard without a mesh builds a default one over the world."""
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    return model
+
+
+def fsdp_tp_own_mesh(model, mesh):
+    """FSDP2 + TP on a 2-D DeviceMesh built from a rank tensor (the older spelling of a mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    own = DeviceMesh(mesh.device_type, torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    return fsdp_tp(model, own)
+
+
 def _tp_blocks(model, tp_mesh):
     for b in model.blocks:
         parallelize_module(b, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})

@@ -107,3 +107,55 @@ def test_prebound_sdpa_gets_the_same_kernel_as_F_sdpa():
     assert "aten._scaled_dot_product_cudnn_attention.default" in ops["prebound"]
     p = tapescope.profile(_Attention(prebound), x, device="cuda", gpu="a100", dtype="bf16")
     assert p.facts["sdpa_backends"] == {"flash": 1}  # sm80: flash
+
+
+class _PriorityAttention(_Attention):
+    """torchtitan's SDPA wrapper: the call inside sdpa_kernel(backends, set_priority=True)."""
+
+    def __init__(self, order):
+        super().__init__(torch.nn.functional.scaled_dot_product_attention)
+        self.order = order
+
+    def forward(self, x):
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(self.order, set_priority=True):
+            return super().forward(x)
+
+
+@pytest.mark.parametrize("compile", [None, {"backend": "aot_eager"}], ids=["eager", "compiled"])
+@pytest.mark.parametrize("first", ["cudnn", "flash"])
+def test_sdpa_kernel_priority_on_cuda_without_a_gpu(compile, first):
+    """sdpa_kernel([...], set_priority=True) around attention: on sm90 in bf16 with head dim 16
+    both cuDNN and flash can run (sdp_utils.cpp), so the backend is the first of the user's
+    order. Under torch.compile dynamo does not trace the context, so the call runs in eager code
+    between graphs, in the C++ composite, whose backend choice reads the device ("CUDA driver
+    version is insufficient" before): it gets the named GPU's choice too, and nothing of it is
+    left in the dispatcher afterwards."""
+    from torch.nn.attention import SDPBackend
+
+    order = {"cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+             "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]}
+    p = tapescope.profile(_PriorityAttention(order[first]), tapescope.spec((2, 32, 64), dtype="bf16"),
+                          device="cuda", gpu="h100", dtype="bf16", compile=compile)
+    ops = {op.name for op in p.ops}
+    assert f"aten._scaled_dot_product_{first}_attention.default" in ops
+    other = "flash" if first == "cudnn" else "cudnn"
+    assert f"aten._scaled_dot_product_{other}_attention.default" not in ops
+    assert set(p.facts["sdpa_backends"]) == {first}
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::scaled_dot_product_attention", "AutogradCUDA")
+
+
+@pytest.mark.parametrize("gpu,backend", [("h100", "cudnn"), ("a100", "flash")])
+def test_compiled_attention_takes_the_gpus_backend(gpu, backend):
+    """AOTAutograd traces F.scaled_dot_product_attention through the C++ composite, which on a
+    GPU picks the backend (sm90: cuDNN, sm80: flash, bf16, head dim 16; sdp_utils.cpp): its
+    graph holds that backend's forward and backward, not the math decomposition."""
+    p = tapescope.profile(_Attention(torch.nn.functional.scaled_dot_product_attention),
+                          tapescope.spec((2, 32, 64), dtype="bf16"), device="cuda", gpu=gpu,
+                          dtype="bf16", compile={"backend": "aot_eager"})
+    ops = {op.name for op in p.ops}
+    assert {f"aten._scaled_dot_product_{backend}_attention.default",
+            f"aten._scaled_dot_product_{backend}_attention_backward.default"} <= ops
+    assert "aten._safe_softmax.default" not in ops and "aten.bmm.default" not in ops

@@ -106,6 +106,7 @@ def test_h100_sxm_anchor():
     [
         ("h100-pcie", 756, 51, 2.0e12, 80),
         ("h100-nvl", 835.5, 60, 3.9e12, 94),
+        ("h800-sxm", 989.4, 66.9, 3.35e12, 80),  # H100 SXM's tensor rates, Megatron's H800 runs
         ("h200-sxm", 989.5, 67, 4.8e12, 141),
         ("b200-sxm", 2250, 75, 7.7e12, 180),
         ("a100-sxm-80gb", 312, 19.5, 2.039e12, 80),
@@ -150,6 +151,8 @@ def test_no_sparse_figures_slipped_in():
         ("A100_40GB", "a100-sxm-40gb"),
         ("h200", "h200-sxm"),
         ("b200", "b200-sxm"),
+        ("h800", "h800-sxm"),
+        ("NVIDIA H800", "h800-sxm"),
         ("4090", "rtx-4090"),
         ("RTX 4090", "rtx-4090"),
         ("l40s", "l40s"),
@@ -202,3 +205,15 @@ def test_peak_rejects_unknown_dtype():
 def test_unknown_peak_key_rejected_at_construction():
     with pytest.raises(ValueError, match="unknown peak_flops keys"):
         dataclasses.replace(get_gpu("h100"), peak_flops={"fp32": 1.0, "bfloat16": 2.0})
+
+
+def test_h800_is_an_h100_with_fp64_and_nvlink_cut():
+    """The export part of published runs (8 x H800): H100 SXM tensor rates and memory, FP64 1
+    TFLOPS, NVLink 400 GB/s both directions (200 GB/s a direction, vs 450 for H100 SXM)."""
+    from tapescope.devices.gpus import interconnect
+
+    h800, h100 = get_gpu("h800"), get_gpu("h100")
+    for dtype in ("tf32", "bf16", "fp16", "fp8", "int8", "fp32"):
+        assert h800.peak(dtype) == h100.peak(dtype)
+    assert h800.peak("fp64") == h800.peak("fp64_tensor") == 1 * T
+    assert interconnect(h800).intra_node == 200e9 and interconnect(h100).intra_node == 450e9

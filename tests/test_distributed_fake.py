@@ -60,6 +60,80 @@ def test_cuda_without_a_gpu_and_nothing_left_behind():
     assert len(a.ranks) == 4 and a.time.comm > 0 and a.ranks[0].step_seconds == a.time.seconds
 
 
+@pytest.mark.parametrize("parallelize", [dm.fsdp_own_mesh, dm.fsdp_default_mesh])
+def test_cuda_parallelize_that_builds_its_own_mesh(parallelize):
+    """init_device_mesh("cuda", ...) inside parallelize, and fully_shard without a mesh (its
+    default mesh is on the accelerator: cuda in a GPU job), on this GPU-less machine: FSDP2's
+    collectives as by hand (test_fsdp_collectives_by_hand) on a cuda mesh; the meshes' rank maps
+    are host memory, so the GPU's peak is that of the same FSDP2 on the given mesh."""
+    kw = dict(mesh={"dp": 2}, device="cuda", gpu="h100")
+    p = tapescope.profile(dm.build, dm.INPUT, parallelize=parallelize, **kw)
+    given = tapescope.profile(dm.build, dm.INPUT, parallelize=dm.fsdp, **kw)
+    assert {(k, n): c for (k, _, n), c in _rows(p).items()} == {
+        ("all_gather", BLOCK * F32): 4, ("all_gather", HEAD * F32): 1,
+        ("reduce_scatter", BLOCK * F32): 2, ("reduce_scatter", HEAD * F32): 1}
+    assert [r.peak_bytes for r in p.ranks] == [r.peak_bytes for r in given.ranks]
+    assert p.time.comm > 0
+    assert not dist.is_initialized() and torch._C._get_accelerator().type == "cpu"
+
+
+def _own_mesh(names):
+    """parallelize that builds its own mesh over the world, under the given dimension names:
+    FSDP2 on the first, tensor parallel on the second if there is one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def parallelize(model, mesh):
+        sizes = tuple(mesh.shape)
+        own = init_device_mesh(mesh.device_type, sizes, mesh_dim_names=names)
+        if len(names) == 1:
+            return dm.fsdp(model, own)
+        dm._tp_blocks(model, own[names[1]])
+        return dm.fsdp(model, own[names[0]])
+
+    return parallelize
+
+
+@pytest.mark.parametrize("mesh,names,classes", [
+    # the 10-row head over 4 ranks: 3, 3, 3 and 1 rows (torch.chunk), so rank 3 is its own class
+    ({"dp_shard": 4}, [("dp_shard",), ("fsdp",)], [(0, 1, 2), (3,)]),
+    # FSDP 2 x TP 2: the head is replicated over tp and split 5 / 5 over dp: one class
+    ({"dp_shard": 2, "tp": 2}, [("dp_shard", "tp"), ("fsdp", "tensor")], [(0, 1, 2, 3)]),
+])
+def test_rank_classes_do_not_depend_on_the_mesh_names(mesh, names, classes):
+    """The user's code names its mesh dimensions as it likes (torchtitan: dp_shard, a script:
+    fsdp): the ranks traced once, and every rank's numbers, are the same either way."""
+    a, b = (tapescope.profile(dm.build, dm.INPUT, mesh=mesh, parallelize=_own_mesh(n))
+            for n in names)
+    for p in (a, b):
+        assert [list(m) for m in p.distributed.classes.members] == [list(c) for c in classes]
+        assert sorted(p.distributed.profiles) == [c[0] for c in classes]  # traced once each
+    assert [(r.peak_bytes, r.first_step_peak_bytes) for r in a.ranks] == \
+        [(r.peak_bytes, r.first_step_peak_bytes) for r in b.ranks]
+
+
+def test_sixteen_ranks_under_names_of_their_own_trace_two():
+    """16 ranks of FSDP2 on a mesh named "fsdp" (the profile's is "dp"). By hand: every block
+    tensor splits evenly over 16 (256 and 64 rows); the head's 10 rows split as torch.chunk
+    does, 10 chunks of 1 row: ranks 0-9 hold a row of it, ranks 10-15 none. Two classes, two
+    traces (before, names that differed made every rank its own class: 16 traces)."""
+    p = tapescope.profile(dm.build, tapescope.spec((16, 16, 64)), mesh={"dp": 16},
+                          parallelize=_own_mesh(("fsdp",)))
+    assert [list(m) for m in p.distributed.classes.members] == [list(range(10)),
+                                                                 list(range(10, 16))]
+    assert len(p.ranks) == 16 and sorted(p.distributed.profiles) == [0, 10]
+
+
+def test_unprovable_classes_are_announced_before_every_rank_is_traced(monkeypatch):
+    """Where no mesh says which coordinate each rank has (torch before 2.9 without the profile's
+    names), every rank is traced: the user hears so, with the time it will take, first."""
+    from tapescope.distributed import ranks
+
+    monkeypatch.setattr(ranks, "mesh_coordinates", lambda mesh, spec: None)
+    with pytest.warns(UserWarning, match=r"tracing each of the 2 ranks, about \d+ s more"):
+        p = tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=dm.fsdp)
+    assert not p.distributed.classes.provable and sorted(p.distributed.profiles) == [0, 1]
+
+
 def test_ring_time_by_hand():
     """An all-gather of S bytes on n ranks moves S (n-1)/n through each link (nccl-tests' bus
     bandwidth); inside an H100 node that is NVLink at 450 GB/s per direction."""

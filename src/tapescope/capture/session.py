@@ -37,6 +37,7 @@ from ..torch_compat import (DimDynamic, ShapeEnv, constant_source, force_enable_
 from .data_values import DataValues
 from .engine import PythonEngine
 from .fidelity import RULES, FidelityContext, FunctionRulesMode
+from .fidelity.attention import sdpa_composite_of_the_gpu
 from .fidelity.libraries import library_branches
 from .hooks import HookRegistry, SavedTensors
 from .isolation import Isolation
@@ -293,7 +294,7 @@ class CaptureSession:
         with self.isolation.shadows(), track_modules(rec.modules, self.names), \
                 rec.saved.active(), rec.hooks.recording(), track_rng_states(rec.tape), \
                 _quiet_fake_tensor_log(), library_branches(rec.tape), \
-                rec.function_rules, self._compiling():
+                sdpa_composite_of_the_gpu(rec.fidelity), rec.function_rules, self._compiling():
             yield
 
     # ---- a compiled step (options.compile) ---------------------------------------------------

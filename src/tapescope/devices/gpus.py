@@ -138,6 +138,22 @@ _TABLE: tuple[GPU, ...] = (
                "(https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper); "
                "NVIDIA H100 PCIe datasheet / product brief PB-11133-001",
     ),
+    # H800 SXM5: the H100 SXM5 (same GH100 board, 132 SMs, 80 GB HBM3 at 3.35 TB/s, up to 700 W)
+    # with FP64 cut to 1 TFLOPS (vector and tensor) and NVLink to 400 GB/s (both directions);
+    # tensor rates as printed for H100 SXM, sparse halved (BF16 1,979* -> 989.4). Published runs
+    # on it: Megatron-LM PR #482 (Llama-2-7B on 8 x H800, reference/published_runs.md). L2 and
+    # reported memory: no H800 printout found; the H100 SXM's (same die and memory) are used.
+    GPU(
+        key="h800-sxm", name="NVIDIA H800 SXM5 80GB", arch="hopper", compute_capability=(9, 0),
+        memory_bytes=80 * _GIB, reported_memory_bytes=None,
+        memory_bandwidth=3.35e12, sms=132, l2_bytes=50 * _MIB, tdp_watts=700,
+        peak_flops={"fp64": 1 * _T, "fp64_tensor": 1 * _T, "fp32": 66.9 * _T,
+                    "tf32": 494.7 * _T, "bf16": 989.4 * _T, "fp16": 989.4 * _T,
+                    "fp8": 1978.9 * _T, "int8": 1978.9 * _T},
+        source="NVIDIA H800 Tensor Core GPU datasheet, H800 SXM column (FP64 1 TFLOPS, NVLink "
+               "400GB/s, 80GB, 3.35TB/s, up to 700W; tensor rates as H100 SXM); NVIDIA H100 "
+               "whitepaper v1.04 Table 3 for the dense rates",
+    ),
     # H100 datasheet / product page spec table, H100 NVL column: FP64 30, FP64 Tensor 60, FP32 60
     # TFLOPS (as printed); TF32 835*, BF16/FP16 1,671*, FP8/INT8 3,341* are "with sparsity" and
     # halved here. 94 GB HBM3, 3.9 TB/s, 350-400 W (configurable; 400 stored). 132 SMs from the
@@ -329,6 +345,8 @@ ALIASES: Mapping[str, str] = MappingProxyType(
         "h100-pcie-80gb": "h100-pcie",
         "nvidia-h100-pcie": "h100-pcie",
         "nvidia-h100-nvl": "h100-nvl",
+        "h800": "h800-sxm",
+        "nvidia-h800": "h800-sxm",
         "h200": "h200-sxm",
         "nvidia-h200": "h200-sxm",
         "b200": "b200-sxm",
@@ -441,6 +459,11 @@ INTERCONNECTS: Mapping[str, Interconnect] = MappingProxyType({
                               "NVIDIA H100 datasheet (PCIe Gen5 128GB/s; NVLink bridge 600GB/s for pairs)"),
     "h100-nvl": Interconnect(64e9, "PCIe Gen5 x16", None, "unspecified", 8,
                              "NVIDIA H100 NVL datasheet (PCIe Gen5 128GB/s; NVLink bridge 600GB/s for pairs)"),
+    # H800 datasheet: NVLink 400GB/s (both directions); HGX H800 servers: NVSwitch, one 400 Gb/s
+    # NIC per GPU as DGX H100 (assumed: no DGX H800 datasheet)
+    "h800-sxm": Interconnect(200e9, "NVLink 4 at 400 GB/s (NVSwitch)", 400 * _GBPS,
+                             "InfiniBand NDR 400 Gb/s (as DGX H100)", 8,
+                             "NVIDIA H800 datasheet; network as NVIDIA DGX H100 (assumed)"),
     # H200 datasheet: NVLink 900GB/s; DGX H200: 8x ConnectX-7 400 Gb/s
     "h200-sxm": Interconnect(450e9, "NVLink 4 (NVSwitch)", 400 * _GBPS, "InfiniBand NDR 400 Gb/s",
                              8, "NVIDIA H200 datasheet; NVIDIA DGX H200 datasheet"),

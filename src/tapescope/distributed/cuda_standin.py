@@ -11,8 +11,11 @@ So while a distributed CUDA profile runs, these attributes of `torch.cuda` (and
 `torch.accelerator.current_stream`) are replaced by stand-ins that need no driver, and restored
 afterwards: current_device, set_device, device_count, is_initialized, Stream, Event,
 current_stream, default_stream, stream, synchronize, and get_device_capability (c10d's broadcast
-asks it, to decide how NCCL sends fp8), which answers the profiled GPU's compute capability. Only these names are replaced; the fake
-tensors themselves never touch the driver (FakeTensorMode runs meta kernels).
+asks it, to decide how NCCL sends fp8), which answers the profiled GPU's compute capability; and
+`torch._C._get_accelerator`, which answers "cpu" on a machine without a GPU where a GPU job's
+answers "cuda" (`fully_shard(model)` without a mesh builds its default mesh on that device). Only
+these names are replaced; the fake tensors themselves never touch the driver (FakeTensorMode
+runs meta kernels).
 
 The stand-in streams remember which stream is current (`StreamLog`), so the trace knows which ops
 FSDP2 issued on its all-gather and reduce-scatter streams.
@@ -122,12 +125,15 @@ def cuda_without_gpu(compute_capability: tuple = (9, 0)):
     }
     saved = {name: getattr(torch.cuda, name) for name in replaced}
     saved_accel = torch.accelerator.current_stream
+    saved_get = torch._C._get_accelerator
     for name, fn in replaced.items():
         setattr(torch.cuda, name, fn)
     torch.accelerator.current_stream = lambda device=None: log.current
+    torch._C._get_accelerator = lambda: torch.device("cuda")
     try:
         yield log
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
         torch.accelerator.current_stream = saved_accel
+        torch._C._get_accelerator = saved_get

@@ -17,7 +17,13 @@
    Tape they would meet a fake mode that refuses a real input, or give fake, data-less results
    (`nonzero`). So the DeviceMesh methods that compute on the rank tensor run with the fake mode
    unset (`unset_fake_temporarily`), as in a real job: this is what made FSDP2 + TP fail under
-   FakeTensorMode before.
+   FakeTensorMode before. A mesh the user's code builds itself arrives with its rank tensor made
+   in the fake mode: `init_device_mesh` (also called by `fully_shard(model)` without a mesh, and
+   by torchtitan's ParallelDims) makes `torch.arange(world, dtype=int)` under it, and a
+   `DeviceMesh("cuda", torch.arange(8).view(2, 4))` gets the user's fake tensor. Such a tensor
+   was made from Python data alone; its ops are on the tape, so DeviceMesh.__init__ gets the
+   same tensor re-made for real from them (`_made_for_real`), and the fake one is kept alive
+   with it, so the trace holds the allocation the real job's rank map is.
 4. DTensor caches sharding decisions, redistribution plans and mesh topologies process-wide,
    keyed by meshes that compare equal across worlds (same layout, names and device): a decision
    cached while simulating rank 0 would be reused for rank 1016 of the same job, or by a later
@@ -40,6 +46,11 @@ from __future__ import annotations
 
 import importlib
 from contextlib import contextmanager
+
+import torch
+
+from ..capture.records import TensorRef
+from ..errors import TapescopeError
 
 __all__ = ["eager_distributed"]
 
@@ -163,6 +174,118 @@ def _real(fn):
     return run
 
 
+_REMAKE_LIMIT = 1 << 20  # elements: a rank map is one int per rank
+
+
+def _remake(trace, value: int, depth: int = 0):
+    """The real tensor of dataflow value `value` if the trace made it from Python data alone
+    (factories such as arange, and functional ops on such tensors), else None. Refused where an
+    in-place op wrote it or its storage afterwards: the values would be stale."""
+    if value is None or depth > 16:
+        return None
+    ops = trace.ops
+    for rec in reversed(ops):
+        hit = next((i for i, o in enumerate(rec.outputs) if o is not None and o.value == value),
+                   None)
+        if hit is not None:
+            break
+    else:
+        return None
+    out_ref = rec.outputs[hit]
+    if rec.func._schema.is_mutable or _numel(out_ref.shape) > _REMAKE_LIMIT:
+        return None
+    for later in ops[rec.index + 1:]:
+        if later.func._schema.is_mutable and any(
+                o is not None and o.storage == out_ref.storage for o in later.outputs):
+            return None
+    missing = []
+
+    def real(a):
+        if isinstance(a, TensorRef):
+            r = _remake(trace, a.value, depth + 1)
+            if r is None:
+                missing.append(a)
+            return r
+        if type(a) is tuple and any(isinstance(x, TensorRef) for x in a):
+            return [real(x) for x in a]
+        if isinstance(a, torch.device):
+            return torch.device("cpu")
+        return a
+
+    args = tuple(real(a) for a in rec.args)
+    kwargs = {k: real(v) for k, v in rec.kwargs.items()}
+    if missing:
+        return None
+    kwargs.pop("pin_memory", None)
+    try:
+        out = rec.func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op that cannot run on these values: not re-makable
+        return None
+    if isinstance(out, (tuple, list)):
+        out = out[hit]
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        if not isinstance(s, int):
+            return _REMAKE_LIMIT + 1  # a symbolic size: not a rank map
+        n *= s
+    return n
+
+
+def _capture_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from ..capture.tape import Tape
+
+    return isinstance(t, FakeTensor) and isinstance(t.fake_mode, Tape)
+
+
+def _made_for_real(t, what: str):
+    """The capture's fake tensor `t` made for real (see point 3)."""
+    from ..torch_compat import unset_fake_mode
+
+    tape = t.fake_mode
+    with unset_fake_mode():
+        values = tape.fidelity.values
+        known = values.value(t) if values is not None else None  # torch.tensor([...]) literals
+        real = known[0].clone() if known is not None else _remake(tape.trace, tape.value_of(t))
+    if real is None:
+        raise TapescopeError(
+            f"DeviceMesh was given a {what} tensor computed from tensors tapescope cannot re-make "
+            "(they are fake: no values); build the mesh with init_device_mesh(device, shape, "
+            "mesh_dim_names=...) or give the ranks as a list, e.g. DeviceMesh(\"cuda\", "
+            "[[0, 1], [2, 3]])")
+    return real
+
+
+def _mesh_init(init):
+    """DeviceMesh.__init__ on real rank tensors, outside the fake mode (point 3)."""
+    from functools import wraps
+
+    from ..torch_compat import unset_fake_mode
+
+    @wraps(init)
+    def run(self, device_type, mesh=None, *args, **kwargs):
+        kept = None  # the fake rank map, alive as long as the mesh's real one: the job's memory
+        if _capture_fake(mesh):
+            # what __init__ makes of it, made here so that the tape records it
+            kept = (mesh if mesh.device.type == "cpu" else mesh.to("cpu")).detach() \
+                .to(dtype=torch.int).contiguous()
+            mesh = _made_for_real(kept, "mesh")
+        if _capture_fake(kwargs.get("_rank_map")):  # init_device_mesh's arange
+            kept = kwargs["_rank_map"]
+            kwargs["_rank_map"] = _made_for_real(kept, "rank map")
+        with unset_fake_mode():
+            init(self, device_type, mesh, *args, **kwargs)
+        if kept is not None:
+            self._rank_map._tapescope_fake = kept  # shared by every mesh derived from this one
+
+    return run
+
+
 def _mesh_bookkeeping_on_real_tensors():
     """Wrap DeviceMesh's rank-tensor methods to run outside the fake mode; returns the undo."""
     from torch.distributed import _mesh_layout
@@ -175,7 +298,9 @@ def _mesh_bookkeeping_on_real_tensors():
         attr = cls.__dict__.get(name)
         if attr is None:
             continue
-        if isinstance(attr, staticmethod):
+        if cls is DeviceMesh and name == "__init__":
+            new = _mesh_init(attr)
+        elif isinstance(attr, staticmethod):
             new = staticmethod(_real(attr.__func__))
         elif isinstance(attr, property):
             new = property(_real(attr.fget), attr.fset, attr.fdel, attr.__doc__)

@@ -17,6 +17,7 @@ cuda_standin.py.
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
@@ -96,7 +97,7 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
             if out is None:
                 out = fmodel  # parallelised in place
             _refuse_ddp(out)
-            seen["layouts"] = shard_layouts(out)
+            seen["layouts"] = shard_layouts(out, spec)
             seen["sharded"] = _sharded_names(out)
             return out
 
@@ -125,6 +126,15 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     first, layouts, groups = trace_rank(0)
     seconds[0], cpu[0] = time.perf_counter() - start, time.process_time() - start_cpu
     classes = rank_classes(spec, layouts)
+    if not classes.provable and spec.world_size > 1:
+        # said before the long part starts, with what it will cost
+        note = (f"cannot prove which ranks run the same step (a parameter's device mesh has no "
+                f"layout over the world's ranks: torch older than 2.9, or a mesh that leaves "
+                f"ranks out): tracing each of the {spec.world_size} ranks, about "
+                f"{seconds[0] * (spec.world_size - 1):.0f} s more (rank 0 took {seconds[0]:.1f} s)")
+        warnings.warn(note, stacklevel=2)
+        if progress is not None:
+            progress(note)
     profiles, group_maps = {0: first}, {0: groups}
     for rep in classes.representatives:
         if rep not in profiles:

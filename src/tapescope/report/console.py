@@ -241,7 +241,7 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
     d = p.distributed
     classes = d.classes
     how = "ranks whose shards have the same shapes run the same step: one trace each" \
-        if classes.provable else "a mesh without names: every rank traced"
+        if classes.provable else "which ranks run the same step could not be proven: every rank traced"
     console.print(f"[bold]Mesh[/] {d.mesh} = {d.mesh.world_size} ranks, parallelised by "
                   f"{p.facts.get('parallelize', '?')}; {len(classes.members)} traced ({how})",
                   highlight=False)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ...torch_compat import sdpa_builtin
 from .registry import FORWARD_OP, FUNCTION, RULES
 
-__all__ = []
+__all__ = ["sdpa_composite_of_the_gpu"]
 
 
 @RULES.register(FUNCTION, sdpa_builtin,
@@ -33,6 +35,36 @@ def sdpa_backend_of_the_gpu(ctx, func, args, kwargs):
 def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+@contextmanager
+def sdpa_composite_of_the_gpu(ctx):
+    """The rule above, for calls no TorchFunctionMode sees: eager code between torch.compile's
+    graphs (tapescope suspends its modes there, as the user's process has none; a graph break at
+    `sdpa_kernel(..., set_priority=True)`, which dynamo does not trace, puts torchtitan's
+    attention there) and AOTAutograd's trace of a graph. There the C++ composite runs
+    (attention.cpp, scaled_dot_product_attention) and asks `_fused_sdp_choice_stub`, a
+    DispatchStub no dispatch mode sees, whose CUDA kernel reads the device's properties: "CUDA
+    driver version is insufficient" on a machine without a GPU. For a CUDA capture with a named
+    GPU the composite's place in the dispatcher (AutogradCUDA, where a CompositeImplicitAutograd
+    kernel runs for CUDA tensors, after autocast) gets this capture's choice, and is given back
+    when the capture ends. A real GPU's AOTAutograd trace likewise holds the backend's op (as
+    `_scaled_dot_product_cudnn_attention`), not the math decomposition."""
+    if ctx.device.type != "cuda" or ctx.gpu is None:
+        yield
+        return
+
+    def composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                  scale=None, enable_gqa=False):
+        return ctx.call(sdpa_builtin, (query, key, value, attn_mask, dropout_p, is_causal),
+                        {"scale": scale, "enable_gqa": enable_gqa})
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("scaled_dot_product_attention", composite, "AutogradCUDA")
+        yield
+    finally:
+        lib._destroy()
 
 
 _ADD, _ADD_ = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor

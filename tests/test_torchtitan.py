@@ -1,0 +1,75 @@
+"""torchtitan's own Llama 3 and its own `parallelize_llama` (FSDP2 and selective activation
+checkpointing, its mesh built by its ParallelDims inside the parallelisation), profiled GPU-less
+on device="cuda" as written. Reduced size: torchtitan's debug model (dim 256, 16 heads, vocabulary
+2,048) with 2 of its 6 layers.
+
+torchtitan 0.3.0 installs against torch 2.14.1 without its pinned dependencies:
+`pip install --no-deps torchtitan==0.3.0 spmd_types tyro einops docstring_parser typeguard`.
+Its language models take flex attention (compiled, which needs a GPU) or varlen attention (per-
+document metadata from its data loader); the test gives each layer torchtitan's SDPA wrapper,
+which runs `sdpa_kernel([cuDNN, flash, math], set_priority=True)` around a causal SDPA.
+"""
+
+import pytest
+import torch
+
+import tapescope
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("spmd_types")
+
+WORLD = 2
+
+
+def _config():
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import llama3_configs
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    cfg = llama3_configs["debugmodel"](attn_backend="varlen")
+    cfg.layers = cfg.layers[:2]
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_llama3_sharding_config(cfg, enable_sp=True)  # what torchtitan's trainer does first
+    return cfg
+
+
+def _parallelize(model, mesh):
+    """torchtitan's trainer, as written: ParallelDims builds its own mesh (names "fsdp",
+    "batch", "loss_mesh", ...), then parallelize_llama with its default selective AC."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    parallelism = ParallelismConfig(data_parallel_shard_degree=WORLD)
+    dims = ParallelDims.from_config(parallelism, world_size=WORLD)
+    dims.build_mesh()
+    return parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
+                             parallelism=parallelism, compile_config=CompileConfig(),
+                             ac_config=SelectiveAC.Config(), dump_folder="/tmp")
+
+
+def _loss(logits, tokens):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+
+
+def test_torchtitan_llama3_fsdp_selective_ac_on_cuda_without_a_gpu():
+    """By hand: FSDP2 over 2 ranks splits every parameter in two (every dim 0 is even), so a
+    rank's sharded parameters are half the model's fp32 parameters and AdamW's two moments
+    twice that; the ranks hold equal shards (one class, one trace); bf16 attention (torchtitan's
+    FSDP2 mixed precision) on sm90 takes cuDNN, first in the wrapper's order (sdp_utils.cpp);
+    selective AC recomputes part of each layer in backward."""
+    cfg = _config()
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in cfg.build().parameters())
+    p = tapescope.profile(cfg.build, tapescope.spec((2, 128), dtype=torch.long), loss_fn=_loss,
+                          mesh={"fsdp": WORLD}, parallelize=_parallelize, device="cuda",
+                          gpu="h100")
+    assert [list(m) for m in p.distributed.classes.members] == [[0, 1]]
+    assert sorted(p.distributed.profiles) == [0]
+    assert p.memory.at_peak["sharded parameters"] == numel * 4 // WORLD
+    assert p.ranks[0].at_peak["optimizer state"] == 2 * numel * 4 // WORLD
+    assert set(p.facts["sdpa_backends"]) == {"cudnn"}
+    assert p.recompute_flops > 0
+    assert {r.kind for r in p.collective_table} >= {"all_gather", "reduce_scatter"}
