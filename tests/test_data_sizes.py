@@ -310,6 +310,13 @@ def test_a_branch_on_a_random_draw_keeps_every_layer_as_a_real_step_that_dropped
     assert a.where.startswith("test_data_sizes.py:")
     assert sum(op.name == "aten.addmm.default" for op in p.ops
                if op.phase == "forward") == 3
+    from rich.console import Console
+
+    from tapescope.report.console import render_summary
+
+    console = Console(record=True, width=400)
+    render_summary(p, console)
+    assert f"Assumed at {a.where}: rand draws taken at their median (0.5)" in console.export_text()
 
 
 class _Dropout(nn.Module):
