@@ -39,7 +39,8 @@ def run_one(index: int, threads: int) -> dict:
 
     row = ROWS[index]
     out = {"family": row.family, "name": row.name, "shape": row.shape,
-           "options": {k: v for k, v in row.options.items() if k != "forced_routing"}}
+           "options": {k: v for k, v in row.options.items()
+                       if k not in ("forced_routing", "keep_layers")}}
     m = row.make()
     accumulate = row.options.get("accumulate", 1)
     t0 = time.perf_counter()
@@ -60,8 +61,17 @@ def run_one(index: int, threads: int) -> dict:
 
         build = forced_routing(build, row.options["forced_routing"])
     t0 = time.perf_counter()
-    real = run_real_steps(build, m.inputs, m.input_kwargs, loss_fn=m.loss_fn,
-                          accumulate=accumulate)
+    if row.options.get("keep_layers"):  # LayerDrop: the real run of a seed that dropped none
+        from operator import attrgetter
+
+        from tapescope.validate.layerdrop import steps_keeping_every_layer
+
+        out["seed"], real = steps_keeping_every_layer(
+            build, m.inputs, m.input_kwargs, layers=attrgetter(row.options["keep_layers"]),
+            loss_fn=m.loss_fn, accumulate=accumulate)
+    else:
+        real = run_real_steps(build, m.inputs, m.input_kwargs, loss_fn=m.loss_fn,
+                              accumulate=accumulate)
     out["real_s"] = time.perf_counter() - t0
     out["measured"] = [real.peaks[1], real.peaks[2]]
     out["scratch"] = [real.scratch_at_peak(1), real.scratch_at_peak(2)]

@@ -89,7 +89,7 @@ ROWS: list[Row] = [
 # ---- transformers: audio and vision ------------------------------------------------------------------
 
 
-def _ctc(config_cls, model_cls):
+def _ctc(config_cls, model_cls, layerdrop=0.0):
     def make():
         import transformers
 
@@ -98,10 +98,11 @@ def _ctc(config_cls, model_cls):
             conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), vocab_size=32,
             num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
             ctc_loss_reduction="mean",
-            # LayerDrop draws a random number per layer and skips the layer on it, SpecAugment
-            # masks a random number of frames: the step's memory depends on the draws (with
-            # LayerDrop on, tapescope stops there and says so); off, as for a measurement
-            layerdrop=0.0, mask_time_prob=0.0)
+            # LayerDrop draws a random number per layer and skips the layer on it: tapescope
+            # takes each draw at its median (no layer dropped), and the real run of that row is
+            # the seed whose draws dropped none (`keep_layers`). SpecAugment masks a random
+            # number of frames: off, as for a measurement
+            layerdrop=layerdrop, mask_time_prob=0.0)
         labels = torch.randint(1, 32, (2, 8))
         return ModelSpec(model_cls, lambda: getattr(transformers, model_cls)(config),
                          (spec((2, 4000)),), {"labels": labels})
@@ -118,6 +119,17 @@ def _whisper():
     labels = torch.randint(0, 256, (2, 8))
     return ModelSpec("Whisper", lambda: transformers.WhisperForConditionalGeneration(config),
                      (spec((2, 16, 64)),), {"labels": labels})
+
+
+def _encodec():
+    """Encodec pads every convolution by amounts computed from 0-dim int64 buffers."""
+    import transformers
+
+    config = transformers.EncodecConfig(
+        hidden_size=16, num_filters=4, upsampling_ratios=[2, 2], codebook_size=16,
+        num_lstm_layers=1, target_bandwidths=[1.5], sampling_rate=800, num_residual_layers=1)
+    return ModelSpec("Encodec", lambda: transformers.EncodecModel(config), (spec((2, 1, 400)),),
+                     loss_fn=lambda out, *inputs: out.audio_values.pow(2).mean())
 
 
 def _hf_vision(config_cls, **options):
@@ -139,7 +151,11 @@ ROWS += [
         "2 x 4000"),
     Row("hf audio", "hf:HubertForCTC (layerdrop=0, mask_time_prob=0)", _ctc("HubertConfig", "HubertForCTC"),
         "2 x 4000"),
+    Row("hf audio", "hf:Wav2Vec2ForCTC (default layerdrop)",
+        _ctc("Wav2Vec2Config", "Wav2Vec2ForCTC", layerdrop=0.1), "2 x 4000",
+        {"keep_layers": "wav2vec2.encoder.layers"}),
     Row("hf audio", "hf:WhisperForConditionalGeneration", _whisper, "2 x 16x64 mel"),
+    Row("hf audio", "hf:EncodecModel", _encodec, "2 x 1x400"),
     _row("hf vision", "hf:ViTConfig:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,"
                       "intermediate_size=128,image_size=32,patch_size=8", batch=2, seq=None),
     Row("hf vision", "hf:SwinConfig", _hf_vision("SwinConfig", embed_dim=16, depths=[1, 1],

@@ -5,6 +5,8 @@ weights read a routing code the input carries, so top-k selects exactly the assu
 under torch.profiler's memory events (validate.real); and hand-derived routing counts.
 """
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -294,11 +296,192 @@ class _LayerDrop(nn.Module):
         return x.pow(2).sum()
 
 
-def test_a_branch_on_a_random_draw_names_the_draw_and_the_fix():
+def test_a_branch_on_a_random_draw_keeps_every_layer_as_a_real_step_that_dropped_none():
+    """The draw is taken at its median: `rand >= 0.1` holds, every layer runs. Truth: the real
+    step of the first seed whose draws kept every layer (counted by forward pre-hooks)."""
+    from tapescope.validate.layerdrop import steps_keeping_every_layer
+
+    x = tapescope.spec((T, D))
+    p = tapescope.profile(_LayerDrop, x)
+    seed, real = steps_keeping_every_layer(_LayerDrop, (x,), layers=lambda m: m.layers)
+    assert p.first_step_peak_bytes == real.peaks[1] and p.peak_bytes == real.peaks[2]
+    (a,) = p.data_sizes.assumptions
+    assert a.kind == "random" and a.decided and "no layer dropped" in a.detail
+    assert a.where.startswith("test_data_sizes.py:")
+    assert sum(op.name == "aten.addmm.default" for op in p.ops
+               if op.phase == "forward") == 3
+    from rich.console import Console
+
+    from tapescope.report.console import render_summary
+
+    console = Console(record=True, width=400)
+    render_summary(p, console)
+    assert f"Assumed at {a.where}: rand draws taken at their median (0.5)" in console.export_text()
+
+
+class _Dropout(nn.Module):
+    """A small dropout mask is data, not a branch: no assumption to name."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return nn.functional.dropout(self.lin(x[:2, :8].reshape(1, 16)), 0.1).pow(2).sum()
+
+
+def test_a_random_draw_used_as_data_assumes_nothing():
+    p = tapescope.profile(_Dropout, tapescope.spec((T, D)))
+    assert p.data_sizes is None or not p.data_sizes.assumptions
+
+
+class _RandomPick(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+
+    def forward(self, x):
+        return self.layers[torch.randperm(3)[0]](x).pow(2).sum()  # no median to take
+
+
+def test_a_branch_on_a_draw_without_a_median_names_the_draw_and_the_fix():
     with pytest.raises(TapescopeError) as e:
-        tapescope.profile(_LayerDrop, tapescope.spec((T, D)))
+        tapescope.profile(_RandomPick, tapescope.spec((T, D)))
     msg = str(e.value)
     assert "random number" in msg and "test_data_sizes.py" in msg and "Fix:" in msg
+
+
+def test_wav2vec2_with_default_layerdrop_matches_a_real_step_that_dropped_no_layer():
+    """transformers' Wav2Vec2 draws `torch.rand([])` per encoder layer and skips the layer when it
+    is below config.layerdrop (0.1 by default)."""
+    transformers = pytest.importorskip("transformers")
+    import linecache
+
+    import transformers.models.wav2vec2.modeling_wav2vec2 as wav2vec2
+    from tapescope.validate.layerdrop import steps_keeping_every_layer
+
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), vocab_size=32,
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, ctc_loss_reduction="mean",
+        mask_time_prob=0.0)
+    assert config.layerdrop == 0.1
+    build = lambda: transformers.Wav2Vec2ForCTC(config)  # noqa: E731
+    x, labels = tapescope.spec((2, 4000)), {"labels": torch.randint(1, 32, (2, 8))}
+    p = tapescope.profile(build, x, input_kwargs=labels)
+    seed, real = steps_keeping_every_layer(build, (x,), labels,
+                                           layers=lambda m: m.wav2vec2.encoder.layers)
+    assert p.first_step_peak_bytes == real.peaks[1] and p.peak_bytes == real.peaks[2]
+    (a,) = [a for a in p.data_sizes.assumptions if a.kind == "random"]
+    assert a.decided and "no layer dropped" in a.detail
+    name, line = a.where.split(":")
+    assert name == "modeling_wav2vec2.py"
+    assert "torch.rand(" in linecache.getline(wav2vec2.__file__, int(line))
+
+
+# ---- small integer constants the model holds: buffers keep their values --------------------------
+
+class _PadByBuffers(nn.Module):
+    """Frames its input as Encodec's convolutions do: the padding comes from 0-dim int64 buffers
+    (made in __init__ from other buffers, and written in place after), read with .item()."""
+
+    def __init__(self, kernel=7, stride=3):
+        super().__init__()
+        self.stride = nn.Buffer(torch.tensor(stride, dtype=torch.int64), persistent=False)
+        self.kernel_size = nn.Buffer(torch.tensor(kernel, dtype=torch.int64), persistent=False)
+        self.padding_total = nn.Buffer(self.kernel_size - self.stride, persistent=False)
+        self.padding_total.copy_(torch.tensor(kernel - stride))  # as transformers' _init_weights
+        self.lin = nn.Linear(kernel, 24)
+
+    def forward(self, x):
+        length = x.shape[-1]
+        n_frames = (length - self.kernel_size + self.padding_total) / self.stride + 1
+        n_frames = torch.ceil(n_frames).to(torch.int64) - 1
+        extra = n_frames * self.stride + self.kernel_size - self.padding_total - length
+        x = nn.functional.pad(x, (self.padding_total, extra))
+        frames = x.unfold(-1, int(self.kernel_size), int(self.stride))
+        return self.lin(frames).pow(2).mean()
+
+
+@pytest.mark.parametrize("given", ["build function", "module"])
+def test_padding_read_from_integer_buffers_matches_a_real_step(given):
+    x = tapescope.spec((4, 3, 100))
+    p = tapescope.profile(_PadByBuffers if given == "build function" else _PadByBuffers(), x)
+    real = run_real_steps(_PadByBuffers, (x,))
+    assert p.first_step_peak_bytes == real.peaks[1] and p.peak_bytes == real.peaks[2]
+    (unfold,) = [op for op in p.ops if op.name == "aten.unfold.default"]
+    # padding_total 7 - 3 = 4; ceil((100 - 7 + 4) / 3 + 1) - 1 = 33 frames want 33 * 3 + 7 - 4
+    # = 102 samples, 2 more: 4 + 100 + 2 = 106 padded = 7 + 3 * 33: 34 windows of 7
+    assert tuple(unfold.outputs[0].shape) == (4, 3, 34, 7)
+    assert p.data_sizes is None or not p.data_sizes.assumptions   # constants, not assumptions
+
+
+def test_a_buffer_on_the_meta_device_has_no_values_and_says_so():
+    with torch.device("meta"):
+        model = _PadByBuffers()
+    with pytest.raises(TapescopeError) as e:
+        tapescope.profile(model, tapescope.spec((4, 3, 100)))
+    msg = str(e.value)
+    assert re.search(r"buffer '(kernel_size|padding_total|stride)' \(int64 scalar\)", msg)
+    assert "meta device" in msg and "Fix:" in msg
+    assert "test_data_sizes.py" in msg
+
+
+def test_a_build_keeps_the_values_it_can_follow_and_drops_the_others():
+    from tapescope.capture.build_values import build_value
+    from tapescope.capture.model import build_on_meta
+
+    class Built(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Buffer(torch.arange(4) * 2)
+            self.b = nn.Buffer(torch.zeros(3, dtype=torch.int64))
+            self.view = self.b[1:]
+            self.view.copy_(torch.randint(0, 9, (2,)))  # a write no value follows: b goes too
+            self.big = nn.Buffer(torch.arange(1000))
+
+    m = build_on_meta(Built)
+    assert m.a.device.type == "meta" and build_value(m.a).tolist() == [0, 2, 4, 6]
+    assert build_value(m.b) is None and build_value(m.big) is None
+
+
+def test_encodec_pads_by_its_buffers_as_a_real_forward_does():
+    """transformers' Encodec computes every convolution's padding from int64 buffers. Truth: the
+    pads a real forward of the same model makes (a dispatch mode records them) and the real
+    step's op sequence. (Its peak is not asserted here: the real peak falls inside a oneDNN
+    convolution backward whose scratchpad tapescope estimates on AVX-512, devices/onednn.py.)"""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tapescope.validate.harness import same_ops
+
+    config = transformers.EncodecConfig(
+        hidden_size=16, num_filters=4, upsampling_ratios=[2, 2], codebook_size=16,
+        num_lstm_layers=1, target_bandwidths=[1.5], sampling_rate=800, num_residual_layers=1)
+    build = lambda: transformers.EncodecModel(config)  # noqa: E731
+    loss = lambda out, *inputs: out.audio_values.pow(2).mean()  # noqa: E731
+    x = tapescope.spec((2, 1, 400))
+    p = tapescope.profile(build, x, loss_fn=loss)
+    pads = ("aten.reflection_pad1d.default", "aten.constant_pad_nd.default")
+    predicted = [tuple(op.outputs[0].shape) for op in p.ops
+                 if op.name in pads and op.phase == "forward"]
+
+    class Pads(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func) in pads:
+                self.seen.append(tuple(out.shape))
+            return out
+
+    with Pads():
+        build()(torch.randn(2, 1, 400))
+    assert predicted == Pads.seen and len(predicted) > 10
+    real = run_real_steps(build, (x,), loss_fn=loss)
+    ok, diff = same_ops(p, [f"{ph} {n.replace('::', '.')}" for s, ph, n in real.ops
+                            if s == 2 and ph])
+    assert ok, diff
 
 
 def test_cli_routing_names_the_assumption_in_console_and_json(tmp_path):

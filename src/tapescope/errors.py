@@ -138,16 +138,25 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
     from .torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
                                GuardOnDataDependentSymNode, UnsupportedOperatorException)
 
-    from .capture.data_values import RandomValueRead
+    from .capture.data_values import UnknownValueRead
 
     op = getattr(exc, "tapescope_op", None) or getattr(exc, "func", None)
     where = _where(exc)
-    if isinstance(exc, RandomValueRead):
+    if isinstance(exc, UnknownValueRead) and exc.kind == "random":
         return DataDependentError(
-            f"{op} {where} reads a random number the step drew at {exc.drawn} and decides on it "
-            "(LayerDrop, a random resize), so the step's memory depends on the draw, which fake "
-            "tensors do not make. Fix: switch that randomness off while profiling (layerdrop=0, "
-            "one fixed size), or profile each outcome with a model that takes it.")
+            f"{op} {where} reads a random number the step drew at {exc.source} and decides on it "
+            "(a random resize, a random permutation), so the step's memory depends on the draw, "
+            "which fake tensors do not make (a small torch.rand / randn / bernoulli / randint "
+            "draw is taken at its median; this one is not). Fix: switch that randomness off "
+            "while profiling (one fixed size), or profile each outcome with a model that takes it.")
+    if isinstance(exc, UnknownValueRead):
+        return DataDependentError(
+            f"{op} {where} reads the value of {exc.source}, which is on the meta device and "
+            "has no values (the model was built on meta, or its build computed the buffer in a "
+            "way tapescope could not follow), while the real model computes sizes from it. "
+            "Fix: build the model on the CPU and pass the nn.Module to profile() (tapescope "
+            "copies it onto fake tensors and never changes it; small integer buffers keep "
+            "their values).")
     if isinstance(exc, (DataDependentOutputException, GuardOnDataDependentSymNode)):
         return DataDependentError(
             f"{op} {where} reads a tensor's value (like .item() or a Python `if` on a tensor); "

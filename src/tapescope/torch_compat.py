@@ -65,6 +65,7 @@ __all__ = [
     "function_modes_suspended", "saved_tensor_hooks_suspended", "graph_task_keep_graph_query",
     "is_wrapper_subclass", "local_shard_shape", "process_group_ranks", "unset_fake_mode",
     "active_fake_mode", "c10d_collective_result", "clear_dtensor_caches", "StridedShard",
+    "device_constructors",
 ]
 
 
@@ -373,6 +374,13 @@ except ImportError:  # pragma: no cover - a torch without it, or without torch.d
         pass
 
 
+def device_constructors():
+    """The factories `with torch.device(d)` gives a device (torch/utils/_device.py)."""
+    from torch.utils._device import _device_constructors
+
+    return _device_constructors()
+
+
 def active_fake_mode():
     from torch._guards import detect_fake_mode
 
@@ -418,6 +426,7 @@ PRIVATE_NAMES = (
     "torch._inductor.config.force_disable_caches",
     "torch._prims_common.suggest_memory_format",
     "torch._C._select_conv_backend",
+    "torch.utils._device._device_constructors",
     # graph task stand-in (capture/graph_task.py) and wrapper subclasses (capture/tape.py)
     "torch._C._current_graph_task_id", "torch._C._will_engine_execute_node",
     "torch.autograd.variable.Variable._execution_engine",

@@ -17,6 +17,17 @@ a Python branch or loop on it stops a fake trace. tapescope takes the value from
   uses: a guard on it evaluates with the value and becomes a runtime assertion.
 - mask: a boolean mask no assumption decided (`x[x > 0]`) keeps the user's fraction of elements.
 - input: an integer input the user gave as a real tensor (labels, token ids) keeps its values.
+- random: a small random draw (LayerDrop's `torch.rand([])`, at most RANDOM_LIMIT elements) is
+  taken at its median (`_DRAWS`: 0.5 for rand, the mean for randn, the likelier outcome of a
+  bernoulli), so a branch on `draw < p` takes its likelier side: with a drop probability below
+  1/2, every layer runs, the memory-worst case. Named in the report only where the step read a
+  draw; a draw used as data (a dropout mask) decides nothing.
+
+Constants need no assumption: an integer or boolean tensor the model holds (a buffer or tensor
+attribute of at most CONSTANT_LIMIT elements: Encodec's `padding_total`, BatchNorm's
+`num_batches_tracked`) keeps its values (`give_constant`; a model built on meta from a build
+function keeps those its build made, build_values.py). One on the meta device with no value is
+marked, and a read of it (or of what it computed) stops with a message naming the buffer.
 
 The sizes stay symbols: memory and FLOPs are formulas of them (analysis/symbolic.py), one name per
 source line, op and value (under balanced routing every expert's token count comes from one line
@@ -36,19 +47,21 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import TapescopeError
-from ..torch_compat import (DynamicOutputShapeException, free_unbacked_symbols, tree_flatten,
-                            tree_map, unset_fake_temporarily)
+from ..torch_compat import (DynamicOutputShapeException, FakeTensor, free_unbacked_symbols,
+                            tree_flatten, tree_map, unset_fake_temporarily)
+from .build_values import build_value
 
-__all__ = ["Sizes", "DataValues", "DataSize", "Assumption", "RandomValueRead", "expert_counts",
-           "routing_indices", "ROUTINGS"]
+__all__ = ["Sizes", "DataValues", "DataSize", "Assumption", "UnknownValueRead", "expert_counts",
+           "routing_indices", "ROUTINGS", "CONSTANT_LIMIT"]
 
 ROUTINGS = ("balanced", "worst")
 VALUE_LIMIT = 1 << 22     # elements: larger tensors are not given values (then no assumption holds)
 FACTORY_LIMIT = 1 << 16   # factory outputs (arange(E), a causal mask) get values up to this size
 
 _ATTR = "_tapescope_data"  # (real tensor, frozenset of assumption ids), on a fake tensor
-_RANDOM = "_tapescope_random"  # on a small fake tensor a random draw decided: where it was drawn
+_UNKNOWN = "_tapescope_unknown"  # on a small fake tensor whose values no one knows: Unknown
 RANDOM_LIMIT = 64          # elements: a random scalar (LayerDrop's torch.rand([])), not a mask
+CONSTANT_LIMIT = 64        # elements: an integer buffer this small is a constant (a stride, a pad)
 aten = torch.ops.aten
 
 
@@ -212,7 +225,7 @@ class DataValues:
 
     def alias(self, src, dst) -> None:
         """`dst` is `src` again (autograd's copy of a saved tensor): the same values."""
-        for attr in (_ATTR, _RANDOM):
+        for attr in (_ATTR, _UNKNOWN):
             v = getattr(src, attr, None)
             if v is not None:
                 setattr(dst, attr, v)
@@ -228,14 +241,12 @@ class DataValues:
 
     def before(self, func, args, kwargs):
         """(True, result) for an op whose result is data (an `.item()`, `equal`) on valued
-        tensors: the real result. Else (False, None). Reading a random draw raises
-        RandomValueRead: the step decides on a number no assumption can give."""
+        tensors: the real result. Else (False, None). Reading a tensor marked unknown (a random
+        draw no rule of `_DRAWS` gives a value, a meta buffer) raises UnknownValueRead."""
         if torch.Tag.data_dependent_output not in func.tags:
             return False, None
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        drawn = next((getattr(t, _RANDOM) for t in tensors if hasattr(t, _RANDOM)), None)
-        if drawn is not None:
-            raise RandomValueRead(func, drawn)
+        self.check_known(func, tensors)
         if not tensors or any(self.value(t) is None for t in tensors):
             return False, None
         out, sources = self._run_real(func, args, kwargs)
@@ -255,19 +266,19 @@ class DataValues:
                 for t in tree_flatten((args, kwargs))[0]:
                     if isinstance(t, torch.Tensor) and _written(func, t, args, kwargs):
                         self._drop(t)
-            if self._mark_random(out, where):  # a number the code may branch on
-                self._active = True
-            return  # a random draw has no value tapescope could know
+            if self._draw(func, args, kwargs, out, where) or self._mark_random(out, where):
+                self._active = True  # a number the code may branch on
+            return
         if not self.live:
             return  # no tensor has values and no size can depend on them: nothing to do
         tensors = _tensors(args, kwargs.values())
         outs = [out] if isinstance(out, torch.Tensor) else \
             _tensors(out) if isinstance(out, (list, tuple)) else []
-        drawn = next((getattr(t, _RANDOM) for t in tensors if hasattr(t, _RANDOM)), None)
-        if drawn is not None:  # a comparison with a random draw is random too
+        unknown = next((getattr(t, _UNKNOWN) for t in tensors if hasattr(t, _UNKNOWN)), None)
+        if unknown is not None:  # what a random draw (a meta buffer) computes is unknown too
             for o in outs:
                 if o.numel() <= RANDOM_LIMIT:
-                    setattr(o, _RANDOM, drawn)
+                    setattr(o, _UNKNOWN, unknown)
         fresh = self._fresh_symbols(outs)
         valued = [self.value(t) for t in tensors]
         if tensors and all(v is not None for v in valued):
@@ -299,9 +310,12 @@ class DataValues:
         name pinned to one value where the trace specialised any of its symbols."""
         env = self.shape_env
         trace.unbacked = dict(self.names)
-        trace.assumptions = [replace(a, decided=i in self.used)
-                             for i, a in enumerate(self.assumptions)]
-        trace.data_sizes = list(self.data_sizes)
+        # a random draw no branch read (a dropout mask) assumed nothing: not named
+        kept = [i for i, a in enumerate(self.assumptions) if a.kind != "random" or i in self.used]
+        index = {i: n for n, i in enumerate(kept)}
+        trace.assumptions = [replace(self.assumptions[i], decided=i in self.used) for i in kept]
+        trace.data_sizes = [replace(d, assumptions=tuple(index[i] for i in d.assumptions))
+                            for d in self.data_sizes]
         for d in self.data_sizes:
             members = [s for s, n in self.names.items() if n == d.name]
             trace.symbols.setdefault(d.name, members[0])
@@ -337,15 +351,65 @@ class DataValues:
         self._set(fake, value, frozenset((a,)))
         self._active = True
 
+    def give_constant(self, fake, t, name: str | None) -> None:
+        """A small integer or boolean tensor the model holds (a buffer: Encodec's padding,
+        BatchNorm's batch count) keeps its values: the real step computes with them. One on the
+        meta device keeps the value its build made (build_values.py), else it is marked
+        unknown: a read of it then names it."""
+        if t.is_floating_point() or t.is_complex() or t.numel() > CONSTANT_LIMIT \
+                or isinstance(t, FakeTensor):
+            return
+        real = build_value(t) if t.device.type == "meta" else t
+        self._active = True
+        if real is None:
+            what = f"buffer '{name}'" if name else "a tensor attribute of a module"
+            shape = "x".join(str(n) for n in t.shape) or "scalar"
+            setattr(fake, _UNKNOWN, Unknown("meta", f"{what} ({str(t.dtype)[6:]} {shape})"))
+            return
+        with unset_fake_temporarily():  # called inside the capture's fake mode
+            value = real.detach().to("cpu", copy=True)
+        self._set(fake, value, frozenset())
+
+    def check_known(self, func, tensors) -> None:
+        """Raise UnknownValueRead if `func` reads one of `tensors` whose values no one knows."""
+        for t in tensors:
+            unknown = getattr(t, _UNKNOWN, None)
+            if unknown is not None and self.value(t) is None:
+                raise UnknownValueRead(func, unknown)
+
+    def _draw(self, func, args, kwargs, out, where) -> bool:
+        """A small random draw `_DRAWS` knows: its median (see the module docstring)."""
+        rule = _DRAWS.get(func)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if rule is None or len(outs) != 1 or not _static_small(outs, RANDOM_LIMIT):
+            return False
+        o = outs[0]
+        with unset_fake_temporarily():  # called inside the capture's fake mode
+            median = rule(args, kwargs, self.value)
+            if median is None:
+                return False
+            if isinstance(median, torch.Tensor):  # per element: the likelier outcome
+                real, median = median.to(o.dtype).expand(o.shape).clone(), "the likelier outcome"
+            else:
+                real, median = torch.full(list(o.shape), median, dtype=o.dtype), f"{median:g}"
+        op = func.name().split("::")[-1].split(".")[0].rstrip("_")
+        a = self._assumption("random", _short(where()) or "?",
+                             f"{op} draws taken at their median ({median}): a branch on a draw "
+                             f"takes its likelier side (LayerDrop, stochastic depth with a drop "
+                             f"probability below 1/2: no layer dropped, the memory-worst case)")
+        self._set(o, real, frozenset((a,)))
+        if hasattr(o, _UNKNOWN):
+            delattr(o, _UNKNOWN)
+        return True
+
     def _mark_random(self, out, where) -> bool:
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        if not outs or any(isinstance(s, torch.SymInt) for o in outs for s in o.shape) \
-                or sum(o.numel() for o in outs) > RANDOM_LIMIT:
+        if not outs or not _static_small(outs, RANDOM_LIMIT):
             return False  # a dropout mask, not a number the code decides on
         w = where()
         for o in outs:
             self._drop(o)
-            setattr(o, _RANDOM, _short(w) or "?")
+            setattr(o, _UNKNOWN, Unknown("random", _short(w) or "?"))
         return True
 
     # ---- routing ----------------------------------------------------------------------------------
@@ -510,12 +574,62 @@ class DataValues:
             self._name(sym, int(round(fraction * numel)), func, where, frozenset((a,)))
 
 
-class RandomValueRead(RuntimeError):
-    """The step reads a number it drew at random (and branches on it)."""
+@dataclass(frozen=True)
+class Unknown:
+    """Why a small tensor has no values: a random draw (`source`: where it was drawn) or a
+    buffer on the meta device (`source`: which)."""
 
-    def __init__(self, func, drawn: str):
-        super().__init__(f"{func} reads a random number drawn at {drawn}")
-        self.func, self.drawn = func, drawn
+    kind: str      # "random" or "meta"
+    source: str
+
+
+class UnknownValueRead(RuntimeError):
+    """The step reads a value no one knows: a random draw no rule gives a value, a meta buffer."""
+
+    def __init__(self, func, unknown: Unknown):
+        what = "a random number drawn at" if unknown.kind == "random" else "the value of"
+        super().__init__(f"{func} reads {what} {unknown.source}")
+        self.func, self.kind, self.source = func, unknown.kind, unknown.source
+        self.tapescope_user = True  # the step's read, not a bug of the capture (errors.py)
+
+
+# ---- random draws taken at their median -----------------------------------------------------------
+# each: (args, kwargs, value_of) -> the median (a number, or a tensor of per-element likelier
+# outcomes), or None where it is not known
+
+def _arg(args, kwargs, i, name, default):
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _mid(args, kwargs):
+    return (_arg(args, kwargs, 1, "from", 0.0) + _arg(args, kwargs, 2, "to", 1.0)) / 2
+
+
+def _likelier(p):
+    return 1 if p >= 0.5 else 0
+
+
+def _bernoulli_tensor(args, kwargs, value_of):
+    v = value_of(args[0])  # per-element probabilities the step knows
+    return None if v is None else (v[0] >= 0.5)
+
+
+_DRAWS = {
+    aten.rand.default: lambda a, k, v: 0.5,
+    aten.rand.generator: lambda a, k, v: 0.5,
+    aten.rand_like.default: lambda a, k, v: 0.5,
+    aten.uniform_.default: lambda a, k, v: _mid(a, k),
+    aten.uniform.default: lambda a, k, v: _mid(a, k),
+    aten.randn.default: lambda a, k, v: 0.0,
+    aten.randn.generator: lambda a, k, v: 0.0,
+    aten.randn_like.default: lambda a, k, v: 0.0,
+    aten.normal_.default: lambda a, k, v: _arg(a, k, 1, "mean", 0.0),
+    aten.bernoulli_.float: lambda a, k, v: _likelier(_arg(a, k, 1, "p", 0.5)),
+    aten.bernoulli.p: lambda a, k, v: _likelier(_arg(a, k, 1, "p", 0.5)),
+    aten.bernoulli.default: _bernoulli_tensor,
+    aten.randint.low: lambda a, k, v: (_arg(a, k, 0, "low", 0) + _arg(a, k, 1, "high", 1) - 1) // 2,
+    aten.randint.default: lambda a, k, v: (_arg(a, k, 0, "high", 1) - 1) // 2,
+}
 
 
 # ---- which ops route, which are small factories -------------------------------------------------
@@ -557,6 +671,12 @@ def _small_factory(func, outs) -> bool:
                 return False
         n += o.numel()
     return n <= FACTORY_LIMIT
+
+
+def _static_small(outs, limit) -> bool:
+    """Whether tensors have static shapes and at most `limit` elements in all."""
+    return not any(isinstance(s, torch.SymInt) for o in outs for s in o.shape) \
+        and sum(o.numel() for o in outs) <= limit
 
 
 def _tensors(*groups) -> list:

@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..errors import ModelBuildError, SpecError
 from ..options import check_device_build, resolve_device, resolve_dtype
 from ..torch_compat import post_accumulate_grad_hooks, tensor_backward_hooks, tree_map
+from .build_values import BuildValues, keep_build_value
 
 __all__ = ["spec", "Spec", "build_on_meta", "fake_copy", "fake_inputs", "resolve_dtype"]
 
@@ -71,12 +72,15 @@ def spec(shape, dtype=torch.float32, device=None, requires_grad=False, high=None
 def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
     """Run a model builder with every new tensor on the meta device: no memory, no init compute.
 
-    Init code that reads tensor values (`x.item()` on a schedule tensor, say) cannot run on meta;
-    for those builders the parameters are created on the CPU one module at a time and moved to meta
-    as soon as they exist, so memory stays at one parameter's size (init compute is paid).
+    Small constants made during the build (a 0-dim int64 stride buffer) keep their values
+    (build_values.py). Init code that reads tensor values (`x.item()` on a schedule tensor, say)
+    cannot run on meta; for those builders the parameters are created on the CPU one module at a
+    time and moved to meta as soon as they exist, so memory stays at one parameter's size (init
+    compute is paid).
     """
+    values = BuildValues()  # small constants keep their values (build_values.py)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), values:
             model = builder()
     except Exception as first:  # noqa: BLE001 - retried below, reported if that fails too
         try:
@@ -91,6 +95,7 @@ def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
                 f"profile(): tapescope copies it onto fake tensors and never changes it") from second
     if not isinstance(model, nn.Module):
         raise ModelBuildError(f"the model builder returned {type(model).__name__}, not an nn.Module")
+    values.forget_unfollowed(model)
     return model
 
 
@@ -110,7 +115,8 @@ class _params_to_meta:
                 mod._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
 
         def register_buffer(mod, name, tensor, persistent=True):
-            reg_b(mod, name, tensor if tensor is None else tensor.to("meta"), persistent)
+            reg_b(mod, name, tensor if tensor is None else
+                  keep_build_value(tensor.to("meta"), tensor), persistent)
 
         nn.Module.register_parameter = register_parameter
         nn.Module.register_buffer = register_buffer

@@ -234,8 +234,17 @@ class CaptureSession:
         opts, tape = self.options, self.tape
         # the model's private copy: parameters and buffers on the traced device and dtype; tensors
         # of other state (caches, closures) keep their device, as model.to() leaves them
+        buffers = {}
+        for fqn, b in self.model.named_buffers(remove_duplicate=False):
+            buffers.setdefault(id(b), fqn)
+
+        def module_tensor(t):  # a small integer buffer keeps its values (data_values.py)
+            fake = fake_tensor_like(t, opts.device, opts.dtype)
+            self.values.give_constant(fake, t, buffers.get(id(t)))
+            return fake
+
         self.isolation = Isolation(
-            lambda t: fake_tensor_like(t, opts.device, opts.dtype),
+            module_tensor,
             lambda t: fake_tensor_like(t, opts.device if t.device.type == "meta" else t.device,
                                        None))
         self.fmodel = self.isolation.copy_model(self.model)
