@@ -483,6 +483,8 @@ def render_plan(plan, name: str, options, console: Console) -> None:
                      if sel else ""), highlight=False)
     console.print(f"  not checkpointed: {rest} of the {len(plan.units)} units considered",
                   highlight=False)
+    for r in plan.refused:
+        console.print(Text(f"  not proposed: {r.describe()}"), highlight=False, soft_wrap=True)
     if plan.pareto:
         t = Table(title="Budget -> re-traced peak -> recompute cost", title_justify="left", box=None)
         for col in ("budget", "peak (re-traced)", "recompute", "FLOPs", "whole", "selective"):
