@@ -128,12 +128,16 @@ def test_cli_plan(tmp_path):
 
     out = tmp_path / "plan.json"
     code = tmp_path / "plan.py"
-    r = CliRunner().invoke(app, ["plan", GPT2, "-b", "2", "-s", "32", "--budget", "3MiB",
+    r = CliRunner().invoke(app, ["plan", GPT2, "-b", "2", "-s", "32", "--budget", "3.5MiB",
                                  "--json", str(out), "--code", str(code)])
     assert r.exit_code == 0, r.output
     assert "apply_checkpointing" in r.output and "re-traced" in r.output
     d = json.loads(out.read_text())
-    assert d["peak_bytes"] > 0 and "policies" in d and "def apply_checkpointing" in code.read_text()
+    assert d["peak_bytes"] > 0 and d["policies"] and "def apply_checkpointing" in code.read_text()
+    assert d["meets_budget"] and d["peak_bytes"] <= 3.5 * 2**20
+    # a budget below the model's state: exit 1 (as fit does), with the reason
+    over = CliRunner().invoke(app, ["plan", GPT2, "-b", "2", "-s", "32", "--budget", "3MiB"])
+    assert over.exit_code == 1 and "why: the model's state alone is over" in over.output
     bad = CliRunner().invoke(app, ["plan", GPT2, "--budget", "lots"])
     assert bad.exit_code == 1 and "cannot read a memory size" in bad.output
 
