@@ -77,7 +77,8 @@ def next_steps(s: Shortfall, inv: Invocation, *, checkpointed: bool = False,
             out.append((inv.cmd("fit", "--gpus", str(n), "--gpu", inv.gpu or "h100"),
                         f"shard the model state over {n} GPUs ({fmt_bytes(per)} of it per GPU): "
                         f"every (FSDP, TP) layout of {n} GPUs, profiled per rank"))
-            out.append((inv.cmd("profile", "--fsdp", str(n), *(("--gpu", inv.gpu) if inv.gpu else ())),
+            gpu = ("--gpu", inv.gpu) if inv.gpu else ()
+            out.append((inv.cmd("profile", "--fsdp", str(n), *gpu),
                         f"FSDP2 over {n} GPUs, each rank's peak"))
         opt = s.at_peak.get(OPTIMIZER_STATE, 0)
         if opt and inv.optimizer != "sgd":
