@@ -278,9 +278,11 @@ def profile_cmd(
         from .report.console import render_compiled, render_summary
 
         gpu_name = gpu or (p.gpu.key if p.gpu is not None else None)
-        render_summary(p, out, top=top, invocation=_invocation(
+        # the next commands start from one device; a parallelised step's are not written yet
+        invocation = None if p.distributed is not None else _invocation(
             "profile", spec, batch, seq, input, loss, dtype, amp, optimizer, gpu=gpu_name,
-            param_dtype=p.facts.get("param_dtype")))
+            param_dtype=p.facts.get("param_dtype"))
+        render_summary(p, out, top=top, invocation=invocation)
         if p.compiled is not None:
             render_compiled(p, out, top=top)
         out.print(Text(f"{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never allocated "

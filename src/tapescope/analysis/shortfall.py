@@ -67,9 +67,11 @@ class Shortfall:
         return out
 
     def shards_needed(self, limit: int = 4096) -> int | None:
-        """The least power of two N with the model state / N plus the rest within the budget:
-        FSDP's degree, an upper bound (FSDP also shards the optimizer's temporaries, counted
-        here as unsharded). None if the rest alone is over the budget."""
+        """The least power of two N with the model state / N plus the rest of this peak within
+        the budget: where to start looking for FSDP's degree. An estimate from one device's
+        peak: FSDP also shards the optimizer's temporaries (fewer may do) and adds all-gather
+        buffers and unsharded parameters (more may be needed); `fit --gpus N` profiles it.
+        None if the rest alone is over the budget."""
         rest = self.peak - self.state_bytes
         n = 1
         while n <= limit:

@@ -75,8 +75,9 @@ def next_steps(s: Shortfall, inv: Invocation, *, checkpointed: bool = False,
         if n is not None:
             per = s.state_bytes // n
             out.append((inv.cmd("fit", "--gpus", str(n), "--gpu", inv.gpu or "h100"),
-                        f"shard the model state over {n} GPUs ({fmt_bytes(per)} of it per GPU): "
-                        f"every (FSDP, TP) layout of {n} GPUs, profiled per rank"))
+                        f"shard the model state over {n} GPUs ({fmt_bytes(per)} of it per GPU, "
+                        f"an estimate from this peak): every (FSDP, TP) layout of {n} GPUs, "
+                        "profiled per rank, says which fits"))
             gpu = ("--gpu", inv.gpu) if inv.gpu else ()
             out.append((inv.cmd("profile", "--fsdp", str(n), *gpu),
                         f"FSDP2 over {n} GPUs, each rank's peak"))

@@ -250,11 +250,11 @@ def _render_oom(p, console: Console, invocation=None) -> None:
                           [("this command with --alloc-conf expandable_segments:True",
                             "segments that grow in place instead of new 2/20 MiB ones")])
         return
-    if invocation is not None:
-        from .advice import next_steps, why
+    from .advice import next_steps, why
 
-        what = "the GPU's memory"
-        render_next_steps(console, why(s, what), next_steps(s, invocation, what=what))
+    what = "the GPU's memory"  # the next commands need to know how the user asked
+    render_next_steps(console, why(s, what),
+                      next_steps(s, invocation, what=what) if invocation is not None else [])
 
 
 def render_next_steps(console: Console, reason: str, steps) -> None:
