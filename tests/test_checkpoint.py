@@ -313,3 +313,34 @@ def test_transformers_decoder_takes_the_eager_mask_path(checkpointing):
     assert mu.is_tracing is original
     with FakeTensorMode() as mode:
         assert mu.is_tracing(mode.from_tensor(torch.ones(2)))
+
+
+@pytest.mark.parametrize("form", ["reentrant", "non_reentrant", "selective", "sequential"])
+def test_checkpoint_recomputes_under_cuda_autocast(form):
+    """--amp bf16 on CUDA without a GPU: torch.utils.checkpoint recomputes under the forward's
+    autocast state (it opens `torch.amp.autocast("cuda", **saved_state)`), which torch switches
+    off where it finds no GPU. Truth: torch's own rule - a recomputation reruns forward ops with
+    the forward's metadata (non-reentrant checkpoint raises CheckpointError otherwise) - and
+    autocast's op list by hand: under autocast("cuda", bf16) `linear` runs as a bf16 addmm."""
+    if not torch.backends.cuda.is_built():
+        pytest.skip("needs a CUDA build of torch")
+    p = tapescope.profile(lambda: Blocks(form), tapescope.spec((BATCH, D)), device="cuda",
+                          gpu="h100", amp="bf16", optimizer=None, steps=1)
+
+    def sig(op):
+        return op.module, op.name, tuple(t.dtype for t in op.outputs)
+
+    recomputed = [sig(op) for op in p.ops if op.recompute]
+    forward = [sig(op) for op in p.ops if op.phase == "forward"]
+    assert recomputed
+    # each recomputed op is a forward op of the same module with the same output dtypes
+    from collections import Counter
+
+    assert not Counter(recomputed) - Counter(forward)
+    addmms = [dt for _, name, dt in recomputed if name == "aten.addmm.default"]
+    if form == "selective":  # the matmuls are saved, their bf16 neighbours recomputed
+        assert not addmms
+        gelus = [dt for _, name, dt in recomputed if name == "aten.gelu.default"]
+        assert gelus and set(gelus) == {(torch.bfloat16,)}
+    else:
+        assert addmms and set(addmms) == {(torch.bfloat16,)}

@@ -128,14 +128,54 @@ def test_cli_plan(tmp_path):
 
     out = tmp_path / "plan.json"
     code = tmp_path / "plan.py"
-    r = CliRunner().invoke(app, ["plan", GPT2, "-b", "2", "-s", "32", "--budget", "3MiB",
+    r = CliRunner().invoke(app, ["plan", GPT2, "-b", "2", "-s", "32", "--budget", "3.5MiB",
                                  "--json", str(out), "--code", str(code)])
     assert r.exit_code == 0, r.output
     assert "apply_checkpointing" in r.output and "re-traced" in r.output
     d = json.loads(out.read_text())
-    assert d["peak_bytes"] > 0 and "policies" in d and "def apply_checkpointing" in code.read_text()
+    assert d["peak_bytes"] > 0 and d["policies"] and "def apply_checkpointing" in code.read_text()
+    assert d["meets_budget"] and d["peak_bytes"] <= 3.5 * 2**20
+    # a budget below the model's state: exit 1 (as fit does), with the reason
+    over = CliRunner().invoke(app, ["plan", GPT2, "-b", "2", "-s", "32", "--budget", "3MiB"])
+    assert over.exit_code == 1 and "why: the model's state alone is over" in over.output
     bad = CliRunner().invoke(app, ["plan", GPT2, "--budget", "lots"])
     assert bad.exit_code == 1 and "cannot read a memory size" in bad.output
+
+
+# transformers' default LlamaConfig (use_cache=True): each attention layer updates a KV cache in
+# its forward, again when recomputed, so selective checkpointing's recomputation runs other ops
+# than the forward and torch refuses it ("aten.slice.Tensor invocation index 4 ... not found in
+# storage"); whole-layer checkpointing (non-reentrant, early stop) runs.
+HF_LLAMA = ("hf:LlamaConfig:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,"
+            "num_key_value_heads=2,intermediate_size=128,vocab_size=256")
+CPU_SDPA_AND_MM = ("aten._scaled_dot_product_flash_attention_for_cpu.default", "aten.mm.default")
+
+
+def test_plan_proposes_only_what_torch_runs():
+    """The budget asks for a little less than no checkpointing, where one layer checkpointed
+    selectively is the cheapest estimate; torch refuses that (the real step below raises), so
+    the planner drops it, falls back to a layer checkpointed whole, and says why. Truth: the
+    chosen plan run for real on CPU - it runs, within the budget, at the reported peaks - and the
+    refused policy run for real raises."""
+    from tapescope.checkpointing.policy import apply_policies
+
+    m = tiny(HF_LLAMA, batch=2, seq=64)
+    base = tapescope.profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn)
+    plan = tapescope.plan_checkpointing(m.build, *m.inputs, input_kwargs=m.input_kwargs,
+                                        loss_fn=m.loss_fn, budget=int(base.peak_bytes * 0.94))
+    assert [(r.kind, r.mode) for r in plan.refused] == [("LlamaDecoderLayer", SELECTIVE)]
+    assert "not found in storage" in plan.refused[0].reason
+    assert plan.meets_budget and plan.policies
+    assert {p.mode for p in plan.policies} == {FULL}
+    real = run_real_steps(lambda: plan.apply(m.build()), m.inputs, m.input_kwargs,
+                          loss_fn=m.loss_fn)
+    assert abs(real.peaks[1] - plan.first_step_peak_bytes) <= 12
+    assert abs(real.peaks[2] - plan.steady_peak_bytes) <= 12
+    assert max(real.peaks[1], real.peaks[2]) <= plan.budget
+    refused = [UnitPolicy(plan.refused[0].module, SELECTIVE, CPU_SDPA_AND_MM)]
+    with pytest.raises(RuntimeError, match="not found in storage"):
+        run_real_steps(lambda: apply_policies(m.build(), refused), m.inputs, m.input_kwargs,
+                       loss_fn=m.loss_fn)
 
 
 def test_knapsack_finds_the_cheapest_cover():

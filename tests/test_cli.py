@@ -71,3 +71,57 @@ def test_profile_for_another_cpu(tmp_path):
                                                            "detected": False}
     r = CliRunner().invoke(app, ["profile", "torchvision:resnet18", "--threads", "0"])
     assert r.exit_code == 1 and "threads must be a positive integer" in r.output
+
+
+def _state_numbers(spec):
+    """(parameter elements, parameter tensors) of the model, counted on the built model."""
+    from tapescope.zoo import resolve
+
+    params = list(resolve(spec).build().parameters())
+    return sum(p.numel() for p in params), len(params)
+
+
+def test_plan_that_cannot_meet_the_budget_exits_1_and_says_why():
+    """Parameters, gradients and AdamW's state alone exceed the budget: no checkpointing plan can
+    help. Truth by hand: fp32 parameters and gradients are 4 bytes per element each; AdamW keeps
+    exp_avg and exp_avg_sq (8 bytes per element) and, on CPU, a 4-byte float32 `step` per
+    parameter tensor."""
+    from tapescope.report.text import fmt_bytes
+
+    n, tensors = _state_numbers(TINY_GPT2)
+    budget = 1 << 20
+    assert 16 * n > budget  # the model state alone is over it
+    r = CliRunner().invoke(app, ["plan", TINY_GPT2, "--batch", "1", "--seq", "8",
+                                 "--budget", "1MiB"])
+    assert r.exit_code == 1, r.output
+    out = " ".join(r.output.split())  # the console wraps long lines
+    assert "cannot meet the budget" in out and "why: the model's state alone is over" in out
+    for category, nbytes in (("parameters", 4 * n), ("gradients", 4 * n),
+                             ("optimizer state", 8 * n + 4 * tensors)):
+        assert f"{category} {fmt_bytes(nbytes)}" in out
+    # the next commands: shard it over enough GPUs for the state to fit, or keep less of it
+    gpus = int(out.split("--gpus ")[1].split()[0])
+    assert gpus >= 2 and gpus & (gpus - 1) == 0 and 16 * n / gpus < budget
+    assert f"--optimizer sgd plain SGD keeps no optimizer state: the model state becomes " \
+           f"{fmt_bytes(8 * n)}" in out
+    assert "--dtype bf16" in out
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="needs a CUDA build of torch")
+def test_profile_that_does_not_fit_the_gpu_says_why_and_what_next():
+    """A 1.4B-parameter step with AdamW on a T4: the replayed counters are labelled as the replay
+    cut short by the OOM, and the reason is the model state, by hand: 4 + 4 + 8 bytes per
+    parameter (on CUDA, AdamW's `step` stays on the CPU)."""
+    from tapescope.report.text import fmt_bytes
+
+    spec = "zoo:llama:dim=8192,n_layers=1,n_heads=64,n_kv_heads=8,ffn_dim=28672"
+    n, _ = _state_numbers(spec)
+    r = CliRunner().invoke(app, ["profile", spec, "--gpu", "t4", "--batch", "1", "--seq", "64"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "On NVIDIA T4: does not fit: runs out of memory at" in out
+    assert "the replay up to the point of OOM" in out
+    assert (f"optimizer state {fmt_bytes(8 * n)} + parameters {fmt_bytes(4 * n)} + gradients "
+            f"{fmt_bytes(4 * n)} = {fmt_bytes(16 * n)} at the peak") in out
+    gpus = int(out.split("--gpus ")[1].split()[0])
+    assert gpus >= 2 and f"--fsdp {gpus} --gpu t4" in out

@@ -127,6 +127,25 @@ def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=
         return profile_workload(workload, options, progress)
 
 
+def _invocation(command, spec, batch, seq, inputs, loss, dtype, amp, optimizer, gpu=None,
+                budget=None, param_dtype=None):
+    """How the user asked (report/advice.py), to write the next commands with the same model,
+    sizes and precision."""
+    from .report.advice import Invocation
+
+    flags = []
+    for flag, value in (("--batch", batch), ("--seq", seq), ("--dtype", dtype), ("--amp", amp),
+                        ("--loss", loss)):
+        if value is not None:
+            flags += [flag, str(value)]
+    for i in inputs or ():
+        flags += ["--input", i]
+    if optimizer and optimizer != "adamw":
+        flags += ["--optimizer", optimizer]
+    return Invocation(command, spec, tuple(flags), gpu=gpu, budget=budget, amp=amp is not None,
+                      dtype_fp32=param_dtype in (None, "float32"), optimizer=optimizer)
+
+
 def _compile_options(compile, mode, fullgraph, dynamic, budget, compile_optimizer, backend):
     """--compile and its companions as one CompileOptions (None: the step is not compiled); any
     companion implies --compile."""
@@ -258,7 +277,12 @@ def profile_cmd(
         elapsed = time.perf_counter() - t0
         from .report.console import render_compiled, render_summary
 
-        render_summary(p, out, top=top)
+        gpu_name = gpu or (p.gpu.key if p.gpu is not None else None)
+        # the next commands start from one device; a parallelised step's are not written yet
+        invocation = None if p.distributed is not None else _invocation(
+            "profile", spec, batch, seq, input, loss, dtype, amp, optimizer, gpu=gpu_name,
+            param_dtype=p.facts.get("param_dtype"))
+        render_summary(p, out, top=top, invocation=invocation)
         if p.compiled is not None:
             render_compiled(p, out, top=top)
         out.print(Text(f"{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never allocated "
@@ -467,7 +491,9 @@ def plan_cmd(
     code_file: Optional[str] = typer.Option(None, "--code", help="Write the plan as Python (apply_checkpointing(model))."),
 ):
     """What to recompute (activation checkpointing) so that the step fits the budget; the plan's
-    peak is the step re-traced with the plan applied."""
+    peak is the step re-traced with the plan applied.
+
+    Exits 1 when no plan meets the budget, saying why and what to try next."""
     with _user_errors():
         _check_outputs(json=json_file, code=code_file)
         from .checkpointing import plan_workload
@@ -479,13 +505,18 @@ def plan_cmd(
             plan = plan_workload(workload, options, budget=budget, units=unit or None,
                                  max_traces=max_traces, pareto=pareto,
                                  progress=progress)
-        render_plan(plan, workload.name, options, out)
+        render_plan(plan, workload.name, options, out, invocation=_invocation(
+            "plan", spec, batch, seq, input, loss, dtype, amp, optimizer,
+            gpu=gpu or (options.gpu.key if options.gpu is not None else None), budget=budget,
+            param_dtype=plan.profile.facts.get("param_dtype") if plan.profile else None))
         _write_json(json_file, plan.to_dict())
         if code_file:
             from .report.files import write_text
 
             write_text(code_file, plan.code())
             out.print(Text(f"wrote {code_file}"))
+    if not plan.meets_budget:
+        raise typer.Exit(1)
 
 
 def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimizer,

@@ -56,7 +56,7 @@ __all__ = [
     "post_accumulate_grad_hooks", "push_saved_tensors_hooks", "pop_saved_tensors_hooks",
     "mark_internal_saved_tensors_hooks", "set_graph_task_id", "forward_ad_level",
     "adinplaceorview_excluded", "default_device",
-    "foreach_devices", "force_enable_autocast", "fake_cache_bypasses",
+    "foreach_devices", "fake_cache_bypasses",
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
@@ -178,13 +178,6 @@ def foreach_devices() -> list:
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
     return _get_foreach_kernels_supported_devices()
-
-
-def force_enable_autocast(ctx: torch.autocast) -> torch.autocast:
-    """torch.autocast("cuda") disables itself (with a warning) when no GPU is present; the
-    dispatcher's autocast keys work on fake CUDA tensors all the same."""
-    ctx._enabled = True
-    return ctx
 
 
 def fake_cache_bypasses() -> dict:

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from ..errors import DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope
 from ..options import Options, Workload
-from ..torch_compat import (DimDynamic, ShapeEnv, constant_source, force_enable_autocast,
+from ..torch_compat import (DimDynamic, ShapeEnv, constant_source,
                             hook_guard_locations, shape_env_facts, tree_leaves, tree_map,
                             user_source_location, without_torch_function)
 from .data_values import DataValues
@@ -75,15 +75,12 @@ def capture(workload: Workload, options: Options, progress=None,
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
-    """torch.autocast for the traced device, also for CUDA on a machine without a GPU: the
-    dispatcher's autocast keys work on fake CUDA tensors, so we enable it where torch would
-    switch itself off (and warn) for want of a GPU."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ctx = torch.autocast(device.type, dtype=dtype)
-    return force_enable_autocast(ctx)
+    """torch.autocast for the traced device, opened while the step is recorded: for CUDA on a
+    machine without a GPU, torch's question "is there a GPU?" is answered as on the profiled GPU
+    then (fidelity/libraries.py), so this autocast stays on - and so does every other one the
+    step opens (checkpoint's recomputation, the model's own). The dispatcher's autocast keys
+    work on fake CUDA tensors."""
+    return torch.autocast(device.type, dtype=dtype)
 
 
 @dataclass

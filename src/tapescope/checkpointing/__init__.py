@@ -7,8 +7,8 @@ as it runs (capture/engine.py, capture/hooks.py); `profile(..., checkpointing=pl
 to the traced copy of the model.
 """
 
-from .planner import ParetoPoint, Plan, plan_checkpointing, plan_workload
+from .planner import ParetoPoint, Plan, Refusal, plan_checkpointing, plan_workload
 from .policy import FULL, SELECTIVE, UnitPolicy, apply_policies, policy_code
 
-__all__ = ["plan_checkpointing", "plan_workload", "Plan", "ParetoPoint", "UnitPolicy", "FULL",
-           "SELECTIVE", "apply_policies", "policy_code"]
+__all__ = ["plan_checkpointing", "plan_workload", "Plan", "ParetoPoint", "Refusal", "UnitPolicy",
+           "FULL", "SELECTIVE", "apply_policies", "policy_code"]

@@ -15,6 +15,12 @@
    is the plan's peak. If it misses, or beats the budget by more than the estimate said, aim
    again with the error seen; a few re-traces settle it. A budget no plan meets is reported as
    such, with the lowest peak found.
+6. A candidate torch itself refuses to run (torch.utils.checkpoint raises while the re-trace
+   recomputes: CheckpointError, or selective checkpointing's "not found in storage" when the
+   recomputation runs other ops than the forward did - transformers' KV cache updated again)
+   is discarded, with the mode it used for that kind of layer; the search goes on without it,
+   and the plan names what was refused and why (`Plan.refused`). Only plans that traced are
+   proposed, so only plans torch runs.
 
 benchmarks/checkpoint_plan.py measures the recompute cost of the plans against an exhaustive
 search over every plan of small models.
@@ -22,6 +28,7 @@ search over every plan of small models.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +40,25 @@ from ..options import Options, Workload
 from .estimate import CPU_BYTES, CPU_FLOPS, PeakModel, find_units, unit_effects
 from .policy import FULL, SELECTIVE, UnitPolicy, apply_policies, policy_code
 
-__all__ = ["Plan", "ParetoPoint", "plan_checkpointing", "plan_workload"]
+__all__ = ["Plan", "ParetoPoint", "Refusal", "plan_checkpointing", "plan_workload"]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A mode the planner stopped proposing for a kind of unit, because torch refused to run a
+    plan that used it (`reason`: the error, naming the op and module)."""
+
+    kind: str      # the unit's class name, e.g. "LlamaDecoderLayer"
+    module: str    # the unit whose re-trace failed
+    mode: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def describe(self) -> str:
+        return (f"{self.mode} checkpointing of {self.kind} ({self.module} and its like): torch "
+                f"refuses to run it - {self.reason}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +101,7 @@ class Plan:
     traces: int
     seconds: float
     pareto: list = field(default_factory=list)
+    refused: tuple = ()   # Refusal: modes not proposed because torch refused to run them
     profile: object = field(default=None, repr=False)
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -106,7 +132,8 @@ class Plan:
             "cost_model": self.cost_model, "units": list(self.units),
             "policies": [p.to_dict() for p in self.policies],
             "traces": self.traces, "planning_seconds": self.seconds,
-            "pareto": [p.to_dict() for p in self.pareto], "code": self.code(),
+            "pareto": [p.to_dict() for p in self.pareto],
+            "refused": [r.to_dict() for r in self.refused], "code": self.code(),
         }
 
     def summary(self) -> str:
@@ -170,7 +197,8 @@ def plan_workload(workload: Workload, options: Options, *, budget=None, units=No
         recompute_flops=chosen.flops, recompute_seconds=chosen.seconds,
         cost_model=search.cost_model, units=tuple(search.fqns),
         estimated_peak_bytes=search.estimate(choice), traces=len(search.traced),
-        seconds=time.perf_counter() - t0, pareto=points, profile=chosen.profile)
+        seconds=time.perf_counter() - t0, pareto=points, refused=tuple(search.refused),
+        profile=chosen.profile)
 
 
 @dataclass
@@ -201,6 +229,8 @@ class _Search:
                                 workload.name or getattr(workload.model, "__name__", None))
         self.workload = workload
         self.fqns = find_units(model, units)
+        self.kinds = [type(model.get_submodule(f)).__name__ for f in self.fqns]
+        self.refused: list[Refusal] = []
         if not self.fqns:
             raise TapescopeError(
                 "found no layers to checkpoint (no nn.ModuleList / nn.Sequential of like modules); "
@@ -349,20 +379,54 @@ class _Search:
             out.append(UnitPolicy(u.fqn, mode, u.save_ops if mode == SELECTIVE else ()))
         return tuple(out)
 
-    def trace(self, choice: dict, keep: bool = False) -> _Traced:
-        """The step re-traced with `choice` applied. Only the last Profile asked to be kept is
-        held (a 70B model's profile is hundreds of MB); the others keep their figures."""
+    def trace(self, choice: dict, keep: bool = False) -> _Traced | None:
+        """The step re-traced with `choice` applied; None if torch refuses to run it (then the
+        search stops proposing what it refused: `_refuse`). Only the last Profile asked to be
+        kept is held (a 70B model's profile is hundreds of MB); the others keep their figures."""
         key = _key(choice)
         t = self.traced.get(key)
         if t is None or (keep and t.profile is None):
             policies = self.policies(choice)
             self.progress(f"re-tracing with {len(policies)} units checkpointed")
-            p = profile_workload(self.workload, self.options.but(checkpointing=policies))
+            try:
+                p = profile_workload(self.workload, self.options.but(checkpointing=policies))
+            except TapescopeError as e:
+                if not _refused_by_torch_checkpoint(e):
+                    raise
+                self._refuse(choice, e)
+                return None
             t = self.traced[key] = self._summarise(p)
         for other_key, other in self.traced.items():
             if other_key != key or not keep:
                 other.profile = None
         return t
+
+    def _refuse(self, choice: dict, error: TapescopeError) -> None:
+        """torch refused to run `choice`: stop proposing the refused unit's mode for every unit
+        of its class (the refusal comes from the class's code - a KV cache its forward updates
+        again when recomputed - so its like fail alike, and a 70B model's 80 layers cost one
+        failed trace, not 80). Where the error names no unit of the plan, every (class, mode)
+        of the plan is dropped. Each refusal drops at least one, so the search ends."""
+        module = getattr(error.__cause__, "tapescope_module", None) or ""
+        blamed = [k for k in sorted(choice)
+                  if module == self.fqns[k] or module.startswith(self.fqns[k] + ".")]
+        blamed = blamed[-1:] or sorted(choice)  # the innermost unit that ran the failing op
+        dropped = {}
+        for k in blamed:
+            dropped.setdefault((self.kinds[k], choice[k]), k)
+        for (kind, mode), k in dropped.items():
+            self.refused.append(Refusal(kind, self.fqns[k], mode, str(error)))
+        self.modes = [[m for m in modes if (kind, m) not in dropped]
+                      for kind, modes in zip(self.kinds, self.modes)]
+        self.path = self._greedy_path()
+
+    def _trace_path_end(self) -> _Traced:
+        """The end of the greedy path (the lowest peak the search reaches), re-traced; if torch
+        refuses it, the end of the path without what it refused."""
+        while True:
+            t = self.trace(self.path[-1])
+            if t is not None:
+                return t
 
     def _summarise(self, p) -> _Traced:
         rec = [op for op in p.ops if op.recompute]
@@ -379,35 +443,39 @@ class _Search:
         """The cheapest re-traced plan that fits `budget` (or the lowest peak found)."""
         if self.traced[_key({})].peak <= budget:
             return {}, True
-        error = 0
-        for _ in range(max_traces):
+        error, tries = 0, 0
+        while tries < max_traces:
             choice = self.plan_for(budget - error)
             key = _key(choice)
             if key in self.traced:
                 if self.traced[key].peak <= budget or choice == self.path[-1]:
                     break
                 error += self.traced[key].peak - budget  # missed again: aim lower
+                tries += 1
                 continue
             t = self.trace(choice)
+            if t is None:
+                continue  # torch refused it; what it refused is no longer proposed
+            tries += 1
             error = t.peak - self.estimate(choice)
         fits = [(t.seconds, t.peak, key) for key, t in self.traced.items() if t.peak <= budget]
         if fits:
             return dict(min(fits)[2]), True
-        if _key(self.path[-1]) not in self.traced:
-            self.trace(self.path[-1])  # nothing fitted: see what the whole path reaches
+        self._trace_path_end()  # nothing fitted: see what the whole path reaches
         low = min(t.peak for t in self.traced.values())
         # the lowest peak, with the least recompute that reaches it
         best = min((t.seconds, key) for key, t in self.traced.items() if t.peak == low)[1]
         cheaper = self.plan_for(low - (self.traced[best].peak - self.estimate(dict(best))))
         if _key(cheaper) not in self.traced and self.cost(cheaper) < self.cost(dict(best)):
-            if self.trace(cheaper).peak <= low:
+            t = self.trace(cheaper)
+            if t is not None and t.peak <= low:
                 best = _key(cheaper)
         return dict(best), False
 
     def pareto(self, n: int, max_traces: int) -> list[ParetoPoint]:
         """n budgets from the lowest peak checkpointing reaches to the baseline's peak, each
         with the cheapest re-traced plan that fits it (so cost falls as the peak rises)."""
-        low = self.trace(self.path[-1]).peak
+        low = self._trace_path_end().peak
         high = self.traced[_key({})].peak
         budgets = sorted({int(low + (high - low) * i / max(n - 1, 1)) for i in range(n)})
         for b in budgets:
@@ -421,6 +489,24 @@ class _Search:
             rows.append(ParetoPoint(b, t.peak, t.seconds, t.flops, modes.count(FULL),
                                     modes.count(SELECTIVE)))
         return rows
+
+
+def _refused_by_torch_checkpoint(error: TapescopeError) -> bool:
+    """Did torch.utils.checkpoint itself refuse the traced step: a CheckpointError (recomputed
+    tensors differ from the forward's), or an error raised in its own code (selective
+    checkpointing's "... not found in storage": the recomputation ran other ops)? The same
+    step run for real on the same torch raises the same."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    cause = error.__cause__
+    if cause is None:
+        return False
+    if isinstance(cause, torch_checkpoint.CheckpointError):
+        return True
+    tb, last = cause.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return last is not None and os.path.abspath(last) == os.path.abspath(torch_checkpoint.__file__)
 
 
 def _min_cost_cover(items, need: float, resolution: int) -> dict | None:

@@ -121,7 +121,9 @@ def _render_kernel_facts(p, console: Console) -> None:
             console.print(f"  [yellow]estimate[/] {topic}: {text}")
 
 
-def render_summary(p, console: Console, top: int = 8) -> None:
+def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
+    """The profile's summary; `invocation` (report.advice.Invocation): how the user asked, for
+    the next commands when the step does not fit its GPU."""
     mem = p.memory
     console.print(_header(p))
     which = "steady state (step 2, optimizer state alive)" if p.steps == 2 else "first step"
@@ -167,7 +169,7 @@ def render_summary(p, console: Console, top: int = 8) -> None:
                       + (f", {p.time.recompute * 1e3:.1f} ms" if p.time is not None else ""),
                       markup=False)
     if p.cuda_memory is not None:
-        _render_cuda(p, console)
+        _render_cuda(p, console, invocation)
 
     shown = [m for m in mem.modules if m.module not in ("",)][:top]
     mods = _table("Top modules by memory", ("module", "peak while running", "saved for backward"),
@@ -197,16 +199,19 @@ def render_summary(p, console: Console, top: int = 8) -> None:
         console.print(_line(("note: ", "yellow"), note))
 
 
-def _render_cuda(p, console: Console) -> None:
-    """What torch.cuda would report on the named GPU, and why it differs from the tensor peak."""
+def _render_cuda(p, console: Console, invocation=None) -> None:
+    """What torch.cuda would report on the named GPU, and why it differs from the tensor peak;
+    for a step that does not fit, why and what to try next."""
     cm, t = p.cuda_memory, p.time
-    verdict = ("does not fit", "red") if cm.oom else ("fits", "")
-    console.print(_line((f"On {p.gpu.name}", "bold"),
-                        f": max_memory_allocated {fmt_bytes(cm.max_allocated)}, "
-                        f"max_memory_reserved {fmt_bytes(cm.max_reserved)}, nvidia-smi about "
-                        f"{fmt_bytes(cm.nvidia_smi)} of {fmt_bytes(cm.capacity)}: ", verdict))
+    if cm.oom:
+        _render_oom(p, console, invocation)
+    else:
+        console.print(_line((f"On {p.gpu.name}", "bold"),
+                            f": max_memory_allocated {fmt_bytes(cm.max_allocated)}, "
+                            f"max_memory_reserved {fmt_bytes(cm.max_reserved)}, nvidia-smi about "
+                            f"{fmt_bytes(cm.nvidia_smi)} of {fmt_bytes(cm.capacity)}: fits"))
     extra = cm.max_allocated - max(p.peak_bytes, p.first_step_peak_bytes)
-    if extra > 0:
+    if extra > 0 and not cm.oom:
         from ..analysis.gpu_memory import cublas_workspace_bytes
 
         ws = cublas_workspace_bytes(p.gpu.compute_capability)
@@ -214,12 +219,52 @@ def _render_cuda(p, console: Console) -> None:
                       "caching allocator rounds every block up to a multiple of 512 bytes, and "
                       f"cuBLAS keeps a {fmt_bytes(ws)} workspace from the first matmul on",
                       highlight=False, markup=False)
-    if cm.oom and cm.oom_at:
-        console.print(_line(("  runs out of memory at ", "red"), str(cm.oom_at)))
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())
     console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
                         f"{t.mfu:.0%}", ("" if t.calibrated else
                                          " (timing constants not yet calibrated on a GPU)", "dim")))
+
+
+def _render_oom(p, console: Console, invocation=None) -> None:
+    """A step the GPU cannot hold: what it needs against what the allocator has, the replayed
+    counters labelled as a replay cut short, then why and the next commands."""
+    from ..analysis.shortfall import shortfall
+    from ..devices.gpus import usable_memory_bytes
+
+    cm = p.cuda_memory
+    usable = usable_memory_bytes(p.gpu)
+    need = max(p.peak_bytes, p.first_step_peak_bytes)
+    at = f": runs out of memory at {cm.oom_at}" if cm.oom_at else ""
+    console.print(_line((f"On {p.gpu.name}", "bold"), ": ", ("does not fit", "bold red"), at))
+    console.print(f"  the step needs {fmt_bytes(need)} of tensors at its peak; the caching allocator "
+                  f"has {fmt_bytes(usable)} ({fmt_bytes(cm.capacity)} less "
+                  f"{fmt_bytes(cm.context_bytes)} of CUDA context)", highlight=False, markup=False)
+    console.print(f"  max_memory_allocated {fmt_bytes(cm.max_allocated)}, max_memory_reserved "
+                  f"{fmt_bytes(cm.max_reserved)}, nvidia-smi about {fmt_bytes(cm.nvidia_smi)}: "
+                  "the replay up to the point of OOM (what torch.cuda reports when the step "
+                  "fails), not what the step needs", highlight=False, markup=False)
+    s = shortfall(p.memory.at_peak, usable)
+    if s is None:  # the tensors fit; the allocator's rounded, segmented blocks do not
+        render_next_steps(console, f"the tensors fit ({fmt_bytes(need)} of {fmt_bytes(usable)}) "
+                          "but the caching allocator's rounded blocks and segments do not",
+                          [("this command with --alloc-conf expandable_segments:True",
+                            "segments that grow in place instead of new 2/20 MiB ones")])
+        return
+    from .advice import next_steps, why
+
+    what = "the GPU's memory"  # the next commands need to know how the user asked
+    render_next_steps(console, why(s, what),
+                      next_steps(s, invocation, what=what) if invocation is not None else [])
+
+
+def render_next_steps(console: Console, reason: str, steps) -> None:
+    """`why: ...` and the next commands, each with what it changes."""
+    console.print(_line(("  why: ", "bold"), reason), soft_wrap=True)
+    if steps:
+        console.print(_line(("  next:", "bold")))
+    for command, because in steps:
+        console.print(Text(f"    {command}"), highlight=False, soft_wrap=True)
+        console.print(Text(f"        {because}", style="dim"), highlight=False, soft_wrap=True)
 
 
 def _ranks_text(ranks) -> str:
@@ -457,8 +502,9 @@ def render_compiled(p, console: Console, top: int = 8) -> None:
                       markup=False)
 
 
-def render_plan(plan, name: str, options, console: Console) -> None:
-    """A checkpointing.Plan: the verdict, the units and their modes, the Pareto table, the code."""
+def render_plan(plan, name: str, options, console: Console, invocation=None) -> None:
+    """A checkpointing.Plan: the verdict, the units and their modes, the Pareto table, the code;
+    for a budget no plan meets, why and the next commands (`invocation`: how the user asked)."""
     from ..checkpointing.policy import FULL
 
     gpu = f" ({options.gpu.name})" if options.gpu is not None else ""
@@ -483,6 +529,8 @@ def render_plan(plan, name: str, options, console: Console) -> None:
                      if sel else ""), highlight=False)
     console.print(f"  not checkpointed: {rest} of the {len(plan.units)} units considered",
                   highlight=False)
+    for r in plan.refused:
+        console.print(Text(f"  not proposed: {r.describe()}"), highlight=False, soft_wrap=True)
     if plan.pareto:
         t = Table(title="Budget -> re-traced peak -> recompute cost", title_justify="left", box=None)
         for col in ("budget", "peak (re-traced)", "recompute", "FLOPs", "whole", "selective"):
@@ -492,8 +540,26 @@ def render_plan(plan, name: str, options, console: Console) -> None:
                       f"{r.recompute_seconds * 1e3:.3g} ms", fmt_flops(r.recompute_flops),
                       str(r.full), str(r.selective))
         console.print(t)
-    console.print("[bold]Paste into the training script[/] (then `apply_checkpointing(model)`):")
-    console.print(plan.code(), highlight=False, markup=False, soft_wrap=True)
+    if plan.meets_budget or plan.policies:  # over the budget: the plan of the lowest peak
+        console.print("[bold]Paste into the training script[/] (then `apply_checkpointing(model)`):")
+        console.print(plan.code(), highlight=False, markup=False, soft_wrap=True)
+    if not plan.meets_budget:
+        _render_plan_shortfall(plan, console, invocation)
+
+
+def _render_plan_shortfall(plan, console: Console, invocation) -> None:
+    from ..analysis.shortfall import Shortfall
+
+    from .advice import next_steps, why
+
+    p = plan.profile  # the lowest peak found, re-traced: its categories say what is left
+    memory = p.first_step_memory if p.first_step_peak_bytes > p.peak_bytes else p.memory
+    s = Shortfall(plan.budget, memory.at_peak)
+
+    reason = (why(s) + "; activation checkpointing reduces only the saved activations"
+              if s.state_exceeds else "with the plan of the lowest peak, " + why(s))
+    render_next_steps(console, reason,
+                      next_steps(s, invocation, checkpointed=True) if invocation else [])
 
 
 def _fqn_runs(names: list) -> str:

@@ -1,4 +1,4 @@
-"""Libraries that ask "is this a FakeTensor?" and take another branch when it is.
+"""Libraries that ask "is this a FakeTensor?" (or "is there a GPU?") and take another branch.
 
 A model library may check for fake tensors itself to avoid a data-dependent branch it assumes
 nobody can answer while tracing. tapescope's fake tensors stand for a real eager step, which takes
@@ -14,6 +14,13 @@ the capture's duration (and restoring it after, also on error) changes nothing e
 fake tensor of any other FakeTensorMode still gets the library's own answer. A library not
 imported by the time the capture starts is left alone (the model was built before it: a model
 that uses the library has imported it).
+
+torch itself asks such a question: `torch.autocast("cuda")` switches itself off (with a warning)
+when `torch.cuda.amp.common.amp_definitely_not_available()` says there is no GPU, and checks
+`torch.cuda.is_bf16_supported()`, which asks the driver. A CUDA step traced on a machine without
+a GPU stands for the step on the profiled GPU, where both answer yes: every autocast the step
+opens (the step's own, torch.utils.checkpoint's around each recomputation, the model's) must
+stay on, as it would there, or a recomputation runs in fp32 where its forward ran in bf16.
 """
 
 from __future__ import annotations
@@ -52,6 +59,26 @@ def _eager_where_answerable(original, tape):
     return is_tracing
 
 
+def _gpu_present_for_cuda(original, tape):
+    """amp_definitely_not_available() for a CUDA trace: False, as on the profiled GPU."""
+    if tape.fidelity.device.type != "cuda":
+        return original
+    return lambda: False
+
+
+def _bf16_as_on_the_gpu(original, tape):
+    """is_bf16_supported() for a CUDA trace, as the profiled GPU answers: sm80 and newer natively;
+    older GPUs with emulation (torch makes a bf16 tensor there, which every CUDA GPU can)."""
+    if tape.fidelity.device.type != "cuda":
+        return original
+    gpu = tape.fidelity.gpu
+    native = gpu is None or gpu.compute_capability[0] >= 8
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return native or including_emulation
+    return is_bf16_supported
+
+
 LIBRARY_BRANCHES = (
     # transformers' masking code asks is_tracing(t), true for any FakeTensor, and then skips the
     # checks of an eager step: find_packed_sequence_indices returns the packed-sequence mask
@@ -65,6 +92,17 @@ LIBRARY_BRANCHES = (
                   source="transformers/masking_utils.py (find_packed_sequence_indices, "
                          "_ignore_causal_mask_sdpa); utils/import_utils.py (is_tracing)",
                   test="tests/test_checkpoint.py::test_transformers_decoder_takes_the_eager_mask_path"),
+    # torch.autocast("cuda") asks whether a GPU exists and turns itself off where none does;
+    # torch.utils.checkpoint opens one around each recomputation with the forward's autocast
+    # state, so without this the recomputation of a bf16 forward ran in fp32 and torch raised
+    # CheckpointError ("different metadata") - or, reentrant, silently recomputed in fp32.
+    LibraryBranch("torch.cuda.amp.common", "amp_definitely_not_available", _gpu_present_for_cuda,
+                  source="torch/amp/autocast_mode.py (autocast.__init__); "
+                         "torch/utils/checkpoint.py (recompute_fn, CheckpointFunction.backward)",
+                  test="tests/test_checkpoint.py::test_checkpoint_recomputes_under_cuda_autocast"),
+    LibraryBranch("torch.cuda", "is_bf16_supported", _bf16_as_on_the_gpu,
+                  source="torch/amp/autocast_mode.py (autocast.__init__: bf16 on CUDA)",
+                  test="tests/test_checkpoint.py::test_checkpoint_recomputes_under_cuda_autocast"),
 )
 
 

@@ -1,0 +1,111 @@
+"""What to do when a step does not fit: the reason and the next commands, from its categories.
+
+`why(shortfall)` names the categories that are over the budget on their own; `next_steps`
+writes the commands that act on those categories, with the user's model and sizes
+(`Invocation`), each with the figure that makes it worth trying. Nothing here is a fixed list:
+a step whose model state is over the budget gets sharding and a leaner optimizer or dtype, one
+whose activations are gets checkpointing, autocast and a smaller batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..analysis.shortfall import Shortfall
+from ..capture.records import OPTIMIZER_STATE, SAVED
+from .text import fmt_bytes
+
+__all__ = ["Invocation", "why", "next_steps"]
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """How the user asked, to write the next commands with the same model and sizes."""
+
+    command: str                 # "profile", "plan", ...
+    spec: str
+    flags: tuple = ()            # the workload's own flags: ("--batch", "4", "--amp", "bf16")
+    gpu: str | None = None       # the GPU named, if any
+    budget: str | None = None    # --budget as given
+    amp: bool = False            # autocast already on
+    dtype_fp32: bool = True      # parameters in fp32 (a narrower dtype would halve the state)
+    optimizer: str | None = None
+
+    def cmd(self, command: str, *extra: str, drop: tuple = ()) -> str:
+        flags, skip = [], False
+        for f in self.flags:  # the workload's flags, less those `drop` names (with their value)
+            if skip:
+                skip = False
+                continue
+            if f in drop:
+                skip = True
+                continue
+            flags.append(f)
+        return " ".join(("tapescope", command, self.spec, *flags, *extra))
+
+    def where(self) -> tuple:
+        """--gpu G and --budget B as given, to keep the same memory target."""
+        return (("--gpu", self.gpu) if self.gpu else ()) + \
+            (("--budget", self.budget) if self.budget else ())
+
+
+def _sum(parts) -> str:
+    text = " + ".join(f"{c} {fmt_bytes(b)}" for c, b in parts)
+    return text if len(parts) == 1 else f"{text} = {fmt_bytes(sum(b for _, b in parts))}"
+
+
+def why(s: Shortfall, what: str = "the budget") -> str:
+    """The categories over the budget on their own, with their bytes at the peak."""
+    if s.state_exceeds:
+        return (f"the model's state alone is over {what} of {fmt_bytes(s.budget)}: "
+                f"{_sum(s.state)} at the peak, which no batch size or checkpointing changes")
+    over = s.exceeding()
+    return (f"{_sum(over)} at the peak exceed {what} of {fmt_bytes(s.budget)} (the model's state "
+            f"is {fmt_bytes(s.state_bytes)} of the peak; the rest grows with the batch)")
+
+
+def next_steps(s: Shortfall, inv: Invocation, *, checkpointed: bool = False,
+               what: str = "the budget") -> list[tuple[str, str]]:
+    """(command, why) pairs, most effective first. `checkpointed`: the peak is already the
+    lowest activation checkpointing reaches (a plan that cannot meet its budget); `what` names
+    the budget ("the GPU's memory")."""
+    out = []
+    if s.state_exceeds:
+        n = s.shards_needed()
+        if n is not None:
+            per = s.state_bytes // n
+            out.append((inv.cmd("fit", "--gpus", str(n), "--gpu", inv.gpu or "h100"),
+                        f"shard the model state over {n} GPUs ({fmt_bytes(per)} of it per GPU, "
+                        f"an estimate from this peak): every (FSDP, TP) layout of {n} GPUs, "
+                        "profiled per rank, says which fits"))
+            gpu = ("--gpu", inv.gpu) if inv.gpu else ()
+            out.append((inv.cmd("profile", "--fsdp", str(n), *gpu),
+                        f"FSDP2 over {n} GPUs, each rank's peak"))
+        opt = s.at_peak.get(OPTIMIZER_STATE, 0)
+        if opt and inv.optimizer != "sgd":
+            left = s.state_bytes - opt
+            verdict = "within" if left <= s.budget else "still over"
+            out.append(("this command with --optimizer sgd",
+                        f"plain SGD keeps no optimizer state: the model state becomes "
+                        f"{fmt_bytes(left)}, {verdict} {what}"))
+        if inv.dtype_fp32:
+            half = s.state_bytes // 2
+            verdict = "within" if half <= s.budget else "still over"
+            out.append(("this command with --dtype bf16",
+                        f"bf16 parameters, gradients and optimizer state: about {fmt_bytes(half)}, "
+                        f"{verdict} {what}"))
+        return out
+    saved = s.at_peak.get(SAVED, 0)
+    if not checkpointed and saved:
+        out.append((inv.cmd("plan", *inv.where()),
+                    f"activation checkpointing: what to recompute so that the saved activations "
+                    f"({fmt_bytes(saved)} at the peak) shrink enough"))
+    if not inv.amp:
+        act = sum(b for _, b in s.activations)
+        out.append(("this command with --amp bf16",
+                    f"autocast runs matmuls in bf16: their activations take half the bytes "
+                    f"({fmt_bytes(act)} of activations and temporaries at the peak now)"))
+    out.append((inv.cmd("fit", *inv.where(), drop=("--batch",)),
+                "the largest batch that fits" + (" (without checkpointing)" if checkpointed
+                                                 else "")))
+    return out
