@@ -13,6 +13,7 @@ from math import prod
 
 import torch
 
+from ...torch_compat import suggest_memory_format
 from .registry import RULES, WORKSPACE, Alloc, Free
 
 __all__ = []
@@ -48,3 +49,19 @@ def layer_norm_backward_buffers(ctx, func, args, kwargs, out):
         steps += [Alloc("dgamma/dbeta buffer", 2 * ctx.cpu.threads * n * acc),
                   Free("dgamma/dbeta buffer")]
     return steps or None
+
+
+@RULES.register(WORKSPACE, aten.native_group_norm_backward.default, devices={"cpu"},
+                source="aten/src/ATen/native/cpu/group_norm_kernel.cpp "
+                       "(GroupNormBackwardKernelImplInternal: ds, db = at::empty({N, C}) in the "
+                       "accumulation type, for the input and parameter gradients)",
+                test="tests/test_kernel_workspace.py::test_kernels_copy_an_expanded_gradient")
+def group_norm_backward_sums(ctx, func, args, kwargs, out):
+    """The contiguous-format backward keeps two N x C sums (of dY * X and of dY) for dX, dgamma
+    and dbeta. The channels-last kernel's buffers are not modelled (noted)."""
+    x, n, c = args[1], args[5], args[6]
+    if suggest_memory_format(x) is not torch.contiguous_format:
+        ctx.note("group norm", "the channels-last GroupNorm backward's buffers are not counted")
+        return None
+    acc = 4 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype.itemsize
+    return [2 * n * c * acc]
