@@ -449,6 +449,60 @@ def test_layer_norm_matches_the_allocator(contiguous, affine):
     assert p.first_step_peak_bytes == real.peaks[1]
 
 
+class _Normed(torch.nn.Module):
+    """A Linear viewed as `shape` (channels-last strides if asked), then a norm layer."""
+
+    def __init__(self, norm, shape, channels_last=False):
+        super().__init__()
+        self.norm, self.shape, self.channels_last = norm, shape, channels_last
+        self.lin = torch.nn.Linear(8, prod(shape[1:]))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.channels_last:  # NHWC memory, NCHW shape
+            n, c, h, w = self.shape
+            return self.norm(y.view(n, h, w, c).permute(0, 3, 1, 2))
+        return self.norm(y.view(self.shape))
+
+
+NORMS = {
+    "BatchNorm1d, N x C": (lambda: torch.nn.BatchNorm1d(16), (4, 16), False),
+    "BatchNorm1d, N x C, N <= 2": (lambda: torch.nn.BatchNorm1d(16), (2, 16), False),
+    "BatchNorm1d, N x C x L": (lambda: torch.nn.BatchNorm1d(4), (4, 4, 4), False),
+    "BatchNorm2d": (lambda: torch.nn.BatchNorm2d(4), (4, 4, 2, 2), False),
+    "BatchNorm2d, channels-last": (lambda: torch.nn.BatchNorm2d(8), (4, 8, 3, 3), True),
+    "LayerNorm": (lambda: torch.nn.LayerNorm(16), (4, 16), False),
+}
+_CE = lambda out, x: F.cross_entropy(out.flatten(1), torch.zeros(out.shape[0],  # noqa: E731
+                                                                 dtype=torch.long))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("loss", ["sum", "cross-entropy"])
+@pytest.mark.parametrize("name", NORMS)
+def test_batch_norm_matches_the_allocator(name, loss, threads):
+    """BatchNorm's CPU kernels (Normalization.cpp, batch_norm_kernel.cpp): the training
+    statistics' temporaries and, in the channels-last kernel (an N x C input too), partial sums
+    per thread (at::get_num_threads()); the backward's grad_input allocated twice on the
+    vectorised path, or the gradient's per-channel sum on the other (an expanded gradient)."""
+    norm, shape, channels_last = NORMS[name]
+    build = lambda: _Normed(norm(), shape, channels_last)  # noqa: E731
+    inputs = (tapescope.spec((shape[0], 8)),)
+    loss_fn = None if loss == "sum" else _CE
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        p = tapescope.profile(build, *inputs, loss_fn=loss_fn, optimizer="sgd", steps=1)
+        real = run_real_steps(build, inputs, loss_fn=loss_fn, optimizer="sgd", steps=1)
+    finally:
+        torch.set_num_threads(before)
+    assert p.facts["cpu"]["threads"] == threads
+    ops = compare_ops(p, real, 1)
+    checked = [(o.name, o.measured_excess, o.predicted_excess) for o in ops if "norm" in o.name]
+    assert len(checked) == 2 and all(m == p for _, m, p in checked), checked
+    assert p.first_step_peak_bytes == real.peaks[1]
+
+
 def test_cpu_target_is_checked_and_reported():
     from tapescope.errors import TapescopeError
 
