@@ -100,7 +100,7 @@ def train_step(model, args, kwargs, loss_fn, optimizer, *, step: int = 1,
 
 
 def zero_grad(model, optimizer) -> None:
-    """optimizer.zero_grad(set_to_none=True); without an optimizer, every parameter's grad = None."""
+    """optimizer.zero_grad(set_to_none=True); without an optimizer, each parameter's grad = None."""
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     else:
