@@ -93,3 +93,69 @@ def test_in_place_op_on_a_view_matches_allocator(optimizer):
     real = run_real_steps(_InPlaceOnView, inputs, optimizer=optimizer)
     assert _rel(p.first_step_peak_bytes, real.peaks[1]) < 1e-3
     assert _rel(p.peak_bytes, real.peaks[2]) < 1e-3
+
+
+# ---- how long the loss lives -------------------------------------------------------------------
+# Truth: a training loop written out by hand (not capture.step.train_step), run for real under
+# torch.profiler; validate.real._read_allocations only reads the allocator's running total.
+
+class _Regressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)
+
+    def forward(self, x, y):
+        return self.b(self.a(x).relu())
+
+
+def _mse(out, x, y):
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def _sgd_momentum(params):
+    # momentum: step 1's optimizer allocates the buffers, so the step peaks in optimizer.step()
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _hand_written_loop(accumulate: int):
+    """Two steps of the loop a user writes; `loss` is a local of the step's body, alive through
+    optimizer.step() and zero_grad() (a micro-batch's until the next one's is assigned)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from tapescope.validate.real import _read_allocations
+
+    gen = torch.Generator().manual_seed(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("tapescope::step0"):
+            model = _Regressor()
+            x, y = torch.randn(64, 256, generator=gen), torch.randn(64, 256, generator=gen)
+            opt = _sgd_momentum(model.parameters())
+
+        def step():
+            for _ in range(accumulate):
+                loss = torch.nn.functional.mse_loss(model(x, y), y)
+                if accumulate > 1:
+                    loss = loss / accumulate
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        for s in (1, 2):
+            with record_function(f"tapescope::step{s}"):
+                step()
+    return _read_allocations(prof, torch.device("cpu")).peaks
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_loss_lives_through_the_optimizer_step(accumulate):
+    """mse_loss's 0-d result keeps a 64x256 float storage (capture/fidelity/losses.py); a loop's
+    `loss` holds it through optimizer.step(), where this step peaks."""
+    import tapescope
+
+    inputs = (tapescope.spec((64, 256)), tapescope.spec((64, 256)))
+    p = tapescope.profile(_Regressor, *inputs, loss_fn=_mse, optimizer=_sgd_momentum,
+                          accumulate=accumulate)
+    real = _hand_written_loop(accumulate)
+    assert p.first_step_peak_bytes == real[1]
+    assert p.peak_bytes == real[2]

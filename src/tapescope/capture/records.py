@@ -18,6 +18,7 @@ __all__ = [
     "BACKWARD",
     "OPTIMIZER",
     "PHASES",
+    "ZERO_GRAD",
     "TensorRef",
     "Frame",
     "OpRecord",
@@ -35,6 +36,8 @@ __all__ = [
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
+# the label of the optimizer-phase segment that ends a step: the gradient reset, and the loss's end
+ZERO_GRAD = "zero_grad"
 SETUP = "setup"  # step 0: work done on the model before the first step (parallelising it)
 LOSS_MODULE = "(loss)"  # the module name of ops computing the loss outside the model
 INTERNAL_GUARD = "<tapescope>"  # where a guard tapescope's own code placed comes from

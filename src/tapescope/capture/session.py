@@ -46,8 +46,9 @@ from .model import Spec, build_on_meta, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
 from .optimizers import make_optimizer
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
-                      OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, GuardRecord, Trace)
-from .step import train_step
+                      OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, ZERO_GRAD, GuardRecord,
+                      Trace)
+from .step import train_step, zero_grad
 from .tape import ModuleStack, Tape
 from .view_replay import ViewRegeneration
 
@@ -165,6 +166,7 @@ class CaptureSession:
             # an .item() of a tensor no assumption decided stops at that op, not at a later guard
             self.shape_env = ShapeEnv(allow_scalar_outputs=False)
         self.args, self.kwargs = args, kwargs
+        self._loss = None  # a step's loss while the step is not ended yet (_trace_steps)
         # always on: routers get their assumed indices (cheap: nothing else is touched until one
         # is seen); sizes they decide need the ShapeEnv of a data-dependent retry
         self.values = DataValues(options.sizes, self.shape_env)
@@ -358,9 +360,9 @@ class CaptureSession:
     def _trace_steps(self) -> None:
         trace, opt = self.trace, self.optimizer
         before = _tensors_fingerprint(self.fmodel)
-        self._step(1)
+        self._step(1, end=False)  # ended below, once step 2's tracing is decided
         if self.options.steps == 1 or opt is None:
-            self._zero_grad(1)
+            self._end_step(1)
             return
         # step 2 repeats step 1's forward and backward when the model kept its tensors, no input
         # gathers a .grad and the optimizer step freed only what it made. (After FSDP2's prepare
@@ -372,23 +374,32 @@ class CaptureSession:
             with self._phase(2, OPTIMIZER):
                 opt.step()
             self._mark_grads_and_state()
-            self._zero_grad(2)
+            # step 1's loss, alive since its forward, is step 2's: it dies in step 2's reset,
+            # the segment that also ends step 1's view (analysis/steps.py)
+            self._end_step(2)
             trace.step2 = "reused"
         else:
-            self._zero_grad(1)
+            self._end_step(1)
             self._step(2)
-            self._zero_grad(2)
             trace.step2 = "traced"
 
-    def _step(self, step: int) -> None:
+    def _step(self, step: int, end: bool = True) -> None:
         opts = self.options
         forward_context = (lambda: autocast(opts.device, opts.amp)) if opts.amp is not None \
             else nullcontext
-        train_step(self.step_model, self.fargs, self.fkwargs, opts.loss_fn, self.optimizer, step=step,
-                   phase=self._phase, backward=self._backward, forward_context=forward_context,
-                   loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
-                   accumulate=opts.accumulate)
+        self._loss = train_step(
+            self.step_model, self.fargs, self.fkwargs, opts.loss_fn, self.optimizer, step=step,
+            phase=self._phase, backward=self._backward, forward_context=forward_context,
+            loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
+            accumulate=opts.accumulate, end=end)
         self._mark_grads_and_state()
+
+    def _end_step(self, step: int) -> None:
+        """What train_step(end=False) left to the caller: zero_grad, then the loss dies, inside
+        the step's reset segment as in train_step (capture/step.py)."""
+        with self._phase(step, ZERO_GRAD):
+            zero_grad(self.step_model, self.optimizer)
+            self._loss = None
 
     def _backward(self, loss: torch.Tensor) -> None:
         _name_forward_nodes(loss, self.trace)
@@ -399,20 +410,14 @@ class CaptureSession:
 
     @contextmanager
     def _phase(self, step: int, name: str):
-        with self.tape.phase(step, name):
+        # the gradient reset is a segment of the optimizer phase, told apart by its label
+        phase, label = (OPTIMIZER, ZERO_GRAD) if name == ZERO_GRAD else (name, None)
+        with self.tape.phase(step, phase, label):
             yield
         if name == BACKWARD:
             self._mark_grads_and_state()
         if self.progress is not None:
             self.progress(step, name)
-
-    def _zero_grad(self, step: int) -> None:
-        with self.tape.phase(step, OPTIMIZER, "zero_grad"):
-            if self.optimizer is not None:
-                self.optimizer.zero_grad(set_to_none=True)
-            else:
-                for p in self.params:
-                    p.grad = None
 
     @without_torch_function  # tapescope's bookkeeping, not the user's calls
     def _mark_grads_and_state(self) -> None:

@@ -2,15 +2,19 @@
 
 The step: forward, loss, backward, optimizer.step(), optimizer.zero_grad(set_to_none=True). The
 model output is dropped as soon as the loss is computed, so it lives on only if autograd saved it
-(the convention of a loop that writes `loss = loss_fn(model(x), y)`).
+(the convention of a loop that writes `loss = loss_fn(model(x), y)`). The loss itself lives as
+that loop's `loss` variable does: through backward, optimizer.step() and zero_grad(), until the
+step ends. It is a 0-d tensor, but not always a small one: a reduced `mse_loss` keeps an
+input-sized storage under it (capture/fidelity/losses.py), alive where the optimizer may peak.
 
 With gradient accumulation over N micro-batches the step runs forward, `loss / N` and backward N
 times, the gradients adding up, then one optimizer step, as a training loop writes it:
 
     for micro_batch in range(N):
-        loss = loss_fn(model(x), y) / N
+        loss = loss_fn(model(x), y) / N     # the previous micro-batch's loss dies here
         loss.backward()
     optimizer.step(); optimizer.zero_grad(set_to_none=True)
+    # the last micro-batch's loss dies when the step ends
 
 Each micro-batch takes the same inputs (a data loader's next batch has the same shapes).
 """
@@ -24,9 +28,9 @@ import torch
 from ..torch_compat import tree_leaves
 
 from ..errors import TapescopeError
-from .records import BACKWARD, FORWARD, OPTIMIZER
+from .records import BACKWARD, FORWARD, OPTIMIZER, ZERO_GRAD
 
-__all__ = ["default_loss", "forward_and_loss", "train_step"]
+__all__ = ["default_loss", "forward_and_loss", "train_step", "zero_grad"]
 
 
 def default_loss(output) -> torch.Tensor:
@@ -67,18 +71,38 @@ def train_step(model, args, kwargs, loss_fn, optimizer, *, step: int = 1,
                phase: Callable = lambda step, name: nullcontext(),
                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
                forward_context: Callable = nullcontext, loss_context: Callable = nullcontext,
-               accumulate: int = 1) -> None:
-    """Forward and backward of each of `accumulate` micro-batches, then the optimizer step;
-    `phase(step, name)` brackets each part."""
+               accumulate: int = 1, end: bool = True) -> torch.Tensor | None:
+    """Forward and backward of each of `accumulate` micro-batches, the optimizer step, then
+    zero_grad; `phase(step, name)` brackets each part (FORWARD, BACKWARD, OPTIMIZER, ZERO_GRAD).
+
+    end=False stops after optimizer.step() and returns the loss, still alive: the caller ends the
+    step (zero_grad, then drops the loss inside its ZERO_GRAD phase), as tapescope's capture does
+    when it decides how to trace step 2 (capture/session.py)."""
+    loss = None
     for _ in range(accumulate):
         with phase(step, FORWARD), forward_context():
+            # rebinding `loss` frees the previous micro-batch's, as a loop's assignment does
             loss = forward_and_loss(model, args, kwargs, loss_fn, loss_context)
             if accumulate > 1:
                 with loss_context():
                     loss = loss / accumulate
         with phase(step, BACKWARD):
             backward(loss)
-            del loss
     if optimizer is not None:
         with phase(step, OPTIMIZER):
             optimizer.step()
+    if not end:
+        return loss
+    with phase(step, ZERO_GRAD):
+        zero_grad(model, optimizer)
+        del loss  # the end of the step: the loss dies inside the phase, so a trace records it
+    return None
+
+
+def zero_grad(model, optimizer) -> None:
+    """optimizer.zero_grad(set_to_none=True); without an optimizer, each parameter's grad = None."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        for p in model.parameters():
+            p.grad = None

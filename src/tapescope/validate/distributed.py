@@ -163,12 +163,6 @@ def _run_job(job: RealJob) -> dict:
         for s in range(1, job.steps + 1):
             with record_function(f"tapescope::step{s}"):
                 train_step(model, args, kwargs, job.loss_fn, opt, step=s, phase=phase)
-                with record_function("tapescope::phase::zero_grad"):
-                    if opt is not None:
-                        opt.zero_grad(set_to_none=True)
-                    else:
-                        for p in model.parameters():
-                            p.grad = None
     program = _read_allocations(prof, device, program_only=True)
     allocator = _read_allocations(prof, device)
     return {"peaks": program.peaks, "allocator_peaks": allocator.peaks,

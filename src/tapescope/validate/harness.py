@@ -80,8 +80,6 @@ def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, 
         t = time.perf_counter()
         train_step(m, args, kwargs, loss_fn, opt, accumulate=accumulate,
                    **({"forward_context": ctx} if ctx else {}))
-        if opt is not None:
-            opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
         if i >= warmup:

@@ -145,14 +145,9 @@ def _profiled_steps(model, inputs, input_kwargs, loss_fn, optimizer, device, dty
         with _compile_config(compile):
             for s in range(1, steps + 1):
                 with record_function(f"tapescope::step{s}"):
+                    # zero_grad included: the phase "zero_grad", where the loss dies
                     train_step(m, args, kwargs, loss_fn, opt, step=s, phase=phase,
                                accumulate=accumulate, **extra)
-                    with record_function("tapescope::phase::zero_grad"):
-                        if opt is not None:
-                            opt.zero_grad(set_to_none=True)
-                        else:
-                            for p in m.parameters():
-                                p.grad = None
     return prof, graphs
 
 
