@@ -53,13 +53,19 @@ BEGIN, END = "<!-- published-runs:begin -->", "<!-- published-runs:end -->"
 
 class FlashLlama(Llama):
     """The zoo Llama with attention pinned to the flash backend, as fms-fsdp ran it ("SDPA
-    implementation of Flash attention v2", torch of early 2024) on A100 and H100 alike."""
+    implementation of Flash attention v2", torch of early 2024) on A100 and H100 alike. The
+    choice is made inside each attention call, so a checkpointed block recomputes with it too."""
 
-    def forward(self, tokens, targets=None):
+    def __init__(self, config):
+        super().__init__(config)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return super().forward(tokens, targets)
+        for mod in self.modules():
+            if isinstance(mod, Attention):
+                def forward(x, _f=mod.forward):
+                    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                        return _f(x)
+                mod.forward = forward
 
 
 class LoRALinear(nn.Module):
