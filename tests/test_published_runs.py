@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ _PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "
 def _bench():
     spec = importlib.util.spec_from_file_location("published_runs", _PATH)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
