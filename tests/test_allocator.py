@@ -426,3 +426,17 @@ def test_expandable_best_fit_prefers_blocks_that_cannot_grow():
     cfg = AllocatorConfig(expandable_segments=True)
     r = _run(10 * MiB, 10 * MiB, 12 * MiB, free(0), 6 * MiB, 9 * MiB, config=cfg)
     assert r.reserved_timeline == [20 * MiB] * 2 + [40 * MiB] * 3 + [60 * MiB]
+
+
+def test_fragmentation_is_measured_at_the_allocated_peak():
+    """A step frees its large blocks (cached, still reserved), then a small request takes a new
+    2 MiB small-pool segment: reserved reaches its maximum with 1 KiB allocated. Fragmentation
+    is taken when allocated memory peaks (100 MiB in a 100 MiB segment: 0), not at that event
+    (which would say 1 - 1024 / 102 MiB, 0.99: the FSDP 128 report of issue 20)."""
+    mib = 1 << 20
+    r = simulate([("act", 100 * mib), ("act", None), ("state", 1000)])
+    assert r.max_reserved == 102 * mib and r.max_allocated == 100 * mib
+    assert r.fragmentation == 0.0
+    # a real gap: 3 MiB in the 20 MiB segment a 1-10 MiB request gets
+    r = simulate([("a", 3 * mib)])
+    assert r.fragmentation == pytest.approx(1 - 3 / 20)

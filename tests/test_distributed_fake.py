@@ -136,14 +136,24 @@ def test_unprovable_classes_are_announced_before_every_rank_is_traced(monkeypatc
 
 def test_ring_time_by_hand():
     """An all-gather of S bytes on n ranks moves S (n-1)/n through each link (nccl-tests' bus
-    bandwidth); inside an H100 node that is NVLink at 450 GB/s per direction."""
+    bandwidth); inside an H100 node that is NVLink at 450 GB/s per direction, 80% reached, plus
+    NCCL's ring latency: 8.4 us + 3.4 us per step (7 steps)."""
     ic = interconnect(get_gpu("h100"))
     s = 1 << 30
     t, inter = collective_seconds("all_gather", s, range(8), ic)
     assert not inter
-    assert t == pytest.approx(s * 7 / 8 / (450e9 * 0.8) + 10e-6)
-    t2, inter2 = collective_seconds("all_reduce", s, range(0, 16, 2), ic)  # 2 nodes: InfiniBand
-    assert inter2 and t2 == pytest.approx(2 * s * 7 / 8 / (50e9 * 0.9) + 25e-6)
+    assert t == pytest.approx(s * 7 / 8 / (450e9 * 0.8) + 8.4e-6 + 7 * 3.4e-6)
+    # 8 ranks on 2 nodes, 4 in each: the ring leaves a node through 4 NICs of 50 GB/s (90%
+    # reached) = 180 GB/s < NVLink's 360; all-reduce: 14 steps, 2 of them across nodes
+    t2, inter2 = collective_seconds("all_reduce", s, range(0, 16, 2), ic)
+    assert inter2
+    assert t2 == pytest.approx(2 * s * 7 / 8 / (4 * 50e9 * 0.9) + 8.4e-6 + 12 * 3.4e-6 + 2 * 6.6e-6)
+    # one rank per node (an HSDP replicate group): one NIC
+    t3, _ = collective_seconds("all_reduce", s, range(0, 128, 8), ic)
+    assert t3 == pytest.approx(2 * s * 15 / 16 / (50e9 * 0.9) + 8.4e-6 + 30 * 6.6e-6)
+    # FSDP over 16 whole nodes: 8 NICs a node (400 GB/s) > NVLink: NVLink-bound
+    t4, _ = collective_seconds("all_gather", s, range(128), ic)
+    assert t4 == pytest.approx(s * 127 / 128 / (450e9 * 0.8) + 8.4e-6 + 112 * 3.4e-6 + 15 * 6.6e-6)
 
 
 def test_a_process_group_already_there_is_refused():

@@ -7,16 +7,23 @@ global ranks (`facts["collective_groups"]`, `facts["process_groups"]`, distribut
 
 Bytes are the collective's size as nccl-tests count it: the gathered output of an all-gather, the
 input of a reduce-scatter, the tensor of an all-reduce or broadcast. Time is the ring algorithm's
-(NCCL's for large messages): an all-gather or reduce-scatter of S bytes on n ranks moves
-S (n - 1) / n through each rank's link, an all-reduce twice that; divided by the bus bandwidth
-NCCL reaches on that link, plus a fixed latency. A group whose ranks sit in one node uses NVLink
-(or PCIe); one that spans nodes is held to each GPU's share of the network (devices/gpus.py,
-INTERCONNECTS). Ranks fill nodes in order (`gpus_per_node` consecutive ranks to a node), as
-torchrun and init_device_mesh lay them out.
+(NCCL's for large messages), as NCCL's own tuning model (src/graph/tuning.cc) writes it: a
+latency of RING_BASE_LATENCY_S plus one hop latency per ring step (n - 1 steps for an all-gather
+or reduce-scatter, 2 (n - 1) for an all-reduce; the steps that cross nodes at the network's hop
+latency), plus the bytes through each rank's link - S (n - 1) / n for an all-gather or
+reduce-scatter of S bytes, twice that for an all-reduce - at the bus bandwidth NCCL reaches.
 
-Efficiency and latency are priors until measured on a cluster (docs/distributed.md): NCCL's
-all-reduce bus bandwidth on 8 H100 SXM over NVSwitch reaches about 80-85% of the NVLink rate in
-NVIDIA's published nccl-tests runs, and about 90% of an NDR NIC across nodes.
+Topology: ranks fill nodes in order (`gpus_per_node` consecutive ranks to a node), as torchrun
+and init_device_mesh lay them out. A group inside one node runs at NVLink (or PCIe) speed. A ring
+that spans nodes leaves each node once per ring, and NCCL runs one ring per NIC: a group with k
+ranks in each node has k NICs per node (one per GPU in the reference servers, or the node's
+network shared by its GPUs) for the node's crossing, so its bus bandwidth is
+min(NVLink's, k x each GPU's network share): FSDP over whole nodes runs near NVLink speed on a
+DGX, a replicate group of one GPU per node at one NIC's.
+
+Efficiencies: NCCL's all-gather / reduce-scatter bus bandwidth on 8 H100 SXM or A100 SXM over
+NVSwitch reaches about 80% of the NVLink rate in NVIDIA's published nccl-tests runs, and about
+90% of an InfiniBand NIC across nodes (priors until measured on a cluster, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ from dataclasses import dataclass
 from ..capture.records import op_name
 
 __all__ = ["Collective", "CollectiveRow", "collectives", "collective_table", "collective_seconds",
-           "KINDS", "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY"]
+           "KINDS", "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY", "RING_BASE_LATENCY_S",
+           "HOP_LATENCY_S"]
 
 NVLINK_EFFICIENCY = 0.8      # intra-node bus bandwidth NCCL reaches / link rate (prior)
 NETWORK_EFFICIENCY = 0.9     # inter-node (prior)
-INTRA_LATENCY_S = 10e-6      # per collective (prior)
-INTER_LATENCY_S = 25e-6
+# NCCL src/graph/tuning.cc (2.x), ring algorithm, Simple protocol (large messages): baseLat 8.4 us;
+# hwLat per step NVLink 3.4 us, PCI 5.7 us, NET 6.6 us
+RING_BASE_LATENCY_S = 8.4e-6
+HOP_LATENCY_S = {"nvlink": 3.4e-6, "pci": 5.7e-6, "net": 6.6e-6}
 
 # op packet name -> kind of collective; ops of these namespaces not listed here (waits, the
 # autograd wrappers) are not collectives
@@ -108,19 +118,30 @@ def kind_of(func) -> str | None:
 
 def collective_seconds(kind: str, nbytes: int, group_ranks, ic, inter_node: bool | None = None
                        ) -> tuple[float, bool]:
-    """(seconds, spans nodes) of one collective of `nbytes` on the ranks `group_ranks`."""
-    n = len(group_ranks)
+    """(seconds, spans nodes) of one collective of `nbytes` on the ranks `group_ranks` (module
+    doc: ring time with NCCL's latencies, bus bandwidth by topology)."""
+    ranks = list(group_ranks)
+    n = len(ranks)
+    per_node: dict = {}
+    for r in ranks:
+        per_node[r // ic.gpus_per_node] = per_node.get(r // ic.gpus_per_node, 0) + 1
+    nodes = len(per_node)
     if inter_node is None:
-        inter_node = len({r // ic.gpus_per_node for r in group_ranks}) > 1
+        inter_node = nodes > 1
     if n <= 1:
         return 0.0, inter_node
+    hop = HOP_LATENCY_S["pci" if "PCIe" in ic.intra_kind else "nvlink"]
+    bw = ic.intra_node * NVLINK_EFFICIENCY
+    per_step = 2 if kind == "all_reduce" else 1
+    steps, net_steps = per_step * (n - 1), 0
     if inter_node:
         from ..devices.gpus import DEFAULT_INTER_NODE_BANDWIDTH
 
-        bw = (ic.inter_node or DEFAULT_INTER_NODE_BANDWIDTH) * NETWORK_EFFICIENCY
-        latency = INTER_LATENCY_S
-    else:
-        bw, latency = ic.intra_node * NVLINK_EFFICIENCY, INTRA_LATENCY_S
+        nics = min(per_node.values()) if nodes > 1 else 1   # one ring per NIC, k NICs a node
+        net = (ic.inter_node or DEFAULT_INTER_NODE_BANDWIDTH) * NETWORK_EFFICIENCY
+        bw = min(bw, nics * net)
+        net_steps = per_step * (max(nodes, 2) - 1)
+    latency = RING_BASE_LATENCY_S + (steps - net_steps) * hop + net_steps * HOP_LATENCY_S["net"]
     return nbytes * _TRAFFIC.get(kind, lambda n: 1.0)(n) / bw + latency, inter_node
 
 
@@ -147,14 +168,16 @@ def _size(kind: str, record, group_size: int) -> int:
     return _arg_bytes(record, _INPUT_ARGS)
 
 
-def collectives(ops: list, facts: dict, gpu=None) -> list[Collective]:
+def collectives(ops: list, facts: dict, gpu=None, ic=None) -> list[Collective]:
     """The collectives among a step's ops (analysis.ops.Op), with their time on `gpu`'s
-    interconnect (0 without a GPU)."""
+    interconnect, or on `ic` (a devices.gpus.Interconnect: a cluster of your own); 0 without
+    either."""
     from ..devices.gpus import interconnect
 
     groups = facts.get("process_groups", {})
     by_op = facts.get("collective_groups", {})
-    ic = interconnect(gpu) if gpu is not None else None
+    if ic is None and gpu is not None:
+        ic = interconnect(gpu)
     out = []
     for op in ops:
         rec = op.record

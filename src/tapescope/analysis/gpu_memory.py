@@ -41,7 +41,7 @@ class CudaMemory:
     max_reserved: int        # torch.cuda.max_memory_reserved() over the run
     steady_allocated: int    # ... over the last steady step (after a peak reset)
     steady_reserved: int
-    fragmentation: float     # 1 - allocated / reserved at the reserved peak
+    fragmentation: float     # 1 - allocated / reserved when allocated memory peaks
     context_bytes: int       # outside the allocator
     capacity: int | None     # the GPU's memory
     oom: bool                # the allocator could not satisfy a request within capacity

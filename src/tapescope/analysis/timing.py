@@ -1,11 +1,16 @@
 """Step time on a named GPU: a roofline per op, and the host that launches the ops in eager mode.
 
-Each op that launches a kernel takes max(FLOPs / (peak FLOP/s x compute efficiency),
-bytes moved / (bandwidth x memory efficiency)) plus a kernel overhead. The peak is the tensor-core
-rate of the op's dtype for matmuls, convolutions and attention (fp32 matmuls run on CUDA cores:
-torch.backends.cuda.matmul.allow_tf32 is off by default; convolutions use TF32: cudnn.allow_tf32 is
-on), the vector rate otherwise. Small kernels cannot fill the GPU: their efficiency falls off below
-the class's saturation size. Views and metadata ops launch nothing.
+Each op that launches a kernel takes max(FLOPs / achieved FLOP/s, bytes moved / achieved
+bandwidth) plus a kernel overhead (devices/efficiency.py holds every constant and its source):
+- matmuls: the GPU's measured matmul ceiling (MAMF) times the share of the tile work that is
+  useful for the output's shape (tile and wave quantization over the GPU's SMs, at the best of
+  cuBLAS's tiles); fp32 matmuls run on CUDA cores (allow_tf32 is off by default);
+- fused attention: the share of peak the backend (flash, cuDNN, memory-efficient) reaches on the
+  architecture, forward and backward apart;
+- convolutions (TF32 for fp32: cudnn.allow_tf32 is on) and other ops: the class's prior;
+- memory-bound kernels move their bytes at ELEMENTWISE_BANDWIDTH of the DRAM peak.
+Small kernels cannot fill the GPU: their efficiency falls off below the class's saturation size.
+Views and metadata ops launch nothing.
 
 The host issues ops one after another (eager PyTorch) and the GPU runs them in order on one stream,
 starting each when the host has launched it and the previous one has finished; a read of a GPU value
@@ -16,12 +21,13 @@ Collectives of a distributed step (`comm`: op -> seconds on the interconnect, fr
 analysis.collectives) run on a communication stream of their own, as NCCL kernels do on the
 streams FSDP2 and c10d give them: a collective starts when the host has issued it, the stream is
 free and the ops that wrote its inputs are done; an op that reads what a collective wrote waits
-for it. So FSDP2's prefetched all-gathers overlap the compute before them, and a tensor-parallel
-all-reduce whose output the next op needs is exposed. `exposed_comm` is the time compute waited
-on collectives; `comm_overlap` the share of communication hidden behind compute. (NCCL kernels
-also take SMs from the compute they overlap; not modelled.)
-
-Constants come from devices.efficiency (priors until measured on a GPU; the result says which).
+for it. FSDP2's copy-in ops (`fsdp.all_gather_copy_in`, `fsdp.chunk_cat`) run on FSDP2's
+all-gather / reduce-scatter streams, not behind the compute stream's queue: so the all-gather of
+the next block overlaps this block's compute, as FSDP2 schedules it, and a tensor-parallel
+all-reduce whose output the next op needs is exposed. While a collective runs it holds NCCL_SMS
+of the GPU's SMs, and compute overlapped with it runs on the others (slower by that share).
+`exposed_comm` is the time compute waited on collectives; `comm_overlap` the share of
+communication hidden behind compute.
 """
 
 from __future__ import annotations
@@ -31,14 +37,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ..capture.records import Trace
-from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, KERNEL_OVERHEAD_S, efficiency_for
+from ..devices.efficiency import (ELEMENTWISE_BANDWIDTH, HOST_OP_S, HOST_VIEW_S,
+                                  KERNEL_OVERHEAD_S, NCCL_SMS, attention_efficiency,
+                                  efficiency_for, gemm_tile_utilization, matmul_ceiling)
 from .op_classes import launches_kernel, op_class
 
-__all__ = ["StepTime", "estimate_step_time"]
+__all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
 
 _TENSOR_CORE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8",
                 torch.float8_e5m2: "fp8"}
 _ITEM = torch.ops.aten._local_scalar_dense
+# ops FSDP2 runs on its all-gather copy-in / reduce-scatter streams
+_SIDE_STREAM = frozenset({"fsdp.all_gather_copy_in", "fsdp.chunk_cat"})
 
 
 def _peak(gpu, cls: str, dtype) -> float:
@@ -47,6 +57,45 @@ def _peak(gpu, cls: str, dtype) -> float:
     if cls == "convolution" and dtype == torch.float32 and gpu.peak("tf32"):
         return gpu.peak("tf32")
     return gpu.peak("fp32")
+
+
+def _matmul_shape(op) -> tuple[int, int, int] | None:
+    """(batch, m, n) of a matmul's output."""
+    if not op.outputs:
+        return None
+    shape = tuple(op.outputs[0].shape)
+    if len(shape) < 2:
+        return None
+    batch = 1
+    for d in shape[:-2]:
+        batch *= int(d)
+    return batch, int(shape[-2]), int(shape[-1])
+
+
+def kernel_seconds(op, gpu) -> tuple[float, bool]:
+    """(seconds on the GPU, whether every constant used was measured on it) of one kernel."""
+    func = op.record.func
+    cls = op_class(func)
+    eff = efficiency_for(cls, gpu.key)
+    dtype = (op.inputs[0].dtype if op.inputs else
+             op.outputs[0].dtype if op.outputs else torch.float32)
+    flops = op.flops or 0
+    compute = 0.0
+    if flops:
+        peak = _peak(gpu, cls, dtype)
+        share = eff.compute
+        if cls == "matmul" and dtype in _TENSOR_CORE:
+            share = matmul_ceiling(gpu.key)
+            shape = _matmul_shape(op)
+            if shape is not None:
+                share *= gemm_tile_utilization(shape[1], shape[2], shape[0], gpu.sms)
+        elif cls == "attention":
+            share = attention_efficiency(op.name, gpu.arch) or share
+        fill = min(1.0, flops / eff.saturation_flops)
+        compute = flops / (peak * share * max(fill, 0.05))
+    bandwidth = ELEMENTWISE_BANDWIDTH if cls == "other" else eff.memory
+    memory = (op.bytes_read + op.bytes_written) / (gpu.memory_bandwidth * bandwidth)
+    return max(compute, memory) + KERNEL_OVERHEAD_S, eff.gpu is not None
 
 
 @dataclass
@@ -83,9 +132,11 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
 
     comm: op index (in the step) -> seconds of that collective on the interconnect."""
     comm = comm or {}
-    comm_t = comm_total = exposed = 0.0
+    comm_t = comm_total = exposed = side_t = 0.0
     ready: dict = {}     # storage -> when the collective that last wrote it is done
-    written: dict = {}   # storage -> when the compute op that last wrote it is done
+    written: dict = {}   # storage -> when the op that last wrote it is done
+    intervals: list = []   # (start, end) of the collectives, in stream order
+    first = 0              # the first of them not over before the compute stream's time
     host = gpu_t = busy = recompute = 0.0
     calibrated = True
     op_seconds = []
@@ -93,6 +144,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
     model_dtype = None
     total_flops = 0
     storages = trace.storages
+    slow = NCCL_SMS / gpu.sms if comm else 0.0   # share of the SMs a running collective holds
     for op in ops:
         func = op.record.func
         kernel = launches_kernel(func)
@@ -103,6 +155,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
         if c is not None:
             start = max(comm_t, host, *(written.get(r.storage, 0.0) for r in op.inputs))
             comm_t = start + c
+            intervals.append((start, comm_t))
             comm_total += c
             for r in op.outputs:
                 ready[r.storage] = comm_t
@@ -110,24 +163,32 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
             phase_end[op.phase] = max(gpu_t, host, comm_t)
             continue
         if kernel:
-            cls = op_class(func)
-            eff = efficiency_for(cls, gpu.key)
-            calibrated &= eff.gpu is not None
-            dtype = (op.inputs[0].dtype if op.inputs else
-                     op.outputs[0].dtype if op.outputs else torch.float32)
-            if cls == "matmul" and model_dtype is None:
-                model_dtype = dtype
-            flops = op.flops or 0
-            fill = min(1.0, flops / eff.saturation_flops) if flops else 1.0
-            compute = flops / (_peak(gpu, cls, dtype) * eff.compute * max(fill, 0.05)) if flops else 0.0
-            memory = (op.bytes_read + op.bytes_written) / (gpu.memory_bandwidth * eff.memory)
-            t = max(compute, memory) + KERNEL_OVERHEAD_S
+            t, measured = kernel_seconds(op, gpu)
+            calibrated &= measured
+            if op_class(func) == "matmul" and model_dtype is None and op.inputs:
+                model_dtype = op.inputs[0].dtype
+            if comm and op.name.rsplit(".", 1)[0] in _SIDE_STREAM:
+                # FSDP2's copy-in on its own stream: waits for its inputs, not the compute queue
+                start = max(side_t, host, *(written.get(r.storage, 0.0) for r in op.inputs),
+                            *(ready.get(r.storage, 0.0) for r in op.inputs))
+                side_t = start + t
+                busy += t
+                for r in op.outputs:
+                    written[r.storage] = side_t
+                op_seconds.append(t)
+                phase_end[op.phase] = max(gpu_t, host, side_t)
+                continue
             start = max(gpu_t, host)
-            if ready:
-                waits = max((ready.get(r.storage, 0.0) for r in op.inputs), default=0.0)
-                if waits > start:
+            waits = max((max(ready.get(r.storage, 0.0), written.get(r.storage, 0.0))
+                         for r in op.inputs), default=0.0) if comm else 0.0
+            if waits > start:
+                if any(ready.get(r.storage, 0.0) > start for r in op.inputs):
                     exposed += waits - start
-                    start = waits
+                start = waits
+            if slow and intervals:
+                while first < len(intervals) and intervals[first][1] <= start:
+                    first += 1          # compute starts only move forward
+                t = _stretched(start, t, intervals, slow, first)
             gpu_t = start + t
             busy += t
             if op.recompute:
@@ -151,3 +212,25 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
     # host-bound: the GPU waits for launches more than half the step
     return StepTime(total, busy, host, by_phase, op_seconds, mfu, calibrated,
                     "gpu" if busy >= total / 2 else "host", recompute, comm_total, exposed)
+
+
+def _stretched(start: float, t: float, intervals: list, slow: float, first: int = 0) -> float:
+    """Duration of a kernel of `t` seconds alone, started at `start`, when it runs at (1 - slow)
+    of its speed while one of the collectives `intervals[first:]` ((start, end), in order, not
+    overlapping each other) runs."""
+    work, now = t, start
+    for a, b in intervals[first:]:
+        if b <= now:
+            continue
+        if a > now:                      # full speed until the collective starts
+            step = min(work, a - now)
+            work -= step
+            now += step
+            if work <= 0:
+                break
+        step = min(work, (b - now) * (1 - slow))   # reduced speed while it runs
+        work -= step
+        now += step / (1 - slow)
+        if work <= 0:
+            break
+    return now + work - start

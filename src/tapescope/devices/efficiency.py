@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Efficiency", "PRIORS", "MEASURED", "efficiency_for"]
+__all__ = ["Efficiency", "PRIORS", "MEASURED", "efficiency_for", "MATMUL_CEILING", "GEMM_TILES",
+           "gemm_tile_utilization", "matmul_ceiling", "ATTENTION", "attention_efficiency",
+           "NCCL_SMS", "ELEMENTWISE_BANDWIDTH"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,80 @@ HOST_VIEW_S = 3e-6
 # (GPU catalogue key, op class) -> Efficiency measured on that GPU (gpu, torch and date set).
 # Empty until a session with a GPU runs the calibration (docs/validation.md, issue "GPU").
 MEASURED: dict = {}
+
+
+# ---- GEMMs: the ceiling a GPU's cuBLAS reaches, and the tiles that quantize it ----------------
+# Maximum Achievable Matmul FLOPS (MAMF): the best bf16 matmul throughput over a sweep of shapes,
+# measured with mamf-finder.py (S. Bekman, "Machine Learning Engineering", compute/accelerator,
+# "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 271.2 of 312 TFLOPS (86.9%),
+# A100 PCIe 252.9 (81.1%), H100 SXM 794.5 of 989 (80.3%, sustained clocks at 700 W included),
+# GH200 828.6 (83.8%, 900 W: used for H200, same die and more power headroom).
+# A GPU without a measurement keeps the prior (PRIORS["matmul"].compute).
+MATMUL_CEILING = {
+    "a100-sxm-80gb": 0.869, "a100-sxm-40gb": 0.869, "a100-pcie-80gb": 0.811,
+    "h100-sxm": 0.803, "h800-sxm": 0.803, "h200-sxm": 0.838,
+}
+# Output tiles (rows x columns of C per thread block) cuBLAS's large bf16 kernels use, as their
+# kernel names print them (sm80_xmma_gemm_..._tilesize256x128x32, ..._128x256x32, 128x128;
+# sm90_xmma_gemm_..._tilesize128x256x64 / 256x128x64): the library picks the best of them.
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+
+
+def gemm_tile_utilization(m: int, n: int, batch: int, sms: int) -> float:
+    """Share of the SMs' tile work that is useful for a (batch x) m x n output: tile quantization
+    (a partial tile costs a whole one) times wave quantization (the last wave of thread blocks
+    leaves SMs idle), at the best of GEMM_TILES. 1.0 when both divide evenly."""
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        tiles = batch * -(-m // tm) * -(-n // tn)
+        waves = -(-tiles // sms)
+        best = max(best, batch * m * n / (waves * sms * tm * tn))
+    return best
+
+
+def matmul_ceiling(gpu_key: str | None) -> float:
+    return MATMUL_CEILING.get(gpu_key, PRIORS["matmul"].compute)
+
+
+# ---- fused attention: achieved share of the dense peak, by backend, architecture, direction ----
+# Causal, head dim 128, sequence 2k-16k, bf16, FLOPs counted over the unmasked pairs (as
+# analysis.flops counts them and as the FlashAttention benchmarks do).
+# - flash on Ampere: FlashAttention-2 (Dao 2023), A100 figures: forward 190-225 TFLOPS,
+#   backward 150-190 (of 312).
+# - flash on Hopper (FlashAttention-2 kernels, which torch's flash backend is): FlashAttention-3
+#   paper (Shah et al. 2024) H100 baselines: FA2 forward ~330-370, backward ~290-310 TFLOPS.
+# - cuDNN on Hopper: the same paper's cuDNN baselines: forward ~550-620, backward ~450-500.
+# - memory-efficient (xformers/CUTLASS) kernels: FlashAttention-2 paper's xformers baselines on
+#   A100, forward ~120-130, backward ~90-100 TFLOPS.
+ATTENTION = {
+    ("flash", "ampere", "forward"): 0.66, ("flash", "ampere", "backward"): 0.54,
+    ("flash", "ada", "forward"): 0.66, ("flash", "ada", "backward"): 0.54,
+    ("flash", "hopper", "forward"): 0.35, ("flash", "hopper", "backward"): 0.30,
+    ("cudnn", "hopper", "forward"): 0.59, ("cudnn", "hopper", "backward"): 0.47,
+    ("efficient", "ampere", "forward"): 0.40, ("efficient", "ampere", "backward"): 0.30,
+    ("efficient", "hopper", "forward"): 0.25, ("efficient", "hopper", "backward"): 0.20,
+}
+
+
+def attention_efficiency(op_name: str, arch: str | None) -> float | None:
+    """The achieved share of peak of a fused attention op (its aten name), None when unknown."""
+    backend = ("cudnn" if "cudnn" in op_name else "flash" if "flash" in op_name else
+               "efficient" if "efficient" in op_name else None)
+    direction = "backward" if "backward" in op_name else "forward"
+    return ATTENTION.get((backend, arch, direction))
+
+
+# ---- memory-bound kernels -------------------------------------------------------------------
+# Share of the DRAM peak that large elementwise / reduction kernels reach: STREAM-like copies on
+# A100 and H100 reach 85-92% (BabelStream / nvbandwidth reports); torch's vectorized elementwise
+# kernels somewhat less. A prior, like PRIORS["other"].memory.
+ELEMENTWISE_BANDWIDTH = 0.80
+
+# ---- collectives overlapping compute ------------------------------------------------------------
+# SMs an NCCL collective occupies while it runs (one thread block per channel): NCCL's INFO log
+# prints "16 coll channels" (up to 32) on 8-GPU NVSwitch nodes. Compute overlapped with a
+# collective runs on the rest; its memory traffic competes too (not modelled).
+NCCL_SMS = 16
 
 
 def efficiency_for(op_class: str, gpu_key: str | None = None) -> Efficiency:
