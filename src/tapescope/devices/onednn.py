@@ -295,9 +295,9 @@ def backward_weights(c: Conv, cpu: CpuTarget) -> Primitive:
     if c.channels_last:
         # the direct kernel reads NHWC and pads every group's channels to its blocks
         weights = c.groups * _rnd_up(c.oc_g, block) * _rnd_up(c.ic_g, block) * c.ks * _F32
-        scratch = 0
+        scratch = _avx2_bwd_weights_reducers(c, cpu)
         if c.bias and c.oc_g % block:
-            scratch = c.groups * _rnd_up(c.oc_g, block) * _F32 + _ALIGN
+            scratch += c.groups * _rnd_up(c.oc_g, block) * _F32 + _ALIGN
         return Primitive(f"jit:{isa}", dst=weights, bias=bias, scratchpad=scratch,
                          exact=isa == "avx2")
     if c.groups > 1 and (c.ic_g % block or c.oc_g % block):
@@ -306,7 +306,23 @@ def backward_weights(c: Conv, cpu: CpuTarget) -> Primitive:
     return Primitive(f"jit:{isa}", src=0 if flat else _blocked(c.mb, c.ic, c.in_spatial, block),
                      diff_dst=_blocked(c.mb, c.oc, c.out_spatial, block),
                      dst=_direct_weights(c, block, flat), bias=bias,
-                     scratchpad=_padded_bias(c, block), exact=isa == "avx2")
+                     scratchpad=_padded_bias(c, block) + _avx2_bwd_weights_reducers(c, cpu),
+                     exact=isa == "avx2")
+
+
+def _avx2_bwd_weights_reducers(c: Conv, cpu: CpuTarget) -> int:
+    """jit_avx2_convolution_bwd_weights_t::pd_t::init_balancers: the weights' and the bias's
+    cpu_reducer_t over the batch (jit_avx2_convolution.hpp). A reducer books space only where
+    its balancer puts several threads on one job: few channel blocks (a 1-D convolution of 8
+    channels: one job) and more threads than jobs."""
+    od = c.out_size[0] if len(c.out_size) == 3 else 1
+    ic_block = c.ic_g if c.ic_g == 3 else 8           # init_conf: flat = (ic == 3)
+    nb_ic, nb_oc = -(-c.ic_g // ic_block), -(-c.oc_g // 8)
+    scratch = _cpu_reducer_scratch(cpu.threads, c.ks * ic_block * 8, c.groups * nb_ic * nb_oc,
+                                   c.mb * od, 1 << 21)
+    if c.bias:
+        scratch += _cpu_reducer_scratch(cpu.threads, 8, c.groups * nb_oc, c.mb, 1 << 21)
+    return scratch
 
 
 def _dw_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive:
