@@ -219,3 +219,26 @@ def test_transformers_models_bring_their_own_tp_plan():
                           mesh=layout.mesh, parallelize=preset_parallelize(layout))
     assert {r.group for r in p.collective_table} == {"tp"}
     assert p.memory.at_peak["sharded parameters"] > 0
+
+
+def test_a_failing_parallelize_in_a_folder_named_tapescope_names_its_line(tmp_path):
+    """README's layout clones the project into a folder called `tapescope`: a user's
+    parallelize living under such a folder is still the user's code, and the error names its
+    file and line (the frame is found by the installed packages' folders, errors.py)."""
+    import importlib.util
+
+    from tapescope.errors import TapescopeError
+
+    folder = tmp_path / "tapescope" / "recipes"
+    folder.mkdir(parents=True)
+    path = folder / "my_parallel.py"
+    path.write_text("def parallelize(model, mesh):\n"
+                    "    raise ValueError('no such layer: blocks')\n")
+    spec = importlib.util.spec_from_file_location("my_parallel_in_tapescope_dir", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(TapescopeError) as info:
+        tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=module.parallelize)
+    message = str(info.value)
+    assert f"{path}:2" in message and "no such layer: blocks" in message
+    assert "reads tensor values" not in message   # not a data-dependent failure

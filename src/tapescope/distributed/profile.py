@@ -177,15 +177,23 @@ def _parallelize_failed(e: Exception, fn, rank: int) -> TapescopeError:
     """The user's parallelize raised on a simulated rank: say where, and what to do."""
     import traceback
 
+    from ..errors import _user_frame_of
+    from ..torch_compat import DataDependentOutputException
+
     frames = traceback.extract_tb(e.__traceback__)
     if any("nn/parallel/distributed.py" in f.filename for f in frames):
         return TapescopeError(_DDP_NOTE)
-    user = [f for f in frames if "site-packages" not in f.filename and "/tapescope/" not in f.filename]
-    where = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
+    # the one definition of "the user's frame" (errors.py: by the installed packages' folders,
+    # not by a folder's name: a user's checkout under a folder called tapescope is the user's)
+    user = _user_frame_of(e)
+    where = f" at {user}" if user else ""
+    why = ""
+    if isinstance(e, DataDependentOutputException):
+        why = (" It runs on fake tensors (no data) with torch's fake process group, so code "
+               "that reads tensor values cannot run there.")
     return TapescopeError(
         f"parallelize ({getattr(fn, '__name__', fn)}) failed on simulated rank {rank}{where}: "
-        f"{type(e).__name__}: {e}. It runs on fake tensors (no data) with torch's fake process "
-        "group, so code that reads parameter values cannot run there.")
+        f"{type(e).__name__}: {e}.{why}")
 
 
 def _sharded_names(model) -> set:
