@@ -216,6 +216,10 @@ def _render_cuda(p, console: Console) -> None:
                       highlight=False, markup=False)
     if cm.oom and cm.oom_at:
         console.print(_line(("  runs out of memory at ", "red"), str(cm.oom_at)))
+    if t is None:  # an inductor-compiled step: its fused kernels are not timed
+        console.print("  step time not estimated: the compiled step's fused Triton kernels are "
+                      "not ops the per-op roofline sees", highlight=False, markup=False)
+        return
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())
     console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
                         f"{t.mfu:.0%}", ("" if t.calibrated else
