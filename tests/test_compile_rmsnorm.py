@@ -183,11 +183,17 @@ def test_cuda_graphs_equal_torch_compile_where_the_kernel_exists():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CUDA")
     # a CPU kernel for `_fused_rms_norm` while the real compile runs, as CUDA has one (it computes
     # the op's own decomposition): the dispatcher then answers "does the device have a backend
-    # kernel?" as for CUDA, on a device whose autograd engine runs without a GPU
+    # kernel?" as for CUDA, on a device whose autograd engine runs without a GPU (the Python
+    # dispatcher caches per op which kernel a key resolves to: emptied when the kernel comes and
+    # when it goes)
     op = torch.ops.aten._fused_rms_norm.default
     with torch.library._scoped_library("aten", "IMPL") as lib:
         lib.impl("_fused_rms_norm", lambda x, shape, w, eps: op.decompose(x, shape, w, eps), "CPU")
-        real_fw, real_bw = _real_graphs("cpu", fake=True)
+        op._dispatch_cache.clear()
+        try:
+            real_fw, real_bw = _real_graphs("cpu", fake=True)
+        finally:
+            op._dispatch_cache.clear()
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CPU")
     for ours, real in ((fw, real_fw), (bw, real_bw)):
         a, b = _canonical(ours), _canonical(real)
