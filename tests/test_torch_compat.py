@@ -29,6 +29,19 @@ def test_private_name_resolves(name):
     assert _resolve(name) is not None
 
 
+@pytest.mark.parametrize("name", compat.TRITON_NAMES)
+def test_triton_name_resolves(name):
+    pytest.importorskip("triton")
+    assert _resolve(name) is not None
+
+
+def test_triton_driver_registry_has_the_slot_tapescope_sets():
+    pytest.importorskip("triton")
+    from triton.runtime.driver import DriverConfig
+
+    assert "_active" in vars(DriverConfig())
+
+
 @pytest.mark.parametrize("name,since", sorted(compat.NEWER_TORCH_NAMES.items()))
 def test_newer_name_resolves_from_its_version(name, since):
     version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])

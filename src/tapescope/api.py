@@ -125,10 +125,13 @@ class Profile:
 
     @cached_property
     def time(self):
-        """Estimated wall time of the step on the GPU (analysis.timing), None off CUDA."""
+        """Estimated wall time of the step on the GPU (analysis.timing), None off CUDA and for an
+        inductor-compiled step (its fused Triton kernels are no ops the per-op roofline sees)."""
         from .analysis.timing import estimate_step_time
 
         if self.gpu is None or self.trace.device.type != "cuda":
+            return None
+        if self.compiled is not None and self.compiled.options.get("backend") == "inductor":
             return None
         comm = {c.op: c.seconds for c in self.collectives} if self.collectives else None
         return estimate_step_time(self.ops, self.trace, self.gpu, comm)

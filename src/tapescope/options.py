@@ -9,6 +9,8 @@ accumulation) adds its field here, its check in `Options.create`, and reads it w
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
@@ -243,15 +245,12 @@ class Options:
         if isinstance(symbolic, str):
             symbolic = (symbolic,)
         compile = CompileOptions.of(compile)
-        if compile is not None and compile.backend == "inductor" and dev.type == "cuda":
+        if compile is not None and compile.backend == "inductor" and dev.type == "cuda" \
+                and importlib.util.find_spec("triton") is None:
             raise TapescopeError(
-                "compiling a CUDA step with inductor needs what a GPU-less machine lacks: "
-                "inductor's CUDA lowering constant-folds on the device and its kernels are Triton "
-                "code (Triton, the GPU's properties); tapescope does not model it yet. "
-                "--compile-backend aot_eager (compile={'backend': 'aot_eager'}) shows "
-                "AOTAutograd's joint graph, partition and saved tensors for CUDA without a GPU, "
-                "run op by op (no inductor fusion or buffer reuse); or profile --device cpu, "
-                "where inductor's C++ backend is modelled")
+                "compiling a CUDA step with inductor generates Triton kernels: install triton "
+                "(pip install triton), or use --compile-backend aot_eager "
+                "(compile={'backend': 'aot_eager'}) for AOTAutograd's graphs run op by op")
         if compile is not None and compile.optimizer:
             raise TapescopeError(
                 "compile optimizer=True is not modelled yet: when dynamo compiles optimizer.step it "

@@ -61,7 +61,7 @@ __all__ = [
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
     "profiler_event_tree", "schema_types", "shape_env_facts", "suggest_memory_format",
-    "select_conv_backend", "PRIVATE_NAMES",
+    "select_conv_backend", "PRIVATE_NAMES", "TRITON_NAMES",
     "function_modes_suspended", "saved_tensor_hooks_suspended", "graph_task_keep_graph_query",
     "is_wrapper_subclass", "local_shard_shape", "process_group_ranks", "unset_fake_mode",
     "active_fake_mode", "c10d_collective_result", "clear_dtensor_caches", "StridedShard",
@@ -420,6 +420,19 @@ PRIVATE_NAMES = (
     "torch._prims_common.suggest_memory_format",
     "torch._C._select_conv_backend",
     "torch.utils._device._device_constructors",
+    # inductor's CUDA path without a GPU (capture/gpu_less.py, capture/compiled.py)
+    "torch.cuda._lazy_init", "torch.cuda._DeviceGuard", "torch.cuda._exchange_device",
+    "torch.cuda._maybe_exchange_device",
+    "torch._dynamo.device_interface.CudaInterface",
+    "torch._dynamo.device_interface.caching_worker_device_properties",
+    "torch._dynamo.device_interface.caching_worker_current_devices",
+    "torch._subclasses.fake_tensor.FakeTensorMode.avoid_device_init",
+    "torch._inductor.constant_folding.ConstantFolder.run",
+    "torch._inductor.fx_passes.joint_graph.UniformValueConstantFolder",
+    "torch._inductor.runtime.hints.DeviceProperties.create",
+    "torch.utils._triton.has_triton", "torch._inductor.utils.get_gpu_dram_gbps",
+    "torch._inductor.codecache.CacheBase.get_system",
+    "torch._inductor.analysis.device_info",
     # graph task stand-in (capture/graph_task.py) and wrapper subclasses (capture/tape.py)
     "torch._C._current_graph_task_id", "torch._C._will_engine_execute_node",
     "torch.autograd.variable.Variable._execution_engine",
@@ -437,6 +450,13 @@ PRIVATE_NAMES = (
     "torch.distributed.tensor.debug._clear_sharding_prop_cache",
     "torch.distributed.tensor._redistribute.clear_redistribute_planner_cache",
     "torch.distributed.tensor.placement_types._StridedShard",
+)
+
+# Triton's names (capture/gpu_less.py): its driver registry and CUDA driver class, checked where
+# triton is installed (inductor's CUDA path needs it; the CPU-only torch has none)
+TRITON_NAMES = (
+    "triton.runtime.driver.driver", "triton.runtime.driver.DriverConfig",
+    "triton.backends.nvidia.driver.CudaDriver", "triton.backends.compiler.GPUTarget",
 )
 
 # Names tapescope only accommodates where torch has them: it never calls them, and an older torch

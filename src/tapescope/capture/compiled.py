@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..options import CompileOptions
+from .gpu_less import NoDeviceGuard
 from ..torch_compat import function_modes_suspended
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compiling",
@@ -157,7 +158,35 @@ def _reinterpret_tensor(t, size, stride, offset_increment=0):
     return t.as_strided(size, stride, t.storage_offset() + offset_increment)
 
 
+class _Delegate:
+    """`target` with some attributes answered otherwise (a module seen from one generated module)."""
+
+    def __init__(self, target, **overrides):
+        self.__dict__.update(overrides, _target=target)
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
+# inductor's CUDA wrapper selects the device and asks for its current stream before launching
+# kernels (`with torch.cuda._DeviceGuard(0): torch.cuda.set_device(0)`,
+# `get_raw_stream(0)`); no kernel runs, so the null stream and no device switch
+_TORCH_WITHOUT_DEVICE = _Delegate(torch, cuda=_Delegate(
+    torch.cuda, _DeviceGuard=NoDeviceGuard, set_device=lambda device: None))
+
+def _copy_if_misaligned(t):
+    # torch/csrc/dynamo/guards.cpp: a clone with t's strides if t.data_ptr() is not
+    # GPU_ALIGN_BYTES (16) aligned. The caching allocator's blocks are 512-byte aligned, so a
+    # fake tensor's address is aligned unless its storage offset is not (it has no data_ptr)
+    if t.storage_offset() * t.element_size() % 16 == 0:
+        return t
+    needed = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    return t.as_strided((needed,), (1,)).clone().as_strided(t.shape, t.stride())
+
+
 _FAKE_FRIENDLY = {
+    "copy_if_misaligned": _copy_if_misaligned,
+    "get_raw_stream": lambda index: 0,
     "empty_strided_cpu": _empty_strided("cpu"),
     "empty_strided_cpu_pinned": _empty_strided("cpu"),
     "empty_strided_cuda": _empty_strided("cuda"),
@@ -185,6 +214,8 @@ def _fake_friendly_module(compiled, on_call=None) -> str | None:
     for name, f in _FAKE_FRIENDLY.items():
         if name in g:
             g[name] = f
+    if g.get("torch") is torch and "get_raw_stream" in g:  # a CUDA wrapper
+        g["torch"] = _TORCH_WITHOUT_DEVICE
     for name, v in g.items():
         if isinstance(v, _NoKernel):
             v.name = name

@@ -315,6 +315,16 @@ class CaptureSession:
         self.facts["compiled"] = record = CompileRecord(opts.compile)
         self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call)
 
+    def _gpu_answered(self):
+        """Inductor's CUDA path, GPU-less: the device queries answered for the named GPU
+        (gpu_less.py) while inductor compiles."""
+        opts = self.options
+        if opts.device.type != "cuda" or opts.compile.backend != "inductor":
+            return nullcontext()
+        from .gpu_less import cuda_answered
+
+        return cuda_answered(opts.gpu)
+
     def _compiling(self):
         if self.options.compile is None:
             return nullcontext()
@@ -329,7 +339,8 @@ class CaptureSession:
         would otherwise trace ours into its graphs."""
         from ..torch_compat import saved_tensor_hooks_suspended
 
-        with self.tape.unrecorded(), saved_tensor_hooks_suspended(), self._joint_trace_engine():
+        with self.tape.unrecorded(), saved_tensor_hooks_suspended(), self._joint_trace_engine(), \
+                self._gpu_answered():
             yield
 
     @contextmanager

@@ -50,6 +50,8 @@ __all__ = [
     "Interconnect",
     "INTERCONNECTS",
     "interconnect",
+    "SMLimits",
+    "sm_limits",
 ]
 
 DTYPES: tuple[str, ...] = ("fp64", "fp64_tensor", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
@@ -423,6 +425,43 @@ def cuda_context_bytes(gpu: GPU) -> int:
 def usable_memory_bytes(gpu: GPU) -> int:
     """What the caching allocator can take: the memory torch reports, less the CUDA context."""
     return (gpu.reported_memory_bytes or gpu.memory_bytes) - cuda_context_bytes(gpu)
+
+
+# ---- per-SM limits by compute capability ------------------------------------------------------
+# CUDA C++ Programming Guide, "Technical Specifications per Compute Capability": resident threads
+# per SM, 32-bit registers per SM, shared memory per SM and the most one block may opt in to.
+# What `torch.cuda.get_device_properties` reports as max_threads_per_multi_processor,
+# regs_per_multiprocessor, shared_memory_per_multiprocessor, shared_memory_per_block_optin
+# (H100: 2048, 65536, 233472, 232448); inductor and Triton read them when they generate kernels.
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    threads_per_sm: int
+    regs_per_sm: int
+    smem_per_sm: int
+    smem_per_block_optin: int
+
+
+_KIB = 1024
+_SM_LIMITS: Mapping[tuple[int, int], SMLimits] = MappingProxyType({
+    (7, 0): SMLimits(2048, 65536, 96 * _KIB, 96 * _KIB),
+    (7, 2): SMLimits(2048, 65536, 96 * _KIB, 96 * _KIB),
+    (7, 5): SMLimits(1024, 65536, 64 * _KIB, 64 * _KIB),
+    (8, 0): SMLimits(2048, 65536, 164 * _KIB, 163 * _KIB),
+    (8, 6): SMLimits(1536, 65536, 100 * _KIB, 99 * _KIB),
+    (8, 7): SMLimits(2048, 65536, 164 * _KIB, 163 * _KIB),
+    (8, 9): SMLimits(1536, 65536, 100 * _KIB, 99 * _KIB),
+    (9, 0): SMLimits(2048, 65536, 228 * _KIB, 227 * _KIB),
+    (10, 0): SMLimits(2048, 65536, 228 * _KIB, 227 * _KIB),
+    (10, 3): SMLimits(2048, 65536, 228 * _KIB, 227 * _KIB),
+    (12, 0): SMLimits(1536, 65536, 100 * _KIB, 99 * _KIB),
+    (12, 1): SMLimits(1536, 65536, 100 * _KIB, 99 * _KIB),
+})
+
+
+def sm_limits(compute_capability: tuple[int, int]) -> SMLimits:
+    return _SM_LIMITS[compute_capability]
 
 
 # ---- interconnects ---------------------------------------------------------------------------

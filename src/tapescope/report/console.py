@@ -219,6 +219,10 @@ def _render_cuda(p, console: Console, invocation=None) -> None:
                       "caching allocator rounds every block up to a multiple of 512 bytes, and "
                       f"cuBLAS keeps a {fmt_bytes(ws)} workspace from the first matmul on",
                       highlight=False, markup=False)
+    if t is None:  # an inductor-compiled step: its fused kernels are not timed
+        console.print("  step time not estimated: the compiled step's fused Triton kernels are "
+                      "not ops the per-op roofline sees", highlight=False, markup=False)
+        return
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())
     console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
                         f"{t.mfu:.0%}", ("" if t.calibrated else

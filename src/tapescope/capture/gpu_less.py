@@ -1,0 +1,286 @@
+"""Inductor's CUDA path without a GPU: the device queries answered for a named GPU.
+
+Inductor lowers, schedules and generates Triton kernels and a Python wrapper from shapes alone,
+but it asks the CUDA runtime about the device as it goes: `torch.cuda.is_available()`, the
+device's properties (SM count: how many ways a reduction splits; warp size; registers and
+threads per SM; compute capability: which fp8 types, TMA, tensor cores) and, through Triton, the
+compile target (`triton.runtime.driver.active.get_current_target()`). Without a GPU each of those
+stops it ("Found no NVIDIA driver"). `cuda_answered(gpu)` answers them for the named GPU
+(devices/gpus.py), for the duration of a block:
+
+- `torch.cuda`'s queries (is_available, device_count, properties, capability, name, the current
+  device and its guard) and the copies of them torch bound at import
+  (`torch._dynamo.device_interface.CudaInterface`, its worker caches);
+- Triton's active driver: a `CudaDriver` that answers with `GPUTarget("cuda", <cc>, 32)` and
+  the GPU's limits without loading libcuda (Triton's own driver builds a C helper against it);
+- the functools caches of answers torch keeps process-wide (`DeviceProperties.create`,
+  `has_triton`, ...), emptied on entry and on exit so that no answer given inside is seen
+  outside and none cached outside (no GPU) is seen inside.
+
+Nothing runs on a device: kernel compilation is replaced by no-ops (compiled.py), and the
+wrapper's streams are the null stream. Everything is restored on exit.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from contextlib import ExitStack, contextmanager
+from types import SimpleNamespace
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..devices.gpus import GPU, sm_limits
+
+__all__ = ["cuda_answered", "device_properties", "NoDeviceGuard"]
+
+
+def device_properties(gpu: GPU) -> SimpleNamespace:
+    """What `torch.cuda.get_device_properties()` returns on `gpu` (the fields inductor and Triton
+    read; `_CudaDeviceProperties` cannot be made from Python)."""
+    major, minor = gpu.compute_capability
+    lim = sm_limits(gpu.compute_capability)
+    return SimpleNamespace(
+        name=gpu.name, major=major, minor=minor,
+        total_memory=gpu.reported_memory_bytes or gpu.memory_bytes,
+        multi_processor_count=gpu.sms, L2_cache_size=gpu.l2_bytes, warp_size=32,
+        max_threads_per_multi_processor=lim.threads_per_sm, max_threads_per_block=1024,
+        regs_per_multiprocessor=lim.regs_per_sm,
+        shared_memory_per_block=48 * 1024,
+        shared_memory_per_block_optin=lim.smem_per_block_optin,
+        shared_memory_per_multiprocessor=lim.smem_per_sm,
+        is_integrated=0, is_multi_gpu_board=0, gcnArchName="NVIDIA",
+        uuid="00000000-0000-0000-0000-000000000000", pci_bus_id=0, pci_device_id=0,
+        pci_domain_id=0,
+    )
+
+
+def _triton_driver(gpu: GPU, props):
+    """Triton's CUDA driver for `gpu`, made without loading libcuda."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+
+    major, minor = gpu.compute_capability
+
+    class _Utils:
+        def get_device_properties(self, device):
+            return {"max_shared_mem": props.shared_memory_per_block_optin,
+                    "max_num_regs": props.regs_per_multiprocessor,
+                    "multiprocessor_count": props.multi_processor_count,
+                    "warpSize": 32, "sm_clock_rate": 0, "mem_clock_rate": 0,
+                    "mem_bus_width": 0}
+
+    class GPULessCudaDriver(CudaDriver):
+        def __init__(self):  # CudaDriver's builds and loads a C helper against libcuda
+            self.utils = _Utils()
+
+        def get_current_device(self):
+            return 0
+
+        def set_current_device(self, device):
+            pass
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_device_capability(self, device=None):
+            return (major, minor)
+
+        def get_current_target(self):
+            return GPUTarget("cuda", major * 10 + minor, 32)
+
+    return GPULessCudaDriver()
+
+
+class NoDeviceGuard:
+    """`torch.cuda._DeviceGuard` where there is one device and nothing runs on it."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _check_index(device) -> int:
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        device = device.index
+    index = 0 if device is None else int(device)
+    if index != 0:
+        raise RuntimeError(f"Invalid device id {index}: tapescope answers for one GPU, cuda:0")
+    return index
+
+
+def _cuda_answers(gpu: GPU, props) -> dict:
+    cc = gpu.compute_capability
+
+    def props_of(device=None):
+        _check_index(device)
+        return props
+
+    return {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "_lazy_init": lambda: None,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "get_device_properties": props_of,
+        "get_device_capability": lambda device=None: cc,
+        "get_device_name": lambda device=None: gpu.name,
+        "is_bf16_supported": lambda including_emulation=True: cc >= (8, 0),
+        "synchronize": lambda device=None: None,
+        "_exchange_device": lambda device: 0,
+        "_maybe_exchange_device": lambda device: 0,
+        "_DeviceGuard": NoDeviceGuard,
+        # dynamo keeps the CUDA generator's state across a trace; there is no generator
+        "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+        "set_rng_state": lambda new_state, device="cuda": None,
+        "is_current_stream_capturing": lambda: False,
+    }
+
+
+# CudaInterface's copies of torch.cuda's functions, bound at import
+_INTERFACE = {"current_device": "current_device", "set_device": "set_device",
+              "device_count": "device_count", "get_device_properties": "get_device_properties",
+              "synchronize": "synchronize", "is_bf16_supported": "is_bf16_supported",
+              "exchange_device": "_exchange_device",
+              "maybe_exchange_device": "_maybe_exchange_device"}
+
+# modules whose functools caches hold answers about the device or what follows from them
+# (DeviceProperties.create, has_triton, get_gpu_type, get_gpu_dram_gbps from the device's name,
+# CacheBase.get_system, ...): every cache in them is emptied on entry and on exit
+_CACHING_MODULES = ("torch.utils._triton", "torch._inductor.utils", "torch._inductor.runtime.hints",
+                    "torch._inductor.codecache", "torch._inductor.analysis.device_info",
+                    "torch._dynamo.device_interface", "torch._inductor.runtime.triton_heuristics",
+                    "torch._inductor.codegen.triton", "torch._inductor.runtime.triton_helpers")
+
+
+def _is_cache(f) -> bool:
+    return isinstance(f, _LRU_WRAPPER)
+
+
+_LRU_WRAPPER = type(functools.cache(lambda: None))
+
+
+def _cached_functions() -> list:
+    """The functools caches defined in _CACHING_MODULES (module functions and class methods)."""
+    out = []
+    for name in _CACHING_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for obj in list(vars(module).values()):
+            members = [obj]
+            if isinstance(obj, type) and obj.__module__ == name:
+                members += list(vars(obj).values())
+            for f in members:
+                if isinstance(f, (classmethod, staticmethod)):
+                    f = f.__func__
+                if _is_cache(f) and f not in out:
+                    out.append(f)
+    return out
+
+
+def _clear(caches) -> None:
+    for fn in caches:
+        fn.cache_clear()
+
+
+@contextmanager
+def _attributes(target, values: dict):
+    saved = {name: target.__dict__[name] for name in values if name in target.__dict__}
+    for name, value in values.items():
+        setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for name in values:
+            if name in saved:
+                setattr(target, name, saved[name])
+            else:
+                delattr(target, name)
+
+
+class _ConstantsOnCPU(TorchFunctionMode):
+    """Inductor's constant folding computes the values of constant subgraphs with real tensors on
+    their device (`aten.full([1], v, device=cuda)`, then pointwise ops on them) to replace them by
+    one `full(shape, value)`; only the value (`.item()`) and the node's own shape and device are
+    kept. Without a device those tensors are made on the CPU: the same values, the same graph."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and func is not torch.device and torch.device(device).type == "cuda":
+            kwargs["device"] = torch.device("cpu")
+        args = tuple(torch.device("cpu") if isinstance(a, torch.device) and a.type == "cuda"
+                     else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _constants_on_cpu(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with _ConstantsOnCPU():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _constant_folders() -> list:
+    """(class, {method: wrapped}) for inductor's constant folders: ConstantFolder.run computes,
+    UniformValueConstantFolder.__init__ makes the zeros of `x * 0` on the device."""
+    from torch._inductor.constant_folding import ConstantFolder
+    from torch._inductor.fx_passes.joint_graph import UniformValueConstantFolder
+
+    return [(ConstantFolder, {"run": _constants_on_cpu(ConstantFolder.__dict__["run"])}),
+            (UniformValueConstantFolder,
+             {"__init__": _constants_on_cpu(UniformValueConstantFolder.__dict__["__init__"])})]
+
+
+# FakeTensorMode asks torch.cuda.is_available() to decide whether it may run a device transfer of
+# a constant for real (inductor's pattern tracing moves `torch.tensor` constants to the device):
+# there is no device, whatever the answers above say
+_NO_DEVICE = property(lambda self: True)
+
+
+@contextmanager
+def cuda_answered(gpu: GPU):
+    """For the duration of the block, CUDA's device queries answer as on one `gpu` (device 0)."""
+    import torch._dynamo.device_interface as device_interface
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.runtime import driver as triton_driver
+
+    props = device_properties(gpu)
+    answers = _cuda_answers(gpu, props)
+    interface = {k: staticmethod(answers[v]) for k, v in _INTERFACE.items()}
+    worker = (device_interface.caching_worker_device_properties,
+              device_interface.caching_worker_current_devices)
+    saved_worker = [dict(d) for d in worker]
+    saved_driver = triton_driver._active
+    caches = _cached_functions()
+    _clear(caches)
+    try:
+        with _attributes(torch.cuda, answers), \
+                _attributes(device_interface.CudaInterface, interface), \
+                _attributes(FakeTensorMode, {"avoid_device_init": _NO_DEVICE}), \
+                ExitStack() as stack:
+            for cls, methods in _constant_folders():
+                stack.enter_context(_attributes(cls, methods))
+            worker[0]["cuda"] = [props]
+            worker[1]["cuda"] = 0
+            triton_driver._active = _triton_driver(gpu, props)
+            yield props
+    finally:
+        triton_driver._active = saved_driver
+        for d, before in zip(worker, saved_worker):
+            d.clear()
+            d.update(before)
+        _clear(caches)
