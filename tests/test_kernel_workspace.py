@@ -724,3 +724,26 @@ def test_cuda_kernel_scratch_follows_the_sources():
                           dtype="bf16")
     blocks_y = min(32768 // 2, -(-rows // 32))
     assert _workspaces(p, "aten.native_layer_norm_backward.default") == [blocks_y * 64 * 2] * 2
+
+
+def test_channels_last_decision_follows_suggest_memory_format():
+    """Conv.cpp takes the channels-last path when either operand's suggest_memory_format is
+    channels-last, which c10 decides from the strides (size-1 dimensions included): a 1-D
+    convolution over one position of a transposed activation runs channels-last. tapescope's
+    decision equals torch's own Python port of suggest_memory_format on the tensor the oneDNN
+    path sees (Convolution.cpp view4d: unsqueeze(2))."""
+    from torch._prims_common import suggest_memory_format
+
+    from tapescope.capture.fidelity.convolution import _as_seen, _strides_like_channels_last
+
+    cases = [torch.randn(6, 1, 8).transpose(1, 2), torch.randn(6, 4, 8).transpose(1, 2),
+             torch.randn(6, 8, 5), torch.randn(2, 8, 4, 4).contiguous(
+                 memory_format=torch.channels_last), torch.randn(2, 8, 1, 1),
+             torch.randn(2, 8, 4, 4).permute(0, 1, 3, 2), torch.randn(1, 8, 1, 6),
+             torch.randn(2, 3, 4, 4, 4).contiguous(memory_format=torch.channels_last_3d),
+             torch.randn(2, 1, 5).expand(2, 8, 5)]
+    for t in cases:
+        seen = t.unsqueeze(2) if t.dim() == 3 else t
+        assert _as_seen(t) == (tuple(seen.shape), tuple(seen.stride()))
+        expected = suggest_memory_format(seen) in (torch.channels_last, torch.channels_last_3d)
+        assert _strides_like_channels_last(*_as_seen(t)) == expected, (t.shape, t.stride())

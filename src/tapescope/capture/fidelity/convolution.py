@@ -53,19 +53,63 @@ def conv_problem(x_shape, w_shape, bias_defined, stride, padding, dilation, grou
                        bias_defined)
 
 
+def _as_seen(t) -> tuple[tuple, tuple]:
+    """The sizes and strides the oneDNN path sees: a 1-D convolution's tensors as Convolution.cpp
+    `view4d` makes them (`unsqueeze(2)`, whose stride is sizes[2] * strides[2])."""
+    sizes, strides = tuple(t.shape), tuple(t.stride())
+    if len(sizes) == 3:
+        sizes = sizes[:2] + (1,) + sizes[2:]
+        strides = strides[:2] + (strides[2] * sizes[3],) + strides[2:]
+    return sizes, strides
+
+
 def _uses_channels_last(x, weight) -> bool:
-    """mkldnn_conv_use_channels_last (ConvUtils.h): either operand channels-last (and neither
-    an mkldnn tensor)."""
-    fmt = _CL.get(x.dim())
-    return fmt is not None and (x.is_contiguous(memory_format=fmt)
-                                and not x.is_contiguous()
-                                or weight.is_contiguous(memory_format=fmt)
-                                and not weight.is_contiguous())
+    """mkldnn_conv_use_channels_last (ConvUtils.h): either operand's suggest_memory_format is
+    channels-last (decided from the strides, so an ambiguous tensor with size-1 dimensions -
+    a 1-D convolution over one position of a transposed activation - counts when its channel
+    stride is the smallest)."""
+    return any(_strides_like_channels_last(*_as_seen(t)) for t in (x, weight))
 
 
-def _copy_if_needed(name, t, fmt) -> list:
-    if t is None or t.is_contiguous(memory_format=fmt if t.dim() in (4, 5) else
-                                    torch.contiguous_format):
+def _strides_like_channels_last(sizes: tuple, strides: tuple) -> bool:
+    """c10/core/MemoryFormat.h is_channels_last_strides_{2d_s4,3d_s5}: strides increasing in
+    the order C, W, H, (D,) N, the ambiguous N111 case counted as contiguous."""
+    if len(sizes) == 4:
+        order = (1, 3, 2, 0)
+    elif len(sizes) == 5:
+        order = (1, 4, 3, 2, 0)
+    else:
+        return False
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in order:
+        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True
+
+
+def _is_contiguous_as(t, channels_last: bool) -> bool:
+    """`t.is_contiguous(format)` for the tensor the oneDNN path sees (c10's
+    compute_(channels_last_)contiguous: size-1 dimensions impose nothing)."""
+    sizes, strides = _as_seen(t)
+    order = list(range(len(sizes) - 1, -1, -1))
+    if channels_last and len(sizes) in (4, 5):
+        order = [1] + list(range(len(sizes) - 1, 1, -1)) + [0]
+    expected = 1
+    for d in order:
+        if sizes[d] == 1:
+            continue
+        if strides[d] != expected:
+            return False
+        expected *= sizes[d]
+    return True
+
+
+def _copy_if_needed(name, t, channels_last: bool) -> list:
+    """Conv.cpp's `t.contiguous(memory_format)`: a copy where the tensor is not already so."""
+    if t is None or _is_contiguous_as(t, channels_last):
         return []
     return [Alloc(name, t.numel() * t.dtype.itemsize)]
 
@@ -148,12 +192,11 @@ def convolution_scratch(ctx, func, args, kwargs, out):
                       groups):
         return None
     cl = _uses_channels_last(x, weight)
-    fmt = _CL[max(x.dim(), 4)] if cl else torch.contiguous_format
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
     c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl)
     prim = onednn.forward(c, ctx.cpu)
     _note(ctx, prim)
-    return (_copy_if_needed("input", x, fmt) + _copy_if_needed("weight", weight, fmt)
+    return (_copy_if_needed("input", x, cl) + _copy_if_needed("weight", weight, cl)
             + forward_steps(c, prim))
 
 
@@ -166,7 +209,6 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
                       groups):
         return None
     cl = _uses_channels_last(x, weight)
-    fmt = _CL[max(x.dim(), 4)] if cl else torch.contiguous_format
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
     c = conv_problem(xs, ws, bool(mask[2]), stride, padding, dilation, groups, cl)
     d = onednn.backward_data(c, ctx.cpu) if mask[0] else None
@@ -174,6 +216,6 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
     for prim in (d, w):
         if prim is not None:
             _note(ctx, prim)
-    copies = (_copy_if_needed("grad_output", grad_output, fmt)
-              + _copy_if_needed("input", x, fmt) + _copy_if_needed("weight", weight, fmt))
+    copies = (_copy_if_needed("grad_output", grad_output, cl)
+              + _copy_if_needed("input", x, cl) + _copy_if_needed("weight", weight, cl))
     return copies + backward_steps(c, d, w, weight.numel())
