@@ -37,6 +37,17 @@ def _splits(q_len: int, kv_len: int) -> tuple[int, int]:
     return min(q_split, q_len), min(512, kv_len)
 
 
+def _symbolic(ctx, *sizes) -> bool:
+    """The block sizes are piecewise in the sequence lengths, which a symbolic profile's
+    polynomial formulas cannot hold (and a Python branch would guard the sequence to one side
+    of each threshold): on a symbolic trace the buffers are left out, and the report says so."""
+    if all(isinstance(s, int) for s in sizes):
+        return False
+    ctx.note("CPU flash attention", "its per-thread buffers (piecewise in the sequence length) "
+             "are not in the symbolic formulas; a concrete profile counts them")
+    return True
+
+
 def _accum_bytes(dtype: torch.dtype) -> int:
     return 4 if dtype in _REDUCED else dtype.itemsize
 
@@ -53,6 +64,8 @@ def flash_attention_buffers(ctx, func, args, kwargs, out):
     """Per-thread scores, row statistics and output block (cpu_flash_attention `buf`)."""
     q, k = args[0], args[1]
     (batch, heads, q_len, head), kv_len = q.shape, k.shape[2]
+    if _symbolic(ctx, q_len, kv_len, head):
+        return None
     q_split, kv_split = _splits(q_len, kv_len)
     threads = ctx.cpu.threads
     per_thread = q_split * kv_split + 2 * q_split + q_split * head
@@ -74,6 +87,8 @@ def flash_attention_backward_buffers(ctx, func, args, kwargs, out):
     if not grad_out.transpose(1, 2).is_contiguous():
         steps.append(Alloc("grad_out", grad_out.numel() * grad_out.dtype.itemsize))
     q_len, kv_len = q.shape[2], k.shape[2]
+    if _symbolic(ctx, q_len, kv_len):
+        return steps or None
     q_split, kv_split = _splits(q_len, kv_len)
     threads = ctx.cpu.threads
     accum = _accum_bytes(q.dtype)
