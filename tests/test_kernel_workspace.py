@@ -747,3 +747,43 @@ def test_channels_last_decision_follows_suggest_memory_format():
         assert _as_seen(t) == (tuple(seen.shape), tuple(seen.stride()))
         expected = suggest_memory_format(seen) in (torch.channels_last, torch.channels_last_3d)
         assert _strides_like_channels_last(*_as_seen(t)) == expected, (t.shape, t.stride())
+
+
+class _Deconv(torch.nn.Module):
+    """One transposed convolution whose input needs a gradient (2-D, or 1-D with `dims=1`)."""
+
+    def __init__(self, c, o, k, stride, padding, dims=2):
+        super().__init__()
+        deconv = torch.nn.ConvTranspose1d if dims == 1 else torch.nn.ConvTranspose2d
+        self.deconv = deconv(c, o, k, stride, padding)
+        self.scale = torch.nn.Parameter(torch.ones(c, *(1,) * dims))
+
+    def forward(self, x):
+        return self.deconv(x * self.scale).pow(2).sum()
+
+
+DECONVS = {  # name -> (_Deconv arguments, input shape)
+    "4x4/2 upsampling (DCGAN)": ((16, 8, 4, 2, 1), (8, 16, 8, 8)),
+    "3x3/1": ((16, 8, 3, 1, 1), (8, 16, 8, 8)),
+    "more output channels than input": ((16, 32, 4, 2, 1), (2, 16, 8, 8)),
+    "1-D, 16/8 (HiFi-GAN's upsampler)": ((32, 16, 16, 8, 4, 1), (2, 32, 32)),
+}
+
+
+@pytest.mark.parametrize("name", DECONVS)
+def test_transposed_convolution(name):
+    """mkldnn_convolution_transpose(_backward) runs oneDNN's deconvolution: the convolution
+    with the roles swapped. Its backward (grad_input is that convolution's forward, the weight
+    gradient its weight gradient with grad_output as the source, each nested in the
+    deconvolution's scratchpad) is checked op by op against the allocator, and so is the
+    forward at unit strides (the swapped backward-data kernel and the f32 output a bias needs);
+    a strided forward runs brgemm kernels whose scratchpad is an estimate, reported."""
+    args, shape = DECONVS[name]
+    p, real, ops = _measure(lambda: _Deconv(*args), (tapescope.spec(shape),), optimizer="sgd")
+    checked = _excess(ops, "aten.convolution_backward")
+    if args[3] == 1:
+        checked += _excess(ops, "aten.convolution")
+    else:
+        assert any("brg_deconv" in n
+                   for n in p.facts["heuristics"]["oneDNN convolution scratch"])
+    assert len(checked) == 1 + (args[3] == 1) and all(m == p for m, p in checked), checked

@@ -38,7 +38,8 @@ from math import prod
 
 from .cpu import CpuTarget
 
-__all__ = ["Conv", "Primitive", "forward", "backward_data", "backward_weights"]
+__all__ = ["Conv", "Primitive", "forward", "backward_data", "backward_weights", "nested",
+           "deconvolution_forward"]
 
 _F32 = 4
 # the ISAs whose kernel choices and buffers tests/test_kernel_workspace.py checked against the
@@ -555,3 +556,36 @@ def _avx512_bwd_weights_threads(c: Conv, nthreads: int, oc: int, ic: int, in_dhw
     if nthreads // 2 < nthr_mb < nthreads:
         nthr_mb = min(c.mb * od * nthr_oh_reduce, nthreads)
     return nthr_mb, nthr_mb * c.groups * best[1] * best[2]
+
+
+def nested(prim: Primitive) -> Primitive:
+    """A primitive run inside another one's scratchpad (ref_deconvolution's convolution):
+    `book(key_nested, conv_pd->scratchpad_registry())` adds one booking's alignment
+    (memory_tracking.hpp), where the inner scratchpad is not empty."""
+    from dataclasses import replace
+
+    return replace(prim, scratchpad=prim.scratchpad + _ALIGN if prim.scratchpad else 0)
+
+
+def deconvolution_forward(c: Conv, cpu: CpuTarget, bias: bool) -> Primitive:
+    """oneDNN's deconvolution forward, `c` being the convolution with the roles swapped (from
+    the deconvolution's output to its input).
+
+    Unit strides: ref_deconvolution_fwd_t runs that convolution's backward-data primitive
+    (nested) and, with a bias the convolution cannot add, an f32 copy of the padded output
+    (`key_deconv_bias`, ref_deconvolution.hpp init_scratchpad). Other strides: jit_brgemm_deconv
+    runs brgemm_convolution_bwd_strided_t on NHWC copies; its scratchpad is an estimate."""
+    block = cpu.simd_floats
+    if all(s == 1 for s in c.stride) and not c.channels_last:
+        d = nested(backward_data(c, cpu))
+        if bias:
+            d = Primitive(d.impl, src=d.src, weights=d.weights, dst=d.dst,
+                          scratchpad=d.scratchpad + max(d.dst, _plain(c.mb, c.ic, c.in_spatial))
+                          + _ALIGN, exact=d.exact)
+        return d
+    weights = _rnd_up(c.ic_g, block) * c.groups * c.oc_g * c.ks * _F32
+    return Primitive(f"brg_deconv:{cpu.isa}",
+                     src=0 if c.channels_last else _plain(c.mb, c.oc, c.out_spatial),
+                     weights=weights,
+                     dst=0 if c.channels_last else _plain(c.mb, c.ic, c.in_spatial),
+                     scratchpad=_brgemm_scratch(c, cpu), exact=False)

@@ -148,10 +148,23 @@ def backward_steps(c: onednn.Conv, d: onednn.Primitive | None,
     return steps
 
 
+# ConvBackend::MkldnnTranspose has no Python name: torch._C._ConvBackend prints it as "???"
+# (the only unnamed value), which on a CPU tensor is oneDNN's deconvolution
+_MKLDNN_TRANSPOSE = "???"
+
+
+def _on_onednn_transposed(x, weight, stride, padding, dilation, transposed, output_padding,
+                          groups) -> bool:
+    if not transposed or x.dtype != torch.float32 or x.dim() not in (3, 4, 5):
+        return False
+    return select_conv_backend(x, weight, stride, padding, dilation, transposed,
+                               output_padding, groups) == _MKLDNN_TRANSPOSE
+
+
 def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                groups) -> bool:
     if transposed or x.dtype != torch.float32 or x.dim() not in (3, 4, 5):
-        return False  # not modelled: transposed and reduced-precision convolutions
+        return False  # reduced precision is not modelled; transposed: below
     backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
                                   output_padding, groups)
     threads = ctx.cpu.threads
@@ -205,6 +218,10 @@ def convolution_scratch(ctx, func, args, kwargs, out):
 def convolution_backward_scratch(ctx, func, args, kwargs, out):
     grad_output, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, \
         groups, mask = args[:11]
+    if _on_onednn_transposed(x, weight, stride, padding, dilation, transposed, output_padding,
+                             groups):
+        return _transposed_backward(ctx, grad_output, x, weight, stride, padding, dilation,
+                                    groups, mask)
     if not _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                       groups):
         return None
@@ -219,3 +236,64 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
     copies = (_copy_if_needed("grad_output", grad_output, cl)
               + _copy_if_needed("input", x, cl) + _copy_if_needed("weight", weight, cl))
     return copies + backward_steps(c, d, w, weight.numel())
+
+
+@RULES.register(WORKSPACE, aten.convolution.default, devices={"cpu"}, source=_SOURCE,
+                test="tests/test_kernel_workspace.py::test_transposed_convolution")
+def transposed_convolution_scratch(ctx, func, args, kwargs, out):
+    """oneDNN's deconvolution forward (onednn.deconvolution_forward): at unit strides the
+    swapped convolution's backward-data kernel with the f32 output copy a bias needs, in its
+    order; otherwise the brgemm strided kernel on NHWC copies, whose scratchpad is estimated,
+    then the dense output and an output-sized buffer (measured, not yet traced to its source).
+    Channels-last deconvolutions are not modelled (noted)."""
+    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
+    if not _on_onednn_transposed(x, weight, stride, padding, dilation, transposed,
+                                 output_padding, groups):
+        return None
+    cl = _uses_channels_last(x, weight)
+    if cl:
+        ctx.note("oneDNN convolution scratch", "a channels-last transposed convolution's "
+                 "forward (oneDNN deconvolution) scratch is not counted (an estimate)")
+        return None
+    os_, ws, stride, padding, dilation = _as_2d(out, weight, stride, padding, dilation)
+    c = conv_problem(os_, ws, False, stride, padding, dilation, groups, False)
+    prim = onednn.deconvolution_forward(c, ctx.cpu, bias is not None)
+    if not prim.exact:
+        ctx.note("oneDNN convolution scratch", f"{prim.impl} on {ctx.cpu.describe()}: a "
+                 "transposed convolution's forward scratchpad is an estimate (devices/onednn.py)")
+        out_bytes = out.numel() * out.dtype.itemsize
+        return (_copy_if_needed("input", x, False) + _copy_if_needed("weight", weight, False)
+                + [Alloc("scratchpad", prim.scratchpad), Alloc("src", prim.src),
+                   Alloc("weights", prim.weights), Alloc("dst", prim.dst), Free("weights"),
+                   Free("src"), Free("scratchpad"), Output(0), Alloc("output copy", out_bytes),
+                   Free("output copy"), Free("dst")])
+    return (_copy_if_needed("input", x, False) + _copy_if_needed("weight", weight, False)
+            + forward_steps(c, prim))
+
+
+def _transposed_backward(ctx, grad_output, x, weight, stride, padding, dilation, groups, mask):
+    """mkldnn_convolution_transpose_backward (mkldnn/Conv.cpp) on oneDNN's ref_deconvolution:
+    a deconvolution is a convolution with the roles swapped - the convolution from the output
+    (grad_output: Cout channels) to the input (Cin channels) with the weights as they are
+    (Cin x Cout/groups x k). Its grad_input is that convolution's forward; its weight gradient
+    that convolution's weight gradient (src = grad_output, diff_dst = input), without a bias:
+    ref_deconvolution sums the deconvolution's bias gradient itself (one Cout-float buffer, as
+    ideep's bias gradient)."""
+    from dataclasses import replace
+
+    cl = _uses_channels_last(x, weight)
+    gs, ws, stride, padding, dilation = _as_2d(grad_output, weight, stride, padding, dilation)
+    c = conv_problem(gs, ws, False, stride, padding, dilation, groups, cl)
+    # each convolution runs nested in the deconvolution's scratchpad (ref_deconvolution.hpp)
+    d = onednn.nested(onednn.forward(c, ctx.cpu)) if mask[0] else None
+    w = onednn.nested(onednn.backward_weights(c, ctx.cpu)) if (mask[1] or mask[2]) else None
+    if w is not None:
+        w = replace(w, bias=grad_output.shape[1] * 4 if mask[2] else 0)
+    for prim in (d, w):
+        if prim is not None:
+            _note(ctx, prim)
+    steps = (_copy_if_needed("grad_output", grad_output, cl)
+             + _copy_if_needed("input", x, cl) + _copy_if_needed("weight", weight, cl))
+    if d is not None:  # the swapped convolution's forward makes grad_input (output 0)
+        steps += forward_steps(c, d)
+    return steps + backward_steps(c, None, w, weight.numel())
