@@ -729,9 +729,10 @@ def test_cuda_kernel_scratch_follows_the_sources():
 def test_channels_last_decision_follows_suggest_memory_format():
     """Conv.cpp takes the channels-last path when either operand's suggest_memory_format is
     channels-last, which c10 decides from the strides (size-1 dimensions included): a 1-D
-    convolution over one position of a transposed activation runs channels-last. tapescope's
-    decision equals torch's own Python port of suggest_memory_format on the tensor the oneDNN
-    path sees (Convolution.cpp view4d: unsqueeze(2))."""
+    convolution over one position of a transposed activation runs channels-last, one over a
+    longer transposed activation does not (Convolution.cpp first makes the 3-D input
+    contiguous). tapescope's decision equals torch's own Python port of suggest_memory_format
+    on the tensor the oneDNN path sees (view4d: unsqueeze(2) of the contiguous input)."""
     from torch._prims_common import suggest_memory_format
 
     from tapescope.capture.fidelity.convolution import _as_seen, _strides_like_channels_last
@@ -743,7 +744,8 @@ def test_channels_last_decision_follows_suggest_memory_format():
              torch.randn(2, 3, 4, 4, 4).contiguous(memory_format=torch.channels_last_3d),
              torch.randn(2, 1, 5).expand(2, 8, 5)]
     for t in cases:
-        seen = t.unsqueeze(2) if t.dim() == 3 else t
+        # a 1-D convolution's input is made contiguous (its 3-D suggested format), then viewed
+        seen = t.contiguous().unsqueeze(2) if t.dim() == 3 else t
         assert _as_seen(t) == (tuple(seen.shape), tuple(seen.stride()))
         expected = suggest_memory_format(seen) in (torch.channels_last, torch.channels_last_3d)
         assert _strides_like_channels_last(*_as_seen(t)) == expected, (t.shape, t.stride())
@@ -787,3 +789,35 @@ def test_transposed_convolution(name):
         assert any("brg_deconv" in n
                    for n in p.facts["heuristics"]["oneDNN convolution scratch"])
     assert len(checked) == 1 + (args[3] == 1) and all(m == p for m, p in checked), checked
+
+
+class _CausalConv1d(torch.nn.Module):
+    """Mamba's causal depthwise convolution: a Linear's (batch, seq, channels) output transposed
+    to (batch, channels, seq), a depthwise Conv1d padded by kernel - 1, cut to the sequence."""
+
+    def __init__(self, channels, kernel):
+        super().__init__()
+        self.lin = torch.nn.Linear(channels, channels)
+        self.conv = torch.nn.Conv1d(channels, channels, kernel, groups=channels,
+                                    padding=kernel - 1)
+
+    def forward(self, x):
+        return self.conv(self.lin(x).transpose(1, 2))[..., :x.shape[1]].pow(2).mean()
+
+
+@pytest.mark.parametrize("seq", [1, 16])
+def test_one_dimensional_convolution_of_a_transposed_activation(seq):
+    """Convolution.cpp makes a 1-D convolution's 3-D input contiguous (a copy of the transposed
+    activation) before viewing it as 2-D: the oneDNN kernels then run NCHW, exact op by op. Over
+    one position the transposed tensor is already contiguous and its 2-D view has channels-last
+    strides: oneDNN runs channels-last, whose brgemm kernels are estimates, and the report
+    says so."""
+    p, real, ops = _measure(lambda: _CausalConv1d(32, 4), (tapescope.spec((2, seq, 32)),),
+                            optimizer="sgd")
+    if seq == 1:  # channels-last: the brgemm kernels and the backward's copies are estimates
+        assert any("1-D convolution over one position" in n
+                   for n in p.facts["heuristics"]["oneDNN convolution scratch"])
+        return
+    checked = _excess(ops, "aten.convolution_backward") + _excess(ops, "aten.convolution")
+    assert len(checked) == 2 and all(m == p for m, p in checked), checked
+    assert p.first_step_peak_bytes == real.peaks[1]
