@@ -303,7 +303,9 @@ def backward_weights(c: Conv, cpu: CpuTarget) -> Primitive:
                          exact=isa == "avx2")
     if c.groups > 1 and (c.ic_g % block or c.oc_g % block):
         return _gemm_backward_weights(c, gemm_cpu, bias)  # NCHW groups are not padded to blocks
-    flat = _flat(c, cpu)
+    # jit_avx2_conv_bwd_weights_kernel_f32::init_conf: `flat = ic == 3`; other few-channel
+    # sources are padded to a block and reordered (unlike the forward's `ic < simd_w`)
+    flat = c.groups == 1 and c.ic == 3
     return Primitive(f"jit:{isa}", src=0 if flat else _blocked(c.mb, c.ic, c.in_spatial, block),
                      diff_dst=_blocked(c.mb, c.oc, c.out_spatial, block),
                      dst=_direct_weights(c, block, flat), bias=bias,

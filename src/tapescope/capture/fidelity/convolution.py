@@ -199,6 +199,19 @@ def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_pad
     return backend == "Mkldnn"
 
 
+def _note_slow_kernel(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                      groups) -> None:
+    """ATen's own CPU convolutions (ConvolutionMM2d.cpp and kin: a tiny one-sample convolution,
+    a double one) make im2col columns inside the op, which no rule counts yet: say so."""
+    if transposed or x.dim() not in (3, 4, 5) or not x.is_floating_point():
+        return
+    backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
+                                  output_padding, groups)
+    if backend.startswith("Slow"):
+        ctx.note("oneDNN convolution scratch", f"ATen's {backend} kernel (not oneDNN) makes "
+                 "im2col columns inside the op: not counted (an estimate)")
+
+
 def _as_2d(x, weight, stride, padding, dilation):
     """Convolution.cpp `view1d_as_2d`: a 1-D convolution runs as a 2-D one of height 1 (shapes
     only: a rule must not run ops on the fake tensors it is shown)."""
@@ -222,6 +235,8 @@ def convolution_scratch(ctx, func, args, kwargs, out):
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
     if not _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                       groups):
+        _note_slow_kernel(ctx, x, weight, stride, padding, dilation, transposed,
+                          output_padding, groups)
         return None
     cl = _uses_channels_last(x, weight)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
@@ -243,6 +258,8 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
                                     groups, mask)
     if not _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                       groups):
+        _note_slow_kernel(ctx, x, weight, stride, padding, dilation, transposed,
+                          output_padding, groups)
         return None
     cl = _uses_channels_last(x, weight)
     _note_ambiguous_1d(ctx, x, cl)
