@@ -479,7 +479,7 @@ class CaptureSession:
     def _run_backward(self, tensors, grad_tensors=None, retain_graph=None) -> None:
         """torch.autograd.backward(tensors, grad_tensors, retain_graph) of the step."""
         for t in (tensors,) if isinstance(tensors, torch.Tensor) else tensors:
-            _name_forward_nodes(t, self.trace)
+            _name_forward_nodes(t, self.trace, self.tape.user_frame())
         if self.options.engine == "python":
             self.engine.run_backward(tensors, grad_tensors, retain_graph)
         else:
@@ -661,8 +661,9 @@ def _describe_optimizer(opt: torch.optim.Optimizer) -> dict:
     return {"name": type(opt).__name__, "implementation": impl}
 
 
-def _name_forward_nodes(loss: torch.Tensor, trace: Trace) -> None:
-    """Map seq_nr -> autograd node name for every node reachable from the loss."""
+def _name_forward_nodes(loss: torch.Tensor, trace: Trace, where=None) -> None:
+    """Map seq_nr -> autograd node name for every node reachable from the loss; `where`: the
+    user's line that asked for the backward."""
     from ..torch_compat import node_sequence_nr
 
     fn = loss.grad_fn
@@ -670,7 +671,8 @@ def _name_forward_nodes(loss: torch.Tensor, trace: Trace) -> None:
         raise TapescopeError(
             "the loss does not require grad (PyTorch: element 0 of tensors does not require grad "
             "and does not have a grad_fn): no parameter of the model took part in computing it "
-            "(are all parameters frozen, or is the forward under no_grad?)")
+            "(are all parameters frozen, or is the forward under no_grad?)"
+            + ("" if where is None else f"; backward called at {where}"))
     seen, stack, names = set(), [fn], trace.node_names
     while stack:
         node = stack.pop()
