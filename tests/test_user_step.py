@@ -327,6 +327,13 @@ def test_an_error_in_the_step_names_its_line_and_restores_torch():
     assert "the step raised RuntimeError in the step's own code" in msg
     assert f"{__file__}:" in msg and "(_shape_mistake)" in msg
     assert torch.autograd.backward is backward and torch.autograd.grad is grad
+    # the global module and optimizer-step hooks that found the phases are gone
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    assert not module._global_forward_pre_hooks and not module._global_forward_hooks
+    assert not optimizer._global_optimizer_pre_hooks
+    assert not optimizer._global_optimizer_post_hooks
 
 
 @pytest.mark.parametrize("kw,why", [
