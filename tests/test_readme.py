@@ -50,6 +50,9 @@ COMMANDS = {
     "tapescope profile hf:BertConfig --seq 512": (None, ["hf:BertConfig", "x512"], []),
     "tapescope profile examples/my_model.py:build --input 8,3,224,224 --input 8:int64 "
     "--loss cross-entropy": (None, ["8x3x224x224 × 8", "Peak memory"], []),
+    "tapescope profile examples/my_model.py:build --input 8,3,224,224 --input 8:int64 "
+    "--step examples/my_step.py:train_step --setup examples/my_step.py:setup": (
+        None, ["your step train_step", "AdamW", "| other "], []),
     "tapescope ops zoo:gpt2:n_layer=2": (None, ["SeqNr|OrigAten|SrcFn", "_backward"], []),
     "tapescope profile zoo:llama --gpu h100 --amp bf16 --html report.html": (
         None, ["NVIDIA H100", "autocast bfloat16", "wrote report.html"], ["report.html"]),

@@ -81,9 +81,9 @@ class Profile:
         if self.compiled is not None:
             return dict(self.compiled.flops)
         out = dict.fromkeys((FORWARD, BACKWARD, OPTIMIZER), 0)
-        for op in self.ops:
+        for op in self.ops:  # a user's step also has OTHER: its own code's ops
             if op.flops:
-                out[op.phase] += op.flops
+                out[op.phase] = out.get(op.phase, 0) + op.flops
         out["total"] = sum(out.values())
         return out
 
@@ -202,7 +202,7 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
             name: str | None = None, engine: str = "python", symbolic=(), gpu=None,
             alloc_conf=None, checkpointing=(), sizes=None, threads: int | None = None,
             cpu_isa: str | None = None, progress=None, compile=None, mesh=None,
-            parallelize=None) -> Profile:
+            parallelize=None, step=None, setup=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
@@ -243,6 +243,16 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
         {"mask": fraction} for boolean masks no routing decides. Such sizes stay symbols:
         `p.symbolic` has the memory as a formula of them, `p.at(name=...)` evaluates it, and
         `p.trace.assumptions` / the report name every assumption used.
+    step: your own training step, `step(model, batch, optimizer)`, run as written on the fake
+        model instead of the built-in one (README "Your own training step"): `batch` is the
+        inputs (a tuple; the input_kwargs dict when only those are given), `optimizer` the one
+        `optimizer=` names (or None). Every op it runs is traced: phases forward (the model's
+        modules), backward (`loss.backward()`, `torch.autograd.backward` / `grad`, run by
+        tapescope's engine), optimizer (any optimizer's `step()`, also inside a backward hook)
+        and other (the rest: the loss, clipping, an EMA). Both steps are traced in full.
+    setup: `setup(model) -> state`, run once before step 1 (recorded as setup); its result is
+        what `step` gets as `optimizer`: several optimizers, a scheduler, an EMA's weights.
+        Tensors it holds outside optimizers count as optimizer state.
     progress: progress(step, phase) is called as each phase of each step is traced.
     compile: profile the step as `torch.compile(model, ...)` runs it: True, or a dict /
         `tapescope.CompileOptions` (mode, fullgraph, dynamic, backend, activation_memory_budget,
@@ -261,7 +271,8 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
                              dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
                              alloc_conf=alloc_conf, checkpointing=checkpointing, compile=compile,
                              threads=threads, cpu_isa=cpu_isa, mesh=mesh,
-                             parallelize=parallelize, sizes=sizes, accumulate=accumulate)
+                             parallelize=parallelize, sizes=sizes, accumulate=accumulate,
+                             step=step, setup=setup)
     return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
                             options, progress)
 

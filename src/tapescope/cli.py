@@ -84,7 +84,7 @@ def _workload(spec, batch, seq, inputs):
 
 def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None,
              symbolic=(), compile=None, threads=None, cpu_isa=None, parallel=None, routing=None,
-             mask=None, accumulate=1):
+             mask=None, accumulate=1, step=None, setup=None):
     from .options import Options
 
     mesh = parallelize = None
@@ -92,12 +92,15 @@ def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, allo
         from .distributed.presets import parallelization
 
         mesh, parallelize, amp = parallelization(**parallel, amp=amp)
+    if step is not None:  # the step computes its own loss: a zoo model's is not used
+        model_loss = None
     return Options.create(loss_fn=model_loss if loss is None else loss,
                           optimizer=None if optimizer == "none" else optimizer,
                           device=device, gpu=gpu, dtype=dtype, amp=amp, steps=steps,
                           alloc_conf=alloc_conf, symbolic=symbolic, compile=compile,
                           threads=threads, cpu_isa=cpu_isa, mesh=mesh, parallelize=parallelize,
-                          sizes=_sizes(routing, mask), accumulate=accumulate)
+                          sizes=_sizes(routing, mask), accumulate=accumulate, step=step,
+                          setup=setup)
 
 
 def _sizes(routing, mask):
@@ -115,13 +118,13 @@ def _sizes(routing, mask):
 
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
                  alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None,
-                 parallel=None, routing=None, mask=None, accumulate=1):
+                 parallel=None, routing=None, mask=None, accumulate=1, step=None, setup=None):
     from .api import profile_workload
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
     options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
                        compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel,
-                       routing=routing, mask=mask, accumulate=accumulate)
+                       routing=routing, mask=mask, accumulate=accumulate, step=step, setup=setup)
     what = "compiling and tracing" if compile else "tracing"
     with _progress(f"{what} {workload.name} on fake {options.device.type} tensors") as progress:
         return profile_workload(workload, options, progress)
@@ -213,6 +216,12 @@ def _parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh) -> dict:
                 mesh=mesh)
 
 
+StepOpt = typer.Option(None, "--step",
+                       help="FILE.py:FN / MODULE:FN, your own training step FN(model, batch, "
+                            "optimizer), run as written in place of the built-in one.")
+SetupOpt = typer.Option(None, "--setup",
+                        help="With --step: FILE.py:FN / MODULE:FN, FN(model) -> what the step gets "
+                             "as its optimizer (several optimizers, a scheduler, an EMA).")
 AccumulateOpt = typer.Option(1, "--accumulate",
                              help="Gradient accumulation: micro-batches per optimizer step (each "
                                   "runs forward, loss / N and backward on the given inputs).")
@@ -247,7 +256,8 @@ def profile_cmd(
     fsdp: int = FsdpOpt, tp: int = TpOpt, hsdp: int = HsdpOpt, dp_replicate: int = DpReplicateOpt,
     parallelize: Optional[str] = ParallelizeOpt, mesh: Optional[str] = MeshOpt,
     routing: Optional[str] = RoutingOpt, mask_fraction: Optional[float] = MaskOpt,
-    accumulate: int = AccumulateOpt,
+    accumulate: int = AccumulateOpt, step: Optional[str] = StepOpt,
+    setup: Optional[str] = SetupOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
     html_file: Optional[str] = typer.Option(None, "--html", help="Write an interactive, self-contained HTML report."),
@@ -273,7 +283,8 @@ def profile_cmd(
                          alloc_conf, loss, compile=compile_options, threads=threads,
                          cpu_isa=cpu_isa,
                          parallel=_parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh),
-                         routing=routing, mask=mask_fraction, accumulate=accumulate)
+                         routing=routing, mask=mask_fraction, accumulate=accumulate,
+                         step=step, setup=setup)
         elapsed = time.perf_counter() - t0
         from .report.console import render_compiled, render_summary
 

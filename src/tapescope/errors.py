@@ -122,7 +122,9 @@ def _where(exc) -> str:
     parts = []
     if module is not None:
         parts.append(f"in module '{module or '(root)'}'")
-    if phase:
+    if phase == "other":  # a user's step, outside forward, backward and optimizer steps
+        parts.append("in the step's own code")
+    elif phase:
         parts.append(f"during {phase}")
     if frame is not None:
         parts.append(f"at {frame.filename}:{frame.lineno} ({frame.function})")
@@ -162,7 +164,10 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
             f"{op} {where} reads a tensor's value (like .item() or a Python `if` on a tensor); "
             "fake tensors have shapes but no values, so the step cannot be traced past it. "
             "Fix: compute the value from shapes or Python numbers, or move the check out of "
-            "forward/backward. (Values a mixture-of-experts router decides are assumed from its "
+            "forward/backward" + ("; a step function that logs `loss.item()`: leave the "
+                                  "logging out while profiling"
+                                  if getattr(exc, "tapescope_phase", None) == "other" else "")
+            + ". (Values a mixture-of-experts router decides are assumed from its "
             "routing, sizes='balanced' by default, when the router selects with torch.topk, "
             "argmax or max(dim).)")
     if isinstance(exc, DynamicOutputShapeException):
@@ -189,7 +194,8 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
             f"{op} {where} cannot run on fake tensors: {exc}. Fix: register a fake implementation "
             f"with torch.library.register_fake('{_op_name(op)}').")
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return ModelError(" ".join(filter(None, (f"the model raised {type(exc).__name__}", where)))
+    who = "the step" if getattr(exc, "tapescope_phase", None) == "other" else "the model"
+    return ModelError(" ".join(filter(None, (f"{who} raised {type(exc).__name__}", where)))
                       + f": {msg}")
 
 

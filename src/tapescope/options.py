@@ -181,6 +181,10 @@ class Options:
     cpu: the CPU whose kernels a cpu profile follows (devices.cpu.CpuTarget: the vector ISA
         oneDNN dispatches on and the intra-op threads it sizes per-thread buffers for); by
         default this machine's, or the `cpu_isa` / `threads` given to `create`.
+    step: the user's own training step, `fn(model, batch, optimizer)`, run as written instead of
+        the built-in one (capture/program.py); setup: `fn(model) -> state`, run once before step
+        1, its result handed to `step` in place of the optimizer (several optimizers, a
+        scheduler, an EMA's weights).
     mesh: a distributed job's device mesh (distributed.mesh.MeshSpec: dimension names and sizes);
         every rank is profiled. parallelize: `fn(model, device_mesh) -> model`, the user's
         torch.distributed code applied to each simulated rank's model.
@@ -203,13 +207,15 @@ class Options:
     mesh: Any = None
     parallelize: Callable | None = None
     sizes: Any = None
+    step: Callable | None = None
+    setup: Callable | None = None
 
     @classmethod
     def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
                amp=None, steps: int = 2, engine: str = "python", symbolic=(),
                alloc_conf=None, checkpointing=(), compile=None, threads: int | None = None,
                cpu_isa: str | None = None, mesh=None, parallelize=None, sizes=None,
-               accumulate: int = 1) -> "Options":
+               accumulate: int = 1, step=None, setup=None) -> "Options":
         """Check and resolve every option; a bad one raises a TapescopeError that says why."""
         from .losses import resolve_loss
 
@@ -268,6 +274,8 @@ class Options:
             raise TapescopeError("a distributed profile (mesh=) with compile= or a checkpointing "
                                  "plan is not supported yet; apply checkpointing in your "
                                  "parallelize function, as torchtitan does")
+        step, setup = _resolve_step(step, setup, loss_fn=loss_fn, accumulate=accumulate,
+                                    amp=amp, compile=compile, mesh=mesh, symbolic=symbolic)
         from .capture.data_values import Sizes
 
         return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
@@ -275,11 +283,40 @@ class Options:
                    alloc_conf=_resolve_alloc_conf(alloc_conf),
                    checkpointing=_resolve_checkpointing(checkpointing), compile=compile,
                    cpu=_resolve_cpu(cpu_isa, threads), mesh=mesh, parallelize=parallelize,
-                   sizes=Sizes.create(sizes), accumulate=accumulate)
+                   sizes=Sizes.create(sizes), accumulate=accumulate, step=step, setup=setup)
 
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""
         return replace(self, **changes)
+
+
+def _resolve_step(step, setup, *, loss_fn, accumulate, amp, compile, mesh, symbolic):
+    """The user's step and setup functions (callables, or FILE.py:FN / MODULE:FN), checked
+    against the options that only the built-in step has."""
+    from .loading import load_function
+
+    if step is None:
+        if setup is not None:
+            raise TapescopeError("setup= goes with step=: it makes what your step function gets "
+                                 "as its third argument")
+        return None, None
+    step = load_function(step, "step") if isinstance(step, str) else step
+    setup = load_function(setup, "setup") if isinstance(setup, str) else setup
+    for what, fn, signature in (("step", step, "fn(model, batch, optimizer)"),
+                                ("setup", setup, "fn(model) -> state")):
+        if fn is not None and not callable(fn):
+            raise TapescopeError(f"{what} must be a function {signature}, got "
+                                 f"{type(fn).__name__}")
+    refused = [(loss_fn is not None, "loss_fn (--loss): your step computes its own loss"),
+               (accumulate != 1, "accumulate (--accumulate): accumulate in your step's own loop"),
+               (amp is not None, "amp (--amp): open torch.autocast in your step"),
+               (compile is not None, "compile (--compile): not supported with a step yet"),
+               (mesh is not None, "mesh (--fsdp/--tp): not supported with a step yet"),
+               (bool(symbolic), "symbolic sizes: not supported with a step yet")]
+    for bad, why in refused:
+        if bad:
+            raise TapescopeError(f"step= runs your own training step as written, so drop {why}")
+    return step, setup
 
 
 def _resolve_checkpointing(checkpointing) -> tuple:

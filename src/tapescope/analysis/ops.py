@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..capture.records import BACKWARD, FORWARD, Frame, OpRecord, TensorRef, Trace
+from ..capture.records import BACKWARD, FORWARD, OTHER, Frame, OpRecord, TensorRef, Trace
 from .flops import op_flops
 from .steps import StepView
 from .traffic import op_traffic
 
 __all__ = ["Op", "OpCosts", "step_ops"]
 
+# phases whose ops record autograd nodes (a user's step computes its loss in its own code)
+_BUILDS_GRAPH = (FORWARD, OTHER)
 _NO_NODE = 2**64 - 1  # seq_nr of AccumulateGrad and other nodes outside the forward sequence
 
 
@@ -99,7 +101,7 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
     records = [trace.ops[i] for i in view.ops]
     owner: dict[int, int] = {}  # seq_nr -> local index of the forward op that created the node
     for k, r in enumerate(records):
-        if (r.phase == FORWARD or r.recompute) and r.owns_node:
+        if (r.phase in _BUILDS_GRAPH or r.recompute) and r.owns_node:
             owner.setdefault(r.seq_nr, k)
     saved = trace.saved_values
     storage_owner = trace.storage_owner
@@ -128,9 +130,11 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
         fwd = None
         node = r.grad_fn
         module = r.module
-        if r.phase == FORWARD or r.recompute:
+        if r.phase in _BUILDS_GRAPH or r.recompute:
             if r.owns_node:
                 node = trace.node_names.get(r.seq_nr)
+            if module is None and r.phase == OTHER:  # a step's own code over parameters (an EMA)
+                module = owner_module(r)
         elif r.phase == BACKWARD:
             if r.seq_nr is not None and r.seq_nr != _NO_NODE:
                 fwd = owner.get(r.seq_nr)

@@ -141,6 +141,15 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
     calibrated = True
     op_seconds = []
     phase_end: dict = {}
+    phase_spans: dict = {}  # phase -> wall time from the previous op's end to its ops' ends
+    last_end = 0.0
+
+    def span(phase: str, end: float) -> float:
+        nonlocal last_end
+        now = max(end, last_end)
+        phase_spans[phase] = phase_spans.get(phase, 0.0) + now - last_end
+        last_end = now
+        return end
     model_dtype = None
     total_flops = 0
     storages = trace.storages
@@ -160,7 +169,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
             for r in op.outputs:
                 ready[r.storage] = comm_t
             op_seconds.append(0.0)
-            phase_end[op.phase] = max(gpu_t, host, comm_t)
+            phase_end[op.phase] = span(op.phase, max(gpu_t, host, comm_t))
             continue
         if kernel:
             t, measured = kernel_seconds(op, gpu)
@@ -176,7 +185,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
                 for r in op.outputs:
                     written[r.storage] = side_t
                 op_seconds.append(t)
-                phase_end[op.phase] = max(gpu_t, host, side_t)
+                phase_end[op.phase] = span(op.phase, max(gpu_t, host, side_t))
                 continue
             start = max(gpu_t, host)
             waits = max((max(ready.get(r.storage, 0.0), written.get(r.storage, 0.0))
@@ -200,13 +209,16 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
                 and storages[op.inputs[0].storage].device.type == "cuda":
             host = max(host, gpu_t)  # .item() waits for the GPU
         op_seconds.append(t)
-        phase_end[op.phase] = max(gpu_t, host)
+        phase_end[op.phase] = span(op.phase, max(gpu_t, host))
     total = max(gpu_t, host, comm_t)
     by_phase, start = {}, 0.0
-    for phase in ("forward", "backward", "optimizer"):
-        if phase in phase_end:
-            by_phase[phase] = phase_end[phase] - start
-            start = phase_end[phase]
+    if "other" not in phase_end:
+        for phase in ("forward", "backward", "optimizer"):
+            if phase in phase_end:
+                by_phase[phase] = phase_end[phase] - start
+                start = phase_end[phase]
+    else:  # a user's step interleaves its phases: each phase's stretches, added up
+        by_phase = phase_spans
     peak = gpu.peak(_TENSOR_CORE.get(model_dtype, "fp32")) or gpu.peak("fp32")
     mfu = (total_flops / total / peak) if total and peak else 0.0
     # host-bound: the GPU waits for launches more than half the step

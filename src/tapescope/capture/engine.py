@@ -169,33 +169,41 @@ class PythonEngine:
     # ---- the engine ---------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`."""
+        self.run_backward((loss,))
+
+    def run_backward(self, tensors, grad_tensors=None, retain_graph: bool = False) -> None:
+        """`torch.autograd.backward(tensors, grad_tensors, retain_graph)` from outside any
+        backward (the step's own call; a user's step may give several roots or gradients)."""
         # Code that asks the running graph task whether it keeps the graph (AOTAutograd's compiled
         # backward: only a graph used once may reuse its saved tensors' buffers, "donated
         # buffers") finds none when our engine runs, and the C++ answer is then True. The graph
         # task loss.backward() creates has keep_graph=False: answer that while we run.
         module, name = graph_task_keep_graph_query()
         keep_graph = getattr(module, name)
-        setattr(module, name, _graph_not_kept)
+        setattr(module, name, (lambda: True) if retain_graph else _graph_not_kept)
         try:
-            self._backward(loss)
+            self._backward(_roots(tensors, grad_tensors), bool(retain_graph))
         finally:
             setattr(module, name, keep_graph)
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        # torch.autograd.backward's _make_grads; it keeps the gradient in `grad_tensors_` until
-        # the engine returns
-        grad = torch.ones_like(loss, memory_format=torch.preserve_format)
-        self._hold(grad)
+    def _backward(self, roots: list, keep_graph: bool) -> None:
+        # run_backward's variable_list of gradients (_make_grads' ones for a scalar root) holds
+        # them until the engine returns
+        for _, _, g in roots:
+            self._hold(g)
         reentrant = torch.autograd.backward  # a backward inside a node runs here too
         torch.autograd.backward = self._reentrant_backward
         # hooks may ask the C++ engine about its graph task (FSDP2 queues its final callback)
         try:
-            with standing_in(GraphTask(loss.grad_fn, self._dependencies)) as graph_task:
-                self._run([(loss.grad_fn, loss.output_nr, grad)])
+            with standing_in(GraphTask([n for n, _, _ in roots], self._dependencies)) \
+                    as graph_task:
+                self._run(roots, keep_graph=keep_graph)
                 graph_task.run_final_callbacks()
         finally:
             torch.autograd.backward = reentrant
-        self._drop(grad)
+        for _, _, g in roots:
+            self._drop(g)
 
     def _reentrant_backward(self, tensors, grad_tensors=None, retain_graph=None,
                             create_graph=False, grad_variables=None, inputs=None):
@@ -205,22 +213,7 @@ class PythonEngine:
 
             raise TapescopeError("a backward inside the backward (reentrant checkpoint or a hook) "
                                  "with create_graph=True or inputs=... is not supported")
-        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-        grads = grad_tensors if grad_tensors is not None else grad_variables
-        if grads is None or isinstance(grads, torch.Tensor):
-            grads = (grads,) * (1 if grads is not None else len(tensors))
-        roots = []
-        for t, g in zip(tensors, grads):
-            if t.grad_fn is None:
-                from ..errors import TapescopeError
-
-                raise TapescopeError("a backward inside the backward from a tensor without a "
-                                     "grad_fn is not supported")
-            if g is None:  # _make_grads: an implicit gradient only for a scalar
-                if t.numel() != 1:
-                    raise RuntimeError("grad can be implicitly created only for scalar outputs")
-                g = torch.ones_like(t, memory_format=torch.preserve_format)
-            roots.append((t.grad_fn, t.output_nr, g))
+        roots = _roots(tensors, grad_tensors if grad_tensors is not None else grad_variables)
         for _, _, g in roots:  # run_backward's variable_list of gradients
             self._hold(g)
         try:
@@ -229,7 +222,8 @@ class PythonEngine:
             for _, _, g in roots:
                 self._drop(g)
 
-    def grad(self, outputs, inputs, grad_outputs=None, allow_unused=False) -> tuple:
+    def grad(self, outputs, inputs, grad_outputs=None, allow_unused=False,
+             keep_graph: bool = False) -> tuple:
         """`torch.autograd.grad` on this engine: the gradients arriving at each input (a leaf's
         AccumulateGrad, a non-leaf's grad_fn) are captured there instead of accumulated into
         .grad, and only the nodes on a path to an input run (the C++ engine's exec_info).
@@ -252,7 +246,7 @@ class PythonEngine:
             edge = torch.autograd.graph.get_gradient_edge(t)
             targets.setdefault((edge.node, edge.output_nr), []).append(i)
         results = [None] * len(inputs)
-        self._run(roots, targets, results)
+        self._run(roots, targets, results, keep_graph=keep_graph)
         for _, _, g in roots:
             self._drop(g)
         if not allow_unused and any(r is None for r in results):
@@ -547,6 +541,29 @@ class PythonEngine:
 
 def _graph_not_kept() -> bool:
     return False
+
+
+def _roots(tensors, grads) -> list:
+    """[(node, input_nr, gradient)] of torch.autograd.backward's arguments (_make_grads: an
+    implicit gradient of ones only for a one-element root)."""
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    if grads is None or isinstance(grads, torch.Tensor):
+        grads = (grads,) * len(tensors) if grads is None else (grads,)
+    roots = []
+    for t, g in zip(tensors, grads):
+        if t.grad_fn is None:
+            from ..errors import user_error
+
+            raise user_error(RuntimeError(
+                "element 0 of tensors does not require grad and does not have a grad_fn"
+                if not t.requires_grad else "a backward from a leaf tensor is not supported"))
+        if g is None:
+            if t.numel() != 1:
+                raise user_error(RuntimeError("grad can be implicitly created only for scalar "
+                                              "outputs"))
+            g = torch.ones_like(t, memory_format=torch.preserve_format)
+        roots.append((t.grad_fn, t.output_nr, g))
+    return roots
 
 
 def _per_edge(node, grads: list) -> list:

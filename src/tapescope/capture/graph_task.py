@@ -30,19 +30,19 @@ _ids = itertools.count(1 << 40)  # far from the C++ engine's own ids, which coun
 class GraphTask:
     """One backward run by the Python engine: its id, the nodes it executes, its final callbacks.
 
-    dependencies(roots) -> {node: count} gives the nodes reachable from `root` (they all run);
+    dependencies(roots) -> {node: count} gives the nodes reachable from `roots` (they all run);
     it is walked only if a hook asks whether a node will run."""
 
-    def __init__(self, root, dependencies):
+    def __init__(self, roots: list, dependencies):
         self.id = next(_ids)
-        self.root, self._dependencies = root, dependencies
+        self.roots, self._dependencies = list(roots), dependencies
         self._nodes = None
         self.final_callbacks: list = []
 
     @property
     def nodes(self) -> set:
         if self._nodes is None:
-            self._nodes = set(self._dependencies([self.root])) | {self.root}
+            self._nodes = set(self._dependencies(self.roots)) | set(self.roots)
         return self._nodes
 
     def run_final_callbacks(self) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "BACKWARD",
     "OPTIMIZER",
     "PHASES",
+    "OTHER",
     "ZERO_GRAD",
     "TensorRef",
     "Frame",
@@ -36,6 +37,9 @@ __all__ = [
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
+# a user's own step (capture/program.py): its ops outside the model's forward, the backward and
+# an optimizer's step (computing the loss, clipping gradients, an EMA of the weights)
+OTHER = "other"
 # the label of the optimizer-phase segment that ends a step: the gradient reset, and the loss's end
 ZERO_GRAD = "zero_grad"
 SETUP = "setup"  # step 0: work done on the model before the first step (parallelising it)

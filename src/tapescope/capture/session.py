@@ -44,15 +44,19 @@ from .isolation import Isolation
 from .rng_state import track_rng_states
 from .model import Spec, build_on_meta, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
-from .optimizers import make_optimizer
+from .program import StepRuntime, optimizers_in, state_tensors, step_program
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
                       OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, ZERO_GRAD, GuardRecord,
                       Trace)
-from .step import train_step, zero_grad
+from .step import zero_grad
 from .tape import ModuleStack, Tape
 from .view_replay import ViewRegeneration
 
 __all__ = ["capture", "CaptureSession", "Recorder", "trace_call", "autocast"]
+
+# torch's own entry points, as imported: a user's step runs with them routed to tapescope's engine
+# (program.phase_marks), and engine="torch" calls these
+_TORCH_BACKWARD, _TORCH_GRAD = torch.autograd.backward, torch.autograd.grad
 
 
 def capture(workload: Workload, options: Options, progress=None,
@@ -185,15 +189,23 @@ class CaptureSession:
         opts, trace = self.options, self.trace
         with self.tape, self.tape.recording_resizes():
             self._make_fake_model()
-            self.optimizer = make_optimizer(opts.optimizer, self.params, opts.device)
-            self.facts["optimizer"] = None if self.optimizer is None else \
-                _describe_optimizer(self.optimizer)
+            self.program = program = step_program(opts)
+            self.optimizers: list = []  # every optimizer the step uses (their state is named)
+            self.state_tensors: list = []  # what a user step's setup made besides optimizers
+            self.optimizer = None
+            if program.reusable or program.setup_fn is None:
+                self.optimizer = program.setup(self.fmodel, self.params, opts.device)
+                if self.optimizer is not None:
+                    self.optimizers.append(self.optimizer)
             self.step_model = self.fmodel
             if opts.compile is not None:
                 self._compile_model()
             try:
                 with self._recording():
-                    self._trace_steps()
+                    if program.reusable:
+                        self._trace_steps()
+                    else:
+                        self._trace_user_steps()
             except TapescopeError:
                 raise
             except Exception as e:  # noqa: BLE001 - every failure of user code becomes a message
@@ -205,6 +217,12 @@ class CaptureSession:
                     except AttributeError:  # exception types that refuse attributes
                         pass
                 raise from_trace_failure(e) from e
+        self.facts["optimizer"] = _describe_optimizer(self.optimizers[0]) \
+            if self.optimizers else None
+        if not program.reusable:
+            self.facts["step"] = {"fn": _qualname(program.fn),
+                                  "setup": _qualname(program.setup_fn),
+                                  "optimizers": len(self.optimizers)}
         notes = self.isolation.notes + self.isolation.leaks(self.model)
         if notes:
             self.facts["isolation_notes"] = notes
@@ -398,12 +416,58 @@ class CaptureSession:
         opts = self.options
         forward_context = (lambda: autocast(opts.device, opts.amp)) if opts.amp is not None \
             else nullcontext
-        self._loss = train_step(
-            self.step_model, self.fargs, self.fkwargs, opts.loss_fn, self.optimizer, step=step,
-            phase=self._phase, backward=self._backward, forward_context=forward_context,
-            loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
-            accumulate=opts.accumulate, end=end)
+        runtime = StepRuntime(phase=self._phase, backward=self._run_backward,
+                              forward_context=forward_context,
+                              loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE))
+        self._loss = self.program.run(self.step_model, self.fargs, self.fkwargs, self.optimizer,
+                                      step, runtime, end=end)
         self._mark_grads_and_state()
+
+    # ---- a user's own step (options.step) --------------------------------------------------
+
+    def _trace_user_steps(self) -> None:
+        """The user's step, as written, traced in full for each step (what it does between
+        forward, backward and optimizer is its own: nothing of step 1 is assumed for step 2).
+        Its setup, if any, is recorded as step 0: what it makes is alive when step 1 starts."""
+        program = self.program
+        if program.setup_fn is not None:
+            with self.tape.phase(0, SETUP):
+                self.state = program.setup(self.fmodel, self.params, self.options.device)
+            self.optimizers += optimizers_in(self.state)
+            self.state_tensors = state_tensors(self.state)
+        else:
+            self.state = self.optimizer
+        self._mark_grads_and_state()
+        runtime = StepRuntime(phase=self._user_phase, backward=self._run_backward,
+                              grad=self._run_grad, on_optimizer=self._saw_optimizer)
+        for step in range(1, self.options.steps + 1):
+            program.run(self.step_model, self.fargs, self.fkwargs, self.state, step, runtime)
+            self._mark_grads_and_state()
+        self.trace.step2 = "traced" if self.options.steps == 2 else None
+
+    @contextmanager
+    def _user_phase(self, step: int, name: str):
+        with self.tape.phase(step, name):
+            yield
+        if name == BACKWARD:
+            self._mark_grads_and_state()
+        if self.progress is not None:
+            self.progress(step, name)
+
+    def _saw_optimizer(self, optimizer) -> None:
+        """An optimizer's step begins or ends: its gradients and state are named (an optimizer
+        in the backward frees each gradient right after its step)."""
+        if not any(o is optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+        self._mark_optimizer(optimizer)
+
+    def _run_grad(self, outputs, inputs, grad_outputs=None, retain_graph=None,
+                  allow_unused=False):
+        if self.options.engine != "python":
+            return _TORCH_GRAD(outputs, inputs, grad_outputs, retain_graph,
+                               allow_unused=allow_unused)
+        return self.engine.grad(outputs, inputs, grad_outputs, allow_unused,
+                                keep_graph=bool(retain_graph))
 
     def _end_step(self, step: int) -> None:
         """What train_step(end=False) left to the caller: zero_grad, then the loss dies, inside
@@ -412,12 +476,14 @@ class CaptureSession:
             zero_grad(self.step_model, self.optimizer)
             self._loss = None
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        _name_forward_nodes(loss, self.trace)
+    def _run_backward(self, tensors, grad_tensors=None, retain_graph=None) -> None:
+        """torch.autograd.backward(tensors, grad_tensors, retain_graph) of the step."""
+        for t in (tensors,) if isinstance(tensors, torch.Tensor) else tensors:
+            _name_forward_nodes(t, self.trace, self.tape.user_frame())
         if self.options.engine == "python":
-            self.engine.backward(loss)
+            self.engine.run_backward(tensors, grad_tensors, retain_graph)
         else:
-            loss.backward()
+            _TORCH_BACKWARD(tensors, grad_tensors, retain_graph)
 
     @contextmanager
     def _phase(self, step: int, name: str):
@@ -437,11 +503,23 @@ class CaptureSession:
         for p in self.params:
             if p.grad is not None:
                 self.tape.mark_role(p.grad, GRADIENT, fqn.get(id(p), "?"))
-        if self.optimizer is not None:
-            for p, state in self.optimizer.state.items():
-                for t in tree_leaves(state):
-                    if isinstance(t, torch.Tensor):
-                        self.tape.mark_role(t, OPTIMIZER_STATE, fqn.get(id(p), "?"))
+        for optimizer in self.optimizers:
+            self._mark_optimizer(optimizer)
+        for t in self.state_tensors:  # a user step's own state (an EMA's weights)
+            if not any(t is p for p in self.params):
+                self.tape.mark_role(t, OPTIMIZER_STATE)
+
+    @without_torch_function
+    def _mark_optimizer(self, optimizer) -> None:
+        fqn = self.param_fqn
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.tape.mark_role(p.grad, GRADIENT, fqn.get(id(p), "?"))
+        for p, state in optimizer.state.items():
+            for t in tree_leaves(state):
+                if isinstance(t, torch.Tensor):
+                    self.tape.mark_role(t, OPTIMIZER_STATE, fqn.get(id(p), "?"))
 
     def _record_shape_facts(self) -> None:
         """The ShapeEnv's guards, replacements and ranges, as plain data on the trace."""
@@ -565,14 +643,27 @@ def _self_contained(trace: Trace, seg) -> bool:
     return True
 
 
+def _qualname(fn) -> str | None:
+    if fn is None:
+        return None
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
 def _describe_optimizer(opt: torch.optim.Optimizer) -> dict:
+    from .optimizers import default_foreach
+
     d = opt.defaults
-    impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+    foreach = d.get("foreach")
+    if foreach is None and not d.get("fused"):  # torch's choice at step time, for plain tensors
+        p = next((p for g in opt.param_groups for p in g["params"]), None)
+        foreach = p is not None and not d.get("differentiable") and default_foreach(p.device)
+    impl = "fused" if d.get("fused") else "foreach" if foreach else "for-loop"
     return {"name": type(opt).__name__, "implementation": impl}
 
 
-def _name_forward_nodes(loss: torch.Tensor, trace: Trace) -> None:
-    """Map seq_nr -> autograd node name for every node reachable from the loss."""
+def _name_forward_nodes(loss: torch.Tensor, trace: Trace, where=None) -> None:
+    """Map seq_nr -> autograd node name for every node reachable from the loss; `where`: the
+    user's line that asked for the backward."""
     from ..torch_compat import node_sequence_nr
 
     fn = loss.grad_fn
@@ -580,7 +671,8 @@ def _name_forward_nodes(loss: torch.Tensor, trace: Trace) -> None:
         raise TapescopeError(
             "the loss does not require grad (PyTorch: element 0 of tensors does not require grad "
             "and does not have a grad_fn): no parameter of the model took part in computing it "
-            "(are all parameters frozen, or is the forward under no_grad?)")
+            "(are all parameters frozen, or is the forward under no_grad?)"
+            + ("" if where is None else f"; backward called at {where}"))
     seen, stack, names = set(), [fn], trace.node_names
     while stack:
         node = stack.pop()

@@ -35,8 +35,8 @@ from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded
                             node_sequence_nr, sequence_nr, storage_key, untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
-from .records import (BACKWARD, FORWARD, WORKSPACE, Frame, OpRecord, Segment, StorageRecord,
-                      TensorRef, Trace)
+from .records import (BACKWARD, FORWARD, OTHER, WORKSPACE, Frame, OpRecord, Segment,
+                      StorageRecord, TensorRef, Trace)
 from .replay import DispatchReplay
 from .view_replay import ViewRegeneration
 
@@ -49,6 +49,9 @@ _NOT_OPS = {torch.ops.prim.device.default, torch.ops.prim.layout.default}
 _NOT_OP_NAMESPACES = ("prim", "profiler")  # metadata queries and record_function markers
 _DETACH = torch.ops.aten.detach.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+# phases whose ops may record autograd nodes: each op gets the sequence number, module and line
+# (a user's step computes its loss in its own code, phase OTHER)
+_BUILDS_GRAPH = (FORWARD, OTHER)
 
 # Frames inside these folders are never "the line that issued the op".
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -95,6 +98,8 @@ class Tape(FakeTensorMode):
         self._tape_live: dict[int, list] = {}
         self._tape_phase = FORWARD
         self._tape_step = 0
+        self._tape_open = None  # (step, phase, label) of the segment being recorded
+        self._tape_segment_start = (0, 0)
         self._tape_last_seq = self.trace.seq_base = sequence_nr()
         self._tape_next_value = 0
         self._tape_frames: dict = {}
@@ -154,18 +159,37 @@ class Tape(FakeTensorMode):
 
     @contextmanager
     def phase(self, step: int, phase: str, label: str | None = None):
-        """Record ops of one phase of one step as a Segment."""
-        t = self.trace
-        self._tape_step, self._tape_phase = step, phase
-        self._tape_last_seq = sequence_nr()
-        op0, ev0 = len(t.ops), len(t.events)
-        self._tape_recording = True
+        """Record ops of one phase of one step as a Segment. Phases nest (a user's step: the
+        optimizer stepping inside a backward hook, a forward inside the step's own code): the
+        inner one ends the outer one's segment, and a new segment of the outer phase begins
+        when it returns, so segments stay a flat sequence in time order."""
+        outer = self._tape_open
+        if outer is not None:
+            self._close_segment()
+        self._open_segment(step, phase, label)
         try:
             yield
         finally:
-            self._tape_recording = False
-            t.segments.append(Segment(step, phase, label or phase, range(op0, len(t.ops)),
-                                      range(ev0, len(t.events))))
+            self._close_segment()
+            if outer is not None:
+                self._open_segment(*outer)
+
+    def _open_segment(self, step: int, phase: str, label: str | None) -> None:
+        t = self.trace
+        self._tape_step, self._tape_phase = step, phase
+        self._tape_last_seq = sequence_nr()
+        self._tape_open = (step, phase, label)
+        self._tape_segment_start = (len(t.ops), len(t.events))
+        self._tape_recording = True
+
+    def _close_segment(self) -> None:
+        t = self.trace
+        step, phase, label = self._tape_open
+        op0, ev0 = self._tape_segment_start
+        self._tape_recording = False
+        self._tape_open = None
+        t.segments.append(Segment(step, phase, label or phase, range(op0, len(t.ops)),
+                                  range(ev0, len(t.events))))
 
     @contextmanager
     def compiled_call(self, label: str):
@@ -610,7 +634,7 @@ class Tape(FakeTensorMode):
                        tuple(tensors))
         if self._tape_phase == BACKWARD and self._recomputing():
             rec.recompute = True
-        if self._tape_phase == FORWARD or rec.recompute:
+        if self._tape_phase in _BUILDS_GRAPH or rec.recompute:
             peek = sequence_nr()
             rec.seq_nr = peek - 1
             rec.owns_node = peek != self._tape_last_seq

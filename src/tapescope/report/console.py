@@ -103,6 +103,9 @@ def _header(p) -> Text:
     bits = [p.model, p.device + (f" ({p.gpu.name})" if p.gpu is not None else ""), precision,
             " × ".join("x".join(str(s) for s in i["shape"]) for i in p.inputs if isinstance(i, dict)) or "-",
             f"{opt['name']} ({opt['implementation']})" if opt else "no optimizer",
+            *([f"{f['step']['optimizers']} optimizers"]
+              if f.get("step") and f["step"]["optimizers"] > 1 else []),
+            *([f"your step {f['step']['fn']}"] if f.get("step") else []),
             *([f"{f['accumulate']} micro-batches per step"] if f.get("accumulate") else []),
             f"{fmt_count(f.get('parameters', 0))} parameters"]
     return Text(" · ".join(bits), style="bold")
@@ -161,7 +164,8 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     _render_kernel_facts(p, console)
     fl = p.flops
     console.print(_line(("FLOPs", "bold"), " " + " | ".join(
-        f"{k} {fmt_flops(fl[k])}" for k in ("forward", "backward", "optimizer", "total"))))
+        f"{k} {fmt_flops(fl[k])}" for k in ("forward", "backward", "optimizer", "other", "total")
+        if k in fl)))
     recomputed = sum(op.recompute for op in p.ops)
     if recomputed:
         console.print(f"  activation checkpointing recomputes {recomputed} ops in the backward: "

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from ..capture.model import real_inputs
-from ..capture.optimizers import make_optimizer
-from ..capture.step import train_step
+from ..capture.program import BuiltinStep, StepRuntime
 from .real import _build, run_real_steps
 
 __all__ = ["Validation", "validate", "same_ops"]
@@ -68,8 +68,11 @@ def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, 
     m = _build(build, device, dtype)
     args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype,
                                torch.Generator().manual_seed(0))
-    opt = make_optimizer(optimizer, list(m.parameters()), device)
-    ctx = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else None
+    program = BuiltinStep(loss_fn, optimizer, accumulate)
+    opt = program.setup(m, list(m.parameters()), device)
+    runtime = StepRuntime(phase=lambda step, name: nullcontext())
+    if amp is not None:
+        runtime.forward_context = lambda: torch.autocast(device.type, dtype=amp)
     cuda = device.type == "cuda"
     times = []
     for i in range(warmup + steps):
@@ -78,8 +81,7 @@ def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, 
             if i == warmup:
                 torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        train_step(m, args, kwargs, loss_fn, opt, accumulate=accumulate,
-                   **({"forward_context": ctx} if ctx else {}))
+        program.run(m, args, kwargs, opt, i + 1, runtime)
         if cuda:
             torch.cuda.synchronize()
         if i >= warmup:

@@ -1,6 +1,7 @@
 """Run the same training step for real and read what the allocator says: the ground truth.
 
-The step is `capture.step.train_step`, the very function tapescope traces. Everything the step
+The step is the program tapescope traces (capture/program.py): the built-in `train_step`, or the
+user's own `step=fn` with its `setup=`, run here with torch's own engine. Everything the step
 touches (model copy, inputs, optimizer) is created inside `torch.profiler.profile(profile_memory=True)`,
 so the allocator's own running total (`total_allocated` on each allocation event) covers all of it;
 live bytes are that total minus its value before the first allocation.
@@ -24,8 +25,7 @@ from ..native_logs import quiet_native_logs
 from ..analysis.dispatch import decomposes_above_autograd
 from ..capture.model import real_inputs
 from ..options import resolve_dtype
-from ..capture.optimizers import make_optimizer
-from ..capture.step import train_step
+from ..capture.program import BuiltinStep, StepRuntime, UserStep
 
 __all__ = ["RealStep", "Allocation", "run_real_steps"]
 
@@ -97,17 +97,22 @@ def _build(model, device, dtype):
 
 def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimizer="adamw",
                    device="cpu", dtype=None, amp=None, steps: int = 2, seed: int = 0,
-                   compile=None, accumulate: int = 1) -> RealStep:
+                   compile=None, accumulate: int = 1, step=None, setup=None) -> RealStep:
     """Run `steps` real training steps on `device` (each of `accumulate` micro-batches) and
     return each step's peak live bytes.
 
     compile: True, a dict or options.CompileOptions: the model runs as
     `torch.compile(model, mode=..., fullgraph=..., dynamic=...)` (inductor, real kernels), with
     functorch's activation_memory_budget when given, and `optimizer.step` compiled when asked.
+    step, setup: the user's own step `step(model, batch, optimizer)` and `setup(model)`, as
+    `tapescope.profile` takes them (loss_fn and accumulate are then the step's business); its
+    phases are marked as capture marks them.
     """
     device = torch.device(device)
     dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
-    extra = {"forward_context": lambda: torch.autocast(device.type, dtype=amp)} if amp else {}
+    forward_context = (lambda: torch.autocast(device.type, dtype=amp)) if amp else None
+    program = UserStep(step, setup, optimizer) if step is not None else \
+        BuiltinStep(loss_fn, optimizer, accumulate)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -117,8 +122,8 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        prof, graphs = _profiled_steps(model, inputs, input_kwargs, loss_fn, optimizer, device,
-                                       dtype, extra, steps, gen, activities, compile, accumulate)
+        prof, graphs = _profiled_steps(program, model, inputs, input_kwargs, device, dtype,
+                                       forward_context, steps, gen, activities, compile)
     finally:
         if was_enabled:
             gc.enable()
@@ -127,8 +132,8 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
     return real
 
 
-def _profiled_steps(model, inputs, input_kwargs, loss_fn, optimizer, device, dtype, extra, steps,
-                    gen, activities, compile, accumulate=1):
+def _profiled_steps(program, model, inputs, input_kwargs, device, dtype, forward_context, steps,
+                    gen, activities, compile):
     # record_shapes: the recorded inputs tell an op's overload (and so how it is dispatched)
     graphs: list = []
     with quiet_native_logs(), \
@@ -136,18 +141,19 @@ def _profiled_steps(model, inputs, input_kwargs, loss_fn, optimizer, device, dty
         with record_function("tapescope::step0"):
             m = _build(model, device, dtype)
             args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype, gen)
-            opt = make_optimizer(optimizer, list(m.parameters()), device)
-            m, opt = _compiled(m, opt, compile, graphs)
+            state = program.setup(m, list(m.parameters()), device)
+            m, state = _compiled(m, state, compile, graphs)
 
         def phase(step, name):
             return record_function(f"tapescope::phase::{name}")
 
+        runtime = StepRuntime(phase=phase, **(
+            {"forward_context": forward_context} if forward_context else {}))
         with _compile_config(compile):
             for s in range(1, steps + 1):
                 with record_function(f"tapescope::step{s}"):
                     # zero_grad included: the phase "zero_grad", where the loss dies
-                    train_step(m, args, kwargs, loss_fn, opt, step=s, phase=phase,
-                               accumulate=accumulate, **extra)
+                    program.run(m, args, kwargs, state, s, runtime)
     return prof, graphs
 
 

@@ -79,6 +79,14 @@ def _bf16_as_on_the_gpu(original, tape):
     return is_bf16_supported
 
 
+def _fake_tensors_as_plain(original, tape):
+    """The tensor types torch's foreach decisions accept, with FakeTensor among them: a
+    FakeTensor stands for the plain tensor the real step has."""
+    from ...torch_compat import FakeTensor
+
+    return [*original, FakeTensor]
+
+
 LIBRARY_BRANCHES = (
     # transformers' masking code asks is_tracing(t), true for any FakeTensor, and then skips the
     # checks of an eager step: find_packed_sequence_indices returns the packed-sequence mask
@@ -100,6 +108,18 @@ LIBRARY_BRANCHES = (
                   source="torch/amp/autocast_mode.py (autocast.__init__); "
                          "torch/utils/checkpoint.py (recompute_fn, CheckpointFunction.backward)",
                   test="tests/test_checkpoint.py::test_checkpoint_recomputes_under_cuda_autocast"),
+    # An optimizer built without foreach= (by a user's step or setup, or an optimizer factory)
+    # and clip_grad_norm_ / clip_grad_value_ choose foreach kernels only for plain tensors
+    # (`type(t) in _foreach_supported_types`): on fake tensors they took the for-loop path the
+    # real step does not take (a for-loop norm makes one 0-d norm per gradient; foreach one
+    # list of them, alive together).
+    LibraryBranch("torch.optim.optimizer", "_foreach_supported_types", _fake_tensors_as_plain,
+                  source="torch/optim/optimizer.py (_default_to_fused_or_foreach)",
+                  test="tests/test_user_step.py::test_clip_ema_scheduler_step_matches_a_real_run"),
+    LibraryBranch("torch.utils._foreach_utils", "_foreach_supported_types",
+                  _fake_tensors_as_plain,
+                  source="torch/utils/_foreach_utils.py (_has_foreach_support: clip_grad_norm_)",
+                  test="tests/test_user_step.py::test_clip_ema_scheduler_step_matches_a_real_run"),
     LibraryBranch("torch.cuda", "is_bf16_supported", _bf16_as_on_the_gpu,
                   source="torch/amp/autocast_mode.py (autocast.__init__: bf16 on CUDA)",
                   test="tests/test_checkpoint.py::test_checkpoint_recomputes_under_cuda_autocast"),

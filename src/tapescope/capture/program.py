@@ -1,0 +1,270 @@
+"""The training step as a program: one object that capture runs on fake tensors and the real-run
+validator runs on real ones, so both run the same code.
+
+A `StepProgram` has two parts. `setup(model, params, device)` runs once, before step 1, and makes
+what the steps keep (the optimizer; for a user's step, whatever its `setup` returns). `run(...)`
+runs one step. Two programs:
+- `BuiltinStep`: forward, loss, backward (of each micro-batch), optimizer.step(), zero_grad
+  (capture/step.py);
+- `UserStep`: the user's own `fn(model, batch, optimizer)`, run as written.
+
+A program is run by a `StepRuntime`: how a phase is marked (capture: a Segment of the tape; the
+real run: a torch.profiler record_function) and how a backward runs (capture: tapescope's engine;
+the real run: torch's). A user's fn says nothing about its phases, so `phase_marks` finds them from
+what runs, the innermost naming an op:
+- a forward of one of the model's modules, called from the step's own code: FORWARD (a forward
+  inside the backward is a recomputation, and stays in the backward);
+- `torch.autograd.backward` (so `loss.backward()`) and `torch.autograd.grad`: BACKWARD, run by the
+  runtime's engine;
+- any optimizer's `step()` (torch.optim's global step hooks), also one a backward hook calls (an
+  optimizer in the backward, `register_post_accumulate_grad_hook`): OPTIMIZER;
+- everything else the fn runs: OTHER (computing the loss, clipping gradients, an EMA of the
+  weights, a scheduler's step, offloading hooks' copies outside the backward).
+
+Not seen: a backward reached without `torch.autograd.backward` / `.grad` (`from torch.autograd
+import backward` bound before the step; `torch._C._EngineBase.run_backward`), and a forward
+called as `module.forward(x)` (no module hooks run): those ops are OTHER.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+
+from ..errors import TapescopeError, passes_user_calls
+from .optimizers import make_optimizer
+from .records import BACKWARD, FORWARD, OPTIMIZER, OTHER
+from .step import train_step
+
+__all__ = ["StepProgram", "StepRuntime", "BuiltinStep", "UserStep", "phase_marks",
+           "optimizers_in", "state_tensors", "step_program"]
+
+
+@dataclass
+class StepRuntime:
+    """What runs a program provides.
+
+    phase(step, name): a context manager marking a phase; phases nest.
+    backward(tensors, grad_tensors, retain_graph): runs a backward (capture: tapescope's engine);
+        None: torch's own.
+    grad(outputs, inputs, grad_outputs, retain_graph, allow_unused) -> gradients: the same for
+        torch.autograd.grad; None: torch's own.
+    forward_context / loss_context: opened around the built-in step's forward / loss.
+    on_optimizer(optimizer): an optimizer's step starts or ends (capture names its state).
+    """
+
+    phase: Callable
+    backward: Callable | None = None
+    grad: Callable | None = None
+    forward_context: Callable = nullcontext
+    loss_context: Callable = nullcontext
+    on_optimizer: Callable = field(default=lambda optimizer: None)
+
+
+class StepProgram:
+    """One training step, run the same way by capture and by the real-run validator."""
+
+    #: step 2's forward and backward may be step 1's (capture/session.py checks when)
+    reusable: bool = False
+
+    def setup(self, model: nn.Module, params: list, device: torch.device) -> Any:
+        """What the steps keep, made once before step 1 (the optimizer)."""
+        raise NotImplementedError
+
+    def run(self, model, args: tuple, kwargs: dict, state, step: int,
+            runtime: StepRuntime) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class BuiltinStep(StepProgram):
+    """forward, loss, backward (`accumulate` micro-batches), optimizer.step(), zero_grad."""
+
+    loss_fn: Callable | None = None
+    optimizer: Any = "adamw"
+    accumulate: int = 1
+    reusable = True
+
+    def setup(self, model, params, device):
+        return make_optimizer(self.optimizer, params, device)
+
+    def run(self, model, args, kwargs, state, step, runtime, end: bool = True):
+        backward = torch.Tensor.backward if runtime.backward is None else \
+            (lambda loss: runtime.backward((loss,), None, False))
+        return train_step(model, args, kwargs, self.loss_fn, state, step=step,
+                          phase=runtime.phase, backward=backward,
+                          forward_context=runtime.forward_context,
+                          loss_context=runtime.loss_context, accumulate=self.accumulate, end=end)
+
+
+@dataclass
+class UserStep(StepProgram):
+    """The user's `fn(model, batch, optimizer)`, run as written.
+
+    batch: the positional inputs as a tuple (`x, y = batch`), or the keyword inputs as a dict
+    when only those are given (`model(**batch)`). optimizer: what `setup(model)` returns when
+    given (several optimizers, a scheduler, an EMA's weights: anything), else the optimizer
+    `optimizer=` names (or None)."""
+
+    fn: Callable
+    setup_fn: Callable | None = None
+    optimizer: Any = "adamw"
+
+    def setup(self, model, params, device):
+        if self.setup_fn is None:
+            return make_optimizer(self.optimizer, params, device)
+        return _call_setup(self.setup_fn, model)
+
+    def run(self, model, args, kwargs, state, step, runtime):
+        if args and kwargs:
+            raise TapescopeError("a step function takes one batch: give the inputs either "
+                                 "positionally (batch = the tuple) or as input_kwargs (batch = "
+                                 "the dict), not both")
+        batch = dict(kwargs) if kwargs else tuple(args)
+        with phase_marks(model, step, runtime):
+            _call_step(self.fn, model, batch, state)  # what it returns dies here, in the step
+
+
+@passes_user_calls
+def _call_setup(setup, model):
+    return setup(model)
+
+
+@passes_user_calls
+def _call_step(fn, model, batch, state) -> None:
+    fn(model, batch, state)
+
+
+def optimizers_in(state) -> list:
+    """The optimizers a setup's result holds (an Optimizer, or containers of them)."""
+    from ..torch_compat import tree_leaves
+
+    return [x for x in tree_leaves(state) if isinstance(x, torch.optim.Optimizer)]
+
+
+def state_tensors(state) -> list:
+    """The tensors a setup's result holds outside optimizers: tensors in containers (an EMA's
+    copy of the weights) and the parameters and buffers of modules (an AveragedModel)."""
+    from ..torch_compat import tree_leaves
+
+    out = []
+    for x in tree_leaves(state):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, nn.Module):
+            out += [*x.parameters(), *x.buffers()]
+    return out
+
+
+@contextmanager
+def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
+    """While the block runs, mark its phases as the module docstring says (OTHER outside the
+    others), and route torch.autograd.backward / grad to the runtime's engine."""
+    ours = {id(m) for m in model.modules()}
+    names: list[str] = []
+    opened: list = []
+    depth = 0  # nesting of the model's modules inside the forward phase we opened
+
+    def enter(name: str) -> None:
+        cm = runtime.phase(step, name)
+        cm.__enter__()
+        opened.append(cm)
+        names.append(name)
+
+    def leave() -> None:
+        names.pop()
+        opened.pop().__exit__(None, None, None)
+
+    def pre(module, args):
+        nonlocal depth
+        if id(module) not in ours:
+            return
+        if depth == 0:
+            if names[-1] != OTHER:  # a recomputation in the backward, a module in an optimizer
+                return
+            enter(FORWARD)
+        depth += 1
+
+    def post(module, args, out):
+        nonlocal depth
+        if id(module) not in ours or depth == 0:
+            return
+        depth -= 1
+        if depth == 0 and names[-1] == FORWARD:
+            leave()
+
+    def step_pre(optimizer, args, kwargs):
+        enter(OPTIMIZER)
+        runtime.on_optimizer(optimizer)
+
+    def step_post(optimizer, args, kwargs):
+        runtime.on_optimizer(optimizer)
+        if names[-1] == OPTIMIZER:
+            leave()
+
+    torch_backward, torch_grad = torch.autograd.backward, torch.autograd.grad
+
+    @passes_user_calls
+    def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
+                 grad_variables=None, inputs=None):
+        if grad_tensors is None:
+            grad_tensors = grad_variables
+        if runtime.backward is not None and (create_graph or inputs is not None):
+            raise TapescopeError("a backward with create_graph=True or inputs=... is not "
+                                 "supported in a traced step yet (tapescope's engine runs the "
+                                 "backward)")
+        enter(BACKWARD)
+        try:
+            if runtime.backward is None:
+                torch_backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
+            else:
+                runtime.backward(tensors, grad_tensors, retain_graph)
+        finally:
+            leave()
+
+    @passes_user_calls
+    def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+             only_inputs=True, allow_unused=None, is_grads_batched=False,
+             materialize_grads=False):
+        if runtime.grad is not None and (create_graph or is_grads_batched or materialize_grads):
+            raise TapescopeError("torch.autograd.grad with create_graph=True, is_grads_batched "
+                                 "or materialize_grads is not supported in a traced step yet")
+        enter(BACKWARD)
+        try:
+            if runtime.grad is None:
+                return torch_grad(outputs, inputs, grad_outputs, retain_graph, create_graph,
+                                  only_inputs, allow_unused, is_grads_batched, materialize_grads)
+            return runtime.grad(outputs, inputs, grad_outputs, retain_graph, bool(allow_unused))
+        finally:
+            leave()
+
+    from torch.nn.modules.module import (register_module_forward_hook,
+                                         register_module_forward_pre_hook)
+
+    handles = [register_module_forward_pre_hook(pre),
+               register_module_forward_hook(post, always_call=True),
+               register_optimizer_step_pre_hook(step_pre),
+               register_optimizer_step_post_hook(step_post)]
+    torch.autograd.backward, torch.autograd.grad = backward, grad
+    enter(OTHER)
+    try:
+        yield
+    finally:
+        torch.autograd.backward, torch.autograd.grad = torch_backward, torch_grad
+        for h in handles:
+            h.remove()
+        while opened:  # an error left phases open (an optimizer step raised, say)
+            leave()
+
+
+def step_program(options) -> StepProgram:
+    """The program `options` ask for: the user's step (options.step), else the built-in one."""
+    if options.step is not None:
+        return UserStep(options.step, options.setup, options.optimizer)
+    return BuiltinStep(options.loss_fn, options.optimizer, options.accumulate)
