@@ -424,6 +424,8 @@ CONVS = {  # name -> (_Conv arguments, input shape); the kernels named are AVX2'
     "3x3 NCHW (blocked direct kernels)": ((64, 64, 3, 1, 1), (2, 64, 16, 16)),
     "channels not a multiple of the block (padded bias)": ((30, 60, 3, 1, 1), (2, 30, 16, 16)),
     "1x1 forward and backward-data": ((64, 256, 1), (2, 64, 16, 16)),
+    "1x1 on a small map (AVX-512: batch-split weight reduction)": ((32, 128, 1), (4, 32, 4, 4)),
+    "1x1, channels not filling a block": ((17, 40, 1), (2, 17, 6, 6)),
     "dilated (GEMM / direct weight gradient)": ((64, 64, 3, 1, 2, 2), (2, 64, 16, 16)),
     "kernel taller than the map (GEMM / direct weight gradient)":
         ((128, 128, 3, 1, 1), (2, 128, 2, 2)),

@@ -279,6 +279,10 @@ def backward_weights(c: Conv, cpu: CpuTarget) -> Primitive:
         rtus = 0
         if any(s != 1 for s in c.stride):
             rtus = cpu.threads * c.ic * c.out_spatial * _F32 + _ALIGN
+        if isa == "avx512" and not rtus:
+            return Primitive(f"jit_1x1:{isa}", src=src, diff_dst=diff_dst,
+                             dst=_direct_weights(c, block, False), bias=bias,
+                             scratchpad=_avx512_1x1_bwd_weights_scratch(c, cpu))
         return Primitive(f"jit_1x1:{isa}", src=src, diff_dst=diff_dst,
                          dst=_direct_weights(c, block, False), bias=bias,
                          scratchpad=_padded_bias(c, block) + rtus, exact=False)
@@ -591,3 +595,62 @@ def deconvolution_forward(c: Conv, cpu: CpuTarget, bias: bool) -> Primitive:
                      weights=weights,
                      dst=0 if c.channels_last else _plain(c.mb, c.ic, c.in_spatial),
                      scratchpad=_brgemm_scratch(c, cpu), exact=False)
+
+
+def _best_divider(value: int, min_divider: int, max_divider: int, find_max: bool) -> int:
+    """jit_uni_1x1_conv_utils.hpp best_divider: the divider that pads `value` least."""
+    max_divider = max(1, min(max_divider, value))
+    min_divider = max(1, min(min_divider, max_divider))
+    best, chosen = float("inf"), max_divider
+    for divider in range(max_divider, min_divider - 1, -1):
+        padded = _rnd_up(value, divider)
+        loss = (padded - value) / padded
+        if (find_max and loss < best) or (not find_max and loss <= best):
+            best, chosen = loss, divider
+    return chosen
+
+
+def _avx512_1x1_bwd_weights_scratch(c: Conv, cpu: CpuTarget) -> int:
+    """jit_avx512_common_1x1_convolution_bwd_weights_t at unit strides: init_conf's reduce
+    blocking, `balance` (its memory-cost search over batch, output and input channel splits),
+    init_scratchpad (the batch-split weight reduction, its barrier, a padded bias) and the bias
+    gradient's cpu_reducer (jit_avx512_common_1x1_conv_kernel.cpp, ..._1x1_convolution.hpp)."""
+    nxc = c.channels_last
+    pad = not nxc and c.groups == 1                         # ok_to_pad_channels
+    oc = _rnd_up(c.oc_g, 16) if pad else c.oc_g
+    ic = _rnd_up(c.ic_g, 16) if pad else c.ic_g
+    spatial, iw = c.in_spatial, c.in_size[-1]
+    reduce_block = _best_divider(spatial, 7, 16, True)
+    if spatial % reduce_block:
+        reduce_block = _best_divider(iw, 4, iw, False)
+    if reduce_block > 256:
+        reduce_block = 1
+    nb_bcast, nb_load, nb_reduce = -(-ic // 16), -(-oc // 16), -(-spatial // reduce_block)
+    nthr_mb = nthr_oc_b = nthr_ic_b = 1
+    if cpu.threads >= c.groups:
+        nthr = cpu.threads // c.groups
+
+        def cost(mb, ocb, icb):
+            return (-(-c.mb * nb_reduce // mb) * -(-nb_bcast // icb) * 16 * reduce_block
+                    + -(-c.mb * nb_reduce // mb) * -(-nb_load // ocb) * 16 * reduce_block
+                    + 12 * -(-nb_load // ocb) * -(-nb_bcast // icb) * 16 * 16)
+        best = cost(1, 1, 1)
+        for mb in range(1, min(nthr, c.mb * nb_reduce) + 1):
+            par = nthr // mb
+            for ocb in range(1, min(par, nb_load) + 1):
+                icb = min(par // ocb, nb_bcast)
+                if cost(mb, ocb, icb) <= best:
+                    best, nthr_mb, nthr_oc_b, nthr_ic_b = cost(mb, ocb, icb), mb, ocb, icb
+        if cpu.threads // 2 < nthr_mb < cpu.threads:
+            nthr_mb = min(c.mb, cpu.threads)
+    threads = nthr_mb * c.groups * nthr_oc_b * nthr_ic_b
+    scratch = 0
+    if c.bias and (oc != c.oc_g or (nxc and oc % 16)):
+        scratch += c.groups * _rnd_up(oc, 16) * _F32 + _ALIGN   # key_conv_padded_bias
+    if nthr_mb > 1:
+        scratch += c.groups * _rnd_up(oc, 16) * _rnd_up(ic, 16) * (nthr_mb - 1) * _F32 + _ALIGN
+        scratch += _barriers(1)
+    if c.bias:
+        scratch += _cpu_reducer_scratch(threads, 16, c.groups * nb_load, c.mb,
+                                        threads * 3 * 5 * 5 * 16 * 16)
+    return scratch
