@@ -457,8 +457,15 @@ def fit_cmd(
         from .fit import fit_workload, parse_bytes, parse_sweep, sweep as sweep_sizes
 
         if gpus is not None:
+            if device not in (None, "cuda"):
+                raise TapescopeError(f"fit --gpus compares layouts of GPUs, traced as CUDA runs "
+                                     f"them; --device {device} cannot be used with --gpus (drop "
+                                     f"--device, or profile --fsdp {gpus} --device {device})")
+            if sweep is not None:
+                raise TapescopeError("--sweep cannot be used with --gpus (each layout is profiled "
+                                     "at one batch); drop --sweep, or run fit without --gpus")
             return _fit_layouts(spec, gpus, gpu, batch, seq, input, loss, dtype, amp, optimizer,
-                                json_file)
+                                json_file, parse_bytes(budget) if budget is not None else None)
         dim = "seq" if batch is not None else "batch"
         sweep_range = parse_sweep(sweep) if sweep else None
         budget_bytes = parse_bytes(budget) if budget is not None else None
@@ -520,19 +527,19 @@ def plan_cmd(
 
 
 def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimizer,
-                 json_file) -> None:
-    """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank. Exits 1 when
-    none fits."""
+                 json_file, budget=None) -> None:
+    """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank; with a budget, a
+    layout fits when its peak per rank is within it. Exits 1 when none fits."""
     from .distributed.layouts import fit_layouts
     from .report.console import render_layouts
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
     options = _options(model_loss, loss, optimizer, "cuda", gpu or "h100", dtype, amp)
     with _progress(f"profiling the layouts of {gpus} GPUs for {workload.name}") as progress:
-        rows = fit_layouts(workload, options, gpus, progress=progress)
-    render_layouts(rows, workload.name, gpus, options, out)
+        rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress)
+    render_layouts(rows, workload.name, gpus, options, out, budget=budget)
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
-                            "layouts": [r.to_dict() for r in rows]})
+                            "budget_bytes": budget, "layouts": [r.to_dict() for r in rows]})
     if not any(r.fits for r in rows):
         raise typer.Exit(1)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -326,10 +327,14 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
                       f"with compute); per-rank step {tm.seconds * 1e3:.1f} ms, MFU {tm.mfu:.0%}")
 
 
-def render_layouts(rows, name: str, gpus: int, options, console: Console) -> None:
+def render_layouts(rows, name: str, gpus: int, options, console: Console,
+                   budget: int | None = None) -> None:
     """fit --gpus: one row per (FSDP, TP) layout."""
-    console.print(f"[bold]{name}[/] on {gpus} x {options.gpu.name}: (FSDP, TP) layouts at the "
-                  "model's per-rank batch", highlight=False)
+    console.print(f"[bold]{escape(name)}[/] on {gpus} x {escape(options.gpu.name)}: (FSDP, TP) "
+                  "layouts at the model's per-rank batch", highlight=False)
+    if budget is not None:
+        console.print(f"  fits: the peak per rank within the budget, {fmt_bytes(budget)}",
+                      highlight=False, markup=False)
     t = Table(box=None)
     for col in ("layout", "peak per rank", "nvidia-smi", "fits", "step", "MFU", "tokens/s"):
         t.add_column(col)

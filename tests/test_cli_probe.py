@@ -1,0 +1,52 @@
+"""What a hostile but fair user types (issue 24's probe): every mistake is one `error:` line that
+names the thing and the fix, exit 1, never a traceback; nothing the user typed is read as markup
+or silently ignored."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tapescope.cli import app
+
+from .conftest import TINY_LLAMA
+
+needs_cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                      reason="needs a CUDA build of torch")
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(r, *words):
+    """One `error:` line naming each of `words`, exit 1, no traceback."""
+    assert r.exit_code == 1, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, r.output
+    text = " ".join(lines[lines.index(errors[0]):])  # the error line, wrapped or not
+    for w in words:
+        assert w in text, (w, r.output)
+
+
+# -- fit --gpus -------------------------------------------------------------------------------
+
+@needs_cuda_build
+def test_fit_gpus_takes_the_budget():
+    """--budget 1KiB used to print 'fits yes' and exit 0 (the GPU's memory was used instead)."""
+    r = run("fit", TINY_LLAMA, "--batch", 2, "--seq", 16, "--gpus", 2, "--budget", "1KiB")
+    assert r.exit_code == 1, r.output
+    assert "1.00 KiB" in r.output and " yes " not in r.output
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_fit_gpus_refuses_another_device(device):
+    r = run("fit", TINY_LLAMA, "--gpus", 2, "--device", device)
+    assert_user_error(r, f"--device {device}", "--gpus")
+
+
+def test_fit_gpus_refuses_a_sweep():
+    assert_user_error(run("fit", TINY_LLAMA, "--gpus", 2, "--sweep", "1..4"), "--sweep", "--gpus")
