@@ -50,3 +50,47 @@ def test_fit_gpus_refuses_another_device(device):
 
 def test_fit_gpus_refuses_a_sweep():
     assert_user_error(run("fit", TINY_LLAMA, "--gpus", 2, "--sweep", "1..4"), "--sweep", "--gpus")
+
+
+# -- distributed flags: a conflict is refused, never settled silently ---------------------------
+
+@pytest.fixture
+def par(tmp_path):
+    f = tmp_path / "par.py"
+    f.write_text("def parallelize(model, mesh):\n    return model\n")
+    return f"{f}:parallelize"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--mesh", "dp=2,dp=4"], ["'dp' twice"]),          # profiled 4 ranks
+    (["--mesh", "dp=0"], ["dp=0", "at least 1"]),
+    (["--mesh", "=2"], ["--mesh", "dp=4,tp=2"]),
+    (["--mesh", "dp=2", "--fsdp", 4], ["--mesh dp=2", "--fsdp 4"]),   # --fsdp was ignored
+    (["--mesh", "dp=2", "--hsdp", 2], ["--mesh dp=2", "--hsdp 2"]),
+])
+def test_conflicting_mesh_flags_are_refused(par, flags, words):
+    assert_user_error(run("profile", TINY_LLAMA, "--parallelize", par, *flags), *words)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--hsdp", 0], ["--hsdp 0", "at least 1"]),          # exited 0
+    (["--hsdp", -3], ["--hsdp -3", "at least 1"]),
+    (["--dp-replicate", 0], ["--dp-replicate 0", "at least 1"]),
+    (["--fsdp", 0], ["--fsdp 0", "at least 1"]),
+    (["--fsdp", 2, "--hsdp", 2, "--dp-replicate", 3], ["--hsdp 2", "--dp-replicate 3"]),  # used 3
+])
+def test_bad_or_conflicting_degrees_are_refused(flags, words):
+    assert_user_error(run("profile", TINY_LLAMA, *flags), *words)
+
+
+def test_api_mesh_sizes_must_be_integers():
+    """mesh={'dp': True} was a traceback inside torch."""
+    import tapescope
+    from tapescope.errors import TapescopeError
+
+    from .conftest import MLP
+
+    for mesh in ({"dp": True}, {"dp": 2.0}, {"dp": 0}):
+        with pytest.raises(TapescopeError, match="size >= 1"):
+            tapescope.profile(MLP(), tapescope.spec((4, 16)), mesh=mesh,
+                              parallelize=lambda m, mesh: m)

@@ -223,17 +223,26 @@ def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> C
 # ---- what the CLI flags ask for ----------------------------------------------------------------
 
 def parse_mesh(text: str) -> dict:
-    """'dp=4,tp=2' -> {'dp': 4, 'tp': 2} (outermost first)."""
+    """'dp=4,tp=2' -> {'dp': 4, 'tp': 2} (outermost first). A name given twice or a size below 1
+    is refused: the mesh would otherwise be settled silently."""
     mesh = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
-        name, _, size = item.partition("=")
+        name, eq, size = (x.strip() for x in item.partition("="))
         try:
-            mesh[name.strip()] = int(size)
+            n = int(size)
         except ValueError:
-            raise TapescopeError(f"cannot read mesh {text!r}: write names and sizes like "
-                                 "dp=4,tp=2") from None
+            n = None
+        if not name or not eq or n is None:
+            raise TapescopeError(f"cannot read --mesh {text!r}: write names and sizes like "
+                                 "dp=4,tp=2")
+        if name in mesh:
+            raise TapescopeError(f"--mesh {text!r} names {name!r} twice; give each dimension "
+                                 "once, e.g. dp=4,tp=2")
+        if n < 1:
+            raise TapescopeError(f"--mesh {text!r}: {name}={n}, a size must be at least 1")
+        mesh[name] = n
     if not mesh:
-        raise TapescopeError(f"cannot read mesh {text!r}: write names and sizes like dp=4,tp=2")
+        raise TapescopeError(f"cannot read --mesh {text!r}: write names and sizes like dp=4,tp=2")
     return mesh
 
 
@@ -267,11 +276,25 @@ def parallelization(fsdp: int = 1, tp: int = 1, hsdp: int = 1, dp_replicate: int
     takes the place of autocast."""
     from ..options import resolve_dtype
 
+    degrees = {"--fsdp": fsdp, "--tp": tp, "--hsdp": hsdp, "--dp-replicate": dp_replicate}
+    for flag, n in degrees.items():
+        if n < 1:
+            raise TapescopeError(f"{flag} {n}: a degree must be at least 1 (1, the default, "
+                                 "means not parallelised that way)")
+    if hsdp > 1 and dp_replicate > 1 and hsdp != dp_replicate:
+        raise TapescopeError(f"--hsdp {hsdp} and --dp-replicate {dp_replicate} name the same "
+                             "degree (the replicas); give one of them")
     replicate = max(hsdp, dp_replicate)
+    given = " ".join(f"{flag} {n}" for flag, n in degrees.items() if n > 1)
+    if mesh is not None and given:
+        raise TapescopeError(f"--mesh {mesh} gives the whole layout; {given} cannot be added to "
+                             "it: put every dimension in --mesh (e.g. --mesh dp=4,tp=2), or drop "
+                             "--mesh")
     if parallelize is not None:
+        mesh_dims = parse_mesh(mesh) if mesh is not None else None
         fn = load_function(parallelize)
-        if mesh is not None:
-            return parse_mesh(mesh), fn, amp
+        if mesh_dims is not None:
+            return mesh_dims, fn, amp
         layout = Layout(fsdp=fsdp, tp=tp, dp_replicate=replicate)
         if layout.world_size == 1:
             raise TapescopeError("--parallelize needs the mesh it runs on: --mesh dp=4,tp=2 (or "
