@@ -94,3 +94,73 @@ def test_api_mesh_sizes_must_be_integers():
         with pytest.raises(TapescopeError, match="size >= 1"):
             tapescope.profile(MLP(), tapescope.spec((4, 16)), mesh=mesh,
                               parallelize=lambda m, mesh: m)
+
+
+# -- what the user named is printed as it is, never read as rich markup --------------------------
+
+_MARKUP_MODEL = '''
+import torch
+import torch.nn as nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.add_module("[/]", nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)))
+
+    def forward(self, x):
+        for layer in getattr(self, "[/]"):
+            x = x + layer(x)
+        return x
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.a(x)
+
+
+def parallelize(model, mesh):
+    return model
+'''
+
+
+@pytest.fixture
+def markup_model(tmp_path):
+    f = tmp_path / "markup.py"
+    f.write_text(_MARKUP_MODEL)
+    return str(f)
+
+
+def test_plan_of_a_module_named_like_markup(markup_model, tmp_path):
+    """A module named `[/]` crashed the plan's report with a MarkupError after the whole plan
+    (and before --json was written)."""
+    out = tmp_path / "plan.json"
+    r = run("plan", f"{markup_model}:Stack", "--input", "512,64", "--loss", "sum",
+            "--budget", "5.5MiB", "--json", out)
+    assert r.exit_code == 0, r.output
+    assert "checkpointed whole (1): [/].0" in r.output and out.exists()
+
+
+@pytest.mark.parametrize("mesh", ["[/]=2", "[red]dp=2"])
+def test_mesh_names_like_markup_are_printed_as_given(markup_model, tmp_path, mesh):
+    """`--mesh '[/]=2'` crashed after the profile; `[red]dp` printed as 'dp'."""
+    out = tmp_path / "p.json"
+    r = run("profile", f"{markup_model}:Stack", "--input", "8,64", "--parallelize",
+            f"{markup_model}:parallelize", "--mesh", mesh, "--json", out)
+    assert r.exit_code == 0, r.output
+    name, size = mesh.split("=")
+    assert f"Mesh {name} {size} = 2 ranks" in r.output and out.exists()
+
+
+def test_graph_break_is_labelled_not_printed_as_markup(markup_model):
+    r = run("profile", f"{markup_model}:Broken", "--input", "4,8", "--loss", "sum",
+            "--compile-backend", "aot_eager")
+    assert r.exit_code == 0, r.output
+    assert "  graph break at " in r.output and "[yellow]" not in r.output
