@@ -164,3 +164,139 @@ def test_graph_break_is_labelled_not_printed_as_markup(markup_model):
             "--compile-backend", "aot_eager")
     assert r.exit_code == 0, r.output
     assert "  graph break at " in r.output and "[yellow]" not in r.output
+
+
+# -- tracebacks and silent acceptance the probe found ----------------------------------------------
+
+_USER_FILE = '''
+import torch.nn as nn
+
+
+def build():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def returns_42(model, mesh):
+    return 42
+
+
+def returns_tuple(model, mesh):
+    return model, mesh
+
+
+def loss_of_output(output):
+    return output.sum()
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    f = tmp_path / "user.py"
+    f.write_text(_USER_FILE)
+    return str(f)
+
+
+@pytest.mark.parametrize("fn, words", [("returns_42", ["returns_42(model, mesh) returned int 42"]),
+                                       ("returns_tuple", ["returned tuple of 2", "nn.Module"])])
+def test_parallelize_returning_something_else_than_a_module(user_file, fn, words):
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--parallelize",
+            f"{user_file}:{fn}", "--mesh", "dp=2")
+    assert_user_error(r, *words)
+
+
+def test_loss_taking_only_the_output_is_told_how_it_is_called(user_file):
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--loss",
+            f"{user_file}:loss_of_output")
+    assert_user_error(r, "loss_of_output(output, *inputs)", "2 arguments")
+
+
+@pytest.mark.parametrize("routing", ["nan,1,1,1", "inf,1", "1e308,1e308", "-1,2"])
+def test_routing_shares_must_be_finite(user_file, routing):
+    """nan / inf shares were accepted and the failure blamed on the model."""
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--routing", routing)
+    assert_user_error(r, "routing shares must be finite")
+
+
+def test_mask_fraction_must_be_a_fraction(user_file):
+    assert_user_error(run("profile", f"{user_file}:build", "--input", "8,16", "--mask-fraction",
+                          "nan"), "mask must be a fraction")
+
+
+def test_routing_and_mask_on_a_step_without_them_say_so(user_file):
+    """--routing worst / --mask-fraction on a model with no router or mask said nothing."""
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--routing", "worst",
+            "--mask-fraction", "0.25")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "Not used: the routing worst (--routing) assumed nothing" in text
+    assert "Not used: the mask fraction 0.25 (--mask-fraction) assumed nothing" in text
+
+
+@pytest.mark.parametrize("flags", [["--pareto", -1], ["--max-traces", -5]])
+def test_plan_refuses_negative_counts(user_file, flags):
+    r = run("plan", f"{user_file}:build", "--input", "8,16", "--budget", "1MiB", *flags)
+    assert_user_error(r, flags[0].lstrip("-").replace("-", "_"), ">= 0")
+
+
+def test_api_budget_must_be_a_size():
+    """budget=nan was a ValueError traceback; -5 was accepted (the CLI refuses it)."""
+    import math
+
+    import tapescope
+
+    for budget in (math.nan, math.inf, -5, 0, True):
+        with pytest.raises(tapescope.TapescopeError, match="memory size"):
+            tapescope.plan_checkpointing(_Stack, tapescope.spec((4, 8)), budget=budget)
+
+
+def test_api_units_may_name_one_module():
+    """units='layers.0' was read letter by letter: "no module 'l'"."""
+    import tapescope
+
+    plan = tapescope.plan_checkpointing(_Stack, tapescope.spec((64, 8)), budget="1GiB",
+                                        units="layers.1")
+    assert plan.units == ("layers.1",)
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=needs_cuda_build)])
+def test_cpu_target_with_another_device_is_refused(user_file, device):
+    """--cpu-isa with --device cuda was ignored silently."""
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--device", device,
+            "--cpu-isa", "avx512")
+    assert_user_error(r, "--cpu-isa", f"a {device} step", "--device cpu")
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--device", device,
+            "--threads", 8)
+    assert_user_error(r, "--threads")
+
+
+@pytest.mark.parametrize("role", ["model", "--parallelize", "--loss"])
+def test_a_file_that_exits_on_import_is_named(tmp_path, user_file, role):
+    """sys.exit(5) at import exited 5 with no message."""
+    f = tmp_path / "script.py"
+    f.write_text("import sys\nsys.exit(5)\n")
+    args = {"model": ["profile", f"{f}:build", "--input", "8,16"],
+            "--parallelize": ["profile", f"{user_file}:build", "--input", "8,16",
+                              "--parallelize", f"{f}:fn", "--mesh", "dp=2"],
+            "--loss": ["profile", f"{user_file}:build", "--input", "8,16", "--loss", f"{f}:fn"]}
+    assert_user_error(run(*args[role]), "script.py called sys.exit(5)", "__main__")
+
+
+def test_sizes_past_a_thousand_gib_use_larger_units():
+    """1955628.40 GiB was printed for 1.87 PiB."""
+    from tapescope.report.text import fmt_bytes
+
+    assert fmt_bytes(1023 * 2**30) == "1023.00 GiB"
+    assert fmt_bytes(3 * 2**39) == "1.50 TiB"
+    assert fmt_bytes(int(1955628.40 * 2**30)) == "1.87 PiB"
+    assert fmt_bytes(2**62) == "4.00 EiB"
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x.sum()

@@ -247,26 +247,12 @@ def parse_mesh(text: str) -> dict:
 
 
 def load_function(text: str) -> Callable:
-    """'path/to/file.py:fn' -> the function fn of that file."""
-    import importlib.util
-    import os
+    """'path/to/file.py:fn' (or 'package.module:fn') -> that function, the file imported as
+    model files and --loss are (loading.py: sibling imports, dataclasses, a sys.exit on import
+    named)."""
+    from ..loading import load_function as load
 
-    path, _, fn = text.rpartition(":")
-    if not path.endswith(".py") or not fn:
-        raise TapescopeError(f"--parallelize takes file.py:function, got {text!r}")
-    if not os.path.exists(path):
-        raise TapescopeError(f"no such file: {path}")
-    spec = importlib.util.spec_from_file_location(
-        "tapescope_parallelize_" + os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file failed to import
-        raise TapescopeError(f"importing {path} failed: {type(e).__name__}: {e}") from None
-    found = getattr(module, fn, None)
-    if not callable(found):
-        raise TapescopeError(f"{path} has no function {fn!r}")
-    return found
+    return load(text, "--parallelize")
 
 
 def parallelization(fsdp: int = 1, tp: int = 1, hsdp: int = 1, dp_replicate: int = 1,
