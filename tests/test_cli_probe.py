@@ -300,3 +300,23 @@ class _Stack(torch.nn.Module):
         for layer in self.layers:
             x = layer(x).relu()
         return x.sum()
+
+
+# -- the environment, before torch is imported -----------------------------------------------------
+
+@pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_malformed_alloc_conf_is_an_error_not_an_abort(var):
+    """torch parses these when imported and aborts the process (exit -6) on a malformed one,
+    before tapescope's own check could answer: the command line checks them first."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, var: "garbage"}
+    env.pop("PYTORCH_ALLOC_CONF" if var != "PYTORCH_ALLOC_CONF" else "PYTORCH_CUDA_ALLOC_CONF",
+            None)
+    r = subprocess.run([sys.executable, "-m", "tapescope.cli", "profile"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"'garbage' in {var}" in r.stderr and f"unset {var}" in r.stderr

@@ -574,7 +574,36 @@ def validate_cmd(
         _write_json(json_file, to_jsonable(v))
 
 
+def _check_alloc_conf_env() -> None:
+    """PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF, read before anything imports torch: torch
+    parses both when it is imported and aborts the process on a malformed one (SIGABRT, no
+    message tapescope could give after). tapescope's own tokenizer of that syntax
+    (analysis/allocator.py, torch-free) is stricter than torch's at import, so a value it flags
+    is confirmed by importing torch in a child process (only then: nothing is paid when the
+    variables are well formed); keys and values are checked later, by Options.create."""
+    import os
+    import subprocess
+
+    from .analysis.allocator import config_syntax_error
+
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        value = os.environ.get(var)
+        e = config_syntax_error(value) if value else None
+        if e is None:
+            continue
+        child = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+        if child.returncode >= 0 and b"ConfigTokenizer" not in child.stderr:
+            continue  # torch imports with it: Options.create says what it makes of it
+        err.print(Text.assemble(
+            ("error:", "bold red"), f" cannot read the allocator settings {value!r} in {var}: "
+            f"{e}; fix it (e.g. expandable_segments:True) or unset {var} - torch aborts on "
+            "import with it"), highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
 def main() -> None:
+    if "--help" not in sys.argv[1:]:
+        _check_alloc_conf_env()
     try:
         app()
     except KeyboardInterrupt:
