@@ -320,3 +320,69 @@ def test_malformed_alloc_conf_is_an_error_not_an_abort(var):
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"'garbage' in {var}" in r.stderr and f"unset {var}" in r.stderr
+
+
+# -- progress: on a terminal's stderr, saying what is under way; never with --quiet -------------
+
+def _progress_output(monkeypatch, terminal: bool, quiet: bool = False) -> str:
+    import io
+    import time
+
+    from rich.console import Console
+
+    from tapescope import cli
+
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=buf, force_terminal=terminal, width=120))
+    with cli._progress("validating m", quiet=quiet, delay=0) as update:
+        update("budget 0.5 (1 of 2)")
+        update(1, "forward")
+        time.sleep(0.4)
+    return buf.getvalue()
+
+
+def test_progress_shows_the_stage_and_the_phase_on_a_terminal(monkeypatch):
+    out = _progress_output(monkeypatch, terminal=True)
+    assert "validating m - budget 0.5 (1 of 2) - step 1 forward done" in out
+
+
+@pytest.mark.parametrize("terminal, quiet", [(False, False), (True, True)])
+def test_no_progress_off_a_terminal_or_with_quiet(monkeypatch, terminal, quiet):
+    assert _progress_output(monkeypatch, terminal, quiet) == ""
+
+
+@pytest.fixture
+def recorded_progress(monkeypatch):
+    from contextlib import contextmanager
+
+    from tapescope import cli
+
+    calls = []
+
+    @contextmanager
+    def record(label, quiet=False, delay=1.0):
+        calls.append(("label", label, quiet))
+        yield lambda *args: calls.append(args)
+
+    monkeypatch.setattr(cli, "_progress", record)
+    return calls
+
+
+@needs_cuda_build
+def test_fit_gpus_says_which_layout_is_under_way(recorded_progress):
+    r = run("fit", TINY_LLAMA, "--batch", 2, "--seq", 16, "--gpus", 2, "--quiet")
+    assert r.exit_code == 0, r.output
+    calls = recorded_progress
+    assert calls[0] == ("label", "profiling the layouts of 2 GPUs for zoo:llama", True)
+    stages = [c[0] for c in calls[1:] if len(c) == 1]
+    assert stages == ["layout FSDP 2 (1 of 2)", "layout TP 2 (2 of 2)"]
+    assert any(len(c) == 2 for c in calls[1:])   # the traced phases, too
+
+
+def test_validate_says_which_part_is_under_way(user_file, recorded_progress):
+    r = run("validate", f"{user_file}:build", "--input", "4,16", "--device", "cpu",
+            "--warmup", 0, "--steps", 1, "-q")
+    assert r.exit_code == 0, r.output
+    stages = [c[0] for c in recorded_progress[1:] if len(c) == 1]
+    assert stages == ["predicting the step on fake tensors",
+                      "running 2 real steps on cpu under the profiler", "timing 0 + 1 real steps"]

@@ -62,10 +62,11 @@ def _tokens(workload) -> int:
     return 0
 
 
-def fit_layouts(workload, options, gpus: int, budget: int | None = None,
-                progress=None) -> list[LayoutRow]:
+def fit_layouts(workload, options, gpus: int, budget: int | None = None, progress=None,
+                stage=None) -> list[LayoutRow]:
     """Profile every candidate layout of `gpus` GPUs of `options.gpu` (device cuda); `budget`
-    (bytes per rank) replaces the GPU's memory in the verdict."""
+    (bytes per rank) replaces the GPU's memory in the verdict. `progress(step, phase)` is told of
+    each traced phase, `stage(message)` of each layout begun."""
     from ..api import profile_workload
     from ..devices.gpus import interconnect
 
@@ -74,15 +75,16 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None,
     mp, amp = options.amp, None  # FSDP2's mixed precision stands in for autocast
     rows = []
     tokens = _tokens(workload)
-    for layout in candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node):
+    layouts = candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node)
+    for i, layout in enumerate(layouts):
         row = LayoutRow(layout)
         rows.append(row)
-        if progress is not None:
-            progress(0, str(layout))
+        if stage is not None:
+            stage(f"layout {layout} ({i + 1} of {len(layouts)})")
         opts = options.but(amp=amp, mesh=_mesh_spec(layout),
                            parallelize=preset_parallelize(layout, mp))
         try:
-            p = profile_workload(workload, opts)
+            p = profile_workload(workload, opts, progress)
         except TapescopeError as e:
             row.note = str(e).split(";")[0]
             continue
