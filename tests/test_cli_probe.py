@@ -386,3 +386,43 @@ def test_validate_says_which_part_is_under_way(user_file, recorded_progress):
     stages = [c[0] for c in recorded_progress[1:] if len(c) == 1]
     assert stages == ["predicting the step on fake tensors",
                       "running 2 real steps on cpu under the profiler", "timing 0 + 1 real steps"]
+
+
+# -- the report: repeats at the peak counted over every tensor alive there -----------------------
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class _Deep(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_repeats_at_the_peak_are_counted_over_the_whole_peak_set():
+    """'x N' counted only within the 20 largest tensors (Llama showed x3 for a tensor all 8
+    layers hold). By hand: each of the 8 blocks saves its 2 tanh outputs (tanh's backward reads
+    its output), and blocks 0-6 hand their output to the next block's addmm, which saves it:
+    16 and 7 tensors of 512 x 64 fp32, all alive when the backward starts."""
+    import tapescope
+
+    p = tapescope.profile(_Deep, tapescope.spec((512, 64)), steps=1)
+    groups = {(g.first.category, g.first.op_name): g for g in p.memory.live_groups}
+    tanh = groups[("saved activations", "aten.tanh.default")]
+    addmm = groups[("saved activations", "aten.addmm.default")]
+    assert (tanh.count, addmm.count) == (16, 7)
+    assert tanh.first.nbytes == addmm.first.nbytes == 512 * 64 * 4
+    saved = sum(g.nbytes for g in p.memory.live_groups if g.first.category == "saved activations")
+    assert saved == p.memory.at_peak["saved activations"] == 23 * 512 * 64 * 4
+    assert len(p.memory.live_at_peak) == 20  # the JSON keeps the 20 largest tensors themselves

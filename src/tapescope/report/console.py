@@ -13,7 +13,6 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from ..analysis.memory import group_live_tensors
 from ..analysis.modules import module_pattern, module_rollup
 from ..capture.records import ALL_CATEGORIES
 from .text import assumption_lines, fmt_bytes, fmt_count, fmt_flops, short_op
@@ -146,7 +145,7 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     console.print(cats)
 
     rows = []
-    for g in group_live_tensors(mem.live_at_peak)[:top]:
+    for g in mem.live_groups[:top]:
         t = g.first
         size = fmt_bytes(t.nbytes) + (f" ×{g.count}" if g.count > 1 else "")
         if t.op is None:  # a parameter, its gradient or state, an input: no op made it here
