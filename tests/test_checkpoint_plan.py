@@ -206,3 +206,68 @@ def test_knapsack_finds_the_cheapest_cover():
             total = sum(c for k, m, g, c in items if got.get(k) == m)
             assert sum(g for k, m, g, c in items if got.get(k) == m) >= need
             assert abs(total - best) < 1e-9
+
+
+# -- applying a plan: all or nothing, once; its code quotes module names -----------------------
+
+class _Stack(nn.Module):
+    def __init__(self, name="layers", n=3):
+        super().__init__()
+        self.add_module(name, nn.ModuleList(nn.Linear(8, 8) for _ in range(n)))
+        self.stack_name = name
+
+    def forward(self, x):
+        for layer in getattr(self, self.stack_name):
+            x = layer(x)
+        return x.sum()
+
+
+def _wrapped(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+
+
+def test_apply_checks_every_module_before_wrapping_any():
+    """A plan naming a module the model lacks used to raise after wrapping the earlier ones."""
+    from tapescope.checkpointing import apply_policies
+
+    model = _Stack()
+    with pytest.raises(tapescope.TapescopeError, match="no module 'layers.7'.*left as it was"):
+        apply_policies(model, ["layers.0", "layers.1", "layers.7"])
+    assert _wrapped(model) == []
+
+
+def test_applying_a_plan_twice_is_refused():
+    """The second apply used to nest a checkpoint_wrapper inside the first."""
+    from tapescope.checkpointing import apply_policies
+
+    model = _Stack()
+    apply_policies(model, ["layers.0", ("layers.1", SELECTIVE, ("aten.mm.default",))])
+    before = _wrapped(model)
+    with pytest.raises(tapescope.TapescopeError, match="already checkpointed.*applied already"):
+        apply_policies(model, ["layers.2", "layers.0"])
+    assert _wrapped(model) == before == ["layers.0", "layers.1"]
+
+
+def test_plan_code_quotes_hostile_module_names(tmp_path, monkeypatch):
+    """Module names were pasted into f-strings: `{open(...)}` in a name created a file when the
+    code ran, a `"` was a SyntaxError. The code must parse, create nothing, and apply the plan."""
+    import ast
+    import os
+
+    from tapescope.checkpointing import policy_code
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("x{open('pwned','w')}", 'a"b', "c'd\\", "e}{"):
+        model = _Stack(name, n=4)
+        fqns = [f"{name}.{i}" for i in range(4)]
+        # three in a run are written as a generator over range(0, 3), the prefix quoted
+        code = policy_code(fqns[:3] + [(fqns[3], SELECTIVE, ("aten.mm.default",))])
+        assert "range(0, 3)" in code
+        ast.parse(code)
+        scope: dict = {}
+        exec(code, scope)
+        assert scope["apply_checkpointing"](model) is model
+        assert _wrapped(model) == fqns
+        assert os.listdir(tmp_path) == [], name

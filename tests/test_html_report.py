@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import tapescope
-from tapescope.analysis.memory import LiveTensor, MemoryReport, ModuleMemory
+from tapescope.analysis.memory import LiveGroup, LiveTensor, MemoryReport, ModuleMemory
 from tapescope.analysis.ops import Op
 from tapescope.api import Profile
 from tapescope.capture.records import CATEGORIES, Frame, StorageRecord, Trace
@@ -171,13 +171,11 @@ def test_peak_is_marked_where_the_profile_says(browser, gpt2, gpt2_html):
 
 
 def test_live_tensors_at_the_peak_largest_first(browser, gpt2, gpt2_html):
-    from tapescope.analysis.memory import group_live_tensors
-
     o = opened(browser, gpt2_html)
     rows = o.rows("#live-table tbody tr")
-    groups = group_live_tensors(gpt2.memory.live_at_peak)
-    assert len(rows) == len(groups) < len(gpt2.memory.live_at_peak)  # per-layer repeats grouped
-    assert sum(g.count for g in groups) == len(gpt2.memory.live_at_peak)
+    groups = gpt2.memory.live_groups  # repeats counted over every tensor alive at the peak
+    assert len(rows) == len(groups) and any(g.count > 1 for g in groups)  # per-layer repeats
+    assert sum(g.nbytes for g in groups) <= gpt2.peak_bytes
     for row, g in zip(rows, groups):
         count = f" \u00d7{g.count}" if g.count > 1 else ""
         assert row.startswith(fmt_bytes(g.first.nbytes) + count) and g.first.category in row
@@ -510,6 +508,9 @@ def synthetic_profile(layers: int) -> Profile:
         at_peak={c: timeline[c][peak_op] for c in CATEGORIES},
         live_at_peak=[LiveTensor(0, 500_000, "temporaries", peak_op, ops[peak_op].name,
                                  ops[peak_op].module, None, str(frame))],
+        live_groups=[LiveGroup(LiveTensor(0, 500_000, "temporaries", peak_op, ops[peak_op].name,
+                                          ops[peak_op].module, None, str(frame)),
+                               1, ops[peak_op].module, None, 500_000)],
         timeline=total, timeline_by_category=timeline, initial_bytes=total[0],
         final_bytes=total[-1],
         modules=[ModuleMemory("", peak, 16 * layers)] + [

@@ -32,32 +32,55 @@ _spec_help = ("Model: zoo:gpt2, zoo:llama, torchvision:NAME, timm:NAME, hf:CONFI
 
 
 @contextmanager
-def _progress(label: str, delay: float = 1.0):
-    """A spinner that appears only when the work takes longer than `delay` seconds."""
-    state = {"text": label, "status": None}
+def _progress(label: str, quiet: bool = False, delay: float = 1.0):
+    """What a long command is doing, on stderr: a spinner, the stage and the time spent, shown
+    once the work takes longer than `delay` seconds; never with --quiet or when stderr is not a
+    terminal (a pipe, a log file, a test). Yields `update`: update(step, phase) from a trace,
+    update(message) from longer work that says which stage it is in (a layout, a budget)."""
+    state = {"stage": "", "detail": "", "bar": None, "task": None}
     done = threading.Event()
+    lock = threading.Lock()
+
+    def text():
+        return Text(" - ".join(x for x in (label, state["stage"], state["detail"]) if x))
 
     def show():
-        if not done.wait(delay) and err.is_terminal:
-            state["status"] = err.status(Text(state["text"]))
-            state["status"].start()
+        if done.wait(delay):
+            return
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    t = threading.Thread(target=show, daemon=True)
-    t.start()
+        with lock:
+            if done.is_set():
+                return
+            bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                           TimeElapsedColumn(), console=err, transient=True)
+            state["task"] = bar.add_task(text(), total=None)
+            bar.start()
+            state["bar"] = bar
 
-    def update(step, phase=None):
-        # (step, phase) from a trace; (message,) from longer work that says what it is doing
-        state["text"] = f"{label}: {step}" if phase is None else f"{label}: step {step} {phase} done"
-        if state["status"] is not None:
-            state["status"].update(Text(state["text"]))
+    def update(*args):
+        if len(args) == 1:
+            state["stage"], state["detail"] = str(args[0]), ""
+        else:
+            step, phase = args
+            state["detail"] = f"step {step} {phase} done"
+        with lock:
+            if state["bar"] is not None:
+                state["bar"].update(state["task"], description=text())
 
+    t = None
+    if not quiet and err.is_terminal:
+        t = threading.Thread(target=show, daemon=True)
+        t.start()
     try:
         yield update
     finally:
         done.set()
-        t.join()
-        if state["status"] is not None:
-            state["status"].stop()
+        if t is not None:
+            t.join()
+        with lock:
+            if state["bar"] is not None:
+                state["bar"].stop()
 
 
 def _fail(e: Exception) -> None:
@@ -118,7 +141,8 @@ def _sizes(routing, mask):
 
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
                  alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None,
-                 parallel=None, routing=None, mask=None, accumulate=1, step=None, setup=None):
+                 parallel=None, routing=None, mask=None, accumulate=1, step=None, setup=None,
+                 quiet=False):
     from .api import profile_workload
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
@@ -126,8 +150,25 @@ def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=
                        compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel,
                        routing=routing, mask=mask, accumulate=accumulate, step=step, setup=setup)
     what = "compiling and tracing" if compile else "tracing"
-    with _progress(f"{what} {workload.name} on fake {options.device.type} tensors") as progress:
+    with _progress(f"{what} {workload.name} on fake {options.device.type} tensors",
+                   quiet) as progress:
+        if options.compile is not None:
+            progress = _compile_stages(progress, options.steps)
         return profile_workload(workload, options, progress)
+
+
+def _compile_stages(progress, steps: int):
+    """A compiled profile traces the eager step first, then compiles (long, and silent: dynamo,
+    AOTAutograd, inductor) and traces the compiled one: say which is under way."""
+    state = {"eager": True}
+    progress("the eager step")
+
+    def update(step, phase):
+        progress(step, phase)
+        if state["eager"] and step == steps and phase == "zero_grad":
+            state["eager"] = False
+            progress("compiling (dynamo, AOTAutograd, inductor), then the compiled step")
+    return update
 
 
 def _invocation(command, spec, batch, seq, inputs, loss, dtype, amp, optimizer, gpu=None,
@@ -209,6 +250,9 @@ HsdpOpt = typer.Option(1, "--hsdp", help="With --fsdp: replicate the shards R ti
 DpReplicateOpt = typer.Option(1, "--dp-replicate", help="Data parallel replicas R (same as --hsdp).")
 ParallelizeOpt = typer.Option(None, "--parallelize", help="file.py:fn, your parallelize(model, mesh); with --mesh dp=4,tp=2.")
 MeshOpt = typer.Option(None, "--mesh", help="With --parallelize: the device mesh, names and sizes, e.g. dp=4,tp=2.")
+QuietOpt = typer.Option(False, "--quiet", "-q",
+                        help="No progress on stderr (shown only on a terminal, once the work "
+                             "takes over a second).")
 
 
 def _parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh) -> dict:
@@ -266,6 +310,7 @@ def profile_cmd(
     compile: bool = CompileOpt, compile_mode: Optional[str] = ModeOpt, fullgraph: bool = FullgraphOpt,
     dynamic: Optional[str] = DynamicOpt, activation_memory_budget: Optional[float] = BudgetOpt,
     compile_optimizer: bool = CompileOptimOpt, compile_backend: Optional[str] = BackendOpt,
+    quiet: bool = QuietOpt,
 ):
     """Peak memory and what causes it, FLOPs by phase, top modules, uncounted ops; with --compile,
     the step as torch.compile runs it beside the eager one."""
@@ -284,7 +329,7 @@ def profile_cmd(
                          cpu_isa=cpu_isa,
                          parallel=_parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh),
                          routing=routing, mask=mask_fraction, accumulate=accumulate,
-                         step=step, setup=setup)
+                         step=step, setup=setup, quiet=quiet)
         elapsed = time.perf_counter() - t0
         from .report.console import render_compiled, render_summary
 
@@ -327,6 +372,7 @@ def budget_sweep_cmd(
                                 help="activation_memory_budget values, comma-separated."),
     compile_mode: Optional[str] = ModeOpt, dynamic: Optional[str] = DynamicOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the table as JSON."),
+    quiet: bool = QuietOpt,
 ):
     """The compiled step's physical peak for each functorch activation_memory_budget."""
     with _user_errors():
@@ -341,8 +387,11 @@ def budget_sweep_cmd(
         workload, model_loss = _workload(spec, batch, seq, input)
         compile = _compile_options(True, compile_mode, False, dynamic, None, False, None)
         options = _options(model_loss, loss, optimizer, device, None, dtype, amp, compile=compile)
-        with _progress(f"compiling {workload.name} at {len(values)} budgets"):
-            points = budget_sweep(workload, options, values)
+        points = []
+        with _progress(f"compiling {workload.name} at {len(values)} budgets", quiet) as progress:
+            for i, b in enumerate(values):
+                progress(f"budget {b:g} ({i + 1} of {len(values)})")
+                points += budget_sweep(workload, options, [b], progress)
         out.print(Text.assemble((workload.name, "bold"), f" compiled ({options.device.type}): "
                                 "physical peak per activation_memory_budget"))
         out.print(f"  {'budget':>6}  {'peak':>12}  {'first step':>12}  {'saved':>12}  "
@@ -362,14 +411,14 @@ def ops_cmd(
     gpu: Optional[str] = GpuOpt, input: Optional[List[str]] = InputOpt,
     loss: Optional[str] = LossOpt,
     optimizer: bool = typer.Option(False, "--with-optimizer", help="Also list the optimizer's ops."),
-    json_file: Optional[str] = JsonOpt,
+    json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
 ):
     """The forward<->backward op table: seq_nr | aten op | module, forward rows then backward."""
     with _user_errors():
         _check_outputs(json=json_file)
         phases = ("forward", "backward", "optimizer") if optimizer else ("forward", "backward")
         p = _run_profile(spec, batch, seq, device, dtype, "adamw" if optimizer else "none", 1,
-                         input, amp=amp, gpu=gpu, loss=loss)
+                         input, amp=amp, gpu=gpu, loss=loss, quiet=quiet)
         from .report.console import render_ops
         from .report.json import ops_dict
 
@@ -383,7 +432,7 @@ def explain_cmd(
     device: str = DeviceOpt, dtype: Optional[str] = typer.Option("fp32", "--dtype"),
     model: Optional[str] = typer.Option(None, "--model", help="Explain every op of this model's step."),
     batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,
-    json_file: Optional[str] = JsonOpt,
+    json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
 ):
     """How the dispatcher handles an op on a device, what autograd records and what its backward runs."""
     with _user_errors():
@@ -407,7 +456,8 @@ def explain_cmd(
             out.print(render(e), highlight=False, markup=False)
             _write_json(json_file, to_jsonable(e))
             return
-        p = _run_profile(model, batch, seq, device, dtype if dtype != "fp32" else None, "none", 1, None)
+        p = _run_profile(model, batch, seq, device, dtype if dtype != "fp32" else None, "none", 1, None,
+                         quiet=quiet)
         rows = []
         for name, autograd, backend, node, bwd in explain_profile(p.ops, p.trace.device.type):
             if op and op not in name:
@@ -432,13 +482,15 @@ def diff_cmd(
     amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt, input: Optional[List[str]] = InputOpt,
     loss: Optional[str] = LossOpt,
     top: int = typer.Option(12, "--top", help="Differences to show."),
-    json_file: Optional[str] = JsonOpt,
+    json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
 ):
     """The same step traced on two devices: aligned op sequences, each difference explained."""
     with _user_errors():
         _check_outputs(json=json_file)
-        a = _run_profile(spec, batch, seq, device, dtype, optimizer, 2, input, amp, loss=loss)
-        b = _run_profile(spec, batch, seq, vs, dtype, optimizer, 2, input, amp, loss=loss)
+        a = _run_profile(spec, batch, seq, device, dtype, optimizer, 2, input, amp, loss=loss,
+                         quiet=quiet)
+        b = _run_profile(spec, batch, seq, vs, dtype, optimizer, 2, input, amp, loss=loss,
+                         quiet=quiet)
         from .analysis.diff import diff_steps
         from .report.console import render_diff
         from .report.json import diff_dict
@@ -458,7 +510,7 @@ def fit_cmd(
     input: Optional[List[str]] = InputOpt, loss: Optional[str] = LossOpt,
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Also print the peak for sizes A..B, e.g. 1..4096."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Compare the (FSDP, TP) layouts of this many GPUs of --gpu."),
-    json_file: Optional[str] = JsonOpt,
+    json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
 ):
     """The largest batch (or, with --batch, sequence length) whose step fits the memory budget.
 
@@ -468,14 +520,22 @@ def fit_cmd(
         from .fit import fit_workload, parse_bytes, parse_sweep, sweep as sweep_sizes
 
         if gpus is not None:
+            if device not in (None, "cuda"):
+                raise TapescopeError(f"fit --gpus compares layouts of GPUs, traced as CUDA runs "
+                                     f"them; --device {device} cannot be used with --gpus (drop "
+                                     f"--device, or profile --fsdp {gpus} --device {device})")
+            if sweep is not None:
+                raise TapescopeError("--sweep cannot be used with --gpus (each layout is profiled "
+                                     "at one batch); drop --sweep, or run fit without --gpus")
             return _fit_layouts(spec, gpus, gpu, batch, seq, input, loss, dtype, amp, optimizer,
-                                json_file)
+                                json_file, parse_bytes(budget) if budget is not None else None,
+                                quiet)
         dim = "seq" if batch is not None else "batch"
         sweep_range = parse_sweep(sweep) if sweep else None
         budget_bytes = parse_bytes(budget) if budget is not None else None
         workload, model_loss = _workload(spec, batch, seq, input)
         options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp)
-        with _progress(f"tracing {workload.name} with a symbolic {dim}") as progress:
+        with _progress(f"tracing {workload.name} with a symbolic {dim}", quiet) as progress:
             r = fit_workload(workload, options, budget=budget_bytes, dim=dim, progress=progress)
         rows = sweep_sizes(r, *sweep_range) if sweep_range else None
         from .report.console import render_fit
@@ -500,6 +560,7 @@ def plan_cmd(
     max_traces: int = typer.Option(4, "--max-traces", help="Re-traces the search may spend correcting its estimate."),
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON (policies, peaks, costs, code)."),
     code_file: Optional[str] = typer.Option(None, "--code", help="Write the plan as Python (apply_checkpointing(model))."),
+    quiet: bool = QuietOpt,
 ):
     """What to recompute (activation checkpointing) so that the step fits the budget; the plan's
     peak is the step re-traced with the plan applied.
@@ -512,7 +573,7 @@ def plan_cmd(
 
         workload, model_loss = _workload(spec, batch, seq, input)
         options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp)
-        with _progress(f"planning checkpointing for {workload.name}") as progress:
+        with _progress(f"planning checkpointing for {workload.name}", quiet) as progress:
             plan = plan_workload(workload, options, budget=budget, units=unit or None,
                                  max_traces=max_traces, pareto=pareto,
                                  progress=progress)
@@ -531,19 +592,21 @@ def plan_cmd(
 
 
 def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimizer,
-                 json_file) -> None:
-    """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank. Exits 1 when
-    none fits."""
+                 json_file, budget=None, quiet=False) -> None:
+    """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank; with a budget, a
+    layout fits when its peak per rank is within it. Exits 1 when none fits."""
     from .distributed.layouts import fit_layouts
     from .report.console import render_layouts
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
     options = _options(model_loss, loss, optimizer, "cuda", gpu or "h100", dtype, amp)
-    with _progress(f"profiling the layouts of {gpus} GPUs for {workload.name}") as progress:
-        rows = fit_layouts(workload, options, gpus, progress=progress)
-    render_layouts(rows, workload.name, gpus, options, out)
+    with _progress(f"profiling the layouts of {gpus} GPUs for {workload.name}",
+                   quiet) as progress:
+        rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
+                           stage=progress)
+    render_layouts(rows, workload.name, gpus, options, out, budget=budget)
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
-                            "layouts": [r.to_dict() for r in rows]})
+                            "budget_bytes": budget, "layouts": [r.to_dict() for r in rows]})
     if not any(r.fits for r in rows):
         raise typer.Exit(1)
 
@@ -557,7 +620,7 @@ def validate_cmd(
     input: Optional[List[str]] = InputOpt, loss: Optional[str] = LossOpt,
     warmup: int = typer.Option(2, "--warmup"), steps: int = typer.Option(5, "--steps"),
     accumulate: int = AccumulateOpt,
-    json_file: Optional[str] = JsonOpt,
+    json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
 ):
     """Predict the step, run it for real on this machine's device, and compare."""
     with _user_errors():
@@ -568,17 +631,46 @@ def validate_cmd(
         from .zoo import parse_input, resolve
 
         m = resolve(spec, batch=batch, seq=seq, inputs=[parse_input(i) for i in input or []])
-        with _progress(f"validating {m.name}"):
+        with _progress(f"validating {m.name}", quiet) as progress:
             v = validate(m.build, *m.inputs, input_kwargs=m.input_kwargs,
                          loss_fn=m.loss_fn if loss is None else loss,
                          optimizer=None if optimizer == "none" else optimizer, device=device,
                          dtype=dtype, amp=amp, warmup=warmup, steps=steps, name=m.name,
-                         accumulate=accumulate)
+                         accumulate=accumulate, progress=progress, stage=progress)
         render_validation(v, out)
         _write_json(json_file, to_jsonable(v))
 
 
+def _check_alloc_conf_env() -> None:
+    """PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF, read before anything imports torch: torch
+    parses both when it is imported and aborts the process on a malformed one (SIGABRT, no
+    message tapescope could give after). tapescope's own tokenizer of that syntax
+    (analysis/allocator.py, torch-free) is stricter than torch's at import, so a value it flags
+    is confirmed by importing torch in a child process (only then: nothing is paid when the
+    variables are well formed); keys and values are checked later, by Options.create."""
+    import os
+    import subprocess
+
+    from .analysis.allocator import config_syntax_error
+
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        value = os.environ.get(var)
+        e = config_syntax_error(value) if value else None
+        if e is None:
+            continue
+        child = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+        if child.returncode >= 0 and b"ConfigTokenizer" not in child.stderr:
+            continue  # torch imports with it: Options.create says what it makes of it
+        err.print(Text.assemble(
+            ("error:", "bold red"), f" cannot read the allocator settings {value!r} in {var}: "
+            f"{e}; fix it (e.g. expandable_segments:True) or unset {var} - torch aborts on "
+            "import with it"), highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
 def main() -> None:
+    if "--help" not in sys.argv[1:]:
+        _check_alloc_conf_env()
     try:
         app()
     except KeyboardInterrupt:

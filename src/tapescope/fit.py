@@ -12,6 +12,7 @@ rounding and fragmentation, which the predicted allocated bytes do not include.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -34,8 +35,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_bytes(text) -> int:
     """'24GiB', '80GB', '80e9', 1e9 -> bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if math.isfinite(text) and text >= 1:
+            return int(text)
+        raise TapescopeError(f"a memory size must be a number of bytes >= 1, got {text!r}")
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
     try:
         n = int(float(m[1]) * _UNITS[m[2].lower()]) if m else None

@@ -36,6 +36,8 @@ def load_function(text: str, what: str = "function"):
     else:
         try:
             module = importlib.import_module(target)
+        except SystemExit as e:
+            raise SpecError(_exited(target, e)) from None
         except Exception as e:  # noqa: BLE001 - the user's module failed to import
             raise SpecError(f"importing {target} for {what} {text!r} failed: "
                             f"{type(e).__name__}: {e}") from None
@@ -72,10 +74,19 @@ def import_file(path: str):
         spec.loader.exec_module(module)
     except BaseException as e:
         sys.modules.pop(name, None)
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if isinstance(e, KeyboardInterrupt):
             raise
+        if isinstance(e, SystemExit):
+            raise SpecError(_exited(path, e)) from None
         raise SpecError(f"importing {path} failed: {type(e).__name__}: {e}") from None
     return module
+
+
+def _exited(what: str, e: SystemExit) -> str:
+    """A module that ends the process when imported (a script's sys.exit() at module level)."""
+    return (f"importing {what} called sys.exit({'' if e.code is None else repr(e.code)}); a file "
+            "tapescope imports must not exit on import: put the script's own code under "
+            "`if __name__ == \"__main__\":`")
 
 
 def _module_name(path: str) -> tuple[str, str]:

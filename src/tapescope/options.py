@@ -269,6 +269,13 @@ class Options:
         if compile is not None and symbolic:
             raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
                                  "compile with dynamic=True to see the graphs torch.compile makes)")
+        if (cpu_isa is not None or threads is not None) and dev.type != "cpu":
+            given = " and ".join(f for f, v in (("--cpu-isa (cpu_isa=)", cpu_isa),
+                                                ("--threads (threads=)", threads)) if v is not None)
+            verb = "describe" if " and " in given else "describes"
+            raise TapescopeError(f"{given} {verb} the CPU whose kernels a cpu step runs; a "
+                                 f"{dev.type} step runs none of them: drop {given.split(' (')[0]}"
+                                 ", or trace with --device cpu")
         mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine)
         if mesh is not None and (compile is not None or checkpointing):
             raise TapescopeError("a distributed profile (mesh=) with compile= or a checkpointing "

@@ -122,6 +122,19 @@ class AllocatorConfig:
 
 # -- PYTORCH_CUDA_ALLOC_CONF parsing: one small parser per key ------------------------------------
 
+def config_syntax_error(value: str) -> str | None:
+    """What is malformed in an allocator config's syntax (None: nothing). torch's ConfigTokenizer
+    parses PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF when torch is imported and aborts the
+    process on these; unknown keys and values are checked later, by from_env."""
+    try:
+        list(_config_items(value))
+    except IndexError:
+        return f"malformed allocator config {value!r}"
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _config_items(value: str):
     """(key, value) pairs; value is a str, or a list of (str, str) for a bracketed list."""
     # ConfigTokenizer: ',', ':', '[' and ']' are tokens of their own; spaces are dropped

@@ -74,12 +74,15 @@ class MemoryReport:
     peak_bytes: int
     peak_op: int
     at_peak: dict                 # category -> bytes at the peak
-    live_at_peak: list            # LiveTensor, largest first
+    live_at_peak: list            # LiveTensor, largest first (the `top` largest)
     timeline: list                # per op: highest live bytes while it ran
     timeline_by_category: dict    # category -> per-op bytes at that same moment
     initial_bytes: int
     final_bytes: int
     modules: list = field(default_factory=list)   # ModuleMemory, largest peak first
+    # LiveGroup, largest total first (the `top` largest): repeats counted over every tensor
+    # alive at the peak
+    live_groups: list = field(default_factory=list)
 
     def to_dict(self, with_timeline: bool = True) -> dict:
         d = {
@@ -89,6 +92,12 @@ class MemoryReport:
                 {"storage": t.storage, "bytes": _n(t.nbytes), "category": t.category, "op": t.op,
                  "op_name": t.op_name, "module": t.module, "owner": t.owner, "source": t.source}
                 for t in self.live_at_peak],
+            "live_groups_at_peak": [
+                {"bytes_each": _n(g.first.nbytes), "count": g.count, "bytes": _n(g.nbytes),
+                 "category": g.first.category, "op_name": g.first.op_name,
+                 "module": g.first.module if g.count == 1 else g.module,
+                 "owner": g.first.owner if g.count == 1 else g.owner, "source": g.first.source}
+                for g in self.live_groups],
             "initial_bytes": _n(self.initial_bytes), "final_bytes": _n(self.final_bytes),
             "modules": [{"module": m.module, "peak_bytes": _n(m.peak_bytes),
                          "saved_bytes": _n(m.saved_bytes)} for m in self.modules],
@@ -187,17 +196,20 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
     for sid in live_at_peak:
         at_peak[categories[sid]] += storages[sid].nbytes
     tensors = []
-    for sid in sorted(live_at_peak, key=lambda s: storages[s].nbytes, reverse=True)[:top]:
+    for sid in sorted(live_at_peak, key=lambda s: storages[s].nbytes, reverse=True):
         k = local.get(storages[sid].created_by)  # None: made before this step
         op = ops[k] if k is not None else None
         tensors.append(LiveTensor(
             sid, storages[sid].nbytes, categories[sid], k, op.name if op else None,
             op.module if op else None, trace.storage_owner.get(sid),
             str(op.source) if op is not None and op.source is not None else None))
+    # repeats are counted over every tensor alive at the peak, not only among the largest few
+    # (a tensor each of 8 blocks holds is x8 even where 20 larger ones come first)
+    groups = group_live_tensors(tensors)[:top]
 
     return MemoryReport(
         step=view.step, peak_bytes=peak, peak_op=peak_pos, at_peak=at_peak,
-        live_at_peak=tensors, timeline=timeline, timeline_by_category=timeline_cat,
+        live_at_peak=tensors[:top], live_groups=groups, timeline=timeline, timeline_by_category=timeline_cat,
         initial_bytes=initial_bytes, final_bytes=total,
         modules=_module_memory(view, ops, timeline, categories, storages),
     )

@@ -41,6 +41,7 @@ elements.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -104,15 +105,35 @@ class Sizes:
                 routing = tuple(float(s) for s in routing)
             except (TypeError, ValueError):
                 raise TapescopeError(f"routing shares must be numbers, got {sizes.routing}") from None
-            if not routing or min(routing) < 0 or sum(routing) <= 0:
-                raise TapescopeError(f"routing shares must be >= 0 and not all 0, got {routing}")
+            if not routing or not all(0 <= s < math.inf for s in routing) \
+                    or not 0 < sum(routing) < math.inf:
+                raise TapescopeError(f"routing shares must be finite numbers >= 0, not all 0, "
+                                     f"got {sizes.routing}")
         elif routing not in ROUTINGS:
             raise TapescopeError(f"routing must be one of {', '.join(ROUTINGS)} or shares per "
                                  f"expert, got {routing!r}")
         mask = sizes.mask
-        if mask is not None and not (0.0 <= float(mask) <= 1.0):
-            raise TapescopeError(f"mask must be a fraction between 0 and 1, got {mask}")
-        return cls(routing, None if mask is None else float(mask))
+        try:
+            fraction = None if mask is None else float(mask)
+        except (TypeError, ValueError):
+            fraction = math.nan
+        if fraction is not None and not 0.0 <= fraction <= 1.0:  # nan included
+            raise TapescopeError(f"mask must be a fraction between 0 and 1, got {mask!r}")
+        return cls(routing, fraction)
+
+    def unused(self, assumptions) -> list[str]:
+        """What was asked for and assumed nothing (`assumptions`: the trace's): a routing for a
+        step with no router, a mask fraction for a step with no mask."""
+        kinds = {a.kind for a in assumptions}
+        out = []
+        if self.routing != "balanced" and "routing" not in kinds:
+            out.append(f"the routing {self.describe_routing()} (--routing) assumed nothing: no "
+                       "router of this step (topk, argmax or max over expert scores) decides a "
+                       "size")
+        if self.mask is not None and "mask" not in kinds:
+            out.append(f"the mask fraction {self.mask:g} (--mask-fraction) assumed nothing: no "
+                       "boolean mask of this step decides a size")
+        return out
 
     def describe_routing(self) -> str:
         if isinstance(self.routing, tuple):

@@ -229,6 +229,9 @@ class CaptureSession:
         if self.shape_env is not None:
             self._record_shape_facts()
         self.values.write(trace)
+        unused = opts.sizes.unused(trace.assumptions)
+        if unused:
+            self.facts["sizes_unused"] = unused
         if opts.gpu is not None:
             self.facts["gpu"] = opts.gpu.key
         if opts.device.type == "cuda":

@@ -58,6 +58,8 @@ def default_loss(output) -> torch.Tensor:
 
 
 def forward_and_loss(model, args, kwargs, loss_fn, loss_context=nullcontext) -> torch.Tensor:
+    if loss_fn is not None:
+        _check_loss_call(loss_fn, len(args))
     out = model(*args, **kwargs)
     with loss_context():
         loss = loss_fn(out, *args) if loss_fn is not None else default_loss(out)
@@ -65,6 +67,26 @@ def forward_and_loss(model, args, kwargs, loss_fn, loss_context=nullcontext) -> 
         raise TapescopeError(f"the loss must be a one-element tensor, got {type(loss).__name__} "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
     return loss
+
+
+def _check_loss_call(loss_fn, n_inputs: int) -> None:
+    """The loss is called as loss_fn(output, *inputs): say so, before the step runs, to a
+    function that cannot take that many arguments (its own TypeError would name no convention)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin or a C callable: no signature to check
+        return
+    try:
+        sig.bind(*range(1 + n_inputs))
+    except TypeError:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise TapescopeError(
+            f"the loss {name}{sig} cannot be called as {name}(output, *inputs): tapescope passes "
+            f"the model's output and its {n_inputs} input{'s' * (n_inputs != 1)}, "
+            f"{1 + n_inputs} argument{'s' * (n_inputs != 0)} in all; give it the parameters "
+            f"(output, *inputs)") from None
 
 
 def train_step(model, args, kwargs, loss_fn, optimizer, *, step: int = 1,

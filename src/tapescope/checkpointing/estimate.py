@@ -79,7 +79,7 @@ def find_units(model: nn.Module, units=None) -> list[str]:
         elif callable(units):
             chosen = [n for n, m in named.items() if n and units(n, m)]
         else:
-            chosen = list(units)
+            chosen = [units] if isinstance(units, str) else list(units)  # one fqn, or several
             for n in chosen:
                 if n not in named or not n:
                     from ..errors import TapescopeError

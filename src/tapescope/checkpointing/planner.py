@@ -181,6 +181,10 @@ def plan_workload(workload: Workload, options: Options, *, budget=None, units=No
                              "not pass checkpointing=... as well")
     if options.symbolic:
         raise TapescopeError("plan_checkpointing traces concrete sizes; drop symbolic=...")
+    for what, n in (("pareto (CLI: --pareto)", pareto), ("max_traces (CLI: --max-traces)",
+                                                         max_traces)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise TapescopeError(f"{what} takes a whole number >= 0, got {n!r}")
     if budget is None:
         if options.gpu is None:
             raise TapescopeError("give a budget (e.g. '40GiB') or a GPU (e.g. 'h100')")

@@ -120,6 +120,8 @@ def apply_policies(model: nn.Module, policies, on_wrap=None) -> nn.Module:
             if q != p.module and (p.module.startswith(q + ".") or q.startswith(p.module + ".")):
                 raise TapescopeError(f"checkpointing {q!r} and {p.module!r}: one contains the "
                                      "other; name disjoint modules")
+    # find every module first: a plan that does not fit the model leaves it as it was
+    targets = []
     for p in policies:
         if not p.module:
             raise TapescopeError("the root module cannot be checkpointed by a plan; name its "
@@ -129,12 +131,39 @@ def apply_policies(model: nn.Module, policies, on_wrap=None) -> nn.Module:
             parent = model.get_submodule(parent_name)
             module = parent.get_submodule(child)
         except AttributeError:
-            raise TapescopeError(f"the model has no module {p.module!r} to checkpoint") from None
+            raise TapescopeError(f"the model has no module {p.module!r} to checkpoint; the model "
+                                 "was left as it was (apply a plan to the model it was made for)"
+                                 ) from None
+        wrapped = _checkpointed_on_path(model, p.module)
+        if wrapped is not None:
+            raise TapescopeError(
+                f"module {p.module!r} is already checkpointed ({wrapped or 'the root'} is a "
+                "checkpoint_wrapper): was the plan applied already? Apply a plan once, to the "
+                "model as built; the model was left as it was")
+        targets.append((p, parent, child, module))
+    for p, parent, child, module in targets:
         wrapper = wrap(module, p)
         setattr(parent, child, wrapper)
         if on_wrap is not None:
             on_wrap(wrapper, module, p.module)
     return model
+
+
+def _checkpointed_on_path(model: nn.Module, fqn: str) -> str | None:
+    """The fqn of a checkpoint_wrapper that is `fqn` or contains it (None: none is): wrapping
+    inside one nests checkpointing silently."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+    except ImportError:  # pragma: no cover - no torch.distributed: no wrapper can be there
+        return None
+    path, module = [], model
+    for part in [""] + fqn.split("."):
+        if part:
+            module = module.get_submodule(part)
+            path.append(part)
+        if isinstance(module, ActivationWrapper):
+            return ".".join(path)
+    return None
 
 
 def _ranges(names: list[str]) -> list[str]:
@@ -147,7 +176,8 @@ def _ranges(names: list[str]) -> list[str]:
             while j + 1 < len(names) and names[j + 1] == f"{prefix}.{n + (j + 1 - i)}":
                 j += 1
             if j - i >= 2:
-                out.append(f'*(f"{prefix}.{{i}}" for i in range({n}, {n + j - i + 1}))')
+                # the prefix as a quoted literal: a module name is data, never code
+                out.append(f"*({prefix + '.'!r} + str(i) for i in range({n}, {n + j - i + 1}))")
                 i = j + 1
                 continue
         out.append(repr(names[i]))

@@ -5,7 +5,8 @@ The sensible layouts of N GPUs, as torchtitan users pick them: tensor parallelis
 profiled with the preset parallelisation (presets.py) at the model's per-rank batch; a row gives
 the highest rank's peak, whether it fits the GPU (the caching allocator's predicted reserved
 memory plus the CUDA context against the GPU's memory), the step time, MFU and the tokens per
-second of the whole job.
+second of the whole job. With a budget (`fit --gpus N --budget 40GiB`), a layout fits when its
+peak per rank is within the budget, as `fit` compares one device's peak.
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ def _tokens(workload) -> int:
     return 0
 
 
-def fit_layouts(workload, options, gpus: int, progress=None) -> list[LayoutRow]:
-    """Profile every candidate layout of `gpus` GPUs of `options.gpu` (device cuda)."""
+def fit_layouts(workload, options, gpus: int, budget: int | None = None, progress=None,
+                stage=None) -> list[LayoutRow]:
+    """Profile every candidate layout of `gpus` GPUs of `options.gpu` (device cuda); `budget`
+    (bytes per rank) replaces the GPU's memory in the verdict. `progress(step, phase)` is told of
+    each traced phase, `stage(message)` of each layout begun."""
     from ..api import profile_workload
     from ..devices.gpus import interconnect
 
@@ -71,22 +75,26 @@ def fit_layouts(workload, options, gpus: int, progress=None) -> list[LayoutRow]:
     mp, amp = options.amp, None  # FSDP2's mixed precision stands in for autocast
     rows = []
     tokens = _tokens(workload)
-    for layout in candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node):
+    layouts = candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node)
+    for i, layout in enumerate(layouts):
         row = LayoutRow(layout)
         rows.append(row)
-        if progress is not None:
-            progress(0, str(layout))
+        if stage is not None:
+            stage(f"layout {layout} ({i + 1} of {len(layouts)})")
         opts = options.but(amp=amp, mesh=_mesh_spec(layout),
                            parallelize=preset_parallelize(layout, mp))
         try:
-            p = profile_workload(workload, opts)
+            p = profile_workload(workload, opts, progress)
         except TapescopeError as e:
             row.note = str(e).split(";")[0]
             continue
         cm, t = p.cuda_memory, p.time
         row.peak_bytes = p.peak_bytes
         row.reserved_bytes = cm.nvidia_smi if cm is not None else None
-        row.fits = None if cm is None else not cm.oom
+        if budget is not None:
+            row.fits = p.peak_bytes <= budget
+        else:
+            row.fits = None if cm is None else not cm.oom
         if t is not None:
             row.step_seconds, row.mfu = t.seconds, t.mfu
             # every data-parallel replica (FSDP rank group) processes its own batch

@@ -59,7 +59,8 @@ def mesh_spec(mesh) -> MeshSpec:
         raise TapescopeError(f"mesh must name its dimensions and sizes, e.g. mesh={{'dp': 4, 'tp': 2}}; "
                              f"got {mesh!r}")
     for name, size in mesh.items():
-        if not isinstance(name, str) or not isinstance(size, int) or size < 1:
+        if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool) \
+                or size < 1:
             raise TapescopeError(f"mesh dimension {name!r}: {size!r} must be a name and a size >= 1")
     return MeshSpec(tuple(mesh), tuple(mesh.values()))
 

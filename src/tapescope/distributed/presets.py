@@ -223,41 +223,36 @@ def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> C
 # ---- what the CLI flags ask for ----------------------------------------------------------------
 
 def parse_mesh(text: str) -> dict:
-    """'dp=4,tp=2' -> {'dp': 4, 'tp': 2} (outermost first)."""
+    """'dp=4,tp=2' -> {'dp': 4, 'tp': 2} (outermost first). A name given twice or a size below 1
+    is refused: the mesh would otherwise be settled silently."""
     mesh = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
-        name, _, size = item.partition("=")
+        name, eq, size = (x.strip() for x in item.partition("="))
         try:
-            mesh[name.strip()] = int(size)
+            n = int(size)
         except ValueError:
-            raise TapescopeError(f"cannot read mesh {text!r}: write names and sizes like "
-                                 "dp=4,tp=2") from None
+            n = None
+        if not name or not eq or n is None:
+            raise TapescopeError(f"cannot read --mesh {text!r}: write names and sizes like "
+                                 "dp=4,tp=2")
+        if name in mesh:
+            raise TapescopeError(f"--mesh {text!r} names {name!r} twice; give each dimension "
+                                 "once, e.g. dp=4,tp=2")
+        if n < 1:
+            raise TapescopeError(f"--mesh {text!r}: {name}={n}, a size must be at least 1")
+        mesh[name] = n
     if not mesh:
-        raise TapescopeError(f"cannot read mesh {text!r}: write names and sizes like dp=4,tp=2")
+        raise TapescopeError(f"cannot read --mesh {text!r}: write names and sizes like dp=4,tp=2")
     return mesh
 
 
 def load_function(text: str) -> Callable:
-    """'path/to/file.py:fn' -> the function fn of that file."""
-    import importlib.util
-    import os
+    """'path/to/file.py:fn' (or 'package.module:fn') -> that function, the file imported as
+    model files and --loss are (loading.py: sibling imports, dataclasses, a sys.exit on import
+    named)."""
+    from ..loading import load_function as load
 
-    path, _, fn = text.rpartition(":")
-    if not path.endswith(".py") or not fn:
-        raise TapescopeError(f"--parallelize takes file.py:function, got {text!r}")
-    if not os.path.exists(path):
-        raise TapescopeError(f"no such file: {path}")
-    spec = importlib.util.spec_from_file_location(
-        "tapescope_parallelize_" + os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file failed to import
-        raise TapescopeError(f"importing {path} failed: {type(e).__name__}: {e}") from None
-    found = getattr(module, fn, None)
-    if not callable(found):
-        raise TapescopeError(f"{path} has no function {fn!r}")
-    return found
+    return load(text, "--parallelize")
 
 
 def parallelization(fsdp: int = 1, tp: int = 1, hsdp: int = 1, dp_replicate: int = 1,
@@ -267,11 +262,25 @@ def parallelization(fsdp: int = 1, tp: int = 1, hsdp: int = 1, dp_replicate: int
     takes the place of autocast."""
     from ..options import resolve_dtype
 
+    degrees = {"--fsdp": fsdp, "--tp": tp, "--hsdp": hsdp, "--dp-replicate": dp_replicate}
+    for flag, n in degrees.items():
+        if n < 1:
+            raise TapescopeError(f"{flag} {n}: a degree must be at least 1 (1, the default, "
+                                 "means not parallelised that way)")
+    if hsdp > 1 and dp_replicate > 1 and hsdp != dp_replicate:
+        raise TapescopeError(f"--hsdp {hsdp} and --dp-replicate {dp_replicate} name the same "
+                             "degree (the replicas); give one of them")
     replicate = max(hsdp, dp_replicate)
+    given = " ".join(f"{flag} {n}" for flag, n in degrees.items() if n > 1)
+    if mesh is not None and given:
+        raise TapescopeError(f"--mesh {mesh} gives the whole layout; {given} cannot be added to "
+                             "it: put every dimension in --mesh (e.g. --mesh dp=4,tp=2), or drop "
+                             "--mesh")
     if parallelize is not None:
+        mesh_dims = parse_mesh(mesh) if mesh is not None else None
         fn = load_function(parallelize)
-        if mesh is not None:
-            return parse_mesh(mesh), fn, amp
+        if mesh_dims is not None:
+            return mesh_dims, fn, amp
         layout = Layout(fsdp=fsdp, tp=tp, dp_replicate=replicate)
         if layout.world_size == 1:
             raise TapescopeError("--parallelize needs the mesh it runs on: --mesh dp=4,tp=2 (or "

@@ -96,6 +96,12 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
                 raise _parallelize_failed(e, options.parallelize, rank) from e
             if out is None:
                 out = fmodel  # parallelised in place
+            if not isinstance(out, torch.nn.Module):
+                fn = getattr(options.parallelize, "__name__", "parallelize")
+                raise TapescopeError(
+                    f"{fn}(model, mesh) returned {type(out).__name__} {_short_repr(out)}; return "
+                    "the parallelised model (an nn.Module) or None when it changes the model in "
+                    "place")
             _refuse_ddp(out)
             seen["layouts"] = shard_layouts(out, spec)
             seen["sharded"] = _sharded_names(out)
@@ -202,3 +208,12 @@ def _sharded_names(model) -> set:
 
     return {fqn for fqn, p in model.named_parameters(remove_duplicate=False)
             if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)}
+
+
+def _short_repr(x, limit: int = 40) -> str:
+    """What a value is, in a few words: a tuple by its members' types, else its repr cut short."""
+    if isinstance(x, (tuple, list)):
+        return f"of {len(x)} ({', '.join(type(v).__name__ for v in x[:4])}" \
+            f"{', ...' if len(x) > 4 else ''})"
+    r = " ".join(repr(x).split())
+    return r if len(r) <= limit else r[:limit - 3] + "..."

@@ -13,7 +13,6 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from ..analysis.memory import group_live_tensors
 from ..analysis.modules import module_pattern, module_rollup
 from ..capture.records import ALL_CATEGORIES
 from .text import assumption_lines, fmt_bytes, fmt_count, fmt_flops, short_op
@@ -117,11 +116,12 @@ def _render_kernel_facts(p, console: Console) -> None:
     cpu = f.get("cpu")
     if cpu:
         how = "this machine" if cpu.get("detected") else "the target given"
-        console.print(f"[bold]Kernel workspaces[/] sized for {cpu['isa'].upper()}, "
-                      f"{cpu['threads']} thread{'s' * (cpu['threads'] != 1)} ({how})")
+        console.print(_line(("Kernel workspaces", "bold"),
+                            f" sized for {cpu['isa'].upper()}, {cpu['threads']} "
+                            f"thread{'s' * (cpu['threads'] != 1)} ({how})"))
     for topic, texts in (f.get("heuristics") or {}).items():
         for text in texts:
-            console.print(f"  [yellow]estimate[/] {topic}: {text}")
+            console.print(_line("  ", ("estimate", "yellow"), f" {topic}: {text}"))
 
 
 def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
@@ -148,7 +148,7 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     console.print(cats)
 
     rows = []
-    for g in group_live_tensors(mem.live_at_peak)[:top]:
+    for g in mem.live_groups[:top]:
         t = g.first
         size = fmt_bytes(t.nbytes) + (f" ×{g.count}" if g.count > 1 else "")
         if t.op is None:  # a parameter, its gradient or state, an input: no op made it here
@@ -295,9 +295,9 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
     classes = d.classes
     how = "ranks whose shards have the same shapes run the same step: one trace each" \
         if classes.provable else "which ranks run the same step could not be proven: every rank traced"
-    console.print(f"[bold]Mesh[/] {d.mesh} = {d.mesh.world_size} ranks, parallelised by "
-                  f"{p.facts.get('parallelize', '?')}; {len(classes.members)} traced ({how})",
-                  highlight=False)
+    console.print(_line(("Mesh", "bold"), f" {d.mesh} = {d.mesh.world_size} ranks, parallelised "
+                        f"by {p.facts.get('parallelize', '?')}; {len(classes.members)} traced "
+                        f"({how})"), highlight=False)
     by_rank = {r.rank: r for r in p.ranks}
     t = Table(title="Per rank", title_justify="left", box=None)
     timed = any(r.step_seconds is not None for r in p.ranks)
@@ -318,7 +318,7 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
         for col in ("kind", "mesh dim", "ranks", "bytes per rank", "count", "link", "time"):
             c.add_column(col)
         for r in rows[:top]:
-            c.add_row(r.kind, r.group, str(r.group_size), fmt_bytes(r.nbytes), str(r.count),
+            c.add_row(r.kind, Text(r.group), str(r.group_size), fmt_bytes(r.nbytes), str(r.count),
                       r.link, f"{r.seconds * 1e3:.2f} ms" if p.gpu is not None else "-")
         if len(rows) > top:
             c.add_row(f"... {len(rows) - top} more", "", "", "", "", "", "")
@@ -330,16 +330,20 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
                       f"with compute); per-rank step {tm.seconds * 1e3:.1f} ms, MFU {tm.mfu:.0%}")
 
 
-def render_layouts(rows, name: str, gpus: int, options, console: Console) -> None:
+def render_layouts(rows, name: str, gpus: int, options, console: Console,
+                   budget: int | None = None) -> None:
     """fit --gpus: one row per (FSDP, TP) layout."""
-    console.print(f"[bold]{name}[/] on {gpus} x {options.gpu.name}: (FSDP, TP) layouts at the "
-                  "model's per-rank batch", highlight=False)
+    console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: (FSDP, TP) layouts at "
+                        "the model's per-rank batch"), highlight=False)
+    if budget is not None:
+        console.print(f"  fits: the peak per rank within the budget, {fmt_bytes(budget)}",
+                      highlight=False, markup=False)
     t = Table(box=None)
     for col in ("layout", "peak per rank", "nvidia-smi", "fits", "step", "MFU", "tokens/s"):
         t.add_column(col)
     for r in rows:
         if r.peak_bytes is None:
-            t.add_row(str(r.layout), "-", "-", "-", "-", "-", f"[dim]{r.note}[/]")
+            t.add_row(str(r.layout), "-", "-", "-", "-", "-", Text(r.note, style="dim"))
             continue
         fits = "-" if r.fits is None else ("yes" if r.fits else "[red]no[/]")
         t.add_row(str(r.layout), fmt_bytes(r.peak_bytes),
@@ -473,9 +477,10 @@ def render_compiled(p, console: Console, top: int = 8) -> None:
 
     c = p.compiled
     opts = ", ".join(f"{k}={v}" for k, v in c.options.items() if v not in (None, False))
-    console.print(f"[bold]Eager vs torch.compile[/] ({opts or 'defaults'}; {c.regions} compiled "
-                  f"graph{'s' if c.regions != 1 else ''}, {len(c.graph_breaks)} graph "
-                  f"break{'s' if len(c.graph_breaks) != 1 else ''})")
+    console.print(_line(("Eager vs torch.compile", "bold"),
+                        f" ({opts or 'defaults'}; {c.regions} compiled "
+                        f"graph{'s' if c.regions != 1 else ''}, {len(c.graph_breaks)} graph "
+                        f"break{'s' if len(c.graph_breaks) != 1 else ''})"))
     t = Table(box=None, pad_edge=False)
     for col in ("", "eager", "compiled", "change"):
         t.add_column(col, justify="left" if not col else "right")
@@ -497,17 +502,18 @@ def render_compiled(p, console: Console, top: int = 8) -> None:
     for col in ("graph", "tensor", "shape", "dtype", "bytes", "made by"):
         saved.add_column(col)
     for s in sorted(acts, key=lambda s: -s.nbytes)[:top]:
-        saved.add_row(str(s.region), s.name, "x".join(str(x) for x in s.shape), s.dtype,
-                      fmt_bytes(s.nbytes) if not s.view_of else f"view of {s.view_of}",
-                      s.op or "input")
+        saved.add_row(str(s.region), Text(s.name), "x".join(str(x) for x in s.shape), s.dtype,
+                      fmt_bytes(s.nbytes) if not s.view_of else Text(f"view of {s.view_of}"),
+                      Text(s.op or "input"))
     console.print(saved)
     real = [r for r in c.recomputed if r.flops]
     if real:
         console.print("  recomputed in the backward: " + ", ".join(
-            f"{r.name} ({r.op}, {fmt_flops(r.flops)})" for r in real[:top]), highlight=False)
+            f"{r.name} ({r.op}, {fmt_flops(r.flops)})" for r in real[:top]), highlight=False,
+            markup=False)
     for b in c.graph_breaks:
-        console.print(f"  [yellow]graph break[/] at {b.where or '?'}: {b.reason}", highlight=False,
-                      markup=False)
+        console.print(_line("  ", ("graph break", "yellow"), f" at {b.where or '?'}: {b.reason}"),
+                      highlight=False)
 
 
 def render_plan(plan, name: str, options, console: Console, invocation=None) -> None:
@@ -516,8 +522,8 @@ def render_plan(plan, name: str, options, console: Console, invocation=None) -> 
     from ..checkpointing.policy import FULL
 
     gpu = f" ({options.gpu.name})" if options.gpu is not None else ""
-    console.print(f"[bold]{name}[/] on {options.device.type}{gpu}: activation checkpointing for a "
-                  f"budget of {fmt_bytes(plan.budget)}", highlight=False)
+    console.print(_line((name, "bold"), f" on {options.device.type}{gpu}: activation "
+                        f"checkpointing for a budget of {fmt_bytes(plan.budget)}"), highlight=False)
     verdict = "[bold green]meets the budget[/]" if plan.meets_budget else \
         "[bold red]cannot meet the budget[/] (the lowest peak found)"
     console.print(f"peak {fmt_bytes(plan.peak_bytes)} {verdict} — the step re-traced with the plan "
@@ -531,10 +537,11 @@ def render_plan(plan, name: str, options, console: Console, invocation=None) -> 
     full = [p.module for p in plan.policies if p.mode == FULL]
     sel = [p for p in plan.policies if p.mode != FULL]
     rest = len(plan.units) - len(plan.policies)
-    console.print(f"  checkpointed whole ({len(full)}): {_fqn_runs(full) or '-'}", highlight=False)
+    console.print(f"  checkpointed whole ({len(full)}): {_fqn_runs(full) or '-'}", highlight=False,
+                  markup=False)
     console.print(f"  selective ({len(sel)}): {_fqn_runs([p.module for p in sel]) or '-'}"
                   + (f"; keeping the outputs of {', '.join(sorted({o for p in sel for o in p.save_ops}))}"
-                     if sel else ""), highlight=False)
+                     if sel else ""), highlight=False, markup=False)
     console.print(f"  not checkpointed: {rest} of the {len(plan.units)} units considered",
                   highlight=False)
     for r in plan.refused:

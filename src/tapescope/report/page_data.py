@@ -153,11 +153,10 @@ def _peak(p) -> dict:
 
 def _live(p) -> list:
     """Tensors alive at the peak, repeats grouped (the same size, category, op and line in
-    instances of one block: analysis.memory.group_live_tensors); `bytes` is each one's size."""
-    from ..analysis.memory import group_live_tensors
-
+    instances of one block, counted over every tensor alive at the peak:
+    analysis.memory.group_live_tensors); `bytes` is each one's size."""
     out = []
-    for g in group_live_tensors(p.memory.live_at_peak):
+    for g in p.memory.live_groups:
         t = g.first
         out.append({"bytes": _num(t.nbytes), "count": g.count, "category": t.category,
                     "op": t.op, "op_name": t.op_name,

@@ -14,7 +14,8 @@ from .text import fmt_bytes
 
 __all__ = ["write_png", "require_matplotlib"]
 
-_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+_UNITS = (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
+          ("KiB", 2**10), ("B", 1))
 
 
 def require_matplotlib() -> None:

@@ -8,7 +8,8 @@ __all__ = ["fmt_bytes", "fmt_flops", "fmt_count", "short_op", "summary_text", "o
 def fmt_bytes(n) -> str:
     if not isinstance(n, int):
         return str(n)
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30),
+                       ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
@@ -81,10 +82,10 @@ def ops_table_text(p) -> str:
 def assumption_lines(p) -> list[str]:
     """What the profile assumed about sizes that depend on tensor values, and the peak as their
     formula (analysis.data_sizes); nothing when it assumed nothing."""
+    lines = [f"Not used: {u}" for u in (p.facts or {}).get("sizes_unused", ())]
     ds = p.data_sizes
     if ds is None:
-        return []
-    lines = []
+        return lines
     for a in ds.assumptions:
         tail = "" if a.decided else "; no size of this step depends on it"
         lines.append(f"Assumed at {a.where}: {a.detail}{tail}")

@@ -95,9 +95,10 @@ def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, 
 
 def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw", device=None,
              dtype=None, amp=None, warmup: int = 2, steps: int = 5, name: str | None = None,
-             gpu=None, accumulate: int = 1) -> Validation:
+             gpu=None, accumulate: int = 1, progress=None, stage=None) -> Validation:
     """Profile the step, run it for real on `device` (default: the GPU if there is one, else the
-    CPU) and compare. Quantities are bytes, except "step time" (seconds)."""
+    CPU) and compare. Quantities are bytes, except "step time" (seconds). `progress(step,
+    phase)` is told of each traced phase, `stage(message)` of each part begun."""
     from ..api import profile
     from ..capture.model import build_on_meta
     from ..errors import DeviceError, TapescopeError
@@ -121,9 +122,13 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
         from ..devices.gpus import resolve_gpu_key
 
         gpu = resolve_gpu_key(torch.cuda.get_device_name())
+    stage = stage or (lambda message: None)
+    stage("predicting the step on fake tensors")
     p = profile(model if isinstance(model, torch.nn.Module) else build_on_meta(model), *inputs,
                 loss_fn=loss_fn, input_kwargs=input_kwargs, optimizer=optimizer, device=device,
-                dtype=dtype, amp=amp, name=name, gpu=gpu, accumulate=accumulate)
+                dtype=dtype, amp=amp, name=name, gpu=gpu, accumulate=accumulate,
+                progress=progress)
+    stage(f"running 2 real steps on {dev.type} under the profiler")
     v = Validation(p.model, str(dev), gpu)
     if dev.type == "cpu":
         real = run_real_steps(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
@@ -132,6 +137,7 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
                    ("steady peak bytes", p.peak_bytes, real.peaks.get(2))]
         v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
                                                for s, ph, n in real.ops if s == 2 and ph])
+        stage(f"timing {warmup} + {steps} real steps")
         t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp,
                         accumulate)
         v.rows.append(("step time", None, t["time"]))
@@ -143,6 +149,7 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
                                            for s, ph, n in real.ops if s == 2 and ph])
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    stage(f"timing {warmup} + {steps} real steps")
     t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp,
                     accumulate)
     cm = p.cuda_memory

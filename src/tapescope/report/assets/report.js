@@ -27,11 +27,14 @@
     return e;
   }
 
+  const BYTE_UNITS = [["EiB", 2 ** 60], ["PiB", 2 ** 50], ["TiB", 2 ** 40], ["GiB", 2 ** 30],
+                      ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
+
   function fmtBytes(n) {
     if (n == null) return "–";
     if (typeof n !== "number") return String(n);
     const a = Math.abs(n);
-    for (const [unit, size] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
+    for (const [unit, size] of BYTE_UNITS) {
       if (a >= size) return (n / size).toFixed(2) + " " + unit;
     }
     return n + " B";
@@ -40,7 +43,7 @@
   const BYTE_INCRS = Array.from({ length: 63 }, (_, e) => 2 ** e);
 
   function fmtAxisBytes(n) {
-    for (const [unit, size] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
+    for (const [unit, size] of BYTE_UNITS) {
       if (Math.abs(n) >= size) return +(n / size).toFixed(2) + " " + unit;
     }
     return n + " B";

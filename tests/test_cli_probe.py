@@ -1,0 +1,428 @@
+"""What a hostile but fair user types (issue 24's probe): every mistake is one `error:` line that
+names the thing and the fix, exit 1, never a traceback; nothing the user typed is read as markup
+or silently ignored."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tapescope.cli import app
+
+from .conftest import TINY_LLAMA
+
+needs_cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                      reason="needs a CUDA build of torch")
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(r, *words):
+    """One `error:` line naming each of `words`, exit 1, no traceback."""
+    assert r.exit_code == 1, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, r.output
+    text = " ".join(lines[lines.index(errors[0]):])  # the error line, wrapped or not
+    for w in words:
+        assert w in text, (w, r.output)
+
+
+# -- fit --gpus -------------------------------------------------------------------------------
+
+@needs_cuda_build
+def test_fit_gpus_takes_the_budget():
+    """--budget 1KiB used to print 'fits yes' and exit 0 (the GPU's memory was used instead)."""
+    r = run("fit", TINY_LLAMA, "--batch", 2, "--seq", 16, "--gpus", 2, "--budget", "1KiB")
+    assert r.exit_code == 1, r.output
+    assert "1.00 KiB" in r.output and " yes " not in r.output
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_fit_gpus_refuses_another_device(device):
+    r = run("fit", TINY_LLAMA, "--gpus", 2, "--device", device)
+    assert_user_error(r, f"--device {device}", "--gpus")
+
+
+def test_fit_gpus_refuses_a_sweep():
+    assert_user_error(run("fit", TINY_LLAMA, "--gpus", 2, "--sweep", "1..4"), "--sweep", "--gpus")
+
+
+# -- distributed flags: a conflict is refused, never settled silently ---------------------------
+
+@pytest.fixture
+def par(tmp_path):
+    f = tmp_path / "par.py"
+    f.write_text("def parallelize(model, mesh):\n    return model\n")
+    return f"{f}:parallelize"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--mesh", "dp=2,dp=4"], ["'dp' twice"]),          # profiled 4 ranks
+    (["--mesh", "dp=0"], ["dp=0", "at least 1"]),
+    (["--mesh", "=2"], ["--mesh", "dp=4,tp=2"]),
+    (["--mesh", "dp=2", "--fsdp", 4], ["--mesh dp=2", "--fsdp 4"]),   # --fsdp was ignored
+    (["--mesh", "dp=2", "--hsdp", 2], ["--mesh dp=2", "--hsdp 2"]),
+])
+def test_conflicting_mesh_flags_are_refused(par, flags, words):
+    assert_user_error(run("profile", TINY_LLAMA, "--parallelize", par, *flags), *words)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--hsdp", 0], ["--hsdp 0", "at least 1"]),          # exited 0
+    (["--hsdp", -3], ["--hsdp -3", "at least 1"]),
+    (["--dp-replicate", 0], ["--dp-replicate 0", "at least 1"]),
+    (["--fsdp", 0], ["--fsdp 0", "at least 1"]),
+    (["--fsdp", 2, "--hsdp", 2, "--dp-replicate", 3], ["--hsdp 2", "--dp-replicate 3"]),  # used 3
+])
+def test_bad_or_conflicting_degrees_are_refused(flags, words):
+    assert_user_error(run("profile", TINY_LLAMA, *flags), *words)
+
+
+def test_api_mesh_sizes_must_be_integers():
+    """mesh={'dp': True} was a traceback inside torch."""
+    import tapescope
+    from tapescope.errors import TapescopeError
+
+    from .conftest import MLP
+
+    for mesh in ({"dp": True}, {"dp": 2.0}, {"dp": 0}):
+        with pytest.raises(TapescopeError, match="size >= 1"):
+            tapescope.profile(MLP(), tapescope.spec((4, 16)), mesh=mesh,
+                              parallelize=lambda m, mesh: m)
+
+
+# -- what the user named is printed as it is, never read as rich markup --------------------------
+
+_MARKUP_MODEL = '''
+import torch
+import torch.nn as nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.add_module("[/]", nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)))
+
+    def forward(self, x):
+        for layer in getattr(self, "[/]"):
+            x = x + layer(x)
+        return x
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.a(x)
+
+
+def parallelize(model, mesh):
+    return model
+'''
+
+
+@pytest.fixture
+def markup_model(tmp_path):
+    f = tmp_path / "markup.py"
+    f.write_text(_MARKUP_MODEL)
+    return str(f)
+
+
+def test_plan_of_a_module_named_like_markup(markup_model, tmp_path):
+    """A module named `[/]` crashed the plan's report with a MarkupError after the whole plan
+    (and before --json was written)."""
+    out = tmp_path / "plan.json"
+    r = run("plan", f"{markup_model}:Stack", "--input", "512,64", "--loss", "sum",
+            "--budget", "5.5MiB", "--json", out)
+    assert r.exit_code == 0, r.output
+    assert "checkpointed whole (1): [/].0" in r.output and out.exists()
+
+
+@pytest.mark.parametrize("mesh", ["[/]=2", "[red]dp=2"])
+def test_mesh_names_like_markup_are_printed_as_given(markup_model, tmp_path, mesh):
+    """`--mesh '[/]=2'` crashed after the profile; `[red]dp` printed as 'dp'."""
+    out = tmp_path / "p.json"
+    r = run("profile", f"{markup_model}:Stack", "--input", "8,64", "--parallelize",
+            f"{markup_model}:parallelize", "--mesh", mesh, "--json", out)
+    assert r.exit_code == 0, r.output
+    name, size = mesh.split("=")
+    assert f"Mesh {name} {size} = 2 ranks" in r.output and out.exists()
+
+
+def test_graph_break_is_labelled_not_printed_as_markup(markup_model):
+    r = run("profile", f"{markup_model}:Broken", "--input", "4,8", "--loss", "sum",
+            "--compile-backend", "aot_eager")
+    assert r.exit_code == 0, r.output
+    assert "  graph break at " in r.output and "[yellow]" not in r.output
+
+
+# -- tracebacks and silent acceptance the probe found ----------------------------------------------
+
+_USER_FILE = '''
+import torch.nn as nn
+
+
+def build():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def returns_42(model, mesh):
+    return 42
+
+
+def returns_tuple(model, mesh):
+    return model, mesh
+
+
+def loss_of_output(output):
+    return output.sum()
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    f = tmp_path / "user.py"
+    f.write_text(_USER_FILE)
+    return str(f)
+
+
+@pytest.mark.parametrize("fn, words", [("returns_42", ["returns_42(model, mesh) returned int 42"]),
+                                       ("returns_tuple", ["returned tuple of 2", "nn.Module"])])
+def test_parallelize_returning_something_else_than_a_module(user_file, fn, words):
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--parallelize",
+            f"{user_file}:{fn}", "--mesh", "dp=2")
+    assert_user_error(r, *words)
+
+
+def test_loss_taking_only_the_output_is_told_how_it_is_called(user_file):
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--loss",
+            f"{user_file}:loss_of_output")
+    assert_user_error(r, "loss_of_output(output, *inputs)", "2 arguments")
+
+
+@pytest.mark.parametrize("routing", ["nan,1,1,1", "inf,1", "1e308,1e308", "-1,2"])
+def test_routing_shares_must_be_finite(user_file, routing):
+    """nan / inf shares were accepted and the failure blamed on the model."""
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--routing", routing)
+    assert_user_error(r, "routing shares must be finite")
+
+
+def test_mask_fraction_must_be_a_fraction(user_file):
+    assert_user_error(run("profile", f"{user_file}:build", "--input", "8,16", "--mask-fraction",
+                          "nan"), "mask must be a fraction")
+
+
+def test_routing_and_mask_on_a_step_without_them_say_so(user_file):
+    """--routing worst / --mask-fraction on a model with no router or mask said nothing."""
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--routing", "worst",
+            "--mask-fraction", "0.25")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "Not used: the routing worst (--routing) assumed nothing" in text
+    assert "Not used: the mask fraction 0.25 (--mask-fraction) assumed nothing" in text
+
+
+@pytest.mark.parametrize("flags", [["--pareto", -1], ["--max-traces", -5]])
+def test_plan_refuses_negative_counts(user_file, flags):
+    r = run("plan", f"{user_file}:build", "--input", "8,16", "--budget", "1MiB", *flags)
+    assert_user_error(r, flags[0].lstrip("-").replace("-", "_"), ">= 0")
+
+
+def test_api_budget_must_be_a_size():
+    """budget=nan was a ValueError traceback; -5 was accepted (the CLI refuses it)."""
+    import math
+
+    import tapescope
+
+    for budget in (math.nan, math.inf, -5, 0, True):
+        with pytest.raises(tapescope.TapescopeError, match="memory size"):
+            tapescope.plan_checkpointing(_Stack, tapescope.spec((4, 8)), budget=budget)
+
+
+def test_api_units_may_name_one_module():
+    """units='layers.0' was read letter by letter: "no module 'l'"."""
+    import tapescope
+
+    plan = tapescope.plan_checkpointing(_Stack, tapescope.spec((64, 8)), budget="1GiB",
+                                        units="layers.1")
+    assert plan.units == ("layers.1",)
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=needs_cuda_build)])
+def test_cpu_target_with_another_device_is_refused(user_file, device):
+    """--cpu-isa with --device cuda was ignored silently."""
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--device", device,
+            "--cpu-isa", "avx512")
+    assert_user_error(r, "--cpu-isa", f"a {device} step", "--device cpu")
+    r = run("profile", f"{user_file}:build", "--input", "8,16", "--device", device,
+            "--threads", 8)
+    assert_user_error(r, "--threads")
+
+
+@pytest.mark.parametrize("role", ["model", "--parallelize", "--loss"])
+def test_a_file_that_exits_on_import_is_named(tmp_path, user_file, role):
+    """sys.exit(5) at import exited 5 with no message."""
+    f = tmp_path / "script.py"
+    f.write_text("import sys\nsys.exit(5)\n")
+    args = {"model": ["profile", f"{f}:build", "--input", "8,16"],
+            "--parallelize": ["profile", f"{user_file}:build", "--input", "8,16",
+                              "--parallelize", f"{f}:fn", "--mesh", "dp=2"],
+            "--loss": ["profile", f"{user_file}:build", "--input", "8,16", "--loss", f"{f}:fn"]}
+    assert_user_error(run(*args[role]), "script.py called sys.exit(5)", "__main__")
+
+
+def test_sizes_past_a_thousand_gib_use_larger_units():
+    """1955628.40 GiB was printed for 1.87 PiB."""
+    from tapescope.report.text import fmt_bytes
+
+    assert fmt_bytes(1023 * 2**30) == "1023.00 GiB"
+    assert fmt_bytes(3 * 2**39) == "1.50 TiB"
+    assert fmt_bytes(int(1955628.40 * 2**30)) == "1.87 PiB"
+    assert fmt_bytes(2**62) == "4.00 EiB"
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x.sum()
+
+
+# -- the environment, before torch is imported -----------------------------------------------------
+
+@pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_malformed_alloc_conf_is_an_error_not_an_abort(var):
+    """torch parses these when imported and aborts the process (exit -6) on a malformed one,
+    before tapescope's own check could answer: the command line checks them first."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, var: "garbage"}
+    env.pop("PYTORCH_ALLOC_CONF" if var != "PYTORCH_ALLOC_CONF" else "PYTORCH_CUDA_ALLOC_CONF",
+            None)
+    r = subprocess.run([sys.executable, "-m", "tapescope.cli", "profile"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"'garbage' in {var}" in r.stderr and f"unset {var}" in r.stderr
+
+
+# -- progress: on a terminal's stderr, saying what is under way; never with --quiet -------------
+
+def _progress_output(monkeypatch, terminal: bool, quiet: bool = False) -> str:
+    import io
+    import time
+
+    from rich.console import Console
+
+    from tapescope import cli
+
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=buf, force_terminal=terminal, width=120))
+    with cli._progress("validating m", quiet=quiet, delay=0) as update:
+        update("budget 0.5 (1 of 2)")
+        update(1, "forward")
+        time.sleep(0.4)
+    return buf.getvalue()
+
+
+def test_progress_shows_the_stage_and_the_phase_on_a_terminal(monkeypatch):
+    out = _progress_output(monkeypatch, terminal=True)
+    assert "validating m - budget 0.5 (1 of 2) - step 1 forward done" in out
+
+
+@pytest.mark.parametrize("terminal, quiet", [(False, False), (True, True)])
+def test_no_progress_off_a_terminal_or_with_quiet(monkeypatch, terminal, quiet):
+    assert _progress_output(monkeypatch, terminal, quiet) == ""
+
+
+@pytest.fixture
+def recorded_progress(monkeypatch):
+    from contextlib import contextmanager
+
+    from tapescope import cli
+
+    calls = []
+
+    @contextmanager
+    def record(label, quiet=False, delay=1.0):
+        calls.append(("label", label, quiet))
+        yield lambda *args: calls.append(args)
+
+    monkeypatch.setattr(cli, "_progress", record)
+    return calls
+
+
+@needs_cuda_build
+def test_fit_gpus_says_which_layout_is_under_way(recorded_progress):
+    r = run("fit", TINY_LLAMA, "--batch", 2, "--seq", 16, "--gpus", 2, "--quiet")
+    assert r.exit_code == 0, r.output
+    calls = recorded_progress
+    assert calls[0] == ("label", "profiling the layouts of 2 GPUs for zoo:llama", True)
+    stages = [c[0] for c in calls[1:] if len(c) == 1]
+    assert stages == ["layout FSDP 2 (1 of 2)", "layout TP 2 (2 of 2)"]
+    assert any(len(c) == 2 for c in calls[1:])   # the traced phases, too
+
+
+def test_validate_says_which_part_is_under_way(user_file, recorded_progress):
+    r = run("validate", f"{user_file}:build", "--input", "4,16", "--device", "cpu",
+            "--warmup", 0, "--steps", 1, "-q")
+    assert r.exit_code == 0, r.output
+    stages = [c[0] for c in recorded_progress[1:] if len(c) == 1]
+    assert stages == ["predicting the step on fake tensors",
+                      "running 2 real steps on cpu under the profiler", "timing 0 + 1 real steps"]
+
+
+# -- the report: repeats at the peak counted over every tensor alive there -----------------------
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class _Deep(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_repeats_at_the_peak_are_counted_over_the_whole_peak_set():
+    """'x N' counted only within the 20 largest tensors (Llama showed x3 for a tensor all 8
+    layers hold). By hand: each of the 8 blocks saves its 2 tanh outputs (tanh's backward reads
+    its output), and blocks 0-6 hand their output to the next block's addmm, which saves it:
+    16 and 7 tensors of 512 x 64 fp32, all alive when the backward starts."""
+    import tapescope
+
+    p = tapescope.profile(_Deep, tapescope.spec((512, 64)), steps=1)
+    groups = {(g.first.category, g.first.op_name): g for g in p.memory.live_groups}
+    tanh = groups[("saved activations", "aten.tanh.default")]
+    addmm = groups[("saved activations", "aten.addmm.default")]
+    assert (tanh.count, addmm.count) == (16, 7)
+    assert tanh.first.nbytes == addmm.first.nbytes == 512 * 64 * 4
+    saved = sum(g.nbytes for g in p.memory.live_groups if g.first.category == "saved activations")
+    assert saved == p.memory.at_peak["saved activations"] == 23 * 512 * 64 * 4
+    assert len(p.memory.live_at_peak) == 20  # the JSON keeps the 20 largest tensors themselves
