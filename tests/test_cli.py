@@ -125,3 +125,17 @@ def test_profile_that_does_not_fit_the_gpu_says_why_and_what_next():
             f"{fmt_bytes(4 * n)} = {fmt_bytes(16 * n)} at the peak") in out
     gpus = int(out.split("--gpus ")[1].split()[0])
     assert gpus >= 2 and f"--fsdp {gpus} --gpu t4" in out
+
+
+def test_explain_makes_samples_a_matrix_product_accepts_and_refuses_with_a_message():
+    """`explain aten::mm` made (4, 8) x (4, 8) samples and died in a traceback; square samples
+    fit matrix products, and an op that refuses them (a convolution) gets one error line."""
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    r = CliRunner().invoke(app, ["explain", "aten::mm", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "aten::mm on cpu" in r.output
+    r = CliRunner().invoke(app, ["explain", "aten::convolution", "--device", "cpu"])
+    assert r.exit_code == 1 and r.output.startswith("error: aten::convolution refused"), r.output

@@ -99,12 +99,13 @@ def _call_tree(prof, device_type: str, recorded: list) -> list:
 
 
 def _sample_args(func, device, dtype):
-    """Small inputs from an op's schema: tensors (4, 8), an 8-wide last dimension, defaults."""
+    """Small inputs from an op's schema: square (8, 8) tensors (so matrix products, norms over
+    the last dimension and elementwise ops all accept them), defaults."""
     from ..torch_compat import schema_types
 
     C = schema_types()
 
-    def tensor(shape=(4, 8)):
+    def tensor(shape=(8, 8)):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=dtype.is_floating_point)
 
     args = []
@@ -122,7 +123,7 @@ def _sample_args(func, device, dtype):
         elif a.has_default_value():
             args.append(a.default_value)
         elif isinstance(t, C.ListType):
-            args.append([8] if a.name == "normalized_shape" else [-1] if "dim" in a.name else [4, 8])
+            args.append([8] if a.name == "normalized_shape" else [-1] if "dim" in a.name else [8, 8])
         elif isinstance(inner, (C.IntType, C.SymIntType)):
             args.append(-1 if "dim" in a.name else 1)
         elif isinstance(inner, C.FloatType):
@@ -158,7 +159,14 @@ def explain_op(op: str, device: str = "cuda", dtype=torch.float32) -> Explanatio
 
     prof = torch_profile()
     with quiet_native_logs():  # Kineto logs when the trace starts, stops and is read
-        trace = trace_call(dev, lambda: _sample_args(func, dev, dtype), func, observe=lambda: prof)
+        try:
+            trace = trace_call(dev, lambda: _sample_args(func, dev, dtype), func,
+                               observe=lambda: prof)
+        except RuntimeError as e:  # the op refuses the schema's sample shapes (a convolution)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{func.name()} refused the sample inputs made from its schema "
+                             f"(square 8 x 8 tensors): {first}; profile a model that calls it "
+                             "and use `tapescope ops` instead") from None
         calls = _call_tree(prof, dev.type, [r.func.name() for r in trace.ops if r.phase == FORWARD])
     fwd = [r for r in trace.ops if r.phase == FORWARD]
     owners = {r.seq_nr: r.name for r in fwd if r.owns_node}
