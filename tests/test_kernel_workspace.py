@@ -754,11 +754,12 @@ def test_channels_last_decision_follows_suggest_memory_format():
 
 
 class _Deconv(torch.nn.Module):
-    """One transposed convolution whose input needs a gradient (2-D, or 1-D with `dims=1`)."""
+    """One transposed convolution whose input needs a gradient (2-D; 1-D or 3-D by `dims`)."""
 
     def __init__(self, c, o, k, stride, padding, dims=2):
         super().__init__()
-        deconv = torch.nn.ConvTranspose1d if dims == 1 else torch.nn.ConvTranspose2d
+        deconv = {1: torch.nn.ConvTranspose1d, 2: torch.nn.ConvTranspose2d,
+                  3: torch.nn.ConvTranspose3d}[dims]
         self.deconv = deconv(c, o, k, stride, padding)
         self.scale = torch.nn.Parameter(torch.ones(c, *(1,) * dims))
 
@@ -771,6 +772,8 @@ DECONVS = {  # name -> (_Deconv arguments, input shape)
     "3x3/1": ((16, 8, 3, 1, 1), (8, 16, 8, 8)),
     "more output channels than input": ((16, 32, 4, 2, 1), (2, 16, 8, 8)),
     "1-D, 16/8 (HiFi-GAN's upsampler)": ((32, 16, 16, 8, 4, 1), (2, 32, 32)),
+    "3-D, 2/2 (a U-Net decoder; AVX2's direct weight gradient in 3-D)":
+        ((16, 8, 2, 2, 0, 3), (2, 16, 8, 8, 8)),
 }
 
 

@@ -240,11 +240,18 @@ def _direct_forward_ok(c: Conv) -> bool:
 
 
 def _direct_backward_weights_ok(c: Conv) -> bool:
-    """jit_avx2_conv_bwd_weights_kernel_f32::init_conf's params_ok and boundaries_ok (2-D)."""
-    if c.dilated or len(c.kernel) != 2:
+    """jit_avx2_conv_bwd_weights_kernel_f32::init_conf's params_ok and boundaries_ok (2-D, and
+    3-D with no depth padding)."""
+    if c.dilated or len(c.kernel) not in (2, 3):
         return False
-    (kh, kw), (ih, iw), (oh, ow) = c.kernel, c.in_size, c.out_size
-    (sh, sw), (t_pad, l_pad) = c.stride, c.padding
+    if len(c.kernel) == 3:
+        kd, id_, od, sd, f_pad = c.kernel[0], c.in_size[0], c.out_size[0], c.stride[0], \
+            c.padding[0]
+        back_pad = max(0, (od - 1) * sd + kd - id_ - f_pad)
+        if f_pad or back_pad or kd > id_:
+            return False
+    (kh, kw), (ih, iw), (oh, ow) = c.kernel[-2:], c.in_size[-2:], c.out_size[-2:]
+    (sh, sw), (t_pad, l_pad) = c.stride[-2:], c.padding[-2:]
     b_pad = max(0, (oh - 1) * sh + kh - ih - t_pad)
     r_pad = max(0, (ow - 1) * sw + kw - iw - l_pad)
     return (kw < 14 and kh <= t_pad + ih and kh <= ih and t_pad < kh
