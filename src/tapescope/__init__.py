@@ -8,14 +8,14 @@ The public names are imported on first use, so that `tapescope --help` (and anyt
 only needs the command line) answers without importing torch.
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["profile", "Profile", "plan_checkpointing", "Plan", "spec", "Spec", "CompileOptions",
            "Sizes", "TapescopeError", "__version__"]
 
 _LAZY = {"profile": ".api", "Profile": ".api", "spec": ".capture.model", "Spec": ".capture.model",
          "TapescopeError": ".errors", "CompileOptions": ".options",
-         "Sizes": ".capture.data_values",
+         "Sizes": ".values.sizes",
          "plan_checkpointing": ".checkpointing", "Plan": ".checkpointing"}
 
 

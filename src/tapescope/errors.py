@@ -140,8 +140,6 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
     from .torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
                                GuardOnDataDependentSymNode, UnsupportedOperatorException)
 
-    from .capture.data_values import UnknownValueRead
-
     op = getattr(exc, "tapescope_op", None) or getattr(exc, "func", None)
     where = _where(exc)
     if isinstance(exc, UnknownValueRead) and exc.kind == "random":
@@ -207,3 +205,14 @@ _VALUE_READS = (".numpy() is not supported for tensor subclasses",
 def _op_name(op) -> str:
     name = getattr(op, "_schema", None)
     return name.name if name is not None else str(op)
+
+
+class UnknownValueRead(RuntimeError):
+    """The step reads a value no one knows: a random draw no rule gives a value, a meta buffer."""
+
+    def __init__(self, func, unknown):
+        """`unknown`: capture.data_values.Unknown (its kind and source)."""
+        what = "a random number drawn at" if unknown.kind == "random" else "the value of"
+        super().__init__(f"{func} reads {what} {unknown.source}")
+        self.func, self.kind, self.source = func, unknown.kind, unknown.source
+        self.tapescope_user = True  # the step's read, not a bug of the capture

@@ -158,19 +158,9 @@ def fit_workload(workload: Workload, options: Options, *, budget=None, dim: str 
 
 
 def large_size_formula(r: FitResult):
-    """The peak's formula that holds for large sizes of the searched dimension: the piece (of the
-    first step's or the steady step's) that is largest there, other dimensions at their sizes."""
-    sp = r.profile.symbolic
-    huge = {**sp.hints, r.dim: 1 << 40}
-    symbols = dict(zip(sp.names, sp.symbols))
-    best, best_value = None, None
-    for pieces in (sp.pieces, sp.first_pieces):
-        for piece in pieces:
-            e = sp.expr(piece.bytes)
-            v = e.xreplace({symbols[n]: huge[n] for n in sp.names if n in huge})
-            if best_value is None or v > best_value:
-                best, best_value = e, v
-    return best
+    """The peak's formula that holds for large sizes of the searched dimension (analysis/symbolic.py
+    SymbolicProfile.large_size_peak_expr)."""
+    return r.profile.symbolic.large_size_peak_expr(r.dim)
 
 
 def sweep(r: FitResult, lo: int, hi: int) -> list[tuple[int, int]]:

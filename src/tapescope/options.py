@@ -172,11 +172,11 @@ class Options:
     symbolic: names of input dimensions to keep symbolic ("batch", "seq").
     sizes: what data-dependent sizes are assumed to be (capture.data_values.Sizes: the routing of
         a mixture of experts, the fraction a boolean mask keeps).
-    alloc_conf: the CUDA caching allocator's settings (analysis.allocator.AllocatorConfig) for the
+    alloc_conf: the CUDA caching allocator's settings (values.allocator.AllocatorConfig) for the
         predicted torch.cuda figures; by default read from the environment as torch reads it
         (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF).
     checkpointing: activation checkpointing applied to the traced copy of the model (a tuple of
-        checkpointing.policy.UnitPolicy: module fqn and mode), as a plan would apply it.
+        values.checkpointing.UnitPolicy: module fqn and mode), as a plan would apply it.
     compile: the step as `torch.compile(model, ...)` runs it (CompileOptions), or None (eager).
     cpu: the CPU whose kernels a cpu profile follows (devices.cpu.CpuTarget: the vector ISA
         oneDNN dispatches on and the intra-op threads it sizes per-thread buffers for); by
@@ -185,7 +185,7 @@ class Options:
         the built-in one (capture/program.py); setup: `fn(model) -> state`, run once before step
         1, its result handed to `step` in place of the optimizer (several optimizers, a
         scheduler, an EMA's weights).
-    mesh: a distributed job's device mesh (distributed.mesh.MeshSpec: dimension names and sizes);
+    mesh: a distributed job's device mesh (values.mesh.MeshSpec: dimension names and sizes);
         every rank is profiled. parallelize: `fn(model, device_mesh) -> model`, the user's
         torch.distributed code applied to each simulated rank's model.
     """
@@ -235,7 +235,7 @@ class Options:
             if d is not None and not d.is_floating_point:
                 raise TapescopeError(f"{what} must be a floating-point type, got {d}")
         if optimizer is not None and not callable(optimizer):
-            from .capture.optimizers import OPTIMIZERS
+            from .values.optimizers import OPTIMIZERS
 
             if not isinstance(optimizer, str) or optimizer.lower() not in (*OPTIMIZERS, "none"):
                 raise TapescopeError(
@@ -283,7 +283,7 @@ class Options:
                                  "parallelize function, as torchtitan does")
         step, setup = _resolve_step(step, setup, loss_fn=loss_fn, accumulate=accumulate,
                                     amp=amp, compile=compile, mesh=mesh, symbolic=symbolic)
-        from .capture.data_values import Sizes
+        from .values.sizes import Sizes
 
         return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
                    amp=amp, steps=steps, engine=engine, symbolic=tuple(symbolic or ()),
@@ -328,7 +328,7 @@ def _resolve_step(step, setup, *, loss_fn, accumulate, amp, compile, mesh, symbo
 
 def _resolve_checkpointing(checkpointing) -> tuple:
     """UnitPolicy values from a Plan, or a list of fqns / (fqn, mode) / UnitPolicy."""
-    from .checkpointing.policy import UnitPolicy
+    from .values.checkpointing import UnitPolicy
 
     if checkpointing is None:
         return ()
@@ -356,7 +356,7 @@ def _check_mesh(mesh, parallelize, device, symbolic, engine):
     if engine != "python":
         raise TapescopeError("a distributed profile runs the backward with tapescope's engine "
                              "(engine='python'): FSDP2's hooks need its graph task")
-    from .distributed.mesh import mesh_spec
+    from .values.mesh import mesh_spec
 
     return mesh_spec(mesh)
 
@@ -385,7 +385,7 @@ def _resolve_alloc_conf(conf):
     """An AllocatorConfig from an object, a PYTORCH_CUDA_ALLOC_CONF-style string, or the
     environment: PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF (c10/core/AllocatorConfig.cpp,
     AcceleratorAllocatorConfig::instance reads them in that order)."""
-    from .analysis.allocator import AllocatorConfig
+    from .values.allocator import AllocatorConfig
 
     if isinstance(conf, AllocatorConfig):
         return conf

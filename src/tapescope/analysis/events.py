@@ -9,10 +9,21 @@ their analyses.
 
 from __future__ import annotations
 
-from ..capture.records import Trace
-from .steps import StepView
+from dataclasses import dataclass
 
-__all__ = ["device_events", "initially_live", "live_after"]
+from ..capture.records import Trace
+
+__all__ = ["StepView", "device_events", "initially_live", "live_after"]
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One step's share of the trace (analysis/steps.py cuts it): the sequence this walk reads."""
+
+    step: int
+    ops: tuple        # trace op indices, in execution order
+    events: tuple     # (trace op index, storage id, +1/-1), in order
+    initial: frozenset  # storage ids alive when the step starts
 
 
 def initially_live(trace: Trace, view: StepView, all_devices: bool = False) -> set:

@@ -6,19 +6,10 @@ backward). Everything downstream works on a StepView and never needs to know how
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..capture.records import BACKWARD, FORWARD, Segment, Trace
+from .events import StepView, live_after
 
 __all__ = ["StepView", "step_views"]
-
-
-@dataclass(frozen=True)
-class StepView:
-    step: int
-    ops: tuple        # trace op indices, in execution order
-    events: tuple     # (trace op index, storage id, +1/-1), in order
-    initial: frozenset  # storage ids alive when the step starts
 
 
 def _events(trace: Trace, segs) -> list:
@@ -55,8 +46,6 @@ def step_views(trace: Trace) -> dict[int, StepView]:
     else:
         step1_segs = by_step.get(1, [])
         step2_segs = by_step.get(2, [])
-
-    from .events import live_after
 
     views = {1: StepView(1, _ops(step1_segs), tuple(_events(trace, step1_segs)), initial)}
     if step2_segs:

@@ -95,6 +95,20 @@ class SymbolicProfile:
             (e, sympy.And(*[e >= o for j, o in enumerate(exprs) if j != i]))
             for i, e in enumerate(exprs[:-1])], (exprs[-1], True))
 
+    def large_size_peak_expr(self, dim: str) -> sympy.Expr:
+        """The peak's formula that holds for large sizes of `dim`: the piece (of the first step's
+        or the steady step's) that is largest there, other dimensions at their sizes."""
+        huge = {**self.hints, dim: 1 << 40}
+        symbols = dict(zip(self.names, self.symbols))
+        best, best_value = None, None
+        for pieces in (self.pieces, self.first_pieces):
+            for piece in pieces:
+                e = self.expr(piece.bytes)
+                v = e.xreplace({symbols[n]: huge[n] for n in self.names if n in huge})
+                if best_value is None or v > best_value:
+                    best, best_value = e, v
+        return best
+
     def category_exprs(self) -> list[dict]:
         return [{c: self.expr(v) for c, v in p.categories.items()} for p in self.pieces]
 

@@ -47,15 +47,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..errors import TapescopeError
+from ..errors import TapescopeError, UnknownValueRead
 from ..torch_compat import (DynamicOutputShapeException, FakeTensor, free_unbacked_symbols,
                             tree_flatten, tree_map, unset_fake_temporarily)
+from ..values.sizes import ROUTINGS, Sizes
 from .build_values import build_value
 
 __all__ = ["Sizes", "DataValues", "DataSize", "Assumption", "UnknownValueRead", "expert_counts",
            "routing_indices", "ROUTINGS", "CONSTANT_LIMIT"]
 
-ROUTINGS = ("balanced", "worst")
 VALUE_LIMIT = 1 << 22     # elements: larger tensors are not given values (then no assumption holds)
 FACTORY_LIMIT = 1 << 16   # factory outputs (arange(E), a causal mask) get values up to this size
 
@@ -67,79 +67,6 @@ aten = torch.ops.aten
 
 
 # ---- the assumption ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Sizes:
-    """What data-dependent sizes are assumed to be.
-
-    routing: "balanced" (default), "worst", or one share per expert (e.g. (4, 1, 1, 1): expert 0
-        gets four times the tokens of each other expert).
-    mask: the fraction of elements a boolean mask keeps where no routing decided it (None: such
-        a mask stops the trace with a message asking for it).
-    """
-
-    routing: str | tuple = "balanced"
-    mask: float | None = None
-
-    @classmethod
-    def create(cls, sizes) -> "Sizes":
-        """From a Sizes, None, "balanced" / "worst", a sequence of shares or a dict of fields."""
-        if sizes is None:
-            return cls()
-        if isinstance(sizes, str):
-            sizes = cls(routing=sizes)
-        elif isinstance(sizes, dict):
-            unknown = set(sizes) - {"routing", "mask"}
-            if unknown:
-                raise TapescopeError(f"sizes has no field {', '.join(sorted(unknown))}; use "
-                                     "routing= (balanced, worst or shares) and mask= (a fraction)")
-            sizes = cls(**sizes)
-        elif isinstance(sizes, (list, tuple)):
-            sizes = cls(routing=tuple(sizes))
-        elif not isinstance(sizes, Sizes):
-            raise TapescopeError(f"sizes must be 'balanced', 'worst', shares per expert or a dict, "
-                                 f"got {type(sizes).__name__}")
-        routing = sizes.routing
-        if isinstance(routing, (list, tuple)):
-            try:
-                routing = tuple(float(s) for s in routing)
-            except (TypeError, ValueError):
-                raise TapescopeError(f"routing shares must be numbers, got {sizes.routing}") from None
-            if not routing or not all(0 <= s < math.inf for s in routing) \
-                    or not 0 < sum(routing) < math.inf:
-                raise TapescopeError(f"routing shares must be finite numbers >= 0, not all 0, "
-                                     f"got {sizes.routing}")
-        elif routing not in ROUTINGS:
-            raise TapescopeError(f"routing must be one of {', '.join(ROUTINGS)} or shares per "
-                                 f"expert, got {routing!r}")
-        mask = sizes.mask
-        try:
-            fraction = None if mask is None else float(mask)
-        except (TypeError, ValueError):
-            fraction = math.nan
-        if fraction is not None and not 0.0 <= fraction <= 1.0:  # nan included
-            raise TapescopeError(f"mask must be a fraction between 0 and 1, got {mask!r}")
-        return cls(routing, fraction)
-
-    def unused(self, assumptions) -> list[str]:
-        """What was asked for and assumed nothing (`assumptions`: the trace's): a routing for a
-        step with no router, a mask fraction for a step with no mask."""
-        kinds = {a.kind for a in assumptions}
-        out = []
-        if self.routing != "balanced" and "routing" not in kinds:
-            out.append(f"the routing {self.describe_routing()} (--routing) assumed nothing: no "
-                       "router of this step (topk, argmax or max over expert scores) decides a "
-                       "size")
-        if self.mask is not None and "mask" not in kinds:
-            out.append(f"the mask fraction {self.mask:g} (--mask-fraction) assumed nothing: no "
-                       "boolean mask of this step decides a size")
-        return out
-
-    def describe_routing(self) -> str:
-        if isinstance(self.routing, tuple):
-            return "shares " + ":".join(f"{s:g}" for s in self.routing)
-        return self.routing
-
 
 def expert_counts(tokens: int, k: int, experts: int, routing) -> list[int]:
     """How many of the tokens x k assignments each expert receives under `routing` (each count
@@ -602,16 +529,6 @@ class Unknown:
 
     kind: str      # "random" or "meta"
     source: str
-
-
-class UnknownValueRead(RuntimeError):
-    """The step reads a value no one knows: a random draw no rule gives a value, a meta buffer."""
-
-    def __init__(self, func, unknown: Unknown):
-        what = "a random number drawn at" if unknown.kind == "random" else "the value of"
-        super().__init__(f"{func} reads {what} {unknown.source}")
-        self.func, self.kind, self.source = func, unknown.kind, unknown.source
-        self.tapescope_user = True  # the step's read, not a bug of the capture (errors.py)
 
 
 # ---- random draws taken at their median -----------------------------------------------------------

@@ -14,15 +14,9 @@ import torch
 
 from ..errors import TapescopeError
 from ..torch_compat import foreach_devices
+from ..values.optimizers import OPTIMIZERS
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "default_foreach"]
-
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-}
-
 
 def default_foreach(device: torch.device) -> bool:
     """What torch's optimizers default to for plain tensors on `device` (fused is never a default)."""

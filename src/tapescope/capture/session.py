@@ -299,7 +299,7 @@ class CaptureSession:
                     and not x.is_floating_point() and not x.is_complex()):
                 self.values.give_input(t, x, f"input{i}")
         if opts.checkpointing:  # after naming: parameters and modules keep the user's names
-            from ..checkpointing.policy import apply_policies
+            from .checkpointing import apply_policies
 
             def name_wrapper(wrapper, module, fqn):  # the wrapper runs as the module it wraps
                 self.names.setdefault(id(wrapper), fqn)

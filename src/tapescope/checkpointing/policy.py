@@ -1,6 +1,8 @@
 """What to recompute, as data, and how torch's own APIs apply it.
 
-A checkpointing plan is a list of `UnitPolicy`: a module (its fqn) and a mode.
+A checkpointing plan is a list of `UnitPolicy`: a module (its fqn) and a mode. The value type
+lives below every stage (values/checkpointing.py, an option holds it) and `apply_policies` in
+capture/checkpointing.py (capture applies it to the traced copy); both are importable from here.
 
 - "full": the module's forward is checkpointed whole (torch.distributed's `checkpoint_wrapper`,
   non-reentrant `torch.utils.checkpoint`): only its inputs are kept, everything it saved for
@@ -16,154 +18,11 @@ does; `policy_code` writes the same as Python a user pastes into a training scri
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
-import torch
-import torch.nn as nn
-
-from ..errors import TapescopeError
+from ..capture.checkpointing import apply_policies, wrap
+from ..values.checkpointing import FULL, MODES, SELECTIVE, UnitPolicy, resolve_op
 
 __all__ = ["UnitPolicy", "MODES", "FULL", "SELECTIVE", "apply_policies", "policy_code",
-           "resolve_op"]
-
-FULL, SELECTIVE = "full", "selective"
-MODES = (FULL, SELECTIVE)
-
-
-@dataclass(frozen=True)
-class UnitPolicy:
-    """Checkpoint module `module` (an fqn) in `mode`; `save_ops` are the aten ops whose outputs a
-    selective policy keeps ("aten.mm.default", ...)."""
-
-    module: str
-    mode: str = FULL
-    save_ops: tuple = ()
-
-    def to_dict(self) -> dict:
-        d = {"module": self.module, "mode": self.mode}
-        if self.mode == SELECTIVE:
-            d["save_ops"] = list(self.save_ops)
-        return d
-
-    @classmethod
-    def of(cls, x) -> "UnitPolicy":
-        """A UnitPolicy from itself, an fqn (full), an (fqn, mode[, save_ops]) tuple or a dict."""
-        if isinstance(x, UnitPolicy):
-            p = x
-        elif isinstance(x, str):
-            p = cls(x)
-        elif isinstance(x, dict):
-            p = cls(x["module"], x.get("mode", FULL), tuple(x.get("save_ops", ())))
-        elif isinstance(x, (tuple, list)) and 1 <= len(x) <= 3:
-            mode = x[1] if len(x) > 1 else FULL
-            p = cls(x[0], mode, tuple(x[2]) if len(x) > 2 else ())
-        else:
-            raise TapescopeError(f"cannot read a checkpointing policy from {x!r}: give a module "
-                                 "name, (name, 'full' | 'selective') or a UnitPolicy")
-        if p.mode not in MODES:
-            raise TapescopeError(f"checkpointing mode must be one of {MODES}, got {p.mode!r} "
-                                 f"for module {p.module!r}")
-        if p.mode == SELECTIVE and not p.save_ops:
-            raise TapescopeError(f"a selective policy for {p.module!r} names no op to save")
-        for name in p.save_ops:
-            resolve_op(name)
-        return p
-
-
-def resolve_op(name: str):
-    """'aten.mm.default' -> torch.ops.aten.mm.default."""
-    parts = name.split(".")
-    obj = torch.ops
-    try:
-        for part in parts:
-            obj = getattr(obj, part)
-    except (AttributeError, RuntimeError):
-        obj = None
-    if not isinstance(obj, torch._ops.OpOverload):
-        raise TapescopeError(f"{name!r} is not an aten op overload (write e.g. 'aten.mm.default')")
-    return obj
-
-
-def _checkpoint_wrapper():
-    try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl, checkpoint_wrapper)
-    except ImportError:  # pragma: no cover - torch built without torch.distributed
-        raise TapescopeError("applying a checkpointing plan needs torch.distributed's "
-                             "checkpoint_wrapper, which this torch build lacks") from None
-    return checkpoint_wrapper, CheckpointImpl
-
-
-def wrap(module: nn.Module, policy: UnitPolicy) -> nn.Module:
-    """`module` in torch's checkpoint_wrapper, as `policy` says."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    checkpoint_wrapper, impl = _checkpoint_wrapper()
-    kwargs = {}
-    if policy.mode == SELECTIVE:
-        ops = [resolve_op(n) for n in policy.save_ops]
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, ops)
-    return checkpoint_wrapper(module, checkpoint_impl=impl.NO_REENTRANT, **kwargs)
-
-
-def apply_policies(model: nn.Module, policies, on_wrap=None) -> nn.Module:
-    """Wrap the modules `policies` name, in place; returns `model`. `on_wrap(wrapper, module,
-    fqn)` is told of each wrapper made (capture names it like the module it wraps)."""
-    policies = [UnitPolicy.of(p) for p in policies]
-    seen = set()
-    for p in policies:
-        if p.module in seen:
-            raise TapescopeError(f"module {p.module!r} is named twice in the checkpointing plan")
-        seen.add(p.module)
-        for q in seen:
-            if q != p.module and (p.module.startswith(q + ".") or q.startswith(p.module + ".")):
-                raise TapescopeError(f"checkpointing {q!r} and {p.module!r}: one contains the "
-                                     "other; name disjoint modules")
-    # find every module first: a plan that does not fit the model leaves it as it was
-    targets = []
-    for p in policies:
-        if not p.module:
-            raise TapescopeError("the root module cannot be checkpointed by a plan; name its "
-                                 "children")
-        parent_name, _, child = p.module.rpartition(".")
-        try:
-            parent = model.get_submodule(parent_name)
-            module = parent.get_submodule(child)
-        except AttributeError:
-            raise TapescopeError(f"the model has no module {p.module!r} to checkpoint; the model "
-                                 "was left as it was (apply a plan to the model it was made for)"
-                                 ) from None
-        wrapped = _checkpointed_on_path(model, p.module)
-        if wrapped is not None:
-            raise TapescopeError(
-                f"module {p.module!r} is already checkpointed ({wrapped or 'the root'} is a "
-                "checkpoint_wrapper): was the plan applied already? Apply a plan once, to the "
-                "model as built; the model was left as it was")
-        targets.append((p, parent, child, module))
-    for p, parent, child, module in targets:
-        wrapper = wrap(module, p)
-        setattr(parent, child, wrapper)
-        if on_wrap is not None:
-            on_wrap(wrapper, module, p.module)
-    return model
-
-
-def _checkpointed_on_path(model: nn.Module, fqn: str) -> str | None:
-    """The fqn of a checkpoint_wrapper that is `fqn` or contains it (None: none is): wrapping
-    inside one nests checkpointing silently."""
-    try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-    except ImportError:  # pragma: no cover - no torch.distributed: no wrapper can be there
-        return None
-    path, module = [], model
-    for part in [""] + fqn.split("."):
-        if part:
-            module = module.get_submodule(part)
-            path.append(part)
-        if isinstance(module, ActivationWrapper):
-            return ".".join(path)
-    return None
+           "resolve_op", "wrap"]
 
 
 def _ranges(names: list[str]) -> list[str]:

@@ -407,8 +407,6 @@ def render_diff(a, b, d, console: Console, top: int = 12) -> None:
 
 def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None:
     """A fit.FitResult: the formula, its guards, the largest size that fits, and a sweep."""
-    from ..fit import large_size_formula
-
     sp, dim = r.profile.symbolic, r.dim
     shapes = " × ".join("x".join(str(s) for s in i["shape"]) for i in r.profile.inputs
                         if isinstance(i, dict))
@@ -418,8 +416,8 @@ def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None
     console.print(f"budget {fmt_bytes(r.budget)}" + (f" ({r.budget_note})" if r.budget_note else ""),
                   highlight=False, markup=False)
     pieces = len(sp.pieces)
-    console.print(f"peak memory = {large_size_formula(r)} bytes for large {dim} (the largest of "
-                  f"{pieces} piece{'s' if pieces > 1 else ''}; formulas hold for {dim} in "
+    console.print(f"peak memory = {sp.large_size_peak_expr(dim)} bytes for large {dim} (the "
+                  f"largest of {pieces} piece{'s' if pieces > 1 else ''}; formulas hold for {dim} in "
                   f"[{sp.ranges[dim][0]}, {sp.ranges[dim][1] or 'inf'}])", highlight=False,
                   markup=False)
     for g in sp.guards:
@@ -519,7 +517,7 @@ def render_compiled(p, console: Console, top: int = 8) -> None:
 def render_plan(plan, name: str, options, console: Console, invocation=None) -> None:
     """A checkpointing.Plan: the verdict, the units and their modes, the Pareto table, the code;
     for a budget no plan meets, why and the next commands (`invocation`: how the user asked)."""
-    from ..checkpointing.policy import FULL
+    from ..values.checkpointing import FULL
 
     gpu = f" ({options.gpu.name})" if options.gpu is not None else ""
     console.print(_line((name, "bold"), f" on {options.device.type}{gpu}: activation "

@@ -13,7 +13,7 @@ def _n(x):
 
 
 def profile_dict(p, with_ops: bool = True, with_timeline: bool = True) -> dict:
-    from .. import __version__
+    from ..version import __version__
 
     d = {
         "tapescope_version": __version__, "torch_version": torch.__version__,
@@ -98,8 +98,6 @@ def diff_dict(a, b, d) -> dict:
 
 def fit_dict(r, name: str, options, sweep_rows=None) -> dict:
     """`tapescope fit --json`: the answer, the budget, the formula and the probes."""
-    from ..fit import large_size_formula
-
     sp = r.profile.symbolic
     return {
         "model": name, "device": str(options.device),
@@ -109,7 +107,7 @@ def fit_dict(r, name: str, options, sweep_rows=None) -> dict:
         "next_peak_bytes": r.next_peak, "limit": r.limit, "search_limit": r.search_limit,
         "reached_search_limit": r.reached_search_limit,
         "inputs": r.profile.inputs,
-        "peak_formula_for_large_size": str(large_size_formula(r)),
+        "peak_formula_for_large_size": str(sp.large_size_peak_expr(r.dim)),
         "peak_formula": str(sp.peak_expr()),
         "ranges": to_jsonable(sp.ranges),
         "guards": [to_jsonable(g) for g in sp.guards],

@@ -92,7 +92,7 @@ def _time_fact(p, times) -> dict | None:
 
 
 def _meta(p, times) -> dict:
-    from .. import __version__
+    from ..version import __version__
 
     f = p.facts or {}
     counts = dict.fromkeys(("forward", "backward", "optimizer"), 0)

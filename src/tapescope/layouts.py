@@ -2,10 +2,10 @@
 
 The sensible layouts of N GPUs, as torchtitan users pick them: tensor parallelism inside a node
 (TP degree a power of two up to the GPUs of a node, dividing N), FSDP over the rest. Each is
-profiled with the preset parallelisation (presets.py) at the model's per-rank batch; a row gives
-the highest rank's peak, whether it fits the GPU (the caching allocator's predicted reserved
-memory plus the CUDA context against the GPU's memory), the step time, MFU and the tokens per
-second of the whole job. With a budget (`fit --gpus N --budget 40GiB`), a layout fits when its
+profiled with the preset parallelisation (distributed/presets.py) at the model's per-rank batch;
+a row gives the highest rank's peak, whether it fits the GPU (the caching allocator's predicted
+reserved memory plus the CUDA context against the GPU's memory), the step time, MFU and the
+tokens per second of the whole job. With a budget (`fit --gpus N --budget 40GiB`), a layout fits when its
 peak per rank is within the budget, as `fit` compares one device's peak.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import TapescopeError
-from .presets import Layout, preset_parallelize
+from .errors import TapescopeError
+from .distributed.presets import Layout, preset_parallelize
 
 __all__ = ["LayoutRow", "candidate_layouts", "fit_layouts"]
 
@@ -67,8 +67,8 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None, progres
     """Profile every candidate layout of `gpus` GPUs of `options.gpu` (device cuda); `budget`
     (bytes per rank) replaces the GPU's memory in the verdict. `progress(step, phase)` is told of
     each traced phase, `stage(message)` of each layout begun."""
-    from ..api import profile_workload
-    from ..devices.gpus import interconnect
+    from .api import profile_workload
+    from .devices.gpus import interconnect
 
     if options.device.type != "cuda" or options.gpu is None:
         raise TapescopeError("fit --gpus compares layouts on a GPU: give --gpu (h100, a100, ...)")
@@ -104,6 +104,6 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None, progres
 
 
 def _mesh_spec(layout: Layout):
-    from .mesh import mesh_spec
+    from .values.mesh import mesh_spec
 
     return mesh_spec(layout.mesh)

@@ -1,0 +1,156 @@
+"""The import graph of src/tapescope runs one way: no circle, and no import from a layer to a higher one.
+
+Every `import` and `from ... import` counts, at module level or inside a function (a function's
+import runs later, but it ties the modules together all the same). Importing `a.b.c` also runs
+`a/__init__.py` and `a/b/__init__.py`, so an import reaches every package above the module too.
+
+The layers, lowest first, are written once, in LAYERS: a module belongs to the layer of the
+longest prefix that names it. A module may import from its own layer or any lower one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Lowest first. docs/architecture.md draws the flow: options -> capture -> records -> analysis ->
+# report, with the Profile (api) above the renderers it calls, and the applications above it.
+LAYERS = (
+    # Leaves every stage reads: torch's private names, the error types, the device catalogue.
+    ("base", ("tapescope.torch_compat", "tapescope.errors", "tapescope.native_logs",
+              "tapescope.loading", "tapescope.version", "tapescope.devices")),
+    # The value types an option holds (a checkpointing policy, a mesh, sizes, allocator settings).
+    ("option values", ("tapescope.values", "tapescope.losses")),
+    ("options", ("tapescope.options",)),
+    ("capture", ("tapescope.capture",)),
+    ("analysis", ("tapescope.analysis",)),
+    # Example models; distributed's TP presets know their layers.
+    ("zoo", ("tapescope.zoo",)),
+    # A fake world of ranks: one CaptureSession per rank class, and their analyses.
+    ("distributed", ("tapescope.distributed",)),
+    ("report", ("tapescope.report",)),
+    ("api", ("tapescope.api",)),
+    # What is built on profiles: fit, fit --gpus, the checkpointing planner, sweeps, validation.
+    ("applications", ("tapescope.fit", "tapescope.layouts", "tapescope.sweeps",
+                      "tapescope.checkpointing", "tapescope.validate")),
+    # The command line, and the package's own lazy facade.
+    ("cli", ("tapescope.cli", "tapescope")),
+)
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for path in sorted((SRC / "tapescope").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts.pop()
+        out[".".join(parts)] = (path, is_package)
+    return out
+
+
+def _known(name: str, modules) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_edges() -> list[tuple[str, str, str]]:
+    """(importer, imported, "file:line") for every tapescope -> tapescope import."""
+    modules = _modules()
+    edges = []
+    for name, (path, is_package) in modules.items():
+        package = name if is_package else name.rpartition(".")[0]
+        where_file = path.relative_to(SRC.parent)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                # `from pkg import sub` imports the submodule; `from mod import name`, the module.
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source
+                           for a in node.names]
+            else:
+                continue
+            for target in targets:
+                target = _known(target, modules) if target.startswith("tapescope") else None
+                if target is None:
+                    continue
+                # The packages above the target run first (the root's __init__ imports lazily).
+                if target != name:
+                    edges.append((name, target, f"{where_file}:{node.lineno}"))
+                for i in range(2, target.count(".") + 1):
+                    parent = ".".join(target.split(".")[:i])
+                    if not name.startswith(parent + "."):  # not already running
+                        edges.append((name, parent, f"{where_file}:{node.lineno}"))
+    return edges
+
+
+def layer_of(module: str) -> int:
+    best, layer = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, layer = len(p), i
+    assert layer is not None, f"{module} belongs to no layer: add it to LAYERS"
+    return layer
+
+
+def test_every_module_has_a_layer():
+    for name in _modules():
+        layer_of(name)
+
+
+def test_no_import_runs_up_a_layer():
+    bad = []
+    for a, b, where in import_edges():
+        la, lb = layer_of(a), layer_of(b)
+        if lb > la:
+            bad.append(f"{where}: {a} ({LAYERS[la][0]}) imports {b} ({LAYERS[lb][0]})")
+    assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_no_import_circle():
+    graph: dict[str, dict[str, str]] = {}
+    for a, b, where in import_edges():
+        graph.setdefault(a, {}).setdefault(b, where)
+    # Tarjan's strongly connected components: a component of more than one module is a circle.
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    lines = []
+    for component in circles:
+        members = set(component)
+        lines.append("circle: " + ", ".join(component))
+        lines += [f"  {graph[a][b]}: {a} -> {b}" for a in component for b in sorted(graph.get(a, {}))
+                  if b in members]
+    assert not circles, "import circles:\n" + "\n".join(lines)
