@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from ..losses import grad_tensors, sum_of
 from ..errors import DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope
 from ..options import Options, Workload
 from ..torch_compat import (DimDynamic, ShapeEnv, constant_source,
@@ -129,13 +130,9 @@ def trace_call(device: torch.device, make_inputs, fn, observe=nullcontext, gpu=N
         with rec.saved.active(), rec.function_rules, observe():
             with rec.tape.phase(1, FORWARD):
                 out = fn(*args)
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        floats = [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()
-                  and o.requires_grad]
+        floats = grad_tensors(out if isinstance(out, (tuple, list)) else [out])
         if floats:
-            loss = floats[0].sum()  # outside any phase: not recorded
-            for t in floats[1:]:
-                loss = loss + t.sum()
+            loss = sum_of(floats)  # outside any phase: not recorded
             with rec.saved.active(), rec.function_rules, rec.tape.phase(1, BACKWARD):
                 rec.engine.backward(loss)
     return rec.tape.trace

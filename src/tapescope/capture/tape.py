@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import passes_user_calls
+from ..losses import default_loss, sum_of
 from ..options import check_device_build, unbuilt_device_types
 from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
                             c10d_collective_result, current_autograd_node,
@@ -61,6 +62,9 @@ _PACKAGE_DIR = os.path.dirname(_CAPTURE_DIR.rstrip(os.sep))
 _OWN_FILES = (os.path.join(_PACKAGE_DIR, "api.py"), os.path.join(_PACKAGE_DIR, "torch_compat.py"))
 _DISTRIBUTED_DIR = os.path.join(_PACKAGE_DIR, "distributed") + os.sep  # runs the user's parallelize
 _STDLIB_HELPERS = ("contextlib.py", "functools.py")
+# The default loss is part of the step tapescope writes (capture/step.py): its ops point past it,
+# to the user's call, as the rest of that step's do. A named loss's own line is shown.
+_STEP_LOSS_CODE = (default_loss.__code__, sum_of.__code__)
 
 
 class ModuleStack(list):
@@ -354,7 +358,7 @@ class Tape(FakeTensorMode):
                     (fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
                     or fn.startswith(_CAPTURE_DIR) or fn in _OWN_FILES
                     or fn.startswith(_DISTRIBUTED_DIR)
-                    or fn.endswith(_STDLIB_HELPERS))
+                    or fn.endswith(_STDLIB_HELPERS) or code in _STEP_LOSS_CODE)
             if not skip:
                 key = (code.co_filename, f.f_lineno)
                 frame = frames.get(key)
