@@ -43,7 +43,7 @@ from .fidelity.libraries import library_branches
 from .hooks import HookRegistry, SavedTensors
 from .isolation import Isolation
 from .rng_state import track_rng_states
-from .model import Spec, build_on_meta, fake_inputs, fake_tensor_like
+from .model import Spec, fake_inputs, fake_tensor_like, model_of
 from .modules import module_names, track_modules
 from .program import StepRuntime, optimizers_in, state_tensors, step_program
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
@@ -69,8 +69,7 @@ def capture(workload: Workload, options: Options, progress=None,
     given by `options.sizes` (data_values.py); the first attempt runs without one, as most
     steps need none. progress(step, phase) is called after each phase; `prepare(fake_model)`
     (a distributed profile's parallelisation) runs on each attempt's fake model."""
-    if not isinstance(workload.model, nn.Module) and callable(workload.model):
-        workload = replace(workload, model=build_on_meta(workload.model))  # once, for both
+    workload = replace(workload, model=model_of(workload.model))  # built once, for both
     try:
         return CaptureSession(workload, options, progress, prepare=prepare).run()
     except DataDependentError:
@@ -151,13 +150,7 @@ class CaptureSession:
         self.options = options
         self.progress = progress
         self.prepare = prepare
-        model = workload.model
-        if not isinstance(model, nn.Module):
-            if not callable(model):
-                raise TapescopeError(f"model must be an nn.Module or a function that builds one, "
-                                     f"got {type(model).__name__}")
-            model = build_on_meta(model)
-        self.model = model
+        self.model = model = model_of(workload.model)
         args, kwargs = tuple(workload.args), dict(workload.kwargs or {})
         self.shape_env = None
         if options.symbolic:

@@ -77,12 +77,11 @@ class DistributedFacts:
 def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     """Trace one rank of each class; returns (the Profile of the rank with the highest peak,
     every rank's RankProfile, DistributedFacts). `analyse(trace, facts) -> Profile`."""
-    from ..capture.model import build_on_meta
+    from ..capture.model import model_of
 
     spec = options.mesh
-    if not isinstance(workload.model, torch.nn.Module):
-        # built once: every rank copies the same meta model
-        workload = replace(workload, model=build_on_meta(workload.model))
+    # built once: every rank copies the same meta model
+    workload = replace(workload, model=model_of(workload.model))
 
     def trace_rank(rank: int):
         seen: dict = {}
