@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -30,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from ..losses import grad_tensors, sum_of
-from ..errors import DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope
+from ..errors import (DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope,
+                      source_dirs)
 from ..options import Options, Workload
 from ..torch_compat import (DimDynamic, ShapeEnv, constant_source,
                             hook_guard_locations, shape_env_facts, tree_leaves, tree_map,
@@ -566,19 +566,14 @@ def _symbols(shape_env, names, inputs) -> tuple[dict, dict]:
     return sizes, hints
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_ZOO_DIR = _PACKAGE_DIR + "zoo" + os.sep
-
-
 def _guards_name_user_lines(shape_env, tape: Tape) -> None:
     """Make every guard remember the model's source line that asked for it (ShapeEnv finds user
     frames only under dynamo); a guard tapescope's own bookkeeping asked for is marked internal."""
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-    ours = tuple(os.path.join(_PACKAGE_DIR, d) + os.sep for d in ("capture", "analysis", "devices"))
+    dirs = source_dirs()
+    torch_dir = dirs.torch
+    ours = dirs.in_package("capture/", "analysis/", "devices/")
     # frames that only pass an op through to the dispatcher: the guard belongs to their caller
-    capture_dir = os.path.join(_PACKAGE_DIR, "capture")
-    dispatch = tuple(os.path.join(capture_dir, f) for f in ("tape.py", "replay.py")) + (
-        os.path.join(capture_dir, "fidelity") + os.sep,)
+    dispatch = dirs.in_package("capture/tape.py", "capture/replay.py", "capture/fidelity/")
 
     def locate(sloc):
         f = sys._getframe(2)
