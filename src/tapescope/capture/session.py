@@ -32,7 +32,7 @@ from ..losses import grad_tensors, sum_of
 from ..errors import (DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope,
                       source_dirs)
 from ..options import Options, Workload
-from ..torch_compat import (DimDynamic, ShapeEnv, constant_source,
+from ..torch_compat import (DimDynamic, FakeTensorMode, ShapeEnv, constant_source,
                             hook_guard_locations, shape_env_facts, tree_leaves, tree_map,
                             user_source_location, without_torch_function)
 from .data_values import DataValues
@@ -605,7 +605,7 @@ def _quiet_fake_tensor_log():
     """FakeTensorMode logs a traceback when a meta kernel rejects its inputs (a shape mismatch in
     the user's model). We turn that error into a message; the log would only repeat it."""
     logs = [logging.getLogger(name) for name in (
-        "torch._subclasses.fake_tensor",
+        FakeTensorMode.__module__,  # fake_tensor.py's logger is its module's
         # a guard evaluated with an assumed value logs each one (data_values.py): the report
         # names the assumptions instead
         "torch.fx.experimental.symbolic_shapes")]
