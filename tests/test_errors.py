@@ -176,3 +176,34 @@ def test_cuda_on_cpu_only_torch_never_aborts_the_process(case):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
     assert "CLEAN:" in r.stdout and ("CUDA build" in r.stdout or "cuda" in r.stdout), r.stdout
+
+
+def test_the_users_frame_under_a_folder_named_tapescope(tmp_path):
+    """A user's checkout under a folder called tapescope (README's `git clone ... tapescope`) is
+    still the user's code: the folders are the installed ones, not found by name."""
+    import importlib.util
+
+    from tapescope.errors import user_frame_of
+
+    folder = tmp_path / "tapescope"
+    folder.mkdir()
+    source = folder / "user_model.py"
+    source.write_text("import torch.nn as nn\n\n\n"
+                      "class Broken(nn.Module):\n"
+                      "    def __init__(self):\n"
+                      "        super().__init__()\n"
+                      "        self.fc = nn.Linear(4, 4)\n\n"
+                      "    def forward(self, x):\n"
+                      "        return self.fc(x.t())  # line 10: (4, 2) into a 4-wide layer\n\n\n"
+                      "def fail():\n"
+                      "    raise ValueError('the user raised')  # line 14\n")
+    spec = importlib.util.spec_from_file_location("tapescope_user_model", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    with pytest.raises(ValueError) as raised:
+        module.fail()
+    assert user_frame_of(raised.value) == f"{source}:14 (fail)"
+    with pytest.raises(ModelError) as e:
+        tapescope.profile(module.Broken, tapescope.spec((3, 4)))
+    assert f"{source}:10" in str(e.value)

@@ -283,12 +283,11 @@ def profile_workload(workload: Workload, options: Options, progress=None) -> Pro
         return _profile_ranks(workload, options, progress)
     if options.compile is not None:
         return _profile_compiled(workload, options, progress)
-    if options.symbolic and not isinstance(workload.model, torch.nn.Module) \
-            and callable(workload.model):
-        from .capture.model import build_on_meta
+    if options.symbolic:
+        from .capture.model import model_of
 
         # built once: at() traces it again outside the formulas' range
-        workload = replace(workload, model=build_on_meta(workload.model))
+        workload = replace(workload, model=model_of(workload.model))
     trace, facts = capture(workload, options, progress)
     p = _analyse_captured(trace, facts, workload, options)
     if options.symbolic:
@@ -309,10 +308,9 @@ def _profile_compiled(workload: Workload, options: Options, progress=None) -> Pr
     """The compiled step, with the eager step beside it (`p.eager`)."""
     from .analysis.compiled import compiled_report
 
-    if not isinstance(workload.model, torch.nn.Module) and callable(workload.model):
-        from .capture.model import build_on_meta
+    from .capture.model import model_of
 
-        workload = replace(workload, model=build_on_meta(workload.model))  # built once for both
+    workload = replace(workload, model=model_of(workload.model))  # built once for both
     eager = profile_workload(workload, options.but(compile=None), progress)
     trace, facts = capture(workload, options, progress)
     record = facts.pop("compiled")

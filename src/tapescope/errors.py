@@ -20,7 +20,14 @@ __all__ = [
     "passes_user_calls",
     "user_error",
     "raised_by_tapescope",
+    "source_dirs",
+    "SourceDirs",
+    "user_frame_of",
 ]
+
+import functools
+import os
+from dataclasses import dataclass
 
 
 class TapescopeError(Exception):
@@ -70,11 +77,45 @@ def passes_user_calls(fn):
     return fn
 
 
-def _package_dirs() -> tuple[str, str]:
-    import os
+@dataclass(frozen=True)
+class SourceDirs:
+    """Where code lives, each folder ending in a separator: the one place the rules of "which
+    frame is the user's" take their folders from. Two rules read it, for two questions:
+    `user_frame_of` (an error's line: any code but torch's, tapescope's and the standard
+    library's; the zoo's models count as the user's) and the Tape's line of an op
+    (capture/tape.py, cached per code object: torch.optim's update lines and tapescope's own
+    models and losses are shown; the capture machinery, api.py, torch_compat.py and distributed/,
+    which runs the user's parallelize, are not)."""
+
+    torch: str
+    stdlib: str
+    package: str  # tapescope
+    zoo: str
+    capture: str
+    distributed: str
+
+    @property
+    def torch_optim(self) -> str:
+        return self.torch + "optim" + os.sep
+
+    def in_package(self, *names: str) -> tuple[str, ...]:
+        """Files or folders of tapescope by name ("api.py", "capture/"), as paths."""
+        return tuple(self.package + name.replace("/", os.sep) for name in names)
+
+
+@functools.cache
+def source_dirs() -> SourceDirs:
+    """This install's folders (fixed for the process: the same answer every call)."""
+    import sysconfig
+
+    import torch
 
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    return package, os.path.join(package, "zoo") + os.sep
+    return SourceDirs(torch=os.path.dirname(torch.__file__) + os.sep,
+                      stdlib=sysconfig.get_paths()["stdlib"] + os.sep, package=package,
+                      zoo=os.path.join(package, "zoo") + os.sep,
+                      capture=os.path.join(package, "capture") + os.sep,
+                      distributed=os.path.join(package, "distributed") + os.sep)
 
 
 def raised_by_tapescope(e: BaseException) -> bool:
@@ -90,21 +131,17 @@ def raised_by_tapescope(e: BaseException) -> bool:
         tb = tb.tb_next
     if last is None or last in _PASS_THROUGH_CODE:
         return False
-    package, zoo = _package_dirs()
-    return last.co_filename.startswith(package) and not last.co_filename.startswith(zoo)
+    dirs = source_dirs()
+    return last.co_filename.startswith(dirs.package) and not last.co_filename.startswith(dirs.zoo)
 
 
-def _user_frame_of(exc):
+def user_frame_of(exc):
     """The innermost frame of the user's code in the exception's traceback (not torch's, not
-    tapescope's capture, not the standard library's), as 'file:line in function'."""
-    import os
-    import sysconfig
-
-    import torch
-
-    skip = (os.path.dirname(torch.__file__) + os.sep, _package_dirs()[0],
-            sysconfig.get_paths()["stdlib"] + os.sep)
-    zoo = _package_dirs()[1]
+    tapescope's, not the standard library's; the zoo's models are the user's), as 'file:line
+    (function)'. By the installed folders, not by a folder's name: a user's checkout under a
+    folder called tapescope is the user's."""
+    dirs = source_dirs()
+    skip, zoo = (dirs.torch, dirs.package, dirs.stdlib), dirs.zoo
     tb, found = exc.__traceback__, None
     while tb is not None:
         f = tb.tb_frame.f_code.co_filename
@@ -129,7 +166,7 @@ def _where(exc) -> str:
     if frame is not None:
         parts.append(f"at {frame.filename}:{frame.lineno} ({frame.function})")
     else:
-        line = _user_frame_of(exc)
+        line = user_frame_of(exc)
         if line is not None:
             parts.append(f"at {line}")
     return " ".join(parts)

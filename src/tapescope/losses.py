@@ -11,26 +11,46 @@
 A loss is a function `loss(output, *inputs) -> scalar tensor`, run inside the step on the same
 (fake) tensors a real loop would use. Without one, the step uses the model's own loss: a zoo model's
 (a language model's cross-entropy, a classifier's), else a scalar output, else an output's scalar
-`.loss`, else the sum of the floating-point outputs (capture.step.default_loss).
+`.loss`, else the sum of the floating-point outputs (`default_loss`).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["LOSSES", "resolve_loss", "logits_of"]
+__all__ = ["LOSSES", "resolve_loss", "logits_of", "default_loss", "floating_outputs", "grad_tensors",
+           "sum_of"]
+
+
+def grad_tensors(values) -> list:
+    """The floating-point tensors that require grad among `values` (not looked into)."""
+    import torch
+
+    return [t for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()
+            and t.requires_grad]
+
+
+def floating_outputs(output) -> list:
+    """The floating-point tensors that require grad among a model's outputs (every leaf of its
+    tuples, lists and dicts; a Hugging Face ModelOutput's values); possibly none."""
+    from .torch_compat import tree_leaves
+
+    leaves = grad_tensors(tree_leaves(output))
+    if not leaves and isinstance(output, dict):  # Hugging Face ModelOutput values
+        leaves = grad_tensors(output.values())
+    return leaves
+
+
+def sum_of(tensors):
+    """The sum of each tensor's sum, added up in order: the sum-of-outputs loss."""
+    loss = tensors[0].sum()
+    for t in tensors[1:]:
+        loss = loss + t.sum()
+    return loss
 
 
 def _floating_outputs(output) -> list:
-    import torch
-
-    from .torch_compat import tree_leaves
-
-    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)
-              and t.is_floating_point() and t.requires_grad]
-    if not leaves and isinstance(output, dict):  # Hugging Face ModelOutput values
-        leaves = [t for t in output.values() if isinstance(t, torch.Tensor)
-                  and t.is_floating_point() and t.requires_grad]
+    leaves = floating_outputs(output)
     if not leaves:
         from .errors import TapescopeError
 
@@ -39,13 +59,30 @@ def _floating_outputs(output) -> list:
     return leaves
 
 
+def default_loss(output):
+    """The loss when none is given: a scalar output; else an output's scalar `loss` field (Hugging
+    Face models given labels); else the sum of all floating-point outputs that require grad."""
+    import torch
+
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
+        return loss
+    leaves = floating_outputs(output)
+    if not leaves:
+        from .errors import TapescopeError
+
+        raise TapescopeError(
+            "the model's output has no floating-point tensor that requires grad, so there is nothing "
+            "to backpropagate; pass loss_fn=... (CLI: use a zoo model or a build function that "
+            "returns a model producing a loss)")
+    return sum_of(leaves)
+
+
 def sum_loss(output, *inputs):
     """The sum of every floating-point output."""
-    leaves = _floating_outputs(output)
-    loss = leaves[0].sum()
-    for t in leaves[1:]:
-        loss = loss + t.sum()
-    return loss
+    return sum_of(_floating_outputs(output))
 
 
 def mean_loss(output, *inputs):

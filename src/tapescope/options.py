@@ -161,7 +161,7 @@ class Options:
     """How the step is run and traced. Build with `Options.create(...)`, which checks and resolves.
 
     loss_fn: `loss_fn(output, *inputs) -> scalar`, or a name (losses.py: "sum", "mean",
-        "cross-entropy", "file.py:fn", "module:fn"); None: see capture.step.default_loss.
+        "cross-entropy", "file.py:fn", "module:fn"); None: see losses.default_loss.
     optimizer: "sgd", "adam", "adamw", an Optimizer class, a function params -> optimizer, or None.
     device: the device whose kernels and autograd formulas are traced (cpu, cuda, meta).
     gpu: for cuda, the catalogue GPU (devices.gpus.GPU) whose kernel choices are followed.

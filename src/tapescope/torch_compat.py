@@ -7,9 +7,20 @@ is imported or called here and nowhere else, so that a torch release that moves 
 with a clear message, and `tests/test_torch_compat.py` (run by CI on both torch versions it installs)
 says which.
 
+A private name is used outside this file only through what it exports: a re-exported name, a
+small function, or, for an attribute another module patches and restores (capture/graph_task.py,
+distributed/cuda_standin.py, capture/compiled.py), a function that returns (module, name).
+
 Names that are public API (torch.library, torch.profiler, torch.utils.checkpoint ...) are used
 directly where they are needed. `Tensor._base`, `Tensor._is_view()` and `OpOverload._schema` are
 documented in PyTorch's own developer docs and used everywhere in torch; they are not wrapped.
+What `git grep -n "torch\._" src/ | grep -v torch_compat.py` still lists is public by convention:
+- `torch._check(cond, msg)`: the documented way a meta kernel or a custom op's fake kernel checks
+  its inputs (PyTorch's torch.library and dynamic-shapes docs; capture/fidelity/fake_kernels.py
+  writes a fake `torch._grouped_mm` with it, as torch's own meta registrations do);
+- `torch.__version__`, `torch.__file__`: module dunders (a report's version, the installed folder);
+- mentions in comments and docstrings (`torch._C._dispatch_dump_table`, `torch._C._SDPBackend`,
+  `torch._grouped_mm`, ...): citations of the code a rule follows, not uses.
 """
 
 from __future__ import annotations
@@ -65,7 +76,10 @@ __all__ = [
     "function_modes_suspended", "saved_tensor_hooks_suspended", "graph_task_keep_graph_query",
     "is_wrapper_subclass", "local_shard_shape", "process_group_ranks", "unset_fake_mode",
     "active_fake_mode", "c10d_collective_result", "clear_dtensor_caches", "StridedShard",
-    "device_constructors",
+    "device_constructors", "OpOverload", "inductor_async_compile", "inductor_mode_options",
+    "inductor_compilers", "aot_autograd", "compile_configs", "dynamo_callback_handler",
+    "inductor_constant_folders", "dynamo_device_interface", "DEVICE_CACHING_MODULES",
+    "graph_task_queries", "accelerator_query",
 ]
 
 
@@ -286,6 +300,7 @@ def without_torch_function(fn):
 # The operator objects (torch.ops.aten.mm, aten.mm.default, higher-order ops): immutable handles
 # to the dispatcher, never state a model owns (copying one breaks its __getattr__).
 OPERATOR_TYPES = (torch._ops.OpOverloadPacket, torch._ops.OperatorBase)
+OpOverload = torch._ops.OpOverload  # one overload of an op: aten.mm.default
 
 
 # ---- subclasses, autograd's graph task, torch.distributed (capture/graph_task.py, distributed/) ---
@@ -383,7 +398,7 @@ def active_fake_mode():
 # What tests/test_torch_compat.py checks on every torch CI installs: each entry must resolve.
 PRIVATE_NAMES = (
     "torch._C.DisableTorchFunction",
-    "torch._ops.OpOverloadPacket", "torch._ops.OperatorBase",
+    "torch._ops.OpOverloadPacket", "torch._ops.OperatorBase", "torch._ops.OpOverload",
     "torch.autograd._get_sequence_nr", "torch._C._current_autograd_node",
     "torch._C._storage_Use_Count", "torch._C._dispatch_tls_is_dispatch_key_excluded",
     "torch._C.DispatchKey.ADInplaceOrView", "torch._C._get_default_device",
@@ -414,6 +429,8 @@ PRIVATE_NAMES = (
     "torch._inductor.async_compile.AsyncCompile.cpp_pybinding",
     "torch._inductor.compile_fx.compile_fx", "torch._inductor.compile_fx.compile_fx_inner",
     "torch._inductor.list_mode_options", "torch._dynamo.callback.callback_handler",
+    "torch._dynamo.backends.common.aot_autograd",
+    "torch._functorch.config.enable_autograd_cache", "torch._inductor.config.compile_threads",
     "torch._functorch.config.activation_memory_budget",
     "torch._functorch.config.check_custom_op_aliasing",
     "torch._inductor.config.force_disable_caches",
@@ -435,6 +452,7 @@ PRIVATE_NAMES = (
     "torch._inductor.analysis.device_info",
     # graph task stand-in (capture/graph_task.py) and wrapper subclasses (capture/tape.py)
     "torch._C._current_graph_task_id", "torch._C._will_engine_execute_node",
+    "torch._C._get_accelerator",
     "torch.autograd.variable.Variable._execution_engine",
     "torch.utils._python_dispatch.is_traceable_wrapper_subclass",
     # distributed/ (mesh.py, ranks.py, groups.py, fidelity.py)
@@ -510,6 +528,87 @@ def saved_tensor_hooks_suspended():
 def graph_task_keep_graph_query():
     """(module, name) of the query AOTAutograd's compiled backward makes of the running graph task."""
     return torch._C._autograd, "_get_current_graph_task_keep_graph"
+
+
+def inductor_async_compile():
+    """Inductor's AsyncCompile, whose kernel compilers capture/compiled.py stubs out."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    return AsyncCompile
+
+
+def inductor_mode_options(mode, dynamic) -> dict:
+    """The config patches `torch.compile(mode=...)` applies (torch._inductor.list_mode_options)."""
+    from torch._inductor import list_mode_options
+
+    return list_mode_options(mode, dynamic)
+
+
+def inductor_compilers():
+    """(compile_fx, compile_fx_inner): inductor's backend and its compile of each graph."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    return compile_fx, compile_fx_inner
+
+
+def aot_autograd(**compilers):
+    """torch._dynamo's aot_autograd backend with the given fw/bw/inference compilers."""
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**compilers)
+
+
+def compile_configs():
+    """(functorch's config, inductor's config): the modules whose `.patch(...)` sets them."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    return functorch_config, inductor_config
+
+
+def dynamo_callback_handler():
+    """Dynamo's compilation callbacks (told of each compile's start and end)."""
+    from torch._dynamo.callback import callback_handler
+
+    return callback_handler
+
+
+def inductor_constant_folders():
+    """(ConstantFolder, UniformValueConstantFolder): inductor's constant folding passes."""
+    from torch._inductor.constant_folding import ConstantFolder
+    from torch._inductor.fx_passes.joint_graph import UniformValueConstantFolder
+
+    return ConstantFolder, UniformValueConstantFolder
+
+
+def dynamo_device_interface():
+    """torch._dynamo.device_interface: CudaInterface and its worker caches (capture/gpu_less.py)."""
+    import torch._dynamo.device_interface as device_interface
+
+    return device_interface
+
+
+# Modules whose functools caches hold answers about the device or what follows from them
+# (capture/gpu_less.py empties them); one missing from a torch build is skipped.
+DEVICE_CACHING_MODULES = (
+    "torch.utils._triton", "torch._inductor.utils", "torch._inductor.runtime.hints",
+    "torch._inductor.codecache", "torch._inductor.analysis.device_info",
+    "torch._dynamo.device_interface", "torch._inductor.runtime.triton_heuristics",
+    "torch._inductor.codegen.triton", "torch._inductor.runtime.triton_helpers")
+
+
+# ---- queries tapescope answers itself (patched where named, restored by the caller) -------------
+
+def graph_task_queries():
+    """(module, names) of the C++ engine's queries about the running backward (FSDP2's `is_bw()`
+    reads the first; checkpointing and hooks the second): capture/graph_task.py answers them."""
+    return torch._C, ("_current_graph_task_id", "_will_engine_execute_node")
+
+
+def accelerator_query():
+    """(module, name) of the query `torch.accelerator` answers from: which accelerator this
+    process has (distributed/cuda_standin.py answers "cuda" on a machine without one)."""
+    return torch._C, "_get_accelerator"
 
 
 # ---- layouts (torch/_prims_common) --------------------------------------------------------------

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..capture.records import BACKWARD, FORWARD, OPTIMIZER, OpRecord, TensorRef
+from ..torch_compat import OpOverload, tree_leaves
 from .flops import op_flops
 
 __all__ = ["SavedTensor", "RecomputedOp", "CompiledReport", "compiled_report", "graph_flops",
@@ -116,14 +117,14 @@ def _convert(a):
 def node_flops(node: torch.fx.Node) -> int | None:
     """FLOPs of one call_function node of an aten graph, by the same formulas as recorded ops."""
     func = node.target
-    if not isinstance(func, torch._ops.OpOverload):
+    if not isinstance(func, OpOverload):
         return 0  # getitem, symbolic arithmetic
     args = tuple(_convert(a) for a in node.args)
     kwargs = {k: _convert(v) for k, v in node.kwargs.items()}
     val = node.meta.get("val")
     outs = val if isinstance(val, (tuple, list)) else (val,)
     outputs = tuple(_ref(o) for o in outs)
-    inputs = tuple(x for x in torch.utils._pytree.tree_leaves((args, kwargs))
+    inputs = tuple(x for x in tree_leaves((args, kwargs))
                    if isinstance(x, TensorRef))
     rec = OpRecord(0, func, FORWARD, 1, args, kwargs, outputs, inputs)
     try:

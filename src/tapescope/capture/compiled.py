@@ -49,7 +49,9 @@ import torch
 
 from ..options import CompileOptions
 from .gpu_less import NoDeviceGuard
-from ..torch_compat import function_modes_suspended
+from ..torch_compat import (aot_autograd, compile_configs, dynamo_callback_handler,
+                            function_modes_suspended, inductor_async_compile, inductor_compilers,
+                            inductor_mode_options)
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compiling",
            "input_name", "APPROXIMATIONS"]
@@ -129,8 +131,7 @@ def _kernels_not_compiled():
     (inductor offers no hook between generating a wrapper and compiling its kernels). Only
     compiles made inside this block are affected.
     """
-    from torch._inductor.async_compile import AsyncCompile
-
+    AsyncCompile = inductor_async_compile()
     saved = {}
     for name in _KERNEL_COMPILERS:
         if name in AsyncCompile.__dict__:
@@ -226,9 +227,7 @@ def _fake_friendly_module(compiled, on_call=None) -> str | None:
 
 
 def _mode_patches(options: CompileOptions) -> dict:
-    from torch._inductor import list_mode_options
-
-    patches = dict(list_mode_options(options.mode, options.dynamic)) if options.mode else {}
+    patches = dict(inductor_mode_options(options.mode, options.dynamic)) if options.mode else {}
     # CUDA graphs need a real device (and their pool is not modelled, see APPROXIMATIONS)
     patches["triton.cudagraphs"] = False
     return patches
@@ -274,8 +273,6 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None):
             record.breaks.append(GraphBreak(str(reason.reason), _where(reason.user_stack)))
 
     if options.backend == "aot_eager":
-        from torch._dynamo.backends.common import aot_autograd
-
         inner = aot_autograd(fw_compiler=lambda gm, ex: boxed("forward", gm),
                              bw_compiler=lambda gm, ex: boxed("backward", gm),
                              inference_compiler=lambda gm, ex: boxed("inference", gm))
@@ -286,7 +283,7 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None):
 
         return backend
 
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    compile_fx, compile_fx_inner = inductor_compilers()
 
     def inner_compile(gm, example_inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else (
@@ -313,8 +310,7 @@ def compiling(options: CompileOptions, unrecorded=None):
     unrecorded: a context (the Tape's) entered while torch.compile compiles, wherever that
     happens (a first call, the lazily compiled backward, a recompile): compiling is not the
     step's work. Dynamo announces each compile to its compilation callbacks."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
+    functorch_config, inductor_config = compile_configs()
 
     # AOTAutograd checks on a compiled function's first call that custom ops do not alias their
     # inputs, under a dispatch mode that re-dispatches every op of the call; it allocates nothing
@@ -352,8 +348,7 @@ def _quiet_compiler():
 
 @contextmanager
 def _unrecorded_while_compiling(unrecorded):
-    from torch._dynamo.callback import callback_handler
-
+    callback_handler = dynamo_callback_handler()
     open_contexts: list = []
 
     def start(_args):

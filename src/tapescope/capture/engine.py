@@ -44,8 +44,6 @@ from .view_replay import ViewRegeneration, as_strided_backward, emulable
 
 __all__ = ["PythonEngine"]
 
-_MAX_SEQ = 2**64 - 1
-
 
 class _Task:
     __slots__ = ("node", "inputs", "seq", "depth")

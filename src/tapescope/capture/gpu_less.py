@@ -10,7 +10,7 @@ stops it ("Found no NVIDIA driver"). `cuda_answered(gpu)` answers them for the n
 
 - `torch.cuda`'s queries (is_available, device_count, properties, capability, name, the current
   device and its guard) and the copies of them torch bound at import
-  (`torch._dynamo.device_interface.CudaInterface`, its worker caches);
+  (dynamo's `device_interface.CudaInterface`, its worker caches);
 - Triton's active driver: a `CudaDriver` that answers with `GPUTarget("cuda", <cc>, 32)` and
   the GPU's limits without loading libcuda (Triton's own driver builds a C helper against it);
 - the functools caches of answers torch keeps process-wide (`DeviceProperties.create`,
@@ -32,6 +32,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..devices.gpus import GPU, sm_limits
+from ..torch_compat import (DEVICE_CACHING_MODULES, FakeTensorMode, dynamo_device_interface,
+                            inductor_constant_folders)
 
 __all__ = ["cuda_answered", "device_properties", "NoDeviceGuard"]
 
@@ -156,10 +158,7 @@ _INTERFACE = {"current_device": "current_device", "set_device": "set_device",
 # modules whose functools caches hold answers about the device or what follows from them
 # (DeviceProperties.create, has_triton, get_gpu_type, get_gpu_dram_gbps from the device's name,
 # CacheBase.get_system, ...): every cache in them is emptied on entry and on exit
-_CACHING_MODULES = ("torch.utils._triton", "torch._inductor.utils", "torch._inductor.runtime.hints",
-                    "torch._inductor.codecache", "torch._inductor.analysis.device_info",
-                    "torch._dynamo.device_interface", "torch._inductor.runtime.triton_heuristics",
-                    "torch._inductor.codegen.triton", "torch._inductor.runtime.triton_helpers")
+_CACHING_MODULES = DEVICE_CACHING_MODULES
 
 
 def _is_cache(f) -> bool:
@@ -237,9 +236,7 @@ def _constants_on_cpu(fn):
 def _constant_folders() -> list:
     """(class, {method: wrapped}) for inductor's constant folders: ConstantFolder.run computes,
     UniformValueConstantFolder.__init__ makes the zeros of `x * 0` on the device."""
-    from torch._inductor.constant_folding import ConstantFolder
-    from torch._inductor.fx_passes.joint_graph import UniformValueConstantFolder
-
+    ConstantFolder, UniformValueConstantFolder = inductor_constant_folders()
     return [(ConstantFolder, {"run": _constants_on_cpu(ConstantFolder.__dict__["run"])}),
             (UniformValueConstantFolder,
              {"__init__": _constants_on_cpu(UniformValueConstantFolder.__dict__["__init__"])})]
@@ -254,10 +251,9 @@ _NO_DEVICE = property(lambda self: True)
 @contextmanager
 def cuda_answered(gpu: GPU):
     """For the duration of the block, CUDA's device queries answer as on one `gpu` (device 0)."""
-    import torch._dynamo.device_interface as device_interface
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from triton.runtime import driver as triton_driver
 
+    device_interface = dynamo_device_interface()
     props = device_properties(gpu)
     answers = _cuda_answers(gpu, props)
     interface = {k: staticmethod(answers[v]) for k, v in _INTERFACE.items()}

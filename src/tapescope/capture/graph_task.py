@@ -3,10 +3,10 @@
 Hooks that run during backward talk to the engine's current GraphTask through three entry points:
 - `Variable._execution_engine.queue_callback(fn)`: run `fn` once every node has run (FSDP2's
   root post-backward, DDP's reducer finalisation, ModuleTracker);
-- `torch._C._current_graph_task_id()`: -1 outside a backward (FSDP2's `is_bw()`, which decides
+- `_current_graph_task_id()` (torch_compat.graph_task_queries): -1 outside a backward (FSDP2's `is_bw()`, which decides
   whether a forward is a recomputation under activation checkpointing; torch.utils.checkpoint
   keys its recomputation by it);
-- `torch._C._will_engine_execute_node(node)`: whether the running backward reaches a node
+- `_will_engine_execute_node(node)`: whether the running backward reaches a node
   (multi-grad hooks).
 With `PythonEngine` running the graph, the C++ engine has no GraphTask: queue_callback raises
 "Final callbacks can only be installed during backward pass" and the id is -1. So while our
@@ -21,6 +21,8 @@ from contextlib import contextmanager
 
 import torch
 from torch.autograd.variable import Variable
+
+from ..torch_compat import graph_task_queries
 
 __all__ = ["GraphTask", "standing_in"]
 
@@ -72,17 +74,18 @@ class _EngineProxy:
 def standing_in(task: GraphTask):
     """Answer the C++ engine's GraphTask queries for `task` while the block runs."""
     real_engine = Variable.__dict__["_execution_engine"]
-    real_id, real_will = torch._C._current_graph_task_id, torch._C._will_engine_execute_node
+    engine, (id_name, will_name) = graph_task_queries()
+    real_id, real_will = getattr(engine, id_name), getattr(engine, will_name)
 
     def will_execute(node):
         return node is not None and node in task.nodes
 
     Variable._execution_engine = _EngineProxy(real_engine, task)
-    torch._C._current_graph_task_id = lambda: task.id
-    torch._C._will_engine_execute_node = will_execute
+    setattr(engine, id_name, lambda: task.id)
+    setattr(engine, will_name, will_execute)
     try:
         yield task
     finally:
         Variable._execution_engine = real_engine
-        torch._C._current_graph_task_id = real_id
-        torch._C._will_engine_execute_node = real_will
+        setattr(engine, id_name, real_id)
+        setattr(engine, will_name, real_will)

@@ -32,7 +32,6 @@ import collections
 import copy
 import enum
 import functools
-import os
 import types
 from contextlib import contextmanager
 from typing import Callable
@@ -41,13 +40,14 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
+from ..errors import source_dirs
 from ..torch_compat import OPERATOR_TYPES
 
 __all__ = ["Isolation", "SCAN_DEPTH"]
 
 SCAN_DEPTH = 3  # calls from a model method to a function whose globals are still scanned
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+# library code: its globals are torch's or Python's own, never a model's state (errors.SourceDirs)
+_LIBRARY_DIRS = (source_dirs().torch, source_dirs().stdlib)
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, range, torch.dtype, torch.device,
           torch.Size, torch.memory_format, torch.layout, enum.Enum, type, types.ModuleType,
@@ -416,7 +416,7 @@ def _fresh_lru(f):
 
 def _is_library_code(code) -> bool:
     fn = code.co_filename
-    return fn.startswith((_TORCH_DIR, _STDLIB_DIR)) or fn.startswith("<")
+    return fn.startswith(_LIBRARY_DIRS) or fn.startswith("<")
 
 
 def _is_library_class(cls) -> bool:

@@ -8,12 +8,12 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from ..errors import ModelBuildError, SpecError
+from ..errors import ModelBuildError, SpecError, TapescopeError
 from ..options import check_device_build, resolve_device, resolve_dtype
 from ..torch_compat import post_accumulate_grad_hooks, tensor_backward_hooks, tree_map
 from .build_values import BuildValues, keep_build_value
 
-__all__ = ["spec", "Spec", "build_on_meta", "fake_copy", "fake_inputs", "resolve_dtype"]
+__all__ = ["spec", "Spec", "build_on_meta", "model_of", "fake_copy", "fake_inputs", "resolve_dtype"]
 
 @dataclass(frozen=True)
 class Spec:
@@ -67,6 +67,17 @@ def spec(shape, dtype=torch.float32, device=None, requires_grad=False, high=None
         raise SpecError(f"an input of dtype {dtype} cannot require grad (only floating-point "
                         "and complex tensors can)")
     return Spec(shape, dtype, device, requires_grad, high, None if dims is None else tuple(dims))
+
+
+def model_of(model) -> nn.Module:
+    """The model a workload names: an nn.Module as it is; a function that builds one, built on meta
+    (`build_on_meta`), once, by whoever traces it more than once."""
+    if isinstance(model, nn.Module):
+        return model
+    if not callable(model):
+        raise TapescopeError(f"model must be an nn.Module or a function that builds one, "
+                             f"got {type(model).__name__}")
+    return build_on_meta(model)
 
 
 def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:

@@ -121,7 +121,7 @@ class OpRecord:
     """
 
     index: int
-    func: Any  # torch._ops.OpOverload
+    func: Any  # an OpOverload (torch_compat.OpOverload)
     phase: str
     step: int
     args: tuple

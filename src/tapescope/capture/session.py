@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -29,9 +28,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from ..errors import DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope
+from ..losses import grad_tensors, sum_of
+from ..errors import (DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope,
+                      source_dirs)
 from ..options import Options, Workload
-from ..torch_compat import (DimDynamic, ShapeEnv, constant_source,
+from ..torch_compat import (DimDynamic, FakeTensorMode, ShapeEnv, constant_source,
                             hook_guard_locations, shape_env_facts, tree_leaves, tree_map,
                             user_source_location, without_torch_function)
 from .data_values import DataValues
@@ -42,7 +43,7 @@ from .fidelity.libraries import library_branches
 from .hooks import HookRegistry, SavedTensors
 from .isolation import Isolation
 from .rng_state import track_rng_states
-from .model import Spec, build_on_meta, fake_inputs, fake_tensor_like
+from .model import Spec, fake_inputs, fake_tensor_like, model_of
 from .modules import module_names, track_modules
 from .program import StepRuntime, optimizers_in, state_tensors, step_program
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
@@ -68,8 +69,7 @@ def capture(workload: Workload, options: Options, progress=None,
     given by `options.sizes` (data_values.py); the first attempt runs without one, as most
     steps need none. progress(step, phase) is called after each phase; `prepare(fake_model)`
     (a distributed profile's parallelisation) runs on each attempt's fake model."""
-    if not isinstance(workload.model, nn.Module) and callable(workload.model):
-        workload = replace(workload, model=build_on_meta(workload.model))  # once, for both
+    workload = replace(workload, model=model_of(workload.model))  # built once, for both
     try:
         return CaptureSession(workload, options, progress, prepare=prepare).run()
     except DataDependentError:
@@ -129,13 +129,9 @@ def trace_call(device: torch.device, make_inputs, fn, observe=nullcontext, gpu=N
         with rec.saved.active(), rec.function_rules, observe():
             with rec.tape.phase(1, FORWARD):
                 out = fn(*args)
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        floats = [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()
-                  and o.requires_grad]
+        floats = grad_tensors(out if isinstance(out, (tuple, list)) else [out])
         if floats:
-            loss = floats[0].sum()  # outside any phase: not recorded
-            for t in floats[1:]:
-                loss = loss + t.sum()
+            loss = sum_of(floats)  # outside any phase: not recorded
             with rec.saved.active(), rec.function_rules, rec.tape.phase(1, BACKWARD):
                 rec.engine.backward(loss)
     return rec.tape.trace
@@ -154,13 +150,7 @@ class CaptureSession:
         self.options = options
         self.progress = progress
         self.prepare = prepare
-        model = workload.model
-        if not isinstance(model, nn.Module):
-            if not callable(model):
-                raise TapescopeError(f"model must be an nn.Module or a function that builds one, "
-                                     f"got {type(model).__name__}")
-            model = build_on_meta(model)
-        self.model = model
+        self.model = model = model_of(workload.model)
         args, kwargs = tuple(workload.args), dict(workload.kwargs or {})
         self.shape_env = None
         if options.symbolic:
@@ -578,19 +568,14 @@ def _symbols(shape_env, names, inputs) -> tuple[dict, dict]:
     return sizes, hints
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_ZOO_DIR = _PACKAGE_DIR + "zoo" + os.sep
-
-
 def _guards_name_user_lines(shape_env, tape: Tape) -> None:
     """Make every guard remember the model's source line that asked for it (ShapeEnv finds user
     frames only under dynamo); a guard tapescope's own bookkeeping asked for is marked internal."""
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-    ours = tuple(os.path.join(_PACKAGE_DIR, d) + os.sep for d in ("capture", "analysis", "devices"))
+    dirs = source_dirs()
+    torch_dir = dirs.torch
+    ours = dirs.in_package("capture/", "analysis/", "devices/")
     # frames that only pass an op through to the dispatcher: the guard belongs to their caller
-    capture_dir = os.path.join(_PACKAGE_DIR, "capture")
-    dispatch = tuple(os.path.join(capture_dir, f) for f in ("tape.py", "replay.py")) + (
-        os.path.join(capture_dir, "fidelity") + os.sep,)
+    dispatch = dirs.in_package("capture/tape.py", "capture/replay.py", "capture/fidelity/")
 
     def locate(sloc):
         f = sys._getframe(2)
@@ -622,7 +607,7 @@ def _quiet_fake_tensor_log():
     """FakeTensorMode logs a traceback when a meta kernel rejects its inputs (a shape mismatch in
     the user's model). We turn that error into a message; the log would only repeat it."""
     logs = [logging.getLogger(name) for name in (
-        "torch._subclasses.fake_tensor",
+        FakeTensorMode.__module__,  # fake_tensor.py's logger is its module's
         # a guard evaluated with an assumed value logs each one (data_values.py): the report
         # names the assumptions instead
         "torch.fx.experimental.symbolic_shapes")]

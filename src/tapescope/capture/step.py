@@ -25,36 +25,12 @@ from contextlib import nullcontext
 from typing import Callable
 
 import torch
-from ..torch_compat import tree_leaves
 
 from ..errors import TapescopeError
+from ..losses import default_loss
 from .records import BACKWARD, FORWARD, OPTIMIZER, ZERO_GRAD
 
 __all__ = ["default_loss", "forward_and_loss", "train_step", "zero_grad"]
-
-
-def default_loss(output) -> torch.Tensor:
-    """The loss when none is given: a scalar output; else an output's scalar `loss` field (Hugging
-    Face models given labels); else the sum of all floating-point outputs that require grad."""
-    if isinstance(output, torch.Tensor) and output.dim() == 0:
-        return output
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
-        return loss
-    leaves = [t for t in tree_leaves(output)
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    if isinstance(output, dict) and not leaves:  # HF ModelOutput leaves are dict values
-        leaves = [t for t in output.values()
-                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    if not leaves:
-        raise TapescopeError(
-            "the model's output has no floating-point tensor that requires grad, so there is nothing "
-            "to backpropagate; pass loss_fn=... (CLI: use a zoo model or a build function that "
-            "returns a model producing a loss)")
-    loss = leaves[0].sum()
-    for t in leaves[1:]:
-        loss = loss + t.sum()
-    return loss
 
 
 def forward_and_loss(model, args, kwargs, loss_fn, loss_context=nullcontext) -> torch.Tensor:

@@ -20,14 +20,14 @@ What it records, and how, so that the numbers follow real execution:
 
 from __future__ import annotations
 
-import os
 import sys
 import weakref
 from contextlib import contextmanager
 
 import torch
 
-from ..errors import passes_user_calls
+from ..errors import passes_user_calls, source_dirs
+from ..losses import default_loss, sum_of
 from ..options import check_device_build, unbuilt_device_types
 from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
                             c10d_collective_result, current_autograd_node,
@@ -55,14 +55,17 @@ _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 # (a user's step computes its loss in its own code, phase OTHER)
 _BUILDS_GRAPH = (FORWARD, OTHER)
 
-# Frames inside these folders are never "the line that issued the op".
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_TORCH_OPTIM_DIR = _TORCH_DIR + "optim" + os.sep  # an optimizer's update lines are worth showing
-_CAPTURE_DIR = os.path.dirname(__file__) + os.sep
-_PACKAGE_DIR = os.path.dirname(_CAPTURE_DIR.rstrip(os.sep))
-_OWN_FILES = (os.path.join(_PACKAGE_DIR, "api.py"), os.path.join(_PACKAGE_DIR, "torch_compat.py"))
-_DISTRIBUTED_DIR = os.path.join(_PACKAGE_DIR, "distributed") + os.sep  # runs the user's parallelize
+# Frames inside these folders are never "the line that issued the op" (the folders: errors.SourceDirs).
+_DIRS = source_dirs()
+_TORCH_DIR = _DIRS.torch
+_TORCH_OPTIM_DIR = _DIRS.torch_optim  # an optimizer's update lines are worth showing
+_CAPTURE_DIR = _DIRS.capture
+_OWN_FILES = _DIRS.in_package("api.py", "torch_compat.py")
+_DISTRIBUTED_DIR = _DIRS.distributed  # runs the user's parallelize
 _STDLIB_HELPERS = ("contextlib.py", "functools.py")
+# The default loss is part of the step tapescope writes (capture/step.py): its ops point past it,
+# to the user's call, as the rest of that step's do. A named loss's own line is shown.
+_STEP_LOSS_CODE = (default_loss.__code__, sum_of.__code__)
 
 
 class ModuleStack(list):
@@ -370,7 +373,7 @@ class Tape(FakeTensorMode):
                     (fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
                     or fn.startswith(_CAPTURE_DIR) or fn in _OWN_FILES
                     or fn.startswith(_DISTRIBUTED_DIR)
-                    or fn.endswith(_STDLIB_HELPERS))
+                    or fn.endswith(_STDLIB_HELPERS) or code in _STEP_LOSS_CODE)
             if not skip:
                 key = (code.co_filename, f.f_lineno)
                 frame = frames.get(key)

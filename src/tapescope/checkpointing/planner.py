@@ -226,9 +226,9 @@ class _Search:
         self.options, self.progress = options, progress or (lambda message: None)
         model = workload.model
         if not isinstance(model, nn.Module):
-            from ..capture.model import build_on_meta
+            from ..capture.model import model_of
 
-            model = build_on_meta(model)  # once: the re-traces use the same (meta) model
+            model = model_of(model)  # once: the re-traces use the same (meta) model
             workload = Workload(model, workload.args, workload.kwargs,
                                 workload.name or getattr(workload.model, "__name__", None))
         self.workload = workload

@@ -12,7 +12,7 @@ So while a distributed CUDA profile runs, these attributes of `torch.cuda` (and
 afterwards: current_device, set_device, device_count, is_initialized, Stream, Event,
 current_stream, default_stream, stream, synchronize, and get_device_capability (c10d's broadcast
 asks it, to decide how NCCL sends fp8), which answers the profiled GPU's compute capability; and
-`torch._C._get_accelerator`, which answers "cpu" on a machine without a GPU where a GPU job's
+the query `torch.accelerator` answers from (torch_compat.accelerator_query), which answers "cpu" on a machine without a GPU where a GPU job's
 answers "cuda" (`fully_shard(model)` without a mesh builds its default mesh on that device). Only
 these names are replaced; the fake tensors themselves never touch the driver (FakeTensorMode
 runs meta kernels).
@@ -27,6 +27,8 @@ import itertools
 from contextlib import contextmanager
 
 import torch
+
+from ..torch_compat import accelerator_query
 
 __all__ = ["cuda_without_gpu", "StreamLog"]
 
@@ -125,15 +127,16 @@ def cuda_without_gpu(compute_capability: tuple = (9, 0)):
     }
     saved = {name: getattr(torch.cuda, name) for name in replaced}
     saved_accel = torch.accelerator.current_stream
-    saved_get = torch._C._get_accelerator
+    accelerator, get_name = accelerator_query()
+    saved_get = getattr(accelerator, get_name)
     for name, fn in replaced.items():
         setattr(torch.cuda, name, fn)
     torch.accelerator.current_stream = lambda device=None: log.current
-    torch._C._get_accelerator = lambda: torch.device("cuda")
+    setattr(accelerator, get_name, lambda: torch.device("cuda"))
     try:
         yield log
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
         torch.accelerator.current_stream = saved_accel
-        torch._C._get_accelerator = saved_get
+        setattr(accelerator, get_name, saved_get)

@@ -236,9 +236,8 @@ def _numel(shape) -> int:
 
 
 def _capture_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     from ..capture.tape import Tape
+    from ..torch_compat import FakeTensor
 
     return isinstance(t, FakeTensor) and isinstance(t.fake_mode, Tape)
 

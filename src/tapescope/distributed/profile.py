@@ -77,12 +77,11 @@ class DistributedFacts:
 def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     """Trace one rank of each class; returns (the Profile of the rank with the highest peak,
     every rank's RankProfile, DistributedFacts). `analyse(trace, facts) -> Profile`."""
-    from ..capture.model import build_on_meta
+    from ..capture.model import model_of
 
     spec = options.mesh
-    if not isinstance(workload.model, torch.nn.Module):
-        # built once: every rank copies the same meta model
-        workload = replace(workload, model=build_on_meta(workload.model))
+    # built once: every rank copies the same meta model
+    workload = replace(workload, model=model_of(workload.model))
 
     def trace_rank(rank: int):
         seen: dict = {}
@@ -183,7 +182,7 @@ def _parallelize_failed(e: Exception, fn, rank: int) -> TapescopeError:
     """The user's parallelize raised on a simulated rank: say where, and what to do."""
     import traceback
 
-    from ..errors import _user_frame_of
+    from ..errors import user_frame_of
     from ..torch_compat import DataDependentOutputException
 
     frames = traceback.extract_tb(e.__traceback__)
@@ -191,7 +190,7 @@ def _parallelize_failed(e: Exception, fn, rank: int) -> TapescopeError:
         return TapescopeError(_DDP_NOTE)
     # the one definition of "the user's frame" (errors.py: by the installed packages' folders,
     # not by a folder's name: a user's checkout under a folder called tapescope is the user's)
-    user = _user_frame_of(e)
+    user = user_frame_of(e)
     where = f" at {user}" if user else ""
     why = ""
     if isinstance(e, DataDependentOutputException):

@@ -58,10 +58,6 @@ class _Dotted:
         return self.name
 
 
-def _breakable(name: str):
-    return _Dotted(name) if name else Text("")
-
-
 def _table(title: str | None, headers, rows, width: int) -> Table:
     """A table whose columns get their widths from their names' words: every column at least
     as wide as its longest word (when the console allows it), the rest shared by how much more

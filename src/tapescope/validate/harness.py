@@ -100,7 +100,7 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
     CPU) and compare. Quantities are bytes, except "step time" (seconds). `progress(step,
     phase)` is told of each traced phase, `stage(message)` of each part begun."""
     from ..api import profile
-    from ..capture.model import build_on_meta
+    from ..capture.model import model_of
     from ..errors import DeviceError, TapescopeError
     from ..losses import resolve_loss
     from ..options import Options
@@ -124,7 +124,7 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
         gpu = resolve_gpu_key(torch.cuda.get_device_name())
     stage = stage or (lambda message: None)
     stage("predicting the step on fake tensors")
-    p = profile(model if isinstance(model, torch.nn.Module) else build_on_meta(model), *inputs,
+    p = profile(model_of(model), *inputs,
                 loss_fn=loss_fn, input_kwargs=input_kwargs, optimizer=optimizer, device=device,
                 dtype=dtype, amp=amp, name=name, gpu=gpu, accumulate=accumulate,
                 progress=progress)

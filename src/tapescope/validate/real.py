@@ -168,8 +168,9 @@ def _compiled(model, opt, options, graphs: list):
     if options.backend == "inductor":
         # torch.compile(backend="inductor", mode=...) is compile_fx with the mode's config
         # patches; the same call, with an inner compile that keeps each partitioned graph
-        from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        from ..torch_compat import inductor_compilers, inductor_mode_options
+
+        compile_fx, compile_fx_inner = inductor_compilers()
 
         def inner(gm, example_inputs, **kw):
             kind = "backward" if kw.get("is_backward") else (
@@ -177,7 +178,7 @@ def _compiled(model, opt, options, graphs: list):
             graphs.append((kind, gm))
             return compile_fx_inner(gm, example_inputs, **kw)
 
-        patches = list_mode_options(options.mode, options.dynamic) if options.mode else {}
+        patches = inductor_mode_options(options.mode, options.dynamic) if options.mode else {}
 
         def backend(gm, example_inputs):
             # compile_fx takes the graph over: keep what its inputs are (their sources) now
@@ -202,8 +203,9 @@ def _compile_config(options):
     options = CompileOptions.of(options)
     if options is None:
         return nullcontext()
-    import torch._functorch.config as functorch_config
+    from ..torch_compat import compile_configs
 
+    functorch_config = compile_configs()[0]
     # AOTAutograd's cache would skip the partitioner, and with it the graphs we keep
     patches = {"enable_autograd_cache": False}
     if options.activation_memory_budget is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TapescopeError
+from ..torch_compat import OpOverload
 
 __all__ = ["UnitPolicy", "MODES", "FULL", "SELECTIVE", "resolve_op"]
 
@@ -70,7 +71,7 @@ def resolve_op(name: str):
             obj = getattr(obj, part)
     except (AttributeError, RuntimeError):
         obj = None
-    if not isinstance(obj, torch._ops.OpOverload):
+    if not isinstance(obj, OpOverload):
         raise TapescopeError(f"{name!r} is not an aten op overload (write e.g. 'aten.mm.default')")
     return obj
 

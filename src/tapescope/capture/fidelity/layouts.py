@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...torch_compat import suggest_memory_format
 from .registry import OUTPUT, RULES
 
 __all__ = []
@@ -45,18 +46,12 @@ RULES.register(
 # follows grad_out.
 
 
-def _suggested_format(t):
-    from torch._prims_common import suggest_memory_format
-
-    return suggest_memory_format(t)
-
-
 def _in_suggested_format(x_index: int):
     """out[0] as the real CPU kernel allocates it: `empty_like(X, X.suggest_memory_format())`,
     contiguous (or channels-last) whatever X's strides, where the meta kernel keeps X's strides."""
     def handler(ctx, func, args, out):
         first = out[0]
-        fmt = _suggested_format(args[x_index])
+        fmt = suggest_memory_format(args[x_index])
         if first is None or first.is_contiguous(memory_format=fmt):
             return out
         # a fresh output: its storage is shared with nothing yet, so it can be replaced
