@@ -68,7 +68,7 @@ def _table(title: str | None, headers, rows, width: int) -> Table:
     lo = [max(len(t.rstrip(" ")) for c in [heads[i], *(r[i] for r in cells)] for t in c.tokens)
           for i in range(n)]
     hi = [max(len(c.name) for c in [heads[i], *(r[i] for r in cells)]) for i in range(n)]
-    room = max(n, width - 2 * n)  # one space each side of each column
+    room = max(n, width - 2 * (n - 1))  # one space between columns (no edge padding)
     if sum(hi) <= room:
         widths = hi
     elif sum(lo) >= room:
@@ -76,7 +76,7 @@ def _table(title: str | None, headers, rows, width: int) -> Table:
     else:
         spare, want = room - sum(lo), sum(h - l for h, l in zip(hi, lo))
         widths = [l + (h - l) * spare // want for h, l in zip(hi, lo)]
-    table = Table(title=title, title_justify="left", box=None)
+    table = Table(title=title, title_justify="left", box=None, pad_edge=False)
     for h, w in zip(headers, widths):
         table.add_column(h, width=w, no_wrap=True)
     for row in cells:
