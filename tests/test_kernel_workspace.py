@@ -516,7 +516,8 @@ def test_convolution_matches_the_allocator_with_the_isa_capped_at_avx2():
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("this host is not AVX-512: test_convolution_matches_the_allocator "
                     "already checks its kernels")
-    names = [n for n in CONVS if "GEMM" in n or "first layer" in n or "3x3 NCHW" in n]
+    names = [n for n in CONVS if "GEMM" in n or "first layer" in n or "3x3 NCHW" in n
+             or "1x1" in n]
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
     code = ("import json, sys; from tests.test_kernel_workspace import _convolutions_checked; "
             f"print(json.dumps(_convolutions_checked({names!r})))")

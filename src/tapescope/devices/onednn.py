@@ -286,10 +286,11 @@ def backward_weights(c: Conv, cpu: CpuTarget) -> Primitive:
         rtus = 0
         if any(s != 1 for s in c.stride):
             rtus = cpu.threads * c.ic * c.out_spatial * _F32 + _ALIGN
-        if isa == "avx512" and not rtus:
+        if isa in ("avx512", "avx2") and not rtus:
+            scratch = (_avx512_1x1_bwd_weights_scratch(c, cpu) if isa == "avx512"
+                       else _avx2_1x1_bwd_weights_scratch(c, cpu))
             return Primitive(f"jit_1x1:{isa}", src=src, diff_dst=diff_dst,
-                             dst=_direct_weights(c, block, False), bias=bias,
-                             scratchpad=_avx512_1x1_bwd_weights_scratch(c, cpu))
+                             dst=_direct_weights(c, block, False), bias=bias, scratchpad=scratch)
         return Primitive(f"jit_1x1:{isa}", src=src, diff_dst=diff_dst,
                          dst=_direct_weights(c, block, False), bias=bias,
                          scratchpad=_padded_bias(c, block) + rtus, exact=False)
@@ -488,11 +489,10 @@ def _barriers(n: int) -> int:
     return n * _PAGE + _PAGE
 
 
-def _cpu_reducer_scratch(nthr: int, job_size: int, njobs: int, reduction_size: int,
-                         max_buffer_size: int) -> int:
-    """cpu_reducer_t's scratchpad (src/cpu/x64/cpu_reducer.cpp): reduce_balancer_t::balance
-    splits the threads into groups; with more than one thread per group, the space of all but
-    the groups' masters, page-aligned, and a barrier per group."""
+def _reduce_balance(nthr: int, job_size: int, njobs: int, reduction_size: int,
+                    max_buffer_size: int) -> tuple[int, int, int]:
+    """reduce_balancer_t::balance (src/cpu/x64/cpu_reducer.cpp), lock-free: (groups, threads
+    per group, jobs per group at most)."""
     min_per_group = max(1, njobs // nthr)
     max_per_group = max(1, max_buffer_size // (nthr * job_size))
     ngroups = min(njobs // min_per_group, nthr)
@@ -508,10 +508,68 @@ def _cpu_reducer_scratch(nthr: int, job_size: int, njobs: int, reduction_size: i
         cost = job_size * c_ub * (-(-reduction_size // c_nthr) + (c_nthr != 1))
         if cost < best:
             ngroups, nthr_per_group, per_group_ub, best = c_ngroups, c_nthr, c_ub, cost
+    return ngroups, nthr_per_group, per_group_ub
+
+
+def _cpu_reducer_scratch(nthr: int, job_size: int, njobs: int, reduction_size: int,
+                         max_buffer_size: int) -> int:
+    """cpu_reducer_t's scratchpad (src/cpu/x64/cpu_reducer.cpp): with more than one thread per
+    group, the space of all but the groups' masters, page-aligned, and a barrier per group."""
+    ngroups, nthr_per_group, per_group_ub = _reduce_balance(nthr, job_size, njobs,
+                                                            reduction_size, max_buffer_size)
     if nthr_per_group == 1:
         return 0
     space = ngroups * (nthr_per_group - 1) * per_group_ub * job_size * _F32
     return space + _PAGE + _barriers(ngroups)               # book<float>(..., PAGE_4K)
+
+
+def _cpu_reducer_2d_scratch(nthr: int, job_size: int, njobs: int, reduction_size: int,
+                            max_buffer_size: int) -> int:
+    """cpu_reducer_2d_t's scratchpad: every thread of a group books its space (the master too),
+    with the default alignment, and a barrier per group."""
+    ngroups, nthr_per_group, per_group_ub = _reduce_balance(nthr, job_size, njobs,
+                                                            reduction_size, max_buffer_size)
+    if nthr_per_group == 1:
+        return 0
+    return (ngroups * nthr_per_group * per_group_ub * job_size * _F32 + _ALIGN
+            + _barriers(ngroups))
+
+
+def _shrink_blocking(blocks: int, limit: int) -> int:
+    """jit_avx2_1x1_conv_kernel_f32::init_conf: halve or third the blocking down to `limit`."""
+    while blocks > limit:
+        if blocks % 2 == 0:
+            blocks //= 2
+        elif blocks % 3 == 0:
+            blocks //= 3
+        else:
+            break
+    return blocks
+
+
+def _avx2_1x1_bwd_weights_scratch(c: Conv, cpu: CpuTarget) -> int:
+    """jit_avx2_1x1_convolution_bwd_weights_t at unit strides: init_conf's load and bcast
+    blockings, then init_balancers' 2-D weights reducer over batch x output positions and the
+    bias reducer (jit_avx2_1x1_convolution.hpp), and a padded bias."""
+    nxc = c.channels_last
+    pad = not nxc and c.groups == 1
+    oc = _rnd_up(c.oc_g, 8) if pad else c.oc_g
+    ic = _rnd_up(c.ic_g, 8) if pad else c.ic_g
+    nb_load, nb_bcast = -(-oc // 8), -(-ic // 8)
+    load_blocking = _shrink_blocking(nb_load, 32) if (not nxc or oc % 8 == 0) else nb_load
+    bcast_blocking = nb_bcast
+    if not nxc or (ic % 8 == 0 and c.in_spatial <= 1024):
+        bcast_blocking = _shrink_blocking(nb_bcast, 17 if nxc else 9)
+    job_size = load_blocking * bcast_blocking * 8 * 8
+    njobs = c.groups * -(-nb_load // load_blocking) * -(-nb_bcast // bcast_blocking)
+    max_buffer = cpu.threads * job_size * 8
+    scratch = _cpu_reducer_2d_scratch(cpu.threads, job_size, njobs, c.mb * c.out_spatial,
+                                      max_buffer)
+    if c.bias:
+        scratch += _cpu_reducer_scratch(cpu.threads, 8, c.groups * nb_load, c.mb, max_buffer)
+        if oc != c.oc_g or (nxc and oc % 8):
+            scratch += c.groups * _rnd_up(oc, 8) * _F32 + _ALIGN   # key_conv_padded_bias
+    return scratch
 
 
 def _avx512_bwd_weights_threads(c: Conv, nthreads: int, oc: int, ic: int, in_dhw: tuple,
