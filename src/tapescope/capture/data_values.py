@@ -41,7 +41,6 @@ elements.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, replace
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 
-import torch
 from torch.autograd.variable import Variable
 
 from ..torch_compat import graph_task_queries

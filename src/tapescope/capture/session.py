@@ -150,7 +150,7 @@ class CaptureSession:
         self.options = options
         self.progress = progress
         self.prepare = prepare
-        self.model = model = model_of(workload.model)
+        self.model = model_of(workload.model)
         args, kwargs = tuple(workload.args), dict(workload.kwargs or {})
         self.shape_env = None
         if options.symbolic:

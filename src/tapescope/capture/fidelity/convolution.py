@@ -34,7 +34,6 @@ _SOURCE = ("aten/src/ATen/native/mkldnn/Conv.cpp (mkldnn_convolution, "
            "mkldnn_convolution_backward) + ideep convolution_forward/backward compute + oneDNN "
            "src/cpu/cpu_convolution_list.cpp and the kernels' init_conf (devices/onednn.py)")
 _TEST = "tests/test_kernel_workspace.py::test_convolution_matches_the_allocator"
-_CL = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 def _conv_output_size(size, k, s, p, d):

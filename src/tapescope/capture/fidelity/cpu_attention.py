@@ -63,7 +63,7 @@ def _note_fp16_pack(ctx, dtype) -> None:
 def flash_attention_buffers(ctx, func, args, kwargs, out):
     """Per-thread scores, row statistics and output block (cpu_flash_attention `buf`)."""
     q, k = args[0], args[1]
-    (batch, heads, q_len, head), kv_len = q.shape, k.shape[2]
+    q_len, head, kv_len = q.shape[2], q.shape[3], k.shape[2]
     if _symbolic(ctx, q_len, kv_len, head):
         return None
     q_split, kv_split = _splits(q_len, kv_len)
