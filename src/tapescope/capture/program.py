@@ -28,6 +28,8 @@ called as `module.forward(x)` (no module hooks run): those ops are OTHER.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -67,19 +69,20 @@ class StepRuntime:
     on_optimizer: Callable = field(default=lambda optimizer: None)
 
 
-class StepProgram:
+class StepProgram(ABC):
     """One training step, run the same way by capture and by the real-run validator."""
 
     #: step 2's forward and backward may be step 1's (capture/session.py checks when)
     reusable: bool = False
 
+    @abstractmethod
     def setup(self, model: nn.Module, params: list, device: torch.device) -> Any:
         """What the steps keep, made once before step 1 (the optimizer)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def run(self, model, args: tuple, kwargs: dict, state, step: int,
             runtime: StepRuntime) -> None:
-        raise NotImplementedError
+        """One step: its phases bracketed by `runtime`."""
 
 
 @dataclass

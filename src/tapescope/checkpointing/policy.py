@@ -4,13 +4,7 @@ A checkpointing plan is a list of `UnitPolicy`: a module (its fqn) and a mode. T
 lives below every stage (values/checkpointing.py, an option holds it) and `apply_policies` in
 capture/checkpointing.py (capture applies it to the traced copy); both are importable from here.
 
-- "full": the module's forward is checkpointed whole (torch.distributed's `checkpoint_wrapper`,
-  non-reentrant `torch.utils.checkpoint`): only its inputs are kept, everything it saved for
-  backward is recomputed when its backward starts.
-- "selective": the same wrapper with a selective-checkpointing context
-  (`create_selective_checkpoint_contexts`): the outputs of the ops in `save_ops` (the matmuls and
-  attention kernels of the module) are kept, everything else (pointwise ops, norms, activations,
-  softmax) is recomputed from them.
+What "full" and "selective" do is capture/checkpointing.py's docstring.
 
 `apply_policies` wraps the modules of a model in place, the way `apply_activation_checkpointing`
 does; `policy_code` writes the same as Python a user pastes into a training script.
