@@ -154,3 +154,72 @@ def test_no_import_circle():
         lines += [f"  {graph[a][b]}: {a} -> {b}" for a in component for b in sorted(graph.get(a, {}))
                   if b in members]
     assert not circles, "import circles:\n" + "\n".join(lines)
+
+
+# ---- private PyTorch names live in torch_compat.py alone ---------------------------------------
+
+# Public by convention though spelled with an underscore (torch_compat's docstring says why):
+# `torch._check` is the documented input check of meta kernels and fake kernels; `torch.ops.*`
+# are operator names (aten's `_local_scalar_dense` is an op, not a private Python name).
+_PUBLIC_BY_CONVENTION = ("torch._check",)
+
+
+def _private(dotted: str) -> bool:
+    """A `_`-prefixed component (not a dunder) in a dotted name under torch."""
+    parts = dotted.split(".")
+    if parts[0] != "torch" or dotted.startswith("torch.ops.") or dotted in _PUBLIC_BY_CONVENTION:
+        return False
+    return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts)
+
+
+def _dotted(node) -> str | None:
+    """`torch.a.b` of an attribute chain rooted at a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id] + parts[::-1])
+
+
+def private_torch_uses(path: Path) -> list[str]:
+    """Every private torch module or name `path` imports, names (`torch._C.x`), or imports by a
+    literal string (`importlib.import_module("torch._x")`), as "line: name"."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute):  # `torch.a._b`, and its prefix `torch.a` too
+            names = [_dotted(node) or ""]
+        elif (isinstance(node, ast.Call) and _dotted(node.func) in ("importlib.import_module",
+                                                                     "import_module")
+              and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            names = [node.args[0].value]
+        found += [f"{node.lineno}: {n}" for n in names if _private(n)]
+    return sorted(set(found), key=lambda s: int(s.split(":")[0]))
+
+
+def test_private_torch_names_only_in_torch_compat():
+    bad = []
+    for path in sorted((SRC / "tapescope").rglob("*.py")):
+        if path.name == "torch_compat.py" and path.parent.name == "tapescope":
+            continue
+        bad += [f"{path.relative_to(SRC.parent)}:{use}" for use in private_torch_uses(path)]
+    assert not bad, ("private PyTorch names outside torch_compat.py (export them from there: a "
+                     "name, a small function, or (module, name) for an attribute that is "
+                     "patched):\n" + "\n".join(bad))
+
+
+def test_the_private_name_check_sees_each_form(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import torch._dynamo\nfrom torch.utils import _pytree\n"
+                   "from torch.fx import _symbolic_trace as s\nx = torch.cuda._lazy_init\n"
+                   "importlib.import_module('torch.distributed._tools')\n"
+                   "ok = torch._check, torch.ops.aten._to_copy, torch.__version__\n"
+                   "from torch.nn import functional\n")
+    assert [u.split(": ")[0] for u in private_torch_uses(src)] == ["1", "2", "3", "4", "5"]

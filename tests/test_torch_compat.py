@@ -9,17 +9,29 @@ import torch
 import tapescope.torch_compat as compat
 
 
+class Missing(AssertionError):
+    """A name tapescope uses that this torch lacks."""
+
+
 def _resolve(dotted: str):
+    """The object `dotted` names: its longest importable module, then attributes. A missing one
+    fails with what is missing, where, and what to do (a bare AttributeError would say only the
+    last attribute's name)."""
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:i]))
         except ImportError:
             continue
-        for attr in parts[i:]:
+        for j, attr in enumerate(parts[i:], start=i):
+            if not hasattr(obj, attr):
+                raise Missing(
+                    f"{dotted}: torch {torch.__version__} has no {attr!r} in "
+                    f"{'.'.join(parts[:j])}; tapescope reads it through torch_compat.py: update "
+                    "the function there that names it (and PRIVATE_NAMES)")
             obj = getattr(obj, attr)
         return obj
-    raise ImportError(dotted)
+    raise Missing(f"{dotted}: torch {torch.__version__} has no module {parts[0]!r}")
 
 
 @pytest.mark.parametrize("name", compat.PRIVATE_NAMES)
@@ -48,8 +60,46 @@ def test_newer_name_resolves_from_its_version(name, since):
     if version >= since:
         assert _resolve(name) is not None
     else:  # tapescope only sets attributes such a torch never reads: nothing to resolve
-        with pytest.raises(AttributeError):
+        with pytest.raises(Missing):
             _resolve(name)
+
+
+def test_a_missing_name_says_what_is_missing_and_where():
+    with pytest.raises(Missing, match=r"torch\.nn\.functional\.no_such_kernel: torch .* has no "
+                                      r"'no_such_kernel' in torch\.nn\.functional; .*torch_compat"):
+        _resolve("torch.nn.functional.no_such_kernel")
+    with pytest.raises(Missing, match="has no 'no_such_method' in torch.Tensor"):
+        _resolve("torch.Tensor.no_such_method")
+
+
+# The (owner, name) functions of torch_compat that distributed/fidelity.py patches through: each
+# must find its target on this torch (None or [] would silently switch a fidelity fix off).
+def test_distributed_patch_sites_are_found():
+    pytest.importorskip("torch.distributed.tensor")
+    checks = compat.dtensor_tracing_checks()
+    assert [m.__name__ for m, _ in checks] == list(compat.TRACING_CHECK_MODULES)
+    assert all(callable(getattr(m, n)) for m, n in checks)
+    for site in (compat.dtensor_meta_propagation(), compat.strided_shard_flag_propagation(),
+                 compat.mesh_strategy_expansion()):
+        assert site is not None and callable(getattr(*site)), site
+    methods = {(cls.__name__, n) for cls, n in compat.mesh_rank_tensor_methods()}
+    assert methods == {("DeviceMesh", n) for n in compat._MESH_TENSOR_METHODS} | {
+        ("_MeshLayout", "remap_to_tensor")}
+
+
+def test_distributed_helpers_answer():
+    pytest.importorskip("torch.distributed.tensor")
+    import inspect
+
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert type(compat.fake_store()).__name__ == "FakeStore"
+    assert callable(compat.replicate_with_fsdp())
+    wrapper, impl, activation_wrapper = compat.checkpoint_wrapper_api()
+    wrapped = wrapper(nn.Linear(2, 2), checkpoint_impl=impl.NO_REENTRANT)
+    assert isinstance(wrapped, activation_wrapper)
+    assert compat.MESH_RANK_MAP in inspect.signature(DeviceMesh.__init__).parameters
 
 
 def test_autograd_internals_answer():

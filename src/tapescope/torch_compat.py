@@ -1,4 +1,4 @@
-"""Every private PyTorch name tapescope uses, in one place.
+r"""Every private PyTorch name tapescope uses, in one place.
 
 tapescope follows PyTorch's internals closely (that is how it traces a step the way the real engine
 runs it), so it reads names PyTorch does not promise to keep: FakeTensorMode's innards, autograd's
@@ -9,7 +9,12 @@ says which.
 
 A private name is used outside this file only through what it exports: a re-exported name, a
 small function, or, for an attribute another module patches and restores (capture/graph_task.py,
-distributed/cuda_standin.py, capture/compiled.py), a function that returns (module, name).
+distributed/cuda_standin.py, distributed/fidelity.py, capture/compiled.py), a function that
+returns (module, name). tests/test_layers.py fails on any other module that imports a private
+torch module or name, or spells one (`torch.cuda._lazy_init`). The one registry that names
+patched torch attributes by string, capture/fidelity/libraries.py's LIBRARY_BRANCHES (a branch
+a library takes on a FakeTensor, answered as in the eager step), has its torch entries in
+PRIVATE_NAMES below, so that a torch which moves one fails here rather than silently.
 
 Names that are public API (torch.library, torch.profiler, torch.utils.checkpoint ...) are used
 directly where they are needed. `Tensor._base`, `Tensor._is_view()` and `OpOverload._schema` are
@@ -79,7 +84,10 @@ __all__ = [
     "device_constructors", "OpOverload", "inductor_async_compile", "inductor_mode_options",
     "inductor_compilers", "aot_autograd", "compile_configs", "dynamo_callback_handler",
     "inductor_constant_folders", "dynamo_device_interface", "DEVICE_CACHING_MODULES",
-    "graph_task_queries", "accelerator_query",
+    "graph_task_queries", "accelerator_query", "fake_store", "replicate_with_fsdp",
+    "checkpoint_wrapper_api", "TRACING_CHECK_MODULES", "dtensor_tracing_checks",
+    "dtensor_meta_propagation", "strided_shard_flag_propagation", "mesh_strategy_expansion",
+    "mesh_rank_tensor_methods", "MESH_RANK_MAP",
 ]
 
 
@@ -382,6 +390,113 @@ except ImportError:  # pragma: no cover - a torch without it, or without torch.d
         pass
 
 
+# ---- torch.distributed: the fake world, checkpoint_wrapper, DDP (distributed/, capture/) ---------
+
+def fake_store():
+    """A store for torch's fake process group (collectives complete at once, move no data)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def replicate_with_fsdp():
+    """FSDP2's DDP, `replicate(module, mesh=..., mp_policy=...)` (what torchtitan applies for
+    data-parallel replicas)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate
+
+
+def checkpoint_wrapper_api() -> tuple:
+    """(checkpoint_wrapper, CheckpointImpl, ActivationWrapper) of torch.distributed's activation
+    checkpointing; ImportError on a torch built without torch.distributed."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        ActivationWrapper, CheckpointImpl, checkpoint_wrapper)
+
+    return checkpoint_wrapper, CheckpointImpl, ActivationWrapper
+
+
+# Modules that bind `_are_we_tracing` at import (torch 2.6 - 2.14); absent ones are skipped.
+TRACING_CHECK_MODULES = (
+    "torch.distributed._functional_collectives",
+    "torch.distributed.tensor._dispatch",
+    "torch.distributed.tensor._sharding_prop",
+    "torch.distributed.tensor._redistribute",
+    "torch.distributed.tensor._collective_utils",
+    "torch.distributed.tensor._decompositions",
+)
+
+
+def dtensor_tracing_checks() -> list:
+    """(module, name) of each `_are_we_tracing` DTensor and the functional collectives call
+    (distributed/fidelity.py answers False for the capture)."""
+    import importlib
+
+    sites = []
+    for name in TRACING_CHECK_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "_are_we_tracing"):
+            sites.append((module, "_are_we_tracing"))
+    return sites
+
+
+def dtensor_meta_propagation():
+    """(class, name) of the method DTensor computes an op's output metadata with, by running it on
+    global-shaped fake tensors in the active fake mode."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    return ShardingPropagator, "_propagate_tensor_meta_non_cached"
+
+
+def strided_shard_flag_propagation():
+    """(module, name) of `_propagate_use_strided_shard_flag(op_strategy, op_schema)`, or None where
+    this torch has none."""
+    try:
+        from torch.distributed.tensor import _sharding_prop
+    except ImportError:
+        return None
+    name = "_propagate_use_strided_shard_flag"
+    return (_sharding_prop, name) if hasattr(_sharding_prop, name) else None
+
+
+def mesh_strategy_expansion():
+    """(module, name) of `expand_to_full_mesh_op_strategy`, as DTensor's op strategies call it
+    (looked up on its module at call time), or None where this torch has none."""
+    try:
+        from torch.distributed.tensor._ops import utils
+    except ImportError:
+        return None
+    name = "expand_to_full_mesh_op_strategy"
+    return (utils, name) if hasattr(utils, name) else None
+
+
+# DeviceMesh methods that compute on the mesh's rank tensor (torch 2.14); absent ones are skipped
+_MESH_TENSOR_METHODS = ("__init__", "mesh", "_compute_coordinates_from_mesh",
+                        "_get_mesh_tensor_from_full_mesh", "_init_one_process_group",
+                        "from_group", "_concatenate")
+
+# The keyword `init_device_mesh` gives DeviceMesh.__init__ its rank tensor with (torch >= 2.9)
+MESH_RANK_MAP = "_rank_map"
+
+
+def mesh_rank_tensor_methods() -> list:
+    """(class, name) of each method of DeviceMesh and its layout that computes on the mesh's rank
+    tensor, where this torch has it (in the class's own __dict__)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    sites = [(DeviceMesh, n) for n in _MESH_TENSOR_METHODS]
+    try:
+        from torch.distributed._mesh_layout import _MeshLayout
+    except ImportError:  # pragma: no cover - torch before 2.9
+        pass
+    else:
+        sites.append((_MeshLayout, "remap_to_tensor"))
+    return [(cls, n) for cls, n in sites if n in cls.__dict__]
+
+
 def device_constructors():
     """The factories `with torch.device(d)` gives a device (torch/utils/_device.py)."""
     from torch.utils._device import _device_constructors
@@ -468,6 +583,19 @@ PRIVATE_NAMES = (
     "torch.distributed.tensor.debug._clear_sharding_prop_cache",
     "torch.distributed.tensor._redistribute.clear_redistribute_planner_cache",
     "torch.distributed.tensor.placement_types._StridedShard",
+    "torch.distributed.tensor._sharding_prop._propagate_use_strided_shard_flag",
+    "torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy",
+    "torch.distributed._composable.replicate_with_fsdp.replicate",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointImpl",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper",
+    "torch.distributed.device_mesh.DeviceMesh._compute_coordinates_from_mesh",
+    "torch.distributed.device_mesh.DeviceMesh._get_mesh_tensor_from_full_mesh",
+    "torch.distributed.device_mesh.DeviceMesh._init_one_process_group",
+    # patched where a library branches on a FakeTensor (capture/fidelity/libraries.py)
+    "torch.optim.optimizer._foreach_supported_types",
+    "torch.utils._foreach_utils._foreach_supported_types",
+    "torch.cuda.amp.common.amp_definitely_not_available",
 )
 
 # Triton's names (capture/gpu_less.py): its driver registry and CUDA driver class, checked where

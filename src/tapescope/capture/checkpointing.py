@@ -25,13 +25,14 @@ __all__ = ["apply_policies", "wrap"]
 
 
 def _checkpoint_wrapper():
+    from ..torch_compat import checkpoint_wrapper_api
+
     try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl, checkpoint_wrapper)
+        checkpoint_wrapper, impl, _ = checkpoint_wrapper_api()
     except ImportError:  # pragma: no cover - torch built without torch.distributed
         raise TapescopeError("applying a checkpointing plan needs torch.distributed's "
                              "checkpoint_wrapper, which this torch build lacks") from None
-    return checkpoint_wrapper, CheckpointImpl
+    return checkpoint_wrapper, impl
 
 
 def wrap(module: nn.Module, policy: UnitPolicy) -> nn.Module:
@@ -91,8 +92,10 @@ def apply_policies(model: nn.Module, policies, on_wrap=None) -> nn.Module:
 def _checkpointed_on_path(model: nn.Module, fqn: str) -> str | None:
     """The fqn of a checkpoint_wrapper that is `fqn` or contains it (None: none is): wrapping
     inside one nests checkpointing silently."""
+    from ..torch_compat import checkpoint_wrapper_api
+
     try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+        ActivationWrapper = checkpoint_wrapper_api()[2]
     except ImportError:  # pragma: no cover - no torch.distributed: no wrapper can be there
         return None
     path, module = [], model

@@ -44,7 +44,6 @@
 
 from __future__ import annotations
 
-import importlib
 from contextlib import contextmanager
 
 import torch
@@ -53,22 +52,6 @@ from ..capture.records import TensorRef
 from ..errors import TapescopeError
 
 __all__ = ["eager_distributed"]
-
-# DeviceMesh methods that compute on the mesh's rank tensor (torch 2.14); absent ones are skipped
-_MESH_TENSOR_METHODS = ("__init__", "mesh", "_compute_coordinates_from_mesh",
-                        "_get_mesh_tensor_from_full_mesh", "_init_one_process_group",
-                        "from_group", "_concatenate")
-
-# modules that bind `_are_we_tracing` at import (torch 2.6 - 2.14); absent ones are skipped
-_TRACING_CHECK_MODULES = (
-    "torch.distributed._functional_collectives",
-    "torch.distributed.tensor._dispatch",
-    "torch.distributed.tensor._sharding_prop",
-    "torch.distributed.tensor._redistribute",
-    "torch.distributed.tensor._collective_utils",
-    "torch.distributed.tensor._decompositions",
-)
-
 
 def _not_tracing() -> bool:
     return False
@@ -85,21 +68,20 @@ class _ArgsSpecs:
 
 def _strided_flag_once_per_op():
     """Patch `_propagate_use_strided_shard_flag` (see point 5); returns the undo."""
-    try:
-        from torch.distributed.tensor import _sharding_prop as sp
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:
+    from ..torch_compat import StridedShard, strided_shard_flag_propagation
+
+    site = strided_shard_flag_propagation()
+    if site is None:
         return lambda: None
-    original = getattr(sp, "_propagate_use_strided_shard_flag", None)
-    if original is None:
-        return lambda: None
+    module, name = site
+    original = getattr(module, name)
     last: list = [None, None]  # (op_schema, its summary): the children of one op come together
 
     def summary(op_schema):
         if last[0] is not op_schema:
             by_value = {}
             for spec in op_schema.args_spec:
-                if any(isinstance(p, _StridedShard) for p in spec.placements):
+                if any(isinstance(p, StridedShard) for p in spec.placements):
                     by_value.setdefault(spec.use_strided_shard_as_shard_order, spec)
             last[0], last[1] = op_schema, _ArgsSpecs(tuple(by_value.values()))
         return last[1]
@@ -110,11 +92,11 @@ def _strided_flag_once_per_op():
         except AttributeError:  # a torch whose function reads more of the schema
             return original(op_strategy, op_schema)
 
-    sp._propagate_use_strided_shard_flag = propagate_flag
+    setattr(module, name, propagate_flag)
     restore_expand = _expansions_memoised()
 
     def restore():
-        sp._propagate_use_strided_shard_flag = original
+        setattr(module, name, original)
         last[0] = last[1] = None
         restore_expand()
 
@@ -123,13 +105,13 @@ def _strided_flag_once_per_op():
 
 def _expansions_memoised():
     """Memoise `expand_to_full_mesh_op_strategy` for the capture (see point 5); the undo."""
-    try:
-        from torch.distributed.tensor._ops import utils
-    except ImportError:
+    from ..torch_compat import mesh_strategy_expansion
+
+    site = mesh_strategy_expansion()
+    if site is None:
         return lambda: None
-    original = getattr(utils, "expand_to_full_mesh_op_strategy", None)
-    if original is None:
-        return lambda: None
+    module, name = site
+    original = getattr(module, name)
     memo: dict = {}
 
     def expand(mesh, op_schema, single_mesh_dim_strategies, **kwargs):
@@ -146,10 +128,10 @@ def _expansions_memoised():
             found = memo[key] = original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
         return found
 
-    utils.expand_to_full_mesh_op_strategy = expand
+    setattr(module, name, expand)
 
     def restore():
-        utils.expand_to_full_mesh_op_strategy = original
+        setattr(module, name, original)
         memo.clear()
 
     return restore
@@ -264,7 +246,7 @@ def _mesh_init(init):
     """DeviceMesh.__init__ on real rank tensors, outside the fake mode (point 3)."""
     from functools import wraps
 
-    from ..torch_compat import unset_fake_mode
+    from ..torch_compat import MESH_RANK_MAP, unset_fake_mode
 
     @wraps(init)
     def run(self, device_type, mesh=None, *args, **kwargs):
@@ -274,30 +256,26 @@ def _mesh_init(init):
             kept = (mesh if mesh.device.type == "cpu" else mesh.to("cpu")).detach() \
                 .to(dtype=torch.int).contiguous()
             mesh = _made_for_real(kept, "mesh")
-        if _capture_fake(kwargs.get("_rank_map")):  # init_device_mesh's arange
-            kept = kwargs["_rank_map"]
-            kwargs["_rank_map"] = _made_for_real(kept, "rank map")
+        if _capture_fake(kwargs.get(MESH_RANK_MAP)):  # init_device_mesh's arange
+            kept = kwargs[MESH_RANK_MAP]
+            kwargs[MESH_RANK_MAP] = _made_for_real(kept, "rank map")
         with unset_fake_mode():
             init(self, device_type, mesh, *args, **kwargs)
         if kept is not None:
-            self._rank_map._tapescope_fake = kept  # shared by every mesh derived from this one
+            # shared by every mesh derived from this one
+            getattr(self, MESH_RANK_MAP)._tapescope_fake = kept
 
     return run
 
 
 def _mesh_bookkeeping_on_real_tensors():
     """Wrap DeviceMesh's rank-tensor methods to run outside the fake mode; returns the undo."""
-    from torch.distributed import _mesh_layout
-    from torch.distributed.device_mesh import DeviceMesh
+    from ..torch_compat import mesh_rank_tensor_methods
 
     saved = []
-    targets = [(DeviceMesh, n) for n in _MESH_TENSOR_METHODS]
-    targets.append((_mesh_layout._MeshLayout, "remap_to_tensor"))
-    for cls, name in targets:
-        attr = cls.__dict__.get(name)
-        if attr is None:
-            continue
-        if cls is DeviceMesh and name == "__init__":
+    for cls, name in mesh_rank_tensor_methods():
+        attr = cls.__dict__[name]
+        if name == "__init__":
             new = _mesh_init(attr)
         elif isinstance(attr, staticmethod):
             new = staticmethod(_real(attr.__func__))
@@ -320,21 +298,15 @@ def _mesh_bookkeeping_on_real_tensors():
 @contextmanager
 def eager_distributed():
     """Run DTensor and the functional collectives as in an eager step while a capture runs."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
     from ..capture.tape import Tape
-    from ..torch_compat import active_fake_mode
+    from ..torch_compat import active_fake_mode, dtensor_meta_propagation, dtensor_tracing_checks
 
     saved = []
-    for name in _TRACING_CHECK_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(mod, "_are_we_tracing"):
-            saved.append((mod, mod._are_we_tracing))
-            mod._are_we_tracing = _not_tracing
-    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    for mod, name in dtensor_tracing_checks():
+        saved.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, _not_tracing)
+    propagator, propagate_name = dtensor_meta_propagation()
+    propagate = propagator.__dict__[propagate_name]
 
     def propagate_unrecorded(self, op_schema):
         tape = active_fake_mode()
@@ -343,7 +315,7 @@ def eager_distributed():
         with tape.unrecorded():
             return propagate(self, op_schema)
 
-    ShardingPropagator._propagate_tensor_meta_non_cached = propagate_unrecorded
+    setattr(propagator, propagate_name, propagate_unrecorded)
     restore_mesh = _mesh_bookkeeping_on_real_tensors()
     restore_flag = _strided_flag_once_per_op()
     _clear_dtensor_caches()
@@ -353,6 +325,6 @@ def eager_distributed():
         _clear_dtensor_caches()
         restore_flag()
         restore_mesh()
-        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
-        for mod, fn in saved:
-            mod._are_we_tracing = fn
+        setattr(propagator, propagate_name, propagate)
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)

@@ -28,7 +28,8 @@ def fake_world(spec: MeshSpec, rank: int, device_type: str):
     """Be `rank` of a fake world of `spec.world_size` ranks; yields the DeviceMesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..torch_compat import fake_store
 
     if not dist.is_available():
         raise TapescopeError("this build of PyTorch has no torch.distributed")
@@ -37,7 +38,7 @@ def fake_world(spec: MeshSpec, rank: int, device_type: str):
             "a process group is already initialised in this process; tapescope simulates the ranks "
             "of a distributed job with torch's fake process group and needs a process without one "
             "(run it outside the training job)")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=spec.world_size)
     try:
         yield init_device_mesh(device_type, spec.sizes, mesh_dim_names=spec.names)
     finally:

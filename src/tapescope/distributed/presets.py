@@ -209,9 +209,9 @@ def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> C
                             reshard_after_forward=i < len(blocks) - 1)
             fully_shard(model, mesh=dp, mp_policy=mp)
         elif layout.dp_replicate > 1:
-            from torch.distributed._composable.replicate_with_fsdp import replicate
+            from ..torch_compat import replicate_with_fsdp
 
-            replicate(model, mesh=mesh["dp_replicate"], mp_policy=mp)
+            replicate_with_fsdp()(model, mesh=mesh["dp_replicate"], mp_policy=mp)
         return model
 
     parallelize.__name__ = f"the {layout} preset" + (
