@@ -84,10 +84,11 @@ __all__ = [
     "device_constructors", "OpOverload", "inductor_async_compile", "inductor_mode_options",
     "inductor_compilers", "aot_autograd", "compile_configs", "dynamo_callback_handler",
     "inductor_constant_folders", "dynamo_device_interface", "DEVICE_CACHING_MODULES",
+    "SETUP_ONCE_CACHES", "INDUCTOR_KERNEL_COMPILERS",
     "graph_task_queries", "accelerator_query", "fake_store", "replicate_with_fsdp",
     "checkpoint_wrapper_api", "TRACING_CHECK_MODULES", "dtensor_tracing_checks",
     "dtensor_meta_propagation", "strided_shard_flag_propagation", "mesh_strategy_expansion",
-    "mesh_rank_tensor_methods", "MESH_RANK_MAP",
+    "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED",
 ]
 
 
@@ -565,6 +566,7 @@ PRIVATE_NAMES = (
     "torch.utils._triton.has_triton", "torch._inductor.utils.get_gpu_dram_gbps",
     "torch._inductor.codecache.CacheBase.get_system",
     "torch._inductor.analysis.device_info",
+    "torch._inductor.codegen.triton.TritonKernelOverrides._setup_libdevice_routing",
     # graph task stand-in (capture/graph_task.py) and wrapper subclasses (capture/tape.py)
     "torch._C._current_graph_task_id", "torch._C._will_engine_execute_node",
     "torch._C._get_accelerator",
@@ -665,6 +667,11 @@ def inductor_async_compile():
     return AsyncCompile
 
 
+# AsyncCompile's kernel compilers (torch 2.14); capture/compiled.py replaces those this torch has
+INDUCTOR_KERNEL_COMPILERS = ("cpp", "cpp_pybinding", "triton", "halide", "cuda", "rocm", "xpu",
+                             "cutedsl", "multi_kernel", "size_hint_multi_kernel", "pallas")
+
+
 def inductor_mode_options(mode, dynamic) -> dict:
     """The config patches `torch.compile(mode=...)` applies (torch._inductor.list_mode_options)."""
     from torch._inductor import list_mode_options
@@ -724,6 +731,13 @@ DEVICE_CACHING_MODULES = (
     "torch._dynamo.device_interface", "torch._inductor.runtime.triton_heuristics",
     "torch._inductor.codegen.triton", "torch._inductor.runtime.triton_helpers")
 
+# functools caches in those modules that are a run-once guard, not an answer: emptying one makes
+# torch run its setup again. `_setup_libdevice_routing` wraps each fp64 libdevice op of
+# TritonKernelOverrides around the one before, so emptied on each profile it nested one wrapper
+# deeper per profile (tests/test_patches.py).
+SETUP_ONCE_CACHES = (
+    "torch._inductor.codegen.triton.TritonKernelOverrides._setup_libdevice_routing",)
+
 
 # ---- queries tapescope answers itself (patched where named, restored by the caller) -------------
 
@@ -757,3 +771,122 @@ def select_conv_backend(x, weight, stride, padding, dilation, transposed, output
                                             list(dilation), bool(transposed),
                                             list(output_padding), int(groups), None)
     return backend.name
+
+
+# ---- the catalogue: every attribute of torch (and of the libraries it drives) a profile patches --
+#
+# tapescope changes no torch state for good, but while a profile runs it answers some of torch's
+# questions itself (the C++ engine's graph-task queries, CUDA's device queries without a GPU),
+# sees what no dispatch mode sees (hooks kept in C++, `UntypedStorage.resize_`) or runs a branch
+# as the eager step does (DTensor's `_are_we_tracing`). Each is set by the module named in `by`
+# inside a `with` block that restores it on exit, error or not; the list is here so that one can
+# see them all, and tests/test_patches.py checks that after a normal, a failing, a GPU-less CUDA,
+# a compiled and a distributed profile each is the very object it was before, and that while a
+# profile runs nothing else under torch is changed. Not listed, because not fixed attributes:
+# capture/isolation.py binds the globals and class attributes the *model's* code names to private
+# copies (restored the same way), and the global module / optimizer-step hooks capture/modules.py
+# and capture/program.py register through torch's public API (removed on exit).
+
+from dataclasses import dataclass as _dataclass
+
+
+@_dataclass(frozen=True)
+class Patched:
+    """Attributes `names` of `owner` (a dotted module or class path), set for a block by `by`."""
+
+    owner: str
+    names: tuple[str, ...]
+    by: str
+    why: str
+
+
+PATCHED = (
+    # the backward: tapescope's Python engine runs it, and answers what the C++ engine would
+    Patched("torch._C", ("_current_graph_task_id", "_will_engine_execute_node"),
+            "capture/graph_task.py", "FSDP2's is_bw(), checkpoint and hooks ask the running "
+            "graph task; the Python engine's answers"),
+    Patched("torch.autograd.variable.Variable", ("_execution_engine",), "capture/graph_task.py",
+            "queue_callback (FSDP2's final callback) goes to the Python engine's graph task"),
+    Patched("torch._C._autograd", ("_get_current_graph_task_keep_graph",), "capture/engine.py",
+            "AOTAutograd's compiled backward asks whether the graph is kept (donated buffers)"),
+    Patched("torch.autograd", ("backward", "grad"),
+            "capture/engine.py, capture/session.py, capture/program.py",
+            "a backward inside a node (reentrant checkpoint) or in a user's step runs on the "
+            "Python engine"),
+    # hooks C++ keeps where no mode sees them
+    Patched("torch.Tensor", ("register_hook", "retain_grad"), "capture/hooks.py",
+            "tensor hooks and retained gradients, which the C++ engine keeps per node"),
+    Patched("torch.autograd.function.BackwardCFunction",
+            ("register_hook", "register_prehook", "maybe_clear_saved_tensors"), "capture/hooks.py",
+            "node hooks; what a custom Function's backward unpacked is released with it"),
+    Patched("torch.autograd.Function", ("apply",), "capture/hooks.py",
+            "which inputs of a custom Function are Variables (its backward's inputs)"),
+    Patched("torch.autograd.graph.saved_tensors_hooks", ("__enter__", "__exit__"),
+            "capture/hooks.py", "what a user's saved-tensor hook packs is released with its node"),
+    Patched("torch.UntypedStorage", ("resize_",), "capture/tape.py",
+            "FSDP2 frees and re-allocates unsharded parameters without dispatching an op"),
+    Patched("torch", ("get_rng_state",), "capture/rng_state.py",
+            "the real tensor it returns (checkpoint, fork_rng) is counted in the step"),
+    Patched("torch.nn.Module", ("register_parameter", "register_buffer"), "capture/model.py",
+            "a model built by a function is built on meta, keeping small constants' values"),
+    # a library's branch on "is this a FakeTensor / is there a GPU", answered as in the eager step
+    Patched("transformers.masking_utils", ("is_tracing",), "capture/fidelity/libraries.py",
+            "transformers skips the eager mask checks for any FakeTensor"),
+    Patched("torch.cuda.amp.common", ("amp_definitely_not_available",),
+            "capture/fidelity/libraries.py", "autocast('cuda') turns itself off without a GPU"),
+    Patched("torch.optim.optimizer", ("_foreach_supported_types",),
+            "capture/fidelity/libraries.py", "foreach kernels are chosen for plain tensors only"),
+    Patched("torch.utils._foreach_utils", ("_foreach_supported_types",),
+            "capture/fidelity/libraries.py", "clip_grad_norm_'s foreach choice, likewise"),
+    Patched("torch.cuda", ("is_bf16_supported",), "capture/fidelity/libraries.py",
+            "autocast's bf16 check, as on the named GPU"),
+    # torch.compile without compiling kernels, and inductor's CUDA path without a GPU
+    Patched("torch._inductor.async_compile.AsyncCompile", INDUCTOR_KERNEL_COMPILERS,
+            "capture/compiled.py",
+            "kernels are generated but never compiled"),
+    Patched("torch._inductor.config", ("force_disable_caches", "compile_threads"),
+            "capture/compiled.py", "no compile caches, no compile workers (config.patch)"),
+    Patched("torch._functorch.config", ("check_custom_op_aliasing", "activation_memory_budget"),
+            "capture/compiled.py", "the partitioner's budget; no second mode around the Tape"),
+    Patched("torch.cuda",
+            ("is_available", "is_initialized", "_lazy_init", "device_count", "current_device",
+             "set_device", "get_device_properties", "get_device_capability", "get_device_name",
+             "synchronize", "_exchange_device", "_maybe_exchange_device", "_DeviceGuard",
+             "get_rng_state", "set_rng_state", "is_current_stream_capturing"),
+            "capture/gpu_less.py", "inductor's CUDA device queries, answered for the named GPU"),
+    Patched("torch._dynamo.device_interface.CudaInterface",
+            ("current_device", "set_device", "device_count", "get_device_properties",
+             "synchronize", "is_bf16_supported", "exchange_device", "maybe_exchange_device"),
+            "capture/gpu_less.py", "dynamo's copies of torch.cuda's functions, bound at import"),
+    Patched("torch._subclasses.fake_tensor.FakeTensorMode", ("avoid_device_init",),
+            "capture/gpu_less.py", "no device transfer of a constant runs for real"),
+    Patched("torch._inductor.constant_folding.ConstantFolder", ("run",), "capture/gpu_less.py",
+            "constant folding computes on the CPU"),
+    Patched("torch._inductor.fx_passes.joint_graph.UniformValueConstantFolder", ("__init__",),
+            "capture/gpu_less.py", "likewise"),
+    Patched("triton.runtime.driver.driver", ("_active",), "capture/gpu_less.py",
+            "Triton's CUDA driver for the named GPU, made without libcuda"),
+    # a distributed profile: CUDA without a GPU, DTensor as in the eager step
+    Patched("torch.cuda",
+            ("current_device", "set_device", "device_count", "is_initialized", "Stream", "Event",
+             "current_stream", "default_stream", "stream", "synchronize",
+             "get_device_capability"), "distributed/cuda_standin.py",
+            "FSDP2's and DeviceMesh's streams, events and device calls"),
+    Patched("torch.accelerator", ("current_stream",), "distributed/cuda_standin.py",
+            "likewise"),
+    Patched("torch._C", ("_get_accelerator",), "distributed/cuda_standin.py",
+            "torch.accelerator answers 'cuda'"),
+    *(Patched(m, ("_are_we_tracing",), "distributed/fidelity.py",
+              "DTensor takes fake mode for torch.compile tracing") for m in TRACING_CHECK_MODULES),
+    Patched("torch.distributed.tensor._sharding_prop.ShardingPropagator",
+            ("_propagate_tensor_meta_non_cached",), "distributed/fidelity.py",
+            "its metadata ops run unrecorded"),
+    Patched("torch.distributed.tensor._sharding_prop", ("_propagate_use_strided_shard_flag",),
+            "distributed/fidelity.py", "once per op, not per list element (speed)"),
+    Patched("torch.distributed.tensor._ops.utils", ("expand_to_full_mesh_op_strategy",),
+            "distributed/fidelity.py", "memoised for the capture (speed)"),
+    Patched("torch.distributed.device_mesh.DeviceMesh", _MESH_TENSOR_METHODS,
+            "distributed/fidelity.py", "the mesh's rank tensor is computed on for real"),
+    Patched("torch.distributed._mesh_layout._MeshLayout", ("remap_to_tensor",),
+            "distributed/fidelity.py", "likewise"),
+)

@@ -49,9 +49,9 @@ import torch
 
 from ..options import CompileOptions
 from .gpu_less import NoDeviceGuard
-from ..torch_compat import (aot_autograd, compile_configs, dynamo_callback_handler,
-                            function_modes_suspended, inductor_async_compile, inductor_compilers,
-                            inductor_mode_options)
+from ..torch_compat import (INDUCTOR_KERNEL_COMPILERS, aot_autograd, compile_configs,
+                            dynamo_callback_handler, function_modes_suspended,
+                            inductor_async_compile, inductor_compilers, inductor_mode_options)
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compiling",
            "input_name", "APPROXIMATIONS"]
@@ -119,10 +119,6 @@ def _no_kernel(self, *args, **kwargs):
     return _NoKernel()
 
 
-_KERNEL_COMPILERS = ("cpp", "cpp_pybinding", "triton", "halide", "cuda", "rocm", "xpu",
-                     "cutedsl", "multi_kernel", "size_hint_multi_kernel", "pallas")
-
-
 @contextmanager
 def _kernels_not_compiled():
     """AsyncCompile's kernel compilers return no-op kernels while tapescope compiles.
@@ -133,7 +129,7 @@ def _kernels_not_compiled():
     """
     AsyncCompile = inductor_async_compile()
     saved = {}
-    for name in _KERNEL_COMPILERS:
+    for name in INDUCTOR_KERNEL_COMPILERS:
         if name in AsyncCompile.__dict__:
             saved[name] = AsyncCompile.__dict__[name]
             setattr(AsyncCompile, name, _no_kernel)

@@ -32,8 +32,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..devices.gpus import GPU, sm_limits
-from ..torch_compat import (DEVICE_CACHING_MODULES, FakeTensorMode, dynamo_device_interface,
-                            inductor_constant_folders)
+from ..torch_compat import (DEVICE_CACHING_MODULES, SETUP_ONCE_CACHES, FakeTensorMode,
+                            dynamo_device_interface, inductor_constant_folders)
 
 __all__ = ["cuda_answered", "device_properties", "NoDeviceGuard"]
 
@@ -183,7 +183,8 @@ def _cached_functions() -> list:
             for f in members:
                 if isinstance(f, (classmethod, staticmethod)):
                     f = f.__func__
-                if _is_cache(f) and f not in out:
+                if _is_cache(f) and f not in out and \
+                        f"{f.__module__}.{f.__qualname__}" not in SETUP_ONCE_CACHES:
                     out.append(f)
     return out
 
