@@ -401,40 +401,20 @@ class Tape(FakeTensorMode):
 
     @passes_user_calls
     def _dispatch(self, func, types, args, kwargs):
+        """One op, in named stages: declined (not an op of the program: run unrecorded), a
+        TensorImpl copy (autograd's, not the program's), view regeneration, the fidelity rules'
+        rewrite, values an assumption decides, the kernel (checked, run, its output layout), and
+        what is recorded of it."""
         if self._tape_unbuilt:
             self._refuse_unbuilt_devices(func, args, kwargs)
         if (self._tape_depth or not self._tape_recording or func in _NOT_OPS
                 or func.namespace in _NOT_OP_NAMESPACES
                 or any(t is not FakeTensor and t is not torch.Tensor for t in types)):
-            # (a tensor subclass among the arguments, a DTensor say: FakeTensorMode declines,
-            # the subclass runs the op on the tensors it wraps, and those ops come back here)
-            if (self._tape_front_unrecorded and not self._tape_depth and not self._tape_recording
-                    and func not in _NOT_OPS and func.namespace not in _NOT_OP_NAMESPACES
-                    and func.namespace != "c10d" and func not in self.rules.kernels
-                    and all(t is FakeTensor or t is torch.Tensor for t in types)
-                    and not (args and type(args[0]) is FakeTensor and args[0].constant is not None)):
-                return self._front(func, types, args, kwargs)
-            return self._fake_dispatch(func, types, args, kwargs)
+            return self._declined(func, types, args, kwargs)
+        # (inline: _issued_by_another_mode counts the frames above this one)
         if func is _DETACH and (self.in_pack_hook or not adinplaceorview_excluded()
                                 or self._issued_by_another_mode()):
-            # Not an op of the program: C++ autograd copied a TensorImpl (saving or unpacking a
-            # tensor), which for a Python tensor subclass goes through `detach`. A genuine detach
-            # comes from the autograd kernel, below which ADInplaceOrView is excluded. A detach
-            # made while another op runs is not an op of its own either (the profiler shows it
-            # inside that op): a pack hook's (checkpoint's recomputation saves `x.detach()`,
-            # inside the autograd kernel of the op that saves), or one a dispatch mode above ours
-            # makes while it handles an op (selective checkpointing detaches what it caches).
-            self._tape_depth += 1
-            try:
-                out = self._run(func, types, args, kwargs)  # through the replay front: it is fast
-            finally:
-                self._tape_depth -= 1
-            v = getattr(args[0], _VALUE_ATTR, None)
-            if v is not None:
-                setattr(out, _VALUE_ATTR, v)
-            if self.fidelity.values is not None:
-                self.fidelity.values.alias(args[0], out)  # a saved tensor keeps its values
-            return out
+            return self._impl_copy(func, types, args, kwargs)
         # a recomputed op is a forward op: the forward rules and view tracking apply
         backward = self._tape_phase == BACKWARD and not self._recomputing()
         if not backward and self.views.busy:
@@ -442,15 +422,8 @@ class Tape(FakeTensorMode):
                                        self._record, func, args, kwargs)
             if out is not None:
                 return out
-        ctx, rules = self.fidelity, self.rules
-        # the rules' tables are consulted inline: this runs for every op of the step
-        if backward:
-            ctx.node = self._backward_node()
-            if rules.rewrites_any_backward or func in rules.backward_targets:
-                func, args, kwargs = rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
-        elif rules.rewrites_any_forward or func in rules.forward_targets:
-            func, args, kwargs = rules.rewrite(FORWARD_OP, ctx, func, args, kwargs)
-        values = ctx.values  # data-dependent sizes: values an assumption gives (data_values.py)
+        func, args, kwargs = self._rewritten(func, args, kwargs, backward)
+        values = self.fidelity.values  # data-dependent sizes: values an assumption gives
         if values is not None and values.live:
             try:
                 done, result = values.before(func, args, kwargs)
@@ -460,9 +433,63 @@ class Tape(FakeTensorMode):
             if done:  # an `.item()` of a tensor whose values the assumption decided
                 self._record(func, args, kwargs, result)
                 return result
+        out = self._kernel(func, types, args, kwargs)
+        self._recorded(func, args, kwargs, out, backward)
+        return out
+
+    def _declined(self, func, types, args, kwargs):
+        """An op that is not the program's (inside another op, outside recording, not an op),
+        or one with a tensor subclass among its arguments (a DTensor, say: FakeTensorMode
+        declines, the subclass runs the op on the tensors it wraps, and those come back here).
+        Run unrecorded; through the replay front where it can answer."""
+        if (self._tape_front_unrecorded and not self._tape_depth and not self._tape_recording
+                and func not in _NOT_OPS and func.namespace not in _NOT_OP_NAMESPACES
+                and func.namespace != "c10d" and func not in self.rules.kernels
+                and all(t is FakeTensor or t is torch.Tensor for t in types)
+                and not (args and type(args[0]) is FakeTensor and args[0].constant is not None)):
+            return self._front(func, types, args, kwargs)
+        return self._fake_dispatch(func, types, args, kwargs)
+
+    def _impl_copy(self, func, types, args, kwargs):
+        """A `detach` that is not an op of the program: C++ autograd copied a TensorImpl (saving
+        or unpacking a tensor), which for a Python tensor subclass goes through `detach`. A
+        genuine detach comes from the autograd kernel, below which ADInplaceOrView is excluded.
+        A detach made while another op runs is not an op of its own either (the profiler shows
+        it inside that op): a pack hook's (checkpoint's recomputation saves `x.detach()`, inside
+        the autograd kernel of the op that saves), or one a dispatch mode above ours makes while
+        it handles an op (selective checkpointing detaches what it caches)."""
         self._tape_depth += 1
         try:
-            if func in rules.check_targets:  # what the real kernel refuses, refused
+            out = self._run(func, types, args, kwargs)  # through the replay front: it is fast
+        finally:
+            self._tape_depth -= 1
+        v = getattr(args[0], _VALUE_ATTR, None)
+        if v is not None:
+            setattr(out, _VALUE_ATTR, v)
+        if self.fidelity.values is not None:
+            self.fidelity.values.alias(args[0], out)  # a saved tensor keeps its values
+        return out
+
+    def _rewritten(self, func, args, kwargs, backward: bool):
+        """(func, args, kwargs) as the device's FORWARD_OP / BACKWARD_OP rules rewrite them."""
+        ctx, rules = self.fidelity, self.rules
+        # the rules' tables are consulted before calling them: this runs for every op of the step
+        if backward:
+            ctx.node = self._backward_node()
+            if rules.rewrites_any_backward or func in rules.backward_targets:
+                return rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
+        elif rules.rewrites_any_forward or func in rules.forward_targets:
+            return rules.rewrite(FORWARD_OP, ctx, func, args, kwargs)
+        return func, args, kwargs
+
+    def _kernel(self, func, types, args, kwargs):
+        """The op's output: what the real kernel refuses refused (CHECK rules), the fake kernel
+        run, and its output laid out as the real kernel lays it (OUTPUT rules). An error names
+        the op."""
+        ctx, rules = self.fidelity, self.rules
+        self._tape_depth += 1
+        try:
+            if func in rules.check_targets:
                 rules.check(ctx, func, args, kwargs)
             out = self._run(func, types, args, kwargs)
             if func in rules.output_targets:
@@ -472,30 +499,37 @@ class Tape(FakeTensorMode):
             raise
         finally:
             self._tape_depth -= 1
+        return out
+
+    def _recorded(self, func, args, kwargs, out, backward: bool) -> None:
+        """What the trace keeps of an op that ran: a tensor literal, or the op with its
+        storages, the values it decides (data_values.py), its kernel workspace (WORKSPACE
+        rules) and the views it makes (view_replay.py)."""
+        values = self.fidelity.values
         if func is _LIFT_FRESH and not isinstance(args[0], FakeTensor):
             self._record_tensor_literal(args[0], out)
             if values is not None:
                 values.give_literal(out, args[0])
-        else:
-            first_event = len(self.trace.events)
-            self._record(func, args, kwargs, out)
-            if values is not None and (values.live or func in values.routers):
-                try:
-                    values.after(func, args, kwargs, out, self._op_frame)
-                except Exception as e:
-                    self._annotate(e, func)
-                    raise
-            if func in rules.workspace_targets:
-                self._tape_depth += 1  # a rule reads metadata; what it ran is not the program's
-                try:
-                    workspace = rules.workspace(ctx, func, args, kwargs, out)
-                finally:
-                    self._tape_depth -= 1
-                if workspace:
-                    self._record_workspace(workspace, _device_of(args, out), first_event)
-            if not backward and args:
-                self.views.after_op(func, args)
-        return out
+            return
+        first_event = len(self.trace.events)
+        self._record(func, args, kwargs, out)
+        if values is not None and (values.live or func in values.routers):
+            try:
+                values.after(func, args, kwargs, out, self._op_frame)
+            except Exception as e:
+                self._annotate(e, func)
+                raise
+        rules = self.rules
+        if func in rules.workspace_targets:
+            self._tape_depth += 1  # a rule reads metadata; what it ran is not the program's
+            try:
+                workspace = rules.workspace(self.fidelity, func, args, kwargs, out)
+            finally:
+                self._tape_depth -= 1
+            if workspace:
+                self._record_workspace(workspace, _device_of(args, out), first_event)
+        if not backward and args:
+            self.views.after_op(func, args)
 
     def _issued_by_another_mode(self, depth: int = 8) -> bool:
         """Is a TorchDispatchMode other than this one handling an op further up the Python stack
