@@ -98,6 +98,130 @@ def lora_llama(cfg: LlamaConfig):
     return build
 
 
+class LitRMSNorm(nn.Module):
+    """lit_gpt/rmsnorm.py (commit 8641822): unfused, in the input's dtype; autograd keeps the
+    normalised input and the reciprocal root besides the input."""
+
+    def __init__(self, size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        x_normed = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + self.eps)
+        return self.weight * x_normed
+
+
+def _lit_rope(x, cos, sin):
+    # lit_gpt/model.py apply_rope: cos and sin are float16 (build_rope_cache returns .half() for a
+    # bf16 default dtype), so bf16 x times them promotes to float32 before type_as(x)
+    half = x.size(-1) // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return ((x * cos) + (rotated * sin)).type_as(x)
+
+
+class LitLoRAQKV(nn.Module):
+    """lit_gpt/lora.py LoRAQKVLinear with LoRA on query and value (r=8, alpha=16, dropout 0.05):
+    one fused frozen qkv projection; the update B(A(dropout x)) is a grouped conv1d, then
+    zero-padded to the full qkv width (index_copy into new zeros) and scaled."""
+
+    def __init__(self, dim: int, r: int = 8, alpha: int = 16):
+        super().__init__()
+        self.linear = nn.Linear(dim, 3 * dim, bias=False)
+        self.linear.weight.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.zeros(2 * r, dim))
+        self.lora_B = nn.Parameter(torch.zeros(2 * dim, r))
+        self.dropout = nn.Dropout(0.05)
+        self.scaling = alpha / r
+        self.dim = dim
+
+    def forward(self, x):
+        pretrained = self.linear(x)
+        after_a = F.linear(self.dropout(x), self.lora_A)
+        after_b = F.conv1d(after_a.transpose(-2, -1), self.lora_B.unsqueeze(-1),
+                           groups=2).transpose(-2, -1)
+        xt = after_b.transpose(0, 1)
+        index = torch.tensor([*range(self.dim), *range(2 * self.dim, 3 * self.dim)],
+                             device=x.device)
+        padded = xt.new_zeros((*xt.shape[:-1], 3 * self.dim)).view(-1, 3 * self.dim)
+        padded = padded.index_copy(1, index, xt.reshape(-1, 2 * self.dim))
+        lora = padded.view((*xt.shape[:-1], 3 * self.dim)).transpose(0, 1) * self.scaling
+        return pretrained + lora
+
+
+class LitBlock(nn.Module):
+    """lit_gpt/model.py Block for a Llama 2 config (multi-head: query groups = heads, no
+    parallel residual, LLaMAMLP)."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.norm_1, self.norm_2 = LitRMSNorm(c.dim), LitRMSNorm(c.dim)
+        self.attn = LitLoRAQKV(c.dim)
+        self.proj = nn.Linear(c.dim, c.dim, bias=False)
+        self.fc_1 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.fc_2 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.mlp_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
+        self.heads, self.head_dim = c.n_heads, c.dim // c.n_heads
+
+    def _attention(self, x, cos, sin):
+        B, T, C = x.shape
+        qkv = self.attn(x).view(B, T, self.heads, 3, self.head_dim).permute(0, 2, 3, 1, 4)
+        q, k, v = (t.reshape(B, -1, T, self.head_dim) for t in qkv.split((1, 1, 1), dim=2))
+        # rope on the whole head (rotary_percentage 1.0), then cat with the empty rest: a copy
+        q = torch.cat((_lit_rope(q, cos, sin), q[..., self.head_dim:]), dim=-1)
+        k = torch.cat((_lit_rope(k, cos, sin), k[..., self.head_dim:]), dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def forward(self, x, cos, sin):
+        x = x + self._attention(self.norm_1(x), cos, sin)
+        n = self.norm_2(x)
+        return x + self.mlp_proj(F.silu(self.fc_1(n)) * self.fc_2(n))
+
+
+class LitGPT(nn.Module):
+    """lit-gpt's GPT with LoRA (lit_gpt/lora.py at commit 8641822, the resource tables' version)
+    as finetune/lora.py trains it: bf16-true (parameters in bf16, the rope cache in float16),
+    only LoRA's A and B trainable, the lm_head run in chunks of 128 positions
+    (`lm_head_chunk_size=128`) and chunked_cross_entropy over the chunks (the last one sliced to
+    drop the final position)."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.wte = nn.Embedding(c.vocab_size, c.dim)
+        self.h = nn.ModuleList(LitBlock(c) for _ in range(c.n_layers))
+        self.ln_f = LitRMSNorm(c.dim)
+        self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        for name, p in self.named_parameters():
+            p.requires_grad_("lora_" in name)
+        self.to(torch.bfloat16)
+        hd = c.dim // c.n_heads
+        theta = 1.0 / (10000 ** (torch.arange(0, hd, 2) / hd))
+        angles = torch.outer(torch.arange(c.max_seq_len), theta).repeat(1, 2)
+        self.register_buffer("cos", torch.cos(angles).half(), persistent=False)
+        self.register_buffer("sin", torch.sin(angles).half(), persistent=False)
+
+    def forward(self, idx, targets):
+        T = idx.size(1)
+        cos, sin = self.cos[:T], self.sin[:T]
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x, cos, sin)
+        x = self.ln_f(x)
+        logits = [self.lm_head(x_i) for x_i in x.split(128, dim=1)]
+        logits[-1] = logits[-1][..., :-1, :]
+        targets = targets[..., 1:]
+        losses = [F.cross_entropy(lg.reshape(-1, lg.size(-1)), tg.reshape(-1), ignore_index=-1,
+                                  reduction="none")
+                  for lg, tg in zip(logits, targets.split(logits[0].size(1), dim=1))]
+        return torch.cat(losses).mean()
+
+
+def lit_gpt_lora(cfg: LlamaConfig):
+    # the rope cache is as long as the longest training example (train() sets max_seq_length)
+    return lambda: LitGPT(replace(cfg, max_seq_len=1304))
+
+
 def tied_llama(cfg: LlamaConfig):
     """Llama 3.2 (tied input and output embeddings), as torchtune's llama3_2 builder makes it."""
 
@@ -211,8 +335,9 @@ ROWS = [
         "tokens/s/GPU", 7075, "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
         build=tied_llama, dtype=torch.bfloat16, note="as the row above"),
     *[Row(f"litgpt-{size}-lora-mb{mb}", _LITGPT, "GB allocated", pub, "held out",
-          "a100-sxm-40gb", cfg, mb, 1304, cfg.n_layers, build=lora_llama, dtype=torch.bfloat16,
-          note="LoRA r=8 on query and value, micro-batch padded to the longest example (1304)")
+          "a100-sxm-40gb", cfg, mb, 1304, cfg.n_layers, build=lit_gpt_lora,
+          note="lit-gpt's own GPT + LoRA (fused qkv, unfused RMSNorm, fp16 rope cache, lm_head "
+               "in chunks of 128), micro-batch padded to the longest example (1304)")
       for size, cfg, mb, pub in _LORA],
     Row("litgpt-8b-full-a10g", "litgpt config_hub/finetune/README.md: llama-3.1-8b/full.yaml",
         "fits", "OOM", "held out", "a10g", _L31_8B, 4, 512, 32, build=lambda c: (lambda: Llama(c)),
