@@ -17,7 +17,10 @@ too and prints how far T(4) lies from the line (the per-block figures are identi
 
 Calibration: the A100 rows of IBM fms-fsdp are the calibration rows of the step-time model (no
 constant was fitted to them: devices/efficiency.py's constants come from published
-microbenchmarks; they were used to choose between mechanisms); every other row is held out.
+microbenchmarks; they were used to choose between mechanisms, e.g. which ops run on FSDP2's
+side streams); every other row is held out. The single-GPU rows are built with the runs' own
+model code (lit-gpt's GPT + LoRA, torchtune's modules), re-expressed from their sources, not
+tuned to the published figures.
 torchtitan's, torchao's and the Ultra-Scale Playbook's tables are never used.
 """
 
@@ -66,36 +69,6 @@ class FlashLlama(Llama):
                     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                         return _f(x)
                 mod.forward = forward
-
-
-class LoRALinear(nn.Module):
-    """lit-gpt's LoRA linear (r=8, alpha=16, dropout 0.05): frozen W x + B(A(dropout(x))) r/alpha."""
-
-    def __init__(self, base: nn.Linear, r: int = 8, alpha: int = 16):
-        super().__init__()
-        self.base = base
-        self.base.weight.requires_grad_(False)
-        self.lora_a = nn.Linear(base.in_features, r, bias=False)
-        self.lora_b = nn.Linear(r, base.out_features, bias=False)
-        self.scale = alpha / r
-
-    def forward(self, x):
-        return self.base(x) + self.lora_b(self.lora_a(F.dropout(x, 0.05))) * self.scale
-
-
-def lora_llama(cfg: LlamaConfig):
-    """lit-gpt finetune/lora.py (commit 8641822) defaults: LoRA on the query and value
-    projections only, every other weight frozen."""
-
-    def build():
-        m = Llama(cfg)
-        for p in m.parameters():
-            p.requires_grad_(False)
-        for mod in m.modules():
-            if isinstance(mod, Attention):
-                mod.wq, mod.wv = LoRALinear(mod.wq), LoRALinear(mod.wv)
-        return m
-    return build
 
 
 class LitRMSNorm(nn.Module):
@@ -222,14 +195,91 @@ def lit_gpt_lora(cfg: LlamaConfig):
     return lambda: LitGPT(replace(cfg, max_seq_len=1304))
 
 
-def tied_llama(cfg: LlamaConfig):
-    """Llama 3.2 (tied input and output embeddings), as torchtune's llama3_2 builder makes it."""
+class TuneRMSNorm(nn.Module):
+    """torchtune/modules/rms_norm.py: normalises in float32 (x.float()), casts back, then scales;
+    autograd keeps the float32 copy of the input besides the normalised output."""
 
-    def build():
-        m = Llama(cfg)
-        m.output.weight = m.tok_embeddings.weight
-        return m
-    return build
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) \
+            * self.scale
+
+
+def _tune_rope(x, cache):
+    # torchtune/modules/position_embeddings.py (and Llama3ScaledRoPE): pairs rotated in float32
+    # against a float32 (seq, head_dim / 2, 2) cache, stacked, flattened, cast back
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    c = cache[: x.size(1)].view(1, x.size(1), 1, xs.size(3), 2)
+    out = torch.stack([xs[..., 0] * c[..., 0] - xs[..., 1] * c[..., 1],
+                       xs[..., 1] * c[..., 0] + xs[..., 0] * c[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+
+
+class TuneLayer(nn.Module):
+    """torchtune TransformerSelfAttentionLayer with its MultiHeadAttention (grouped-query: k and
+    v expanded to every query head before attention) and FeedForward."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        hd = self.head_dim = c.dim // c.n_heads
+        self.heads, self.kv_heads = c.n_heads, c.n_kv_heads
+        self.sa_norm, self.mlp_norm = TuneRMSNorm(c.dim), TuneRMSNorm(c.dim)
+        self.q_proj = nn.Linear(c.dim, c.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * hd, bias=False)
+        self.output_proj = nn.Linear(c.n_heads * hd, c.dim, bias=False)
+        self.w1 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.w2 = nn.Linear(c.ffn_dim, c.dim, bias=False)
+        self.w3 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+
+    def _attn(self, x, cache):
+        b, s, _ = x.shape
+        hd, rep = self.head_dim, self.heads // self.kv_heads
+        q = _tune_rope(self.q_proj(x).view(b, s, self.heads, hd), cache).transpose(1, 2)
+        k = _tune_rope(self.k_proj(x).view(b, s, self.kv_heads, hd), cache).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, hd).transpose(1, 2)
+        k = k.unsqueeze(2).expand(b, self.kv_heads, rep, s, hd).flatten(1, 2)
+        v = v.unsqueeze(2).expand(b, self.kv_heads, rep, s, hd).flatten(1, 2)
+        # packed samples: flex attention with a block-causal mask in the run; a causal fused
+        # kernel here (same saved output and log-sum-exp)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.output_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x, cache):
+        h = x + self._attn(self.sa_norm(x), cache)
+        n = self.mlp_norm(h)
+        return h + self.w2(F.silu(self.w1(n)) * self.w3(n))
+
+
+class TuneLlama(nn.Module):
+    """torchtune's llama3_2 TransformerDecoder as full_finetune_single_device trains it in bf16:
+    tied output projection, logits cast to float32 (`self.output(h).float()`), then
+    CrossEntropyLoss over the flattened logits."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(TuneLayer(c) for _ in range(c.n_layers))
+        self.norm = TuneRMSNorm(c.dim)
+        self.to(torch.bfloat16)
+        hd = c.dim // c.n_heads
+        theta = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+        angles = torch.outer(torch.arange(c.max_seq_len).float(), theta)
+        self.register_buffer("rope_cache", torch.stack([angles.cos(), angles.sin()], -1),
+                             persistent=False)
+
+    def forward(self, tokens, labels):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cache)
+        logits = F.linear(self.norm(h), self.tok_embeddings.weight).float()
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                               ignore_index=-100)
 
 
 def fms_parallelize(ac_every: float):
@@ -329,11 +379,12 @@ ROWS = [
     *_fms_rows(),
     Row("torchtune-3b-packed", "torchtune README, optimization flags (PR #2003): + packed",
         "GiB active", 60.0, "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
-        build=tied_llama, dtype=torch.bfloat16,
-        note="full_finetune_single_device, bf16 parameters and AdamW state, no AC, eager"),
+        build=lambda c: (lambda: TuneLlama(c)),
+        note="torchtune's own modules (float32 RMSNorm and rope internals, k/v expanded to "
+             "every head, float32 logits), bf16 parameters and AdamW state, no AC, eager"),
     Row("torchtune-3b-packed-speed", "torchtune README, optimization flags (PR #2003): + packed",
         "tokens/s/GPU", 7075, "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
-        build=tied_llama, dtype=torch.bfloat16, note="as the row above"),
+        build=lambda c: (lambda: TuneLlama(c)), note="as the row above"),
     *[Row(f"litgpt-{size}-lora-mb{mb}", _LITGPT, "GB allocated", pub, "held out",
           "a100-sxm-40gb", cfg, mb, 1304, cfg.n_layers, build=lit_gpt_lora,
           note="lit-gpt's own GPT + LoRA (fused qkv, unfused RMSNorm, fp16 rope cache, lm_head "
