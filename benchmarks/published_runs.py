@@ -17,7 +17,10 @@ too and prints how far T(4) lies from the line (the per-block figures are identi
 
 Calibration: the A100 rows of IBM fms-fsdp are the calibration rows of the step-time model (no
 constant was fitted to them: devices/efficiency.py's constants come from published
-microbenchmarks; they were used to choose between mechanisms); every other row is held out.
+microbenchmarks; they were used to choose between mechanisms, e.g. which ops run on FSDP2's
+side streams); every other row is held out. The single-GPU rows are built with the runs' own
+model code (lit-gpt's GPT + LoRA, torchtune's modules), re-expressed from their sources, not
+tuned to the published figures.
 torchtitan's, torchao's and the Ultra-Scale Playbook's tables are never used.
 """
 
@@ -68,44 +71,215 @@ class FlashLlama(Llama):
                 mod.forward = forward
 
 
-class LoRALinear(nn.Module):
-    """lit-gpt's LoRA linear (r=8, alpha=16, dropout 0.05): frozen W x + B(A(dropout(x))) r/alpha."""
+class LitRMSNorm(nn.Module):
+    """lit_gpt/rmsnorm.py (commit 8641822): unfused, in the input's dtype; autograd keeps the
+    normalised input and the reciprocal root besides the input."""
 
-    def __init__(self, base: nn.Linear, r: int = 8, alpha: int = 16):
+    def __init__(self, size: int, eps: float = 1e-5):
         super().__init__()
-        self.base = base
-        self.base.weight.requires_grad_(False)
-        self.lora_a = nn.Linear(base.in_features, r, bias=False)
-        self.lora_b = nn.Linear(r, base.out_features, bias=False)
-        self.scale = alpha / r
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
 
     def forward(self, x):
-        return self.base(x) + self.lora_b(self.lora_a(F.dropout(x, 0.05))) * self.scale
+        x_normed = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + self.eps)
+        return self.weight * x_normed
 
 
-def lora_llama(cfg: LlamaConfig):
-    """lit-gpt finetune/lora.py (commit 8641822) defaults: LoRA on the query and value
-    projections only, every other weight frozen."""
-
-    def build():
-        m = Llama(cfg)
-        for p in m.parameters():
-            p.requires_grad_(False)
-        for mod in m.modules():
-            if isinstance(mod, Attention):
-                mod.wq, mod.wv = LoRALinear(mod.wq), LoRALinear(mod.wv)
-        return m
-    return build
+def _lit_rope(x, cos, sin):
+    # lit_gpt/model.py apply_rope: cos and sin are float16 (build_rope_cache returns .half() for a
+    # bf16 default dtype), so bf16 x times them promotes to float32 before type_as(x)
+    half = x.size(-1) // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return ((x * cos) + (rotated * sin)).type_as(x)
 
 
-def tied_llama(cfg: LlamaConfig):
-    """Llama 3.2 (tied input and output embeddings), as torchtune's llama3_2 builder makes it."""
+class LitLoRAQKV(nn.Module):
+    """lit_gpt/lora.py LoRAQKVLinear with LoRA on query and value (r=8, alpha=16, dropout 0.05):
+    one fused frozen qkv projection; the update B(A(dropout x)) is a grouped conv1d, then
+    zero-padded to the full qkv width (index_copy into new zeros) and scaled."""
 
-    def build():
-        m = Llama(cfg)
-        m.output.weight = m.tok_embeddings.weight
-        return m
-    return build
+    def __init__(self, dim: int, r: int = 8, alpha: int = 16):
+        super().__init__()
+        self.linear = nn.Linear(dim, 3 * dim, bias=False)
+        self.linear.weight.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.zeros(2 * r, dim))
+        self.lora_B = nn.Parameter(torch.zeros(2 * dim, r))
+        self.dropout = nn.Dropout(0.05)
+        self.scaling = alpha / r
+        self.dim = dim
+
+    def forward(self, x):
+        pretrained = self.linear(x)
+        after_a = F.linear(self.dropout(x), self.lora_A)
+        after_b = F.conv1d(after_a.transpose(-2, -1), self.lora_B.unsqueeze(-1),
+                           groups=2).transpose(-2, -1)
+        xt = after_b.transpose(0, 1)
+        index = torch.tensor([*range(self.dim), *range(2 * self.dim, 3 * self.dim)],
+                             device=x.device)
+        padded = xt.new_zeros((*xt.shape[:-1], 3 * self.dim)).view(-1, 3 * self.dim)
+        padded = padded.index_copy(1, index, xt.reshape(-1, 2 * self.dim))
+        lora = padded.view((*xt.shape[:-1], 3 * self.dim)).transpose(0, 1) * self.scaling
+        return pretrained + lora
+
+
+class LitBlock(nn.Module):
+    """lit_gpt/model.py Block for a Llama 2 config (multi-head: query groups = heads, no
+    parallel residual, LLaMAMLP)."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.norm_1, self.norm_2 = LitRMSNorm(c.dim), LitRMSNorm(c.dim)
+        self.attn = LitLoRAQKV(c.dim)
+        self.proj = nn.Linear(c.dim, c.dim, bias=False)
+        self.fc_1 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.fc_2 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.mlp_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
+        self.heads, self.head_dim = c.n_heads, c.dim // c.n_heads
+
+    def _attention(self, x, cos, sin):
+        B, T, C = x.shape
+        qkv = self.attn(x).view(B, T, self.heads, 3, self.head_dim).permute(0, 2, 3, 1, 4)
+        q, k, v = (t.reshape(B, -1, T, self.head_dim) for t in qkv.split((1, 1, 1), dim=2))
+        # rope on the whole head (rotary_percentage 1.0), then cat with the empty rest: a copy
+        q = torch.cat((_lit_rope(q, cos, sin), q[..., self.head_dim:]), dim=-1)
+        k = torch.cat((_lit_rope(k, cos, sin), k[..., self.head_dim:]), dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def forward(self, x, cos, sin):
+        x = x + self._attention(self.norm_1(x), cos, sin)
+        n = self.norm_2(x)
+        return x + self.mlp_proj(F.silu(self.fc_1(n)) * self.fc_2(n))
+
+
+class LitGPT(nn.Module):
+    """lit-gpt's GPT with LoRA (lit_gpt/lora.py at commit 8641822, the resource tables' version)
+    as finetune/lora.py trains it: bf16-true (parameters in bf16, the rope cache in float16),
+    only LoRA's A and B trainable, the lm_head run in chunks of 128 positions
+    (`lm_head_chunk_size=128`) and chunked_cross_entropy over the chunks (the last one sliced to
+    drop the final position)."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.wte = nn.Embedding(c.vocab_size, c.dim)
+        self.h = nn.ModuleList(LitBlock(c) for _ in range(c.n_layers))
+        self.ln_f = LitRMSNorm(c.dim)
+        self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        for name, p in self.named_parameters():
+            p.requires_grad_("lora_" in name)
+        self.to(torch.bfloat16)
+        hd = c.dim // c.n_heads
+        theta = 1.0 / (10000 ** (torch.arange(0, hd, 2) / hd))
+        angles = torch.outer(torch.arange(c.max_seq_len), theta).repeat(1, 2)
+        self.register_buffer("cos", torch.cos(angles).half(), persistent=False)
+        self.register_buffer("sin", torch.sin(angles).half(), persistent=False)
+
+    def forward(self, idx, targets):
+        T = idx.size(1)
+        cos, sin = self.cos[:T], self.sin[:T]
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x, cos, sin)
+        x = self.ln_f(x)
+        logits = [self.lm_head(x_i) for x_i in x.split(128, dim=1)]
+        logits[-1] = logits[-1][..., :-1, :]
+        targets = targets[..., 1:]
+        losses = [F.cross_entropy(lg.reshape(-1, lg.size(-1)), tg.reshape(-1), ignore_index=-1,
+                                  reduction="none")
+                  for lg, tg in zip(logits, targets.split(logits[0].size(1), dim=1))]
+        return torch.cat(losses).mean()
+
+
+def lit_gpt_lora(cfg: LlamaConfig):
+    # the rope cache is as long as the longest training example (train() sets max_seq_length)
+    return lambda: LitGPT(replace(cfg, max_seq_len=1304))
+
+
+class TuneRMSNorm(nn.Module):
+    """torchtune/modules/rms_norm.py: normalises in float32 (x.float()), casts back, then scales;
+    autograd keeps the float32 copy of the input besides the normalised output."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) \
+            * self.scale
+
+
+def _tune_rope(x, cache):
+    # torchtune/modules/position_embeddings.py (and Llama3ScaledRoPE): pairs rotated in float32
+    # against a float32 (seq, head_dim / 2, 2) cache, stacked, flattened, cast back
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    c = cache[: x.size(1)].view(1, x.size(1), 1, xs.size(3), 2)
+    out = torch.stack([xs[..., 0] * c[..., 0] - xs[..., 1] * c[..., 1],
+                       xs[..., 1] * c[..., 0] + xs[..., 0] * c[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+
+
+class TuneLayer(nn.Module):
+    """torchtune TransformerSelfAttentionLayer with its MultiHeadAttention (grouped-query: k and
+    v expanded to every query head before attention) and FeedForward."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        hd = self.head_dim = c.dim // c.n_heads
+        self.heads, self.kv_heads = c.n_heads, c.n_kv_heads
+        self.sa_norm, self.mlp_norm = TuneRMSNorm(c.dim), TuneRMSNorm(c.dim)
+        self.q_proj = nn.Linear(c.dim, c.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * hd, bias=False)
+        self.output_proj = nn.Linear(c.n_heads * hd, c.dim, bias=False)
+        self.w1 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.w2 = nn.Linear(c.ffn_dim, c.dim, bias=False)
+        self.w3 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+
+    def _attn(self, x, cache):
+        b, s, _ = x.shape
+        hd, rep = self.head_dim, self.heads // self.kv_heads
+        q = _tune_rope(self.q_proj(x).view(b, s, self.heads, hd), cache).transpose(1, 2)
+        k = _tune_rope(self.k_proj(x).view(b, s, self.kv_heads, hd), cache).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, hd).transpose(1, 2)
+        k = k.unsqueeze(2).expand(b, self.kv_heads, rep, s, hd).flatten(1, 2)
+        v = v.unsqueeze(2).expand(b, self.kv_heads, rep, s, hd).flatten(1, 2)
+        # packed samples: flex attention with a block-causal mask in the run; a causal fused
+        # kernel here (same saved output and log-sum-exp)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.output_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x, cache):
+        h = x + self._attn(self.sa_norm(x), cache)
+        n = self.mlp_norm(h)
+        return h + self.w2(F.silu(self.w1(n)) * self.w3(n))
+
+
+class TuneLlama(nn.Module):
+    """torchtune's llama3_2 TransformerDecoder as full_finetune_single_device trains it in bf16:
+    tied output projection, logits cast to float32 (`self.output(h).float()`), then
+    CrossEntropyLoss over the flattened logits."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(TuneLayer(c) for _ in range(c.n_layers))
+        self.norm = TuneRMSNorm(c.dim)
+        self.to(torch.bfloat16)
+        hd = c.dim // c.n_heads
+        theta = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+        angles = torch.outer(torch.arange(c.max_seq_len).float(), theta)
+        self.register_buffer("rope_cache", torch.stack([angles.cos(), angles.sin()], -1),
+                             persistent=False)
+
+    def forward(self, tokens, labels):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cache)
+        logits = F.linear(self.norm(h), self.tok_embeddings.weight).float()
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                               ignore_index=-100)
 
 
 def fms_parallelize(ac_every: float):
@@ -205,14 +379,16 @@ ROWS = [
     *_fms_rows(),
     Row("torchtune-3b-packed", "torchtune README, optimization flags (PR #2003): + packed",
         "GiB active", 60.0, "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
-        build=tied_llama, dtype=torch.bfloat16,
-        note="full_finetune_single_device, bf16 parameters and AdamW state, no AC, eager"),
+        build=lambda c: (lambda: TuneLlama(c)),
+        note="torchtune's own modules (float32 RMSNorm and rope internals, k/v expanded to "
+             "every head, float32 logits), bf16 parameters and AdamW state, no AC, eager"),
     Row("torchtune-3b-packed-speed", "torchtune README, optimization flags (PR #2003): + packed",
         "tokens/s/GPU", 7075, "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
-        build=tied_llama, dtype=torch.bfloat16, note="as the row above"),
+        build=lambda c: (lambda: TuneLlama(c)), note="as the row above"),
     *[Row(f"litgpt-{size}-lora-mb{mb}", _LITGPT, "GB allocated", pub, "held out",
-          "a100-sxm-40gb", cfg, mb, 1304, cfg.n_layers, build=lora_llama, dtype=torch.bfloat16,
-          note="LoRA r=8 on query and value, micro-batch padded to the longest example (1304)")
+          "a100-sxm-40gb", cfg, mb, 1304, cfg.n_layers, build=lit_gpt_lora,
+          note="lit-gpt's own GPT + LoRA (fused qkv, unfused RMSNorm, fp16 rope cache, lm_head "
+               "in chunks of 128), micro-batch padded to the longest example (1304)")
       for size, cfg, mb, pub in _LORA],
     Row("litgpt-8b-full-a10g", "litgpt config_hub/finetune/README.md: llama-3.1-8b/full.yaml",
         "fits", "OOM", "held out", "a10g", _L31_8B, 4, 512, 32, build=lambda c: (lambda: Llama(c)),

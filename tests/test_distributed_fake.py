@@ -242,3 +242,29 @@ def test_a_failing_parallelize_in_a_folder_named_tapescope_names_its_line(tmp_pa
     message = str(info.value)
     assert f"{path}:2" in message and "no such layer: blocks" in message
     assert "reads tensor values" not in message   # not a data-dependent failure
+
+
+def _fsdp_bf16(model, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def test_fsdp_ops_are_recorded_on_the_streams_fsdp2_issues_them_on():
+    """FSDP2's rules (_fsdp_collectives.foreach_all_gather / foreach_reduce): the parameters are
+    cast into the all-gather input (`_foreach_copy_`) and copied in on the all-gather copy-in
+    stream, the all-gather runs on the all-gather stream and the reduce-scatter on the
+    reduce-scatter stream - the streams FSDPCommContext.lazy_init creates in that order (1, 2, 3
+    after the default stream 0); every matmul runs on the default stream (analysis.timing runs each
+    stream in its own queue)."""
+    p = tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=_fsdp_bf16,
+                          device="cuda", gpu="h100")
+    streams = {}
+    for op in p.ops:
+        streams.setdefault(op.name.split(".")[1], set()).add(op.record.stream)
+    assert streams["all_gather_copy_in"] == {1} and 1 in streams["_foreach_copy_"]
+    assert streams["_allgather_base_"] == {2} and streams["_reduce_scatter_base_"] == {3}
+    assert streams["mm"] == {0} and streams["addmm"] == {0}

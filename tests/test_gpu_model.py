@@ -1,5 +1,7 @@
 """The CUDA memory prediction and the step-time model, against hand-derived numbers."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -158,3 +160,39 @@ def test_bad_allocator_settings_are_a_clear_error():
         _one_matmul(alloc_conf="max_split_size_mb:4")
     with pytest.raises(tapescope.TapescopeError, match="Unrecognized key 'nonsense'"):
         _one_matmul(alloc_conf="nonsense:1")
+
+
+def _elementwise(index, func, stream, inputs, outputs, nbytes):
+    from tapescope.analysis.ops import Op
+    from tapescope.capture.records import OpRecord, TensorRef
+
+    refs = [tuple(TensorRef((nbytes // 2,), torch.bfloat16, s, s) for s in ids)
+            for ids in (inputs, outputs)]
+    rec = OpRecord(index, func, "forward", 1, (), {}, refs[1], refs[0], stream=stream)
+    return Op(index, str(func), "forward", None, None, None, None, refs[0], refs[1], None,
+              nbytes * len(inputs), nbytes * len(outputs), False, None, rec)
+
+
+def test_a_side_stream_runs_in_its_own_queue_and_its_readers_wait_for_it():
+    """Schedule by hand, from each kernel's own time and the host's per-op issue cost: a short op
+    on the compute stream, a long one on another stream (FSDP2's copy-in stream) that does not
+    queue behind it, then a compute op reading the side op's output, which waits for it."""
+    from tapescope.analysis.timing import kernel_seconds
+
+    gpu = get_gpu("h100")
+    add = torch.ops.aten.add.Tensor
+    ops = [_elementwise(0, add, 0, (1, 2), (3,), 1 << 20),
+           _elementwise(1, add, 1, (4, 5), (6,), 1 << 30),
+           _elementwise(2, add, 0, (3, 6), (7,), 1 << 20)]
+    t0, t1, t2 = (kernel_seconds(op, gpu)[0] for op in ops)
+    trace = SimpleNamespace(storages={})   # only read for .item()
+    t = estimate_step_time(ops, trace, gpu)
+    side_done = 2 * HOST_OP_S + t1          # issued second, starts when the host issues it
+    assert HOST_OP_S + t0 < side_done       # the compute stream is idle when op 2 is issued
+    assert t.seconds == pytest.approx(side_done + t2)
+    # on one stream the same three ops run back to back
+    one = [_elementwise(i, add, 0, tuple(r.storage for r in op.inputs),
+                        tuple(r.storage for r in op.outputs), (1 << 30) if i == 1 else 1 << 20)
+           for i, op in enumerate(ops)]
+    start1 = max(HOST_OP_S + t0, 2 * HOST_OP_S)   # after op 0 and after the host issued it
+    assert estimate_step_time(one, trace, gpu).seconds == pytest.approx(start1 + t1 + t2)

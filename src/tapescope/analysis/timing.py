@@ -21,10 +21,15 @@ Collectives of a distributed step (`comm`: op -> seconds on the interconnect, fr
 analysis.collectives) run on a communication stream of their own, as NCCL kernels do on the
 streams FSDP2 and c10d give them: a collective starts when the host has issued it, the stream is
 free and the ops that wrote its inputs are done; an op that reads what a collective wrote waits
-for it. FSDP2's copy-in ops (`fsdp.all_gather_copy_in`, `fsdp.chunk_cat`) run on FSDP2's
-all-gather / reduce-scatter streams, not behind the compute stream's queue: so the all-gather of
-the next block overlaps this block's compute, as FSDP2 schedules it, and a tensor-parallel
-all-reduce whose output the next op needs is exposed. While a collective runs it holds NCCL_SMS
+for it. Ops issued on another CUDA stream (the trace records each op's stream: FSDP2 casts the
+parameters to their compute dtype and copies them in for the all-gather on its all-gather
+copy-in stream, and copies gradients in for the reduce-scatter and casts / accumulates the
+reduced shards on its reduce-scatter stream) run in that stream's own queue, not behind the
+compute stream's: so the all-gather of the next block overlaps this block's compute, as FSDP2
+schedules it, and a tensor-parallel all-reduce whose output the next op needs is exposed. The
+events FSDP2 makes streams wait on (the copy-in of the next all-gather waits for the previous
+block's copy-out, which bounds how far all-gathers run ahead) are not recorded: a stream waits
+only for the ops whose outputs it reads. While a collective runs it holds NCCL_SMS
 of the GPU's SMs, and compute overlapped with it runs on the others (slower by that share).
 `exposed_comm` is the time compute waited on collectives; `comm_overlap` the share of
 communication hidden behind compute.
@@ -47,8 +52,6 @@ __all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
 _TENSOR_CORE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8",
                 torch.float8_e5m2: "fp8"}
 _ITEM = torch.ops.aten._local_scalar_dense
-# ops FSDP2 runs on its all-gather copy-in / reduce-scatter streams
-_SIDE_STREAM = frozenset({"fsdp.all_gather_copy_in", "fsdp.chunk_cat"})
 
 
 def _peak(gpu, cls: str, dtype) -> float:
@@ -132,7 +135,9 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
 
     comm: op index (in the step) -> seconds of that collective on the interconnect."""
     comm = comm or {}
-    comm_t = comm_total = exposed = side_t = 0.0
+    comm_t = comm_total = exposed = 0.0
+    side_t: dict = {}     # stream (other than the default) -> when its last op is done
+    dataflow = bool(comm) or any(op.record.stream for op in ops)
     ready: dict = {}     # storage -> when the collective that last wrote it is done
     written: dict = {}   # storage -> when the op that last wrote it is done
     intervals: list = []   # (start, end) of the collectives, in stream order
@@ -176,20 +181,23 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
             calibrated &= measured
             if op_class(func) == "matmul" and model_dtype is None and op.inputs:
                 model_dtype = op.inputs[0].dtype
-            if comm and op.name.rsplit(".", 1)[0] in _SIDE_STREAM:
-                # FSDP2's copy-in on its own stream: waits for its inputs, not the compute queue
-                start = max(side_t, host, *(written.get(r.storage, 0.0) for r in op.inputs),
+            stream = op.record.stream
+            if stream:
+                # another stream's queue (FSDP2's copy-in / reduce-scatter streams): it waits for
+                # its inputs, not for the compute stream's queue
+                start = max(side_t.get(stream, 0.0), host,
+                            *(written.get(r.storage, 0.0) for r in op.inputs),
                             *(ready.get(r.storage, 0.0) for r in op.inputs))
-                side_t = start + t
+                side_t[stream] = start + t
                 busy += t
                 for r in op.outputs:
-                    written[r.storage] = side_t
+                    written[r.storage] = side_t[stream]
                 op_seconds.append(t)
-                phase_end[op.phase] = span(op.phase, max(gpu_t, host, side_t))
+                phase_end[op.phase] = span(op.phase, max(gpu_t, host, side_t[stream]))
                 continue
             start = max(gpu_t, host)
             waits = max((max(ready.get(r.storage, 0.0), written.get(r.storage, 0.0))
-                         for r in op.inputs), default=0.0) if comm else 0.0
+                         for r in op.inputs), default=0.0) if dataflow else 0.0
             if waits > start:
                 if any(ready.get(r.storage, 0.0) > start for r in op.inputs):
                     exposed += waits - start
@@ -202,7 +210,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
             busy += t
             if op.recompute:
                 recompute += t
-            if comm:
+            if dataflow:
                 for r in op.outputs:
                     written[r.storage] = gpu_t
         if func.overloadpacket is _ITEM and op.inputs and op.inputs[0].storage >= 0 \
@@ -210,7 +218,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
             host = max(host, gpu_t)  # .item() waits for the GPU
         op_seconds.append(t)
         phase_end[op.phase] = span(op.phase, max(gpu_t, host))
-    total = max(gpu_t, host, comm_t)
+    total = max(gpu_t, host, comm_t, *side_t.values())
     by_phase, start = {}, 0.0
     if "other" not in phase_end:
         for phase in ("forward", "backward", "optimizer"):

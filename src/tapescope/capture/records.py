@@ -117,7 +117,8 @@ class OpRecord:
     a backward op and the forward op that recorded its node share a number. `grad_fn` is the name of
     that node; `owns_node` marks the forward op during which the node was created. `recompute`
     marks a forward op run again during backward (activation checkpointing); its phase is
-    BACKWARD (when it runs) and its seq_nr, module and frame are a forward op's.
+    BACKWARD (when it runs) and its seq_nr, module and frame are a forward op's. `stream` is the
+    stream it was issued on (analysis.timing runs each stream's ops in their own queue).
     """
 
     index: int
@@ -134,6 +135,10 @@ class OpRecord:
     grad_fn: str | None = None
     frame: Frame | None = None
     recompute: bool = False
+    # the CUDA stream the op was issued on, by creation order (0: the default stream); only a
+    # distributed CUDA profile's stand-in streams tell them apart (FSDP2's copy-in, all-gather
+    # and reduce-scatter streams)
+    stream: int = 0
 
     @property
     def name(self) -> str:

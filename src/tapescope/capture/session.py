@@ -61,21 +61,22 @@ _TORCH_BACKWARD, _TORCH_GRAD = torch.autograd.backward, torch.autograd.grad
 
 
 def capture(workload: Workload, options: Options, progress=None,
-            prepare=None) -> tuple[Trace, dict]:
+            prepare=None, streams=None) -> tuple[Trace, dict]:
     """Trace `options.steps` (1 or 2) training steps; returns the Trace and facts about the run.
 
     A step whose sizes depend on tensor values (a mixture of experts' routing, a boolean mask) is
     traced again with a ShapeEnv that carries those sizes as unbacked symbols, their values
     given by `options.sizes` (data_values.py); the first attempt runs without one, as most
     steps need none. progress(step, phase) is called after each phase; `prepare(fake_model)`
-    (a distributed profile's parallelisation) runs on each attempt's fake model."""
+    (a distributed profile's parallelisation) runs on each attempt's fake model; `streams` (a
+    StreamLog) says which CUDA stream each op is issued on."""
     workload = replace(workload, model=model_of(workload.model))  # built once, for both
     try:
-        return CaptureSession(workload, options, progress, prepare=prepare).run()
+        return CaptureSession(workload, options, progress, prepare=prepare, streams=streams).run()
     except DataDependentError:
         if options.symbolic:
             raise  # that session had a ShapeEnv and values already
-    return CaptureSession(workload, options, progress, prepare=prepare,
+    return CaptureSession(workload, options, progress, prepare=prepare, streams=streams,
                           data_dependent=True).run()
 
 
@@ -141,7 +142,7 @@ class CaptureSession:
     """One capture of a workload under options. `run()` once."""
 
     def __init__(self, workload: Workload, options: Options, progress=None, prepare=None,
-                 data_dependent: bool = False):
+                 data_dependent: bool = False, streams=None):
         """prepare: `fn(fake_model) -> model`, run on the fake copy before the first step and
         recorded as step 0 (setup): a simulated rank's parallelisation (distributed/profile.py).
         What it leaves alive is there when step 1 starts.
@@ -168,6 +169,7 @@ class CaptureSession:
         rec = self.recorder = Recorder.create(options.device, options.gpu, self.shape_env,
                                               options.cpu, self.values)
         self.tape, self.saved, self.engine = rec.tape, rec.saved, rec.engine
+        self.tape.streams = streams
         self.trace = self.tape.trace
         self.facts: dict = {}
         if self.shape_env is not None:

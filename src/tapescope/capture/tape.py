@@ -112,6 +112,9 @@ class Tape(FakeTensorMode):
         self._tape_internal_code: dict = {}  # code object -> not the user's (torch's, ours)
         self._tape_replay = DispatchReplay(self)
         self._tape_unbuilt = unbuilt_device_types()  # empty on a CUDA build: no check at all
+        # which CUDA stream is current (distributed.cuda_standin.StreamLog, or None: every op on
+        # the default stream)
+        self.streams = None
 
     @property
     def current_phase(self) -> str:
@@ -703,6 +706,8 @@ class Tape(FakeTensorMode):
                        tuple(tensors))
         if self._tape_phase == BACKWARD and self._recomputing():
             rec.recompute = True
+        if self.streams is not None:
+            rec.stream = self.streams.current.id
         if self._tape_phase in _BUILDS_GRAPH or rec.recompute:
             peek = sequence_nr()
             rec.seq_nr = peek - 1

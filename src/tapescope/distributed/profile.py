@@ -111,10 +111,11 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
             from .cuda_standin import cuda_without_gpu
 
             standin = cuda_without_gpu(options.gpu.compute_capability)
-        with standin, eager_distributed(), fake_world(spec, rank, options.device.type) as device_mesh:
+        with standin as streams, eager_distributed(), \
+                fake_world(spec, rank, options.device.type) as device_mesh:
             # (capture retries a step whose sizes depend on data - an MoE's routing - with
             # values, as for one device; the fake world stays up for the retry)
-            trace, facts = capture(workload, options, progress, prepare=prepare)
+            trace, facts = capture(workload, options, progress, prepare=prepare, streams=streams)
             groups = process_groups(spec)
             facts["collective_groups"] = collective_groups(trace)
         facts["process_groups"] = {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
