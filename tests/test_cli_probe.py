@@ -426,3 +426,20 @@ def test_repeats_at_the_peak_are_counted_over_the_whole_peak_set():
     saved = sum(g.nbytes for g in p.memory.live_groups if g.first.category == "saved activations")
     assert saved == p.memory.at_peak["saved activations"] == 23 * 512 * 64 * 4
     assert len(p.memory.live_at_peak) == 20  # the JSON keeps the 20 largest tensors themselves
+
+
+# -- ops: FLOPs in units, exact in --json -------------------------------------------------------
+
+def test_ops_prints_flops_in_units_and_exact_counts_in_json(tmp_path):
+    """`ops` printed raw FLOP integers (136 columns wide on Llama). By hand: Linear(8, 16) on a
+    4 x 8 input is one addmm of 2 * 4 * 8 * 16 = 1024 FLOPs."""
+    import json
+
+    f = tmp_path / "lin.py"
+    f.write_text("import torch.nn as nn\ndef build():\n    return nn.Linear(8, 16)\n")
+    r = run("ops", f"{f}:build", "--input", "4,8", "--json", tmp_path / "ops.json", "-q")
+    assert r.exit_code == 0, r.output
+    row = next(line for line in r.output.splitlines() if "|aten.addmm.default|" in line)
+    assert row.split("|")[4] == "1.02 kFLOP"
+    ops = json.loads((tmp_path / "ops.json").read_text())["ops"]
+    assert [o["flops"] for o in ops if o["name"] == "aten.addmm.default"] == [2 * 4 * 8 * 16]

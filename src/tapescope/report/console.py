@@ -352,7 +352,8 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
 
 def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
     """The forward<->backward table of the AOTAutograd seq_nr commit: SeqNr|OrigAten|SrcFn, forward
-    rows then backward rows, plus the autograd node, FLOPs and whether autograd saved the output."""
+    rows then backward rows, plus the autograd node, FLOPs (in units, as the other tables: the exact
+    counts are in --json) and whether autograd saved the output."""
     console.print("SeqNr|OrigAten|SrcFn|Node|FLOPs|Saved", highlight=False, soft_wrap=True,
                   markup=False)
     for op in p.ops:
@@ -364,8 +365,14 @@ def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
         if op.recompute:  # a forward op checkpointing runs again, in the backward rows
             flags = "recompute" + (",saved" if op.saved else "")
         console.print(f"{seq}|{op.name}|{module}|{op.autograd_node or ''}|"
-                      f"{op.flops if op.flops is not None else '?'}|{flags}",
+                      f"{_op_flops(op.flops)}|{flags}",
                       highlight=False, soft_wrap=True, markup=False)
+
+
+def _op_flops(n) -> str:
+    if n is None:
+        return "?"  # no formula: never shown as 0
+    return "0" if n == 0 else fmt_flops(n)
 
 
 def render_diff(a, b, d, console: Console, top: int = 12) -> None:
