@@ -443,3 +443,17 @@ def test_ops_prints_flops_in_units_and_exact_counts_in_json(tmp_path):
     assert row.split("|")[4] == "1.02 kFLOP"
     ops = json.loads((tmp_path / "ops.json").read_text())["ops"]
     assert [o["flops"] for o in ops if o["name"] == "aten.addmm.default"] == [2 * 4 * 8 * 16]
+
+
+def test_readme_names_the_cuda_context_the_budget_subtracts():
+    """README said 1 GiB for the CUDA context where `fit` subtracted 530 MiB on an H100."""
+    import re
+    from pathlib import Path
+
+    from tapescope.devices.gpus import cuda_context_bytes, get_gpu
+
+    readme = Path(__file__).parents[1].joinpath("README.md").read_text()
+    said = {arch: n for n, arch in re.findall(r"(\d+) MiB on (Hopper|Ampere|Blackwell)", readme)}
+    for gpu, arch in (("h100", "Hopper"), ("a100", "Ampere"), ("b200", "Blackwell")):
+        assert int(said[arch]) << 20 == cuda_context_bytes(get_gpu(gpu)), arch
+    assert "1 GiB for the CUDA context" not in readme
