@@ -59,6 +59,7 @@ class StepRuntime:
         torch.autograd.grad; None: torch's own.
     forward_context / loss_context: opened around the built-in step's forward / loss.
     on_optimizer(optimizer): an optimizer's step starts or ends (capture names its state).
+    on_default_loss(what): the built-in step used default_loss, and which of its choices.
     """
 
     phase: Callable
@@ -67,6 +68,7 @@ class StepRuntime:
     forward_context: Callable = nullcontext
     loss_context: Callable = nullcontext
     on_optimizer: Callable = field(default=lambda optimizer: None)
+    on_default_loss: Callable = field(default=lambda what: None)
 
 
 class StepProgram(ABC):
@@ -103,7 +105,8 @@ class BuiltinStep(StepProgram):
         return train_step(model, args, kwargs, self.loss_fn, state, step=step,
                           phase=runtime.phase, backward=backward,
                           forward_context=runtime.forward_context,
-                          loss_context=runtime.loss_context, accumulate=self.accumulate, end=end)
+                          loss_context=runtime.loss_context, accumulate=self.accumulate, end=end,
+                          on_default_loss=runtime.on_default_loss)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from ..losses import grad_tensors, sum_of
+from ..losses import describe_loss, grad_tensors, sum_of
 from ..errors import (DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope,
                       source_dirs)
 from ..options import Options, Workload
@@ -193,6 +193,8 @@ class CaptureSession:
             try:
                 with self._recording():
                     if program.reusable:
+                        if opts.loss_fn is not None:  # else the step says which default it used
+                            self.facts["loss"] = describe_loss(opts.loss_fn)
                         self._trace_steps()
                     else:
                         self._trace_user_steps()
@@ -413,7 +415,8 @@ class CaptureSession:
             else nullcontext
         runtime = StepRuntime(phase=self._phase, backward=self._run_backward,
                               forward_context=forward_context,
-                              loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE))
+                              loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
+                              on_default_loss=lambda what: self.facts.__setitem__("loss", what))
         self._loss = self.program.run(self.step_model, self.fargs, self.fkwargs, self.optimizer,
                                       step, runtime, end=end)
         self._mark_grads_and_state()

@@ -125,6 +125,8 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     the next commands when the step does not fit its GPU."""
     mem = p.memory
     console.print(_header(p))
+    if p.facts.get("loss"):  # the step's loss decides part of the peak: never left implicit
+        console.print(_line(("Loss", "bold"), f" {p.facts['loss']}"))
     which = "steady state (step 2, optimizer state alive)" if p.steps == 2 else "first step"
     console.print(_line(("Peak memory", "bold"), " ", (fmt_bytes(mem.peak_bytes), "bold cyan"),
                         f" — {which}; first step {fmt_bytes(p.first_step_peak_bytes)}"))
