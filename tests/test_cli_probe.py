@@ -519,3 +519,19 @@ def test_a_module_never_saved_more_than_the_peak_under_checkpointing():
     assert by_name[""].saved_bytes == 9 * 512 * 64 * 4 == p.memory.at_peak["saved activations"]
     assert by_name["layers.7"].saved_bytes == 2 * 512 * 64 * 4
     assert all(m.saved_bytes <= p.peak_bytes for m in p.memory.modules)
+
+
+def test_no_source_line_is_tapescopes_own(tmp_path):
+    """The built-in step's backward ops showed the CLI's own `cli.py:157 in _run_profile` (and FSDP
+    presets `cli.py:127`): a line of tapescope's is never the user's source."""
+    f = tmp_path / "lin.py"
+    f.write_text("import torch.nn as nn\ndef build():\n    return nn.Sequential(nn.Linear(8, 16), "
+                 "nn.ReLU(), nn.Linear(16, 4))\n")
+    r = run("profile", f"{f}:build", "--input", "4,8", "--json", tmp_path / "p.json", "-q")
+    assert r.exit_code == 0, r.output
+    import json
+
+    d = json.loads((tmp_path / "p.json").read_text())
+    sources = {o["source"] for o in d["ops"] if o.get("source")}
+    assert sources and not any("tapescope" in s and "zoo" not in s for s in sources), sources
+    assert "cli.py" not in r.output
