@@ -535,3 +535,37 @@ def test_no_source_line_is_tapescopes_own(tmp_path):
     sources = {o["source"] for o in d["ops"] if o.get("source")}
     assert sources and not any("tapescope" in s and "zoo" not in s for s in sources), sources
     assert "cli.py" not in r.output
+
+
+@needs_cuda_build
+def test_fit_gpus_shows_both_batches_and_names_the_best_layout(tmp_path):
+    """Neither the per-rank nor the global batch was shown and the best layout never named. By
+    hand: each data-parallel rank takes 2 x 16 tokens, FSDP 4 has 4 of them (global batch 8),
+    FSDP 2 x TP 2 has 2 (global batch 4); tokens/s = 32 x data-parallel ranks / step time."""
+    import json
+
+    out = tmp_path / "layouts.json"
+    r = run("fit", TINY_LLAMA, "--batch", 2, "--seq", 16, "--gpus", 4, "--json", out, "-q")
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    rows = {(x["fsdp"], x["tp"]): x for x in d["layouts"]}
+    assert [(k, x["batch_per_rank"], x["global_batch"]) for k, x in rows.items()] == \
+        [((4, 1), 2, 8), ((2, 2), 2, 4), ((1, 4), 2, 2)]
+    timed = [x for x in rows.values() if x["step_seconds"]]
+    for x in timed:
+        assert x["tokens_per_second"] == pytest.approx(32 * x["fsdp"] / x["step_seconds"])
+    best = max((x for x in timed if x["fits"]), key=lambda x: x["tokens_per_second"])
+    name = "FSDP 4" if best["tp"] == 1 else f"FSDP {best['fsdp']} x TP {best['tp']}"
+    assert d["best"] == name
+    assert f"Best layout: {name}, {best['tokens_per_second']:,.0f} tokens/s at a global batch " \
+           f"of {best['global_batch']} (2 per rank)" in " ".join(r.output.split())
+
+
+@needs_cuda_build
+def test_fit_gpus_names_no_capacity_for_a_layout_out_of_memory():
+    """The nvidia-smi column showed the GPU's capacity on rows that did not fit (the allocator's
+    replay stops there)."""
+    r = run("fit", "zoo:llama:dim=4096,n_layers=8,n_heads=32,n_kv_heads=8,ffn_dim=14336,"
+            "vocab_size=128", "--batch", 1, "--seq", 16, "--gpus", 1, "--gpu", "l4", "-q")
+    assert r.exit_code == 1, r.output
+    assert "out of memory" in r.output and "No layout fits" in r.output

@@ -595,7 +595,7 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
                  json_file, budget=None, quiet=False) -> None:
     """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank; with a budget, a
     layout fits when its peak per rank is within it. Exits 1 when none fits."""
-    from .layouts import fit_layouts
+    from .layouts import best_layout, fit_layouts
     from .report.console import render_layouts
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
@@ -605,8 +605,10 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
                            stage=progress)
     render_layouts(rows, workload.name, gpus, options, out, budget=budget)
+    best = best_layout(rows)
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
-                            "budget_bytes": budget, "layouts": [r.to_dict() for r in rows]})
+                            "budget_bytes": budget, "layouts": [r.to_dict() for r in rows],
+                            "best": None if best is None else str(best.layout)})
     if not any(r.fits for r in rows):
         raise typer.Exit(1)
 

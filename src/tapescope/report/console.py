@@ -331,25 +331,47 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
 def render_layouts(rows, name: str, gpus: int, options, console: Console,
                    budget: int | None = None) -> None:
     """fit --gpus: one row per (FSDP, TP) layout."""
-    console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: (FSDP, TP) layouts at "
-                        "the model's per-rank batch"), highlight=False)
+    from ..layouts import best_layout
+
+    console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: (FSDP, TP) layouts, "
+                        "each data-parallel rank taking the batch given"), highlight=False)
+    console.print("  global batch = batch per rank x FSDP x replicas (the TP ranks of a group "
+                  "share a batch), so it differs between layouts: compare throughput, not step "
+                  "time", highlight=False, markup=False)
     if budget is not None:
         console.print(f"  fits: the peak per rank within the budget, {fmt_bytes(budget)}",
                       highlight=False, markup=False)
+    tokens = any(r.tokens_per_second for r in rows)
     t = Table(box=None)
-    for col in ("layout", "peak per rank", "nvidia-smi", "fits", "step", "MFU", "tokens/s"):
+    for col in ("layout", "batch/rank", "global batch", "peak per rank", "nvidia-smi", "fits",
+                "step", "MFU", "tokens/s" if tokens else "samples/s"):
         t.add_column(col)
     for r in rows:
+        batches = (str(r.batch_per_rank or "-"), str(r.global_batch or "-"))
         if r.peak_bytes is None:
-            t.add_row(str(r.layout), "-", "-", "-", "-", "-", Text(r.note, style="dim"))
+            t.add_row(str(r.layout), *batches, "-", "-", "-", "-", "-", Text(r.note, style="dim"))
             continue
-        fits = "-" if r.fits is None else ("yes" if r.fits else "[red]no[/]")
-        t.add_row(str(r.layout), fmt_bytes(r.peak_bytes),
+        fits = Text("-") if r.fits is None else (Text("yes") if r.fits else Text("no", style="red"))
+        rate = r.tokens_per_second if tokens else r.samples_per_second
+        t.add_row(str(r.layout), *batches, fmt_bytes(r.peak_bytes),
+                  Text("out of memory", style="red") if r.oom else
                   fmt_bytes(r.reserved_bytes) if r.reserved_bytes else "-", fits,
                   f"{r.step_seconds * 1e3:.0f} ms" if r.step_seconds else "-",
                   f"{r.mfu:.0%}" if r.mfu is not None else "-",
-                  f"{r.tokens_per_second:,.0f}" if r.tokens_per_second else "-")
+                  f"{rate:,.0f}" if rate else "-")
     console.print(t)
+    best = best_layout(rows)
+    if best is not None:
+        rate = (f"{best.tokens_per_second:,.0f} tokens/s" if best.tokens_per_second
+                else f"{best.samples_per_second:,.1f} samples/s")
+        console.print(_line(("Best layout", "bold"), f": {best.layout}, {rate} at a global "
+                            f"batch of {best.global_batch} ({best.batch_per_rank} per rank), "
+                            f"{fmt_bytes(best.peak_bytes)} per rank"), highlight=False)
+    else:
+        console.print(_line(("No layout fits", "bold red"),
+                            f" {gpus} x {options.gpu.name}" + (f" within {fmt_bytes(budget)}"
+                                                              if budget is not None else "")),
+                      highlight=False)
 
 
 def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
