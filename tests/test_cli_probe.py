@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from tapescope.cli import app
 
-from .conftest import TINY_LLAMA
+from .conftest import TINY_GPT2 as TINY_GPT2_SPEC, TINY_LLAMA
 
 needs_cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
                                       reason="needs a CUDA build of torch")
@@ -569,3 +569,35 @@ def test_fit_gpus_names_no_capacity_for_a_layout_out_of_memory():
             "vocab_size=128", "--batch", 1, "--seq", 16, "--gpus", 1, "--gpu", "l4", "-q")
     assert r.exit_code == 1, r.output
     assert "out of memory" in r.output and "No layout fits" in r.output
+
+
+# -- budget-sweep: budget 0 and a non-monotonic peak are explained ------------------------------
+
+def test_budget_sweep_explains_budget_0_and_a_higher_peak_at_a_smaller_budget(monkeypatch, tmp_path):
+    """budget-sweep showed budget 0 with the highest peak, unexplained. The sweep's points are
+    given here (the compiled profiles are test_compile's); what is checked is what the table
+    says about them."""
+    import json
+
+    import tapescope.sweeps as sweeps
+    from tapescope.sweeps import BudgetPoint
+
+    points = {0.0: BudgetPoint(0.0, 900 << 20, 800 << 20, 1 << 20, 40, 10**9, 10**12),
+              0.5: BudgetPoint(0.5, 600 << 20, 500 << 20, 100 << 20, 10, 10**8, 10**12),
+              1.0: BudgetPoint(1.0, 700 << 20, 600 << 20, 300 << 20, 0, 0, 10**12)}
+    monkeypatch.setattr(sweeps, "budget_sweep", lambda w, o, bs, progress=None: [points[bs[0]]])
+    out = tmp_path / "sweep.json"
+    r = CliRunner().invoke(app, ["budget-sweep", TINY_GPT2_SPEC, "--batch", "1", "--seq", "8",
+                                 "--budgets", "0,0.5,1", "--json", str(out), "-q"],
+                           terminal_width=300)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "budget 0 saves only the forward's inputs" in text
+    assert ("budget 0 peaks at 900.00 MiB, above budget 0.5's 600.00 MiB while saving 1.00 MiB "
+            "against 100.00 MiB") in text
+    assert "budget 1 peaks at 700.00 MiB, above budget" not in text  # nothing larger after it
+    assert len(json.loads(out.read_text())["notes"]) == 2
+
+
+def test_budget_sweep_refuses_a_budget_outside_0_1():
+    assert_user_error(run("budget-sweep", TINY_GPT2_SPEC, "--budgets", "0,1.5"), "1.5", "[0, 1]")

@@ -381,8 +381,13 @@ def budget_sweep_cmd(
             values = [float(b) for b in budgets.split(",") if b.strip()]
         except ValueError as e:
             raise TapescopeError(f"--budgets: {e}") from None
+        wrong = [b for b in values if not 0 <= b <= 1]  # before the first (slow) compile
+        if wrong or not values:
+            raise TapescopeError(f"--budgets: each activation_memory_budget must be in [0, 1], got "
+                                 f"{', '.join(f'{b:g}' for b in wrong) or 'none'}; e.g. "
+                                 "--budgets 0.1,0.5,1")
         from .report.text import fmt_bytes, fmt_flops
-        from .sweeps import budget_sweep
+        from .sweeps import budget_sweep, sweep_notes
 
         workload, model_loss = _workload(spec, batch, seq, input)
         compile = _compile_options(True, compile_mode, False, dynamic, None, False, None)
@@ -401,7 +406,11 @@ def budget_sweep_cmd(
                       f"{fmt_bytes(pt.first_step_peak_bytes):>12}  {fmt_bytes(pt.saved_bytes):>12}  "
                       f"{pt.recomputed_ops:>10}  {fmt_flops(pt.recompute_flops):>12}",
                       highlight=False, markup=False)
-        _write_json(json_file, {"model": workload.name, "points": [p.to_dict() for p in points]})
+        notes = sweep_notes(points)
+        for note in notes:
+            out.print(Text.assemble(("note: ", "yellow"), note), highlight=False)
+        _write_json(json_file, {"model": workload.name, "points": [p.to_dict() for p in points],
+                                "notes": notes})
 
 
 @app.command("ops")

@@ -164,12 +164,10 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     console.print(_line(("FLOPs", "bold"), " " + " | ".join(
         f"{k} {fmt_flops(fl[k])}" for k in ("forward", "backward", "optimizer", "other", "total")
         if k in fl)))
-    recomputed = sum(op.recompute for op in p.ops)
-    if recomputed:
-        console.print(f"  activation checkpointing recomputes {recomputed} ops in the backward: "
-                      f"{fmt_flops(p.recompute_flops)} (in the backward's FLOPs)"
-                      + (f", {p.time.recompute * 1e3:.1f} ms" if p.time is not None else ""),
-                      markup=False)
+    from .sections import checkpointing_sections
+
+    for section in checkpointing_sections(p):
+        _print_section(section, console)
     if p.cuda_memory is not None:
         _render_cuda(p, console, invocation)
 
@@ -273,59 +271,33 @@ def render_next_steps(console: Console, reason: str, steps) -> None:
         console.print(Text(f"        {because}", style="dim"), highlight=False, soft_wrap=True)
 
 
-def _ranks_text(ranks) -> str:
-    """(0, 1, 2, 5) -> '0-2, 5'"""
-    out, start, prev = [], None, None
-    for r in list(ranks) + [None]:
-        if start is None:
-            start = prev = r
-        elif r is not None and r == prev + 1:
-            prev = r
-        else:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = prev = r
-    return ", ".join(out)
+def _print_section(section, console: Console, title_line: bool = False) -> None:
+    """A report.sections.Section: its prose, its table, its closing prose; nothing it holds is
+    read as markup. `title_line`: the title as a bold line above the table, not the table's."""
+    if title_line:
+        console.print(Text(section.title, style="bold"), highlight=False)
+    for line in section.lines:
+        head, _, rest = line.partition(" ")
+        console.print(_line((head, "bold"), " " + rest) if head == "Mesh" else Text(line),
+                      highlight=False)
+    if section.columns:
+        t = Table(title=None if title_line else section.title, title_justify="left", box=None,
+                  pad_edge=False)
+        for col in section.columns:
+            t.add_column(col)
+        for row in section.rows:
+            t.add_row(*(Text(cell) for cell in row))
+        console.print(t)
+    for line in section.after:
+        console.print(Text("  " + line), highlight=False)
 
 
 def render_distributed(p, console: Console, top: int = 8) -> None:
     """Every rank's memory, the collectives and the step time of a distributed profile."""
-    d = p.distributed
-    classes = d.classes
-    how = "ranks whose shards have the same shapes run the same step: one trace each" \
-        if classes.provable else "which ranks run the same step could not be proven: every rank traced"
-    console.print(_line(("Mesh", "bold"), f" {d.mesh} = {d.mesh.world_size} ranks, parallelised "
-                        f"by {p.facts.get('parallelize', '?')}; {len(classes.members)} traced "
-                        f"({how})"), highlight=False)
-    by_rank = {r.rank: r for r in p.ranks}
-    t = Table(title="Per rank", title_justify="left", box=None)
-    timed = any(r.step_seconds is not None for r in p.ranks)
-    for col in ("ranks", "peak (steady)", "first step") + (("step", "MFU") if timed else ()) + (
-            "largest categories at the peak",):
-        t.add_column(col)
-    for members in classes.members:
-        r = by_rank[members[0]]
-        cats = sorted(r.at_peak.items(), key=lambda kv: -kv[1])[:4]
-        times = (f"{r.step_seconds * 1e3:.1f} ms", f"{r.mfu:.0%}") if timed else ()
-        t.add_row(_ranks_text(members), fmt_bytes(r.peak_bytes), fmt_bytes(r.first_step_peak_bytes),
-                  *times, ", ".join(f"{c} {fmt_bytes(b)}" for c, b in cats))
-    console.print(t)
-    rows = p.collective_table
-    if rows:
-        c = Table(title=f"Collectives of rank {p.facts.get('rank', 0)} per step",
-                  title_justify="left", box=None)
-        for col in ("kind", "mesh dim", "ranks", "bytes per rank", "count", "link", "time"):
-            c.add_column(col)
-        for r in rows[:top]:
-            c.add_row(r.kind, Text(r.group), str(r.group_size), fmt_bytes(r.nbytes), str(r.count),
-                      r.link, f"{r.seconds * 1e3:.2f} ms" if p.gpu is not None else "-")
-        if len(rows) > top:
-            c.add_row(f"... {len(rows) - top} more", "", "", "", "", "", "")
-        console.print(c)
-    tm = p.time
-    if tm is not None and tm.comm:
-        console.print(f"  collectives {tm.comm * 1e3:.1f} ms on the interconnect, "
-                      f"{tm.exposed_comm * 1e3:.1f} ms exposed ({tm.comm_overlap:.0%} overlapped "
-                      f"with compute); per-rank step {tm.seconds * 1e3:.1f} ms, MFU {tm.mfu:.0%}")
+    from .sections import distributed_sections
+
+    for section in distributed_sections(p, top):
+        _print_section(section, console)
 
 
 def render_layouts(rows, name: str, gpus: int, options, console: Console,
@@ -498,47 +470,11 @@ def render_validation(v, console: Console) -> None:
 def render_compiled(p, console: Console, top: int = 8) -> None:
     """A compiled step beside the eager one: peaks, saved activations, FLOPs, time; what the
     partitioner saved and recomputed; graph breaks."""
-    from ..analysis.compiled import side_by_side
+    from .sections import compiled_sections
 
-    c = p.compiled
-    opts = ", ".join(f"{k}={v}" for k, v in c.options.items() if v not in (None, False))
-    console.print(_line(("Eager vs torch.compile", "bold"),
-                        f" ({opts or 'defaults'}; {c.regions} compiled "
-                        f"graph{'s' if c.regions != 1 else ''}, {len(c.graph_breaks)} graph "
-                        f"break{'s' if len(c.graph_breaks) != 1 else ''})"))
-    t = Table(box=None, pad_edge=False)
-    for col in ("", "eager", "compiled", "change"):
-        t.add_column(col, justify="left" if not col else "right")
-    for name, (e, v) in side_by_side(p.eager, p).items():
-        if e is None or v is None:
-            continue
-        is_time = name.startswith("time")
-        fmt = (lambda x: f"{x * 1e3:.2f} ms") if is_time else (
-            fmt_flops if name.startswith("flops") else fmt_bytes)
-        change = f"{(v - e) / e:+.1%}" if isinstance(e, (int, float)) and e else ""
-        t.add_row("  " + name.replace("_", " "), fmt(e), fmt(v), change)
-    console.print(t)
-    acts = [s for s in c.saved if s.is_activation]
-    console.print(f"  the partitioner saves {len(c.saved)} tensors for the backward "
-                  f"({len(acts)} made by the forward, {fmt_bytes(c.saved_bytes)}; the rest are "
-                  f"parameters and inputs) and recomputes {len(c.recomputed)} ops "
-                  f"({fmt_flops(c.recompute_flops)})")
-    saved = Table(title="Saved for backward (largest first)", title_justify="left", box=None)
-    for col in ("graph", "tensor", "shape", "dtype", "bytes", "made by"):
-        saved.add_column(col)
-    for s in sorted(acts, key=lambda s: -s.nbytes)[:top]:
-        saved.add_row(str(s.region), Text(s.name), "x".join(str(x) for x in s.shape), s.dtype,
-                      fmt_bytes(s.nbytes) if not s.view_of else Text(f"view of {s.view_of}"),
-                      Text(s.op or "input"))
-    console.print(saved)
-    real = [r for r in c.recomputed if r.flops]
-    if real:
-        console.print("  recomputed in the backward: " + ", ".join(
-            f"{r.name} ({r.op}, {fmt_flops(r.flops)})" for r in real[:top]), highlight=False,
-            markup=False)
-    for b in c.graph_breaks:
-        console.print(_line("  ", ("graph break", "yellow"), f" at {b.where or '?'}: {b.reason}"),
-                      highlight=False)
+    side, saved = compiled_sections(p, top)
+    _print_section(side, console, title_line=True)
+    _print_section(saved, console)
 
 
 def render_plan(plan, name: str, options, console: Console, invocation=None) -> None:
