@@ -83,7 +83,7 @@ class Profile:
         out = dict.fromkeys((FORWARD, BACKWARD, OPTIMIZER), 0)
         for op in self.ops:  # a user's step also has OTHER: its own code's ops
             if op.flops:
-                out[op.phase] = out.get(op.phase, 0) + op.flops
+                out[op.phase] = out.get(op.phase, 0) + op.total_flops
         out["total"] = sum(out.values())
         return out
 
@@ -91,17 +91,21 @@ class Profile:
     def recompute_flops(self) -> int:
         """FLOPs of the forward ops activation checkpointing runs again during backward (they
         are part of flops["backward"], when they run)."""
-        return sum(op.flops or 0 for op in self.ops if op.recompute)
+        return sum(op.total_flops or 0 for op in self.ops if op.recompute)
 
     @cached_property
     def uncounted_ops(self) -> dict:
         """Ops with no FLOP formula -> how many times they ran (their FLOPs are not in `flops`)."""
-        return dict(Counter(op.name for op in self.ops if op.flops is None))
+        counts: Counter = Counter()
+        for op in self.ops:
+            if op.flops is None:
+                counts[op.name] += op.runs
+        return dict(counts)
 
     @cached_property
     def module_flops(self) -> dict:
         """Module fqn -> FLOPs of its ops and its submodules' ops (forward and backward)."""
-        return module_rollup(self.ops, lambda op: op.flops)
+        return module_rollup(self.ops, lambda op: op.total_flops)
 
     @cached_property
     def gpu(self):

@@ -417,9 +417,39 @@ class CaptureSession:
                               forward_context=forward_context,
                               loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
                               on_default_loss=lambda what: self.facts.__setitem__("loss", what))
+        if self._may_stop_repeating():
+            ends: list = []  # (ops, events) recorded when each micro-batch ended
+            runtime.micro_batch_done = lambda i, n: self._micro_batch_repeats(ends, i, n)
         self._loss = self.program.run(self.step_model, self.fargs, self.fkwargs, self.optimizer,
                                       step, runtime, end=end)
         self._mark_grads_and_state()
+
+    # ---- gradient accumulation: micro-batches that repeat ----------------------------------
+
+    def _may_stop_repeating(self) -> bool:
+        """Micro-batches are traced until one repeats the one before it; then the rest are
+        counted, not traced (`--accumulate 10000` traced 10,000 identical micro-batches). Not for
+        a symbolic, compiled or distributed step, whose analyses read every op of the trace."""
+        opts = self.options
+        return (opts.accumulate > 2 and not opts.symbolic and opts.compile is None
+                and opts.mesh is None)
+
+    def _micro_batch_repeats(self, ends: list, i: int, n: int) -> bool:
+        """After micro-batch i of n: True when it repeated micro-batch i-1 (the first allocates
+        the gradients, so from the third on), which proves that the next ones repeat it too:
+        the same ops on the same shapes, from a state with the same live storages (each micro-batch
+        frees as much as it allocates, in the same pattern). Its ops then stand for n-i+1
+        micro-batches (`Trace.repeated`)."""
+        trace = self.trace
+        ends.append((len(trace.ops), len(trace.events)))
+        if i < 3:
+            return False
+        (o0, e0), (o1, e1), (o2, e2) = ends[-3:]
+        if not _same_micro_batch(trace, (o0, o1, e0, e1), (o1, o2, e1, e2)):
+            return False
+        trace.repeated.append((o1, o2, n - i + 1))
+        self.facts["accumulate_traced"] = i
+        return True
 
     # ---- a user's own step (options.step) --------------------------------------------------
 
@@ -603,6 +633,33 @@ def _as_specs(inputs):
         return x
 
     return tree_map(convert, inputs, is_leaf=lambda x: isinstance(x, Spec))
+
+
+def _same_micro_batch(trace: Trace, a: tuple, b: tuple) -> bool:
+    """Two consecutive micro-batches, each (first op, end op, first event, end event), ran the
+    same ops on the same shapes and allocated and freed the same sizes in the same places, what
+    they freed of the state before them included, freeing as many bytes as they allocated."""
+    ao, ao_end, ae, ae_end = a
+    bo, bo_end, be, be_end = b
+    if ao_end - ao != bo_end - bo or ae_end - ae != be_end - be:
+        return False
+    ops = trace.ops
+    for x, y in zip(ops[ao:ao_end], ops[bo:bo_end]):
+        if x.func != y.func or [t.shape for t in x.tensor_outputs()] != \
+                [t.shape for t in y.tensor_outputs()] or \
+                [t.shape for t in x.tensor_inputs()] != [t.shape for t in y.tensor_inputs()]:
+            return False
+    storages, events = trace.storages, trace.events
+    net = 0
+    for (xo, xs, xd), (yo, ys, yd) in zip(events[ae:ae_end], events[be:be_end]):
+        sx, sy = storages[xs], storages[ys]
+        x_own = sx.created_by is not None and sx.created_by >= ao
+        y_own = sy.created_by is not None and sy.created_by >= bo
+        if xo - ao != yo - bo or xd != yd or sx.nbytes != sy.nbytes or x_own != y_own \
+                or sx.device != sy.device:
+            return False
+        net += xd * sy.nbytes
+    return net == 0
 
 
 @contextmanager

@@ -437,9 +437,10 @@ class _Search:
         if p.time is not None:
             seconds = p.time.recompute
         else:
-            seconds = sum((op.flops if isinstance(op.flops, int) else 0) / CPU_FLOPS
-                          + (op.bytes_read + op.bytes_written) / CPU_BYTES for op in rec)
-        flops = sum(op.flops for op in rec if isinstance(op.flops, int))
+            seconds = sum(op.runs * ((op.flops if isinstance(op.flops, int) else 0) / CPU_FLOPS
+                                     + (op.bytes_read + op.bytes_written) / CPU_BYTES)
+                          for op in rec)
+        flops = sum(op.total_flops for op in rec if isinstance(op.flops, int))
         return _Traced(max(p.peak_bytes, p.first_step_peak_bytes), p.first_step_peak_bytes,
                        p.peak_bytes, flops, seconds, p)
 

@@ -127,6 +127,12 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     console.print(_header(p))
     if p.facts.get("loss"):  # the step's loss decides part of the peak: never left implicit
         console.print(_line(("Loss", "bold"), f" {p.facts['loss']}"))
+    traced, n = p.facts.get("accumulate_traced"), p.facts.get("accumulate")
+    if traced:
+        console.print(f"  micro-batches {traced + 1}-{n} repeat micro-batch {traced} op for op "
+                      f"(it repeated micro-batch {traced - 1} from the same memory): counted "
+                      "in FLOPs and time, not traced; the peak is the traced ones'",
+                      highlight=False, markup=False)
     which = "steady state (step 2, optimizer state alive)" if p.steps == 2 else "first step"
     console.print(_line(("Peak memory", "bold"), " ", (fmt_bytes(mem.peak_bytes), "bold cyan"),
                         f" — {which}; first step {fmt_bytes(p.first_step_peak_bytes)}"))
@@ -177,7 +183,7 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
                    for m in shown], console.width)
     total = fl["total"] or 1
     own: dict = {}  # pattern -> {instance fqn -> FLOPs of its own ops}
-    for fqn, v in module_rollup(p.ops, lambda op: op.flops, own=True).items():
+    for fqn, v in module_rollup(p.ops, lambda op: op.total_flops, own=True).items():
         own.setdefault(module_pattern(fqn), {})[fqn] = v
     ranked = sorted(own.items(), key=lambda kv: -sum(kv[1].values()))
     by_flops = _table("Top modules by FLOPs (their own ops; repeated blocks summed)",

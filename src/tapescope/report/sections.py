@@ -88,17 +88,18 @@ def distributed_sections(p, top: int = 8) -> list[Section]:
 def checkpointing_sections(p) -> list[Section]:
     """What activation checkpointing recomputes in the backward, and the policies applied."""
     recomputed = [op for op in p.ops if op.recompute]
+    n_recomputed = sum(op.runs for op in recomputed)
     policies = p.facts.get("checkpointing") or []
     if not recomputed and not policies:
         return []
-    lines = (f"activation checkpointing recomputes {len(recomputed)} ops in the backward: "
+    lines = (f"activation checkpointing recomputes {n_recomputed} ops in the backward: "
              f"{fmt_flops(p.recompute_flops)} (in the backward's FLOPs)"
              + (f", {p.time.recompute * 1e3:.1f} ms" if p.time is not None else ""),)
     by_module: dict = {}
     for op in recomputed:
         m = op.module or "-"
         n, f = by_module.get(m, (0, 0))
-        by_module[m] = (n + 1, f + (op.flops or 0))
+        by_module[m] = (n + op.runs, f + (op.total_flops or 0))
     rows = tuple((m or "(root)", str(n), fmt_flops(f))
                  for m, (n, f) in sorted(by_module.items(), key=lambda kv: -kv[1][1]))
     after = tuple(f"policy: {q['module'] or '(root)'} {q['mode']}"
