@@ -613,8 +613,8 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
                    quiet) as progress:
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
                            stage=progress)
-    render_layouts(rows, workload.name, gpus, options, out, budget=budget)
     best = best_layout(rows)
+    render_layouts(rows, workload.name, gpus, options, out, budget=budget, best=best)
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
                             "budget_bytes": budget, "layouts": [r.to_dict() for r in rows],
                             "best": None if best is None else str(best.layout)})

@@ -307,10 +307,8 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
 
 
 def render_layouts(rows, name: str, gpus: int, options, console: Console,
-                   budget: int | None = None) -> None:
-    """fit --gpus: one row per (FSDP, TP) layout."""
-    from ..layouts import best_layout
-
+                   budget: int | None = None, best=None) -> None:
+    """fit --gpus: one row per (FSDP, TP) layout; `best` (layouts.best_layout) named below."""
     console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: (FSDP, TP) layouts, "
                         "each data-parallel rank taking the batch given"), highlight=False)
     console.print("  global batch = batch per rank x FSDP x replicas (the TP ranks of a group "
@@ -338,8 +336,7 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
                   f"{r.mfu:.0%}" if r.mfu is not None else "-",
                   f"{rate:,.0f}" if rate else "-")
     console.print(t)
-    best = best_layout(rows)
-    if best is not None:
+    if best is not None:  # layouts.best_layout(rows)
         rate = (f"{best.tokens_per_second:,.0f} tokens/s" if best.tokens_per_second
                 else f"{best.samples_per_second:,.1f} samples/s")
         console.print(_line(("Best layout", "bold"), f": {best.layout}, {rate} at a global "
