@@ -601,3 +601,38 @@ def test_budget_sweep_explains_budget_0_and_a_higher_peak_at_a_smaller_budget(mo
 
 def test_budget_sweep_refuses_a_budget_outside_0_1():
     assert_user_error(run("budget-sweep", TINY_GPT2_SPEC, "--budgets", "0,1.5"), "1.5", "[0, 1]")
+
+
+# -- --compile: module FLOPs from the compiled graphs ---------------------------------------------
+
+def test_compiled_module_flops_come_from_the_graphs():
+    """Under --compile every module's share showed 0.0% (module hooks do not run inside compiled
+    code). By hand, Linear(16, 32) then Linear(32, 4), no bias, on 8 x 16 inputs: the first
+    module runs a forward mm and its weight's gradient mm, 2 * 8 * 16 * 32 FLOPs each (its input
+    needs no gradient); the second its forward mm, its weight's gradient mm and its input's
+    gradient mm, 2 * 8 * 32 * 4 each."""
+    import tapescope
+
+    build = lambda: torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False),  # noqa: E731
+                                        torch.nn.Linear(32, 4, bias=False))
+    p = tapescope.profile(build, tapescope.spec((8, 16)), compile=True, steps=1, optimizer=None)
+    own = p.module_own_flops
+    assert own["0"] == 2 * (2 * 8 * 16 * 32)
+    assert own["1"] == 3 * (2 * 8 * 32 * 4)
+    assert p.module_flops[""] >= own["0"] + own["1"]
+    from rich.console import Console
+    from tapescope.report.console import render_summary
+
+    console = Console(record=True, width=200)
+    render_summary(p, console)
+    text = console.export_text()
+    share = (own["0"] + own["1"]) / p.flops["total"]   # the two layers are one pattern, "*"
+    row = next(line for line in text.splitlines() if line.startswith("* "))
+    assert row.split()[-1] == f"{share:.1%}" != "0.0%"
+    # the source column named inductor's hashed generated file; now the graph that ran it
+    from tapescope.torch_compat import inductor_cache_dir
+
+    assert inductor_cache_dir() not in text and ".py:" not in text.split("Largest tensors")[1]
+    assert "compiled graph (forward 0)" in text or "compiled graph (backward 0)" in text
+    assert not any(op.source is not None and op.source.filename.startswith(inductor_cache_dir())
+                   for op in p.ops)

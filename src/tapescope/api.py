@@ -17,7 +17,7 @@ from functools import cached_property
 import torch
 
 from .analysis.memory import MemoryReport, memory_report, peak_bytes, storage_categories
-from .analysis.modules import module_rollup
+from .analysis.modules import ancestors, module_rollup
 from .analysis.ops import OpCosts, step_ops
 from .analysis.steps import step_views
 from .capture.records import BACKWARD, FORWARD, OPTIMIZER, Trace
@@ -103,9 +103,21 @@ class Profile:
         return dict(counts)
 
     @cached_property
+    def module_own_flops(self) -> dict:
+        """Module fqn -> FLOPs of its own ops (not its submodules'); a compiled step's from its
+        graphs' nodes (analysis/compiled.py)."""
+        if self.compiled is not None:
+            return dict(self.compiled.module_flops)
+        return module_rollup(self.ops, lambda op: op.total_flops, own=True)
+
+    @cached_property
     def module_flops(self) -> dict:
         """Module fqn -> FLOPs of its ops and its submodules' ops (forward and backward)."""
-        return module_rollup(self.ops, lambda op: op.total_flops)
+        out: dict = {}
+        for fqn, f in self.module_own_flops.items():
+            for m in ancestors(fqn):
+                out[m] = out.get(m, 0) + f
+        return out
 
     @cached_property
     def gpu(self):

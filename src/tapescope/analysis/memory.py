@@ -201,8 +201,7 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
         op = ops[k] if k is not None else None
         tensors.append(LiveTensor(
             sid, storages[sid].nbytes, categories[sid], k, op.name if op else None,
-            op.module if op else None, trace.storage_owner.get(sid),
-            str(op.source) if op is not None and op.source is not None else None))
+            op.module if op else None, trace.storage_owner.get(sid), _source(trace, op)))
     # repeats are counted over every tensor alive at the peak, not only among the largest few
     # (a tensor each of 8 blocks holds is x8 even where 20 larger ones come first)
     groups = group_live_tensors(tensors)[:top]
@@ -213,6 +212,20 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
         initial_bytes=initial_bytes, final_bytes=total,
         modules=_module_memory(trace, view, ops, timeline, categories),
     )
+
+
+def _source(trace, op) -> str | None:
+    """Where an op came from: the user's line, else the compiled graph whose generated code ran
+    it (inductor's files are named by a hash: no line of the user's)."""
+    if op is None:
+        return None
+    if op.source is not None:
+        return str(op.source)
+    i = op.record.index
+    for label, start, end in trace.compiled_calls:
+        if start <= i < end:
+            return f"compiled graph ({label})"
+    return None
 
 
 def _module_memory(trace, view, ops, timeline, categories) -> list[ModuleMemory]:

@@ -20,6 +20,7 @@ What it records, and how, so that the numbers follow real execution:
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from contextlib import contextmanager
@@ -75,6 +76,14 @@ _STEP_LOSS_CODE = (default_loss.__code__, choose_default_loss.__code__, sum_of._
 _KEEP, _SKIP, _STOP = 0, 1, 2  # what the frame walk does at a frame
 
 
+def _generated_code_dir() -> str:
+    """Where inductor writes the Python it generates (a compiled step's ops run from files named
+    by a hash there: no line of the user's)."""
+    from ..torch_compat import inductor_cache_dir
+
+    return os.path.join(inductor_cache_dir(), "")
+
+
 class ModuleStack(list):
     """The fqns of the modules whose forward is running, innermost last (capture.modules fills
     it; the tape reads it to name each op's module)."""
@@ -117,6 +126,7 @@ class Tape(FakeTensorMode):
         self._tape_next_value = 0
         self._tape_frames: dict = {}
         self._tape_internal_code: dict = {}  # code object -> not the user's (torch's, ours)
+        self._generated: str | None = None  # inductor's generated code, once a compiled graph ran
         self._tape_replay = DispatchReplay(self)
         self._tape_unbuilt = unbuilt_device_types()  # empty on a CUDA build: no check at all
 
@@ -219,6 +229,8 @@ class Tape(FakeTensorMode):
 
     @contextmanager
     def compiled_call(self, label: str):
+        if self._generated is None:
+            self._generated = _generated_code_dir()
         """Ops recorded inside are one run of a compiled graph's code (`Trace.compiled_calls`)."""
         start = len(self.trace.ops)
         try:
@@ -380,7 +392,9 @@ class Tape(FakeTensorMode):
                     (fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
                     or fn.startswith(_CAPTURE_DIR) or fn in _OWN_FILES
                     or fn.startswith(_DISTRIBUTED_DIR)
-                    or fn.endswith(_STDLIB_HELPERS) or code in _STEP_LOSS_CODE) else _KEEP
+                    or fn.endswith(_STDLIB_HELPERS) or code in _STEP_LOSS_CODE
+                    or (self._generated is not None and fn.startswith(self._generated))) \
+                    else _KEEP
             if what == _STOP:
                 return None
             if what == _KEEP:

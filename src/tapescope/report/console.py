@@ -13,7 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from ..analysis.modules import module_pattern, module_rollup
+from ..analysis.modules import module_pattern
 from ..capture.records import ALL_CATEGORIES
 from .text import assumption_lines, fmt_bytes, fmt_count, fmt_flops, short_op
 
@@ -183,7 +183,7 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
                    for m in shown], console.width)
     total = fl["total"] or 1
     own: dict = {}  # pattern -> {instance fqn -> FLOPs of its own ops}
-    for fqn, v in module_rollup(p.ops, lambda op: op.total_flops, own=True).items():
+    for fqn, v in p.module_own_flops.items():
         own.setdefault(module_pattern(fqn), {})[fqn] = v
     ranked = sorted(own.items(), key=lambda kv: -sum(kv[1].values()))
     by_flops = _table("Top modules by FLOPs (their own ops; repeated blocks summed)",
