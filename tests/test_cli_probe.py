@@ -636,3 +636,16 @@ def test_compiled_module_flops_come_from_the_graphs():
     assert "compiled graph (forward 0)" in text or "compiled graph (backward 0)" in text
     assert not any(op.source is not None and op.source.filename.startswith(inductor_cache_dir())
                    for op in p.ops)
+
+
+def test_no_source_line_is_tapescopes_own_under_an_fsdp_preset(tmp_path):
+    """Under --fsdp the source column showed tapescope's own `cli.py:127`."""
+    import json
+
+    out = tmp_path / "p.json"
+    r = run("profile", TINY_LLAMA, "--batch", 2, "--seq", 16, "--fsdp", 2, "--json", out, "-q")
+    assert r.exit_code == 0, r.output
+    sources = {o["source"] for o in json.loads(out.read_text())["ops"] if o.get("source")}
+    assert any("llama.py" in s for s in sources)
+    assert not any("tapescope" in s and "zoo" not in s for s in sources), sources
+    assert "cli.py" not in r.output
