@@ -649,3 +649,17 @@ def test_no_source_line_is_tapescopes_own_under_an_fsdp_preset(tmp_path):
     assert any("llama.py" in s for s in sources)
     assert not any("tapescope" in s and "zoo" not in s for s in sources), sources
     assert "cli.py" not in r.output
+
+
+def test_plan_checkpointing_refuses_a_mesh_as_profile_does():
+    """profile() refuses a checkpointing plan with a mesh (not yet checked against real ranks);
+    plan_checkpointing(mesh=...) re-traced that very pairing and returned a plan."""
+    import tapescope
+    from tapescope.errors import TapescopeError
+    from tapescope.zoo import resolve
+
+    m = resolve(TINY_LLAMA, batch=2, seq=16)
+    with pytest.raises(TapescopeError, match="distributed step"):
+        tapescope.plan_checkpointing(m.build, *m.inputs, budget="1MiB", loss_fn=m.loss_fn,
+                                     mesh={"dp_shard": 2},
+                                     parallelize=lambda model, mesh: model)

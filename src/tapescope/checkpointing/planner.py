@@ -181,6 +181,13 @@ def plan_workload(workload: Workload, options: Options, *, budget=None, units=No
                              "not pass checkpointing=... as well")
     if options.symbolic:
         raise TapescopeError("plan_checkpointing traces concrete sizes; drop symbolic=...")
+    if options.mesh is not None:
+        # its re-traces would apply the plan to a distributed profile, a pairing profile()
+        # refuses (options.py): not yet checked against real ranks
+        raise TapescopeError("plan_checkpointing of a distributed step (mesh=) is not supported "
+                             "yet: plan one rank's step on one device (its per-rank batch and "
+                             "shard shapes), or apply checkpointing in your parallelize function, "
+                             "as torchtitan does")
     for what, n in (("pareto (CLI: --pareto)", pareto), ("max_traces (CLI: --max-traces)",
                                                          max_traces)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
