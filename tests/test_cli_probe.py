@@ -559,6 +559,11 @@ def test_fit_gpus_shows_both_batches_and_names_the_best_layout(tmp_path):
     assert d["best"] == name
     assert f"Best layout: {name}, {best['tokens_per_second']:,.0f} tokens/s at a global batch " \
            f"of {best['global_batch']} (2 per rank)" in " ".join(r.output.split())
+    # TP 4 cannot split 2 key/value heads: said below the table, never inside its tokens/s column
+    assert rows[(1, 4)]["note"] and rows[(1, 4)]["tokens_per_second"] is None
+    tp4 = next(line for line in r.output.splitlines() if line.lstrip().startswith("TP 4 "))
+    assert "not run" in tp4 and "heads" not in tp4
+    assert f"TP 4 not run: {rows[(1, 4)]['note']}" in " ".join(r.output.split())
 
 
 @needs_cuda_build

@@ -324,8 +324,8 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
         t.add_column(col)
     for r in rows:
         batches = (str(r.batch_per_rank or "-"), str(r.global_batch or "-"))
-        if r.peak_bytes is None:
-            t.add_row(str(r.layout), *batches, "-", "-", "-", "-", "-", Text(r.note, style="dim"))
+        if r.peak_bytes is None:  # why is said below the table, not inside a figure's column
+            t.add_row(str(r.layout), *batches, Text("not run", style="dim"), "-", "-", "-", "-", "-")
             continue
         fits = Text("-") if r.fits is None else (Text("yes") if r.fits else Text("no", style="red"))
         rate = r.tokens_per_second if tokens else r.samples_per_second
@@ -336,6 +336,9 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
                   f"{r.mfu:.0%}" if r.mfu is not None else "-",
                   f"{rate:,.0f}" if rate else "-")
     console.print(t)
+    for r in rows:
+        if r.peak_bytes is None:
+            console.print(Text(f"  {r.layout} not run: {r.note}"), highlight=False)
     if best is not None:  # layouts.best_layout(rows)
         rate = (f"{best.tokens_per_second:,.0f} tokens/s" if best.tokens_per_second
                 else f"{best.samples_per_second:,.1f} samples/s")
