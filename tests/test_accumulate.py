@@ -7,6 +7,7 @@ running total, the outermost dispatched ops), which runs capture.step.train_step
 import json
 
 import pytest
+import torch
 import torch.nn as nn
 
 import tapescope
@@ -130,3 +131,34 @@ def test_cli_accumulate_writes_the_fact(tmp_path):
     assert r.exit_code == 0, r.output
     assert "2 micro-batches per step" in r.output
     assert json.loads(out.read_text())["facts"]["accumulate"] == 2
+
+
+class _WarmUp(nn.Module):
+    """Uses its second layer from its 5th call on: a counter the step reads (`int(calls)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.a(x)
+        if int(self.calls) > 4:
+            y = self.b(y)
+        return y.sum()
+
+
+def test_a_step_that_reads_a_value_is_traced_in_full():
+    """Micro-batches 2 and 3 of this model are alike, but the 5th is not: a step that decides
+    on a value is never assumed to repeat. Truth: a real 8-micro-batch step's op sequence."""
+    m = ModelSpec("warm-up", _WarmUp, (input_spec((4, 8)),))
+    p = profile_spec(m, accumulate=8, steps=1)
+    assert p.facts.get("accumulate_traced") is None and not p.trace.repeated
+    real = run_real_steps(m.build, m.inputs, m.input_kwargs, loss_fn=m.loss_fn, accumulate=8,
+                          steps=1)
+    ok, diff = same_ops(p, [f"{ph} {n.replace('::', '.')}" for s, ph, n in real.ops
+                            if s == 1 and ph])
+    assert ok, diff
+    # README's bound: the 12 bytes of a Python scalar's tensor the allocator sees (`+= 1`)
+    assert abs(p.peak_bytes - real.peaks[1]) <= 12
