@@ -162,3 +162,29 @@ def test_a_step_that_reads_a_value_is_traced_in_full():
     assert ok, diff
     # README's bound: the 12 bytes of a Python scalar's tensor the allocator sees (`+= 1`)
     assert abs(p.peak_bytes - real.peaks[1]) <= 12
+
+
+class _PythonCounter(_WarmUp):
+    """The same warm-up, counted in a plain Python attribute (no tensor value read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def forward(self, x):
+        self.n += 1
+        y = self.a(x)
+        if self.n > 4:
+            y = self.b(y)
+        return y.sum()
+
+
+def test_a_step_that_moves_a_python_counter_is_traced_in_full():
+    m = ModelSpec("python-counter", _PythonCounter, (input_spec((4, 8)),))
+    p = profile_spec(m, accumulate=8, steps=1)
+    assert p.facts.get("accumulate_traced") is None and not p.trace.repeated
+    real = run_real_steps(m.build, m.inputs, m.input_kwargs, loss_fn=m.loss_fn, accumulate=8,
+                          steps=1)
+    ok, diff = same_ops(p, [f"{ph} {n.replace('::', '.')}" for s, ph, n in real.ops
+                            if s == 1 and ph])
+    assert ok, diff

@@ -438,13 +438,16 @@ class CaptureSession:
         """After micro-batch i of n: True when it repeated micro-batch i-1 (the first allocates
         the gradients, so from the third on), which proves that the next ones repeat it too:
         the same ops on the same shapes, from a state with the same live storages (each micro-batch
-        frees as much as it allocates, in the same pattern). Its ops then stand for n-i+1
-        micro-batches (`Trace.repeated`)."""
+        frees as much as it allocates, in the same pattern), reading no tensor's value and leaving
+        the modules' plain Python values as they were (what a later call could branch on). Its
+        ops then stand for n-i+1 micro-batches (`Trace.repeated`)."""
         trace = self.trace
-        ends.append((len(trace.ops), len(trace.events)))
+        ends.append((len(trace.ops), len(trace.events), _python_state(self.fmodel)))
         if i < 3:
             return False
-        (o0, e0), (o1, e1), (o2, e2) = ends[-3:]
+        (o0, e0, _), (o1, e1, before), (o2, e2, after) = ends[-3:]
+        if before != after:  # a Python counter on a module moved: later calls may branch on it
+            return False
         if not _same_micro_batch(trace, (o0, o1, e0, e1), (o1, o2, e1, e2)):
             return False
         trace.repeated.append((o1, o2, n - i + 1))
@@ -636,6 +639,14 @@ def _as_specs(inputs):
 
 
 _READS_A_VALUE = torch.ops.aten._local_scalar_dense.default  # .item(), bool(t), int(t)
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _python_state(model: nn.Module) -> tuple:
+    """The plain Python values (numbers, strings, flags) the model's modules hold: a counter a
+    forward increments changes it."""
+    return tuple((name, k, v) for name, m in model.named_modules()
+                 for k, v in vars(m).items() if isinstance(v, _PLAIN))
 
 
 def _same_micro_batch(trace: Trace, a: tuple, b: tuple) -> bool:
