@@ -418,7 +418,7 @@ class CaptureSession:
                               loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
                               on_default_loss=lambda what: self.facts.__setitem__("loss", what))
         if self._may_stop_repeating():
-            ends: list = []  # (ops, events) recorded when each micro-batch ended
+            ends: list = []  # (ops, events, Python state) when each micro-batch ended
             runtime.micro_batch_done = lambda i, n: self._micro_batch_repeats(ends, i, n)
         self._loss = self.program.run(self.step_model, self.fargs, self.fkwargs, self.optimizer,
                                       step, runtime, end=end)
