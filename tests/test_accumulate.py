@@ -9,8 +9,6 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-
-import tapescope
 from tapescope.capture.records import BACKWARD, FORWARD
 from tapescope.errors import TapescopeError
 from tapescope.analysis.ops import expanded_ops
