@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+
 from tapescope.capture.records import BACKWARD, FORWARD
 from tapescope.errors import TapescopeError
 from tapescope.analysis.ops import expanded_ops
