@@ -551,3 +551,46 @@ def test_gpu_chart_puts_phases_in_proportion_to_their_time(browser, tmp_path, gp
     o = opened(browser, gpt2_html)
     assert o.page.locator("#chart").get_attribute("data-axis") == "op"
     o.page.close()
+
+
+def _section_texts(o) -> dict:
+    """Each optional section of the page: title -> its whole text, whitespace collapsed."""
+    out = {}
+    for sec in o.page.locator("#sections section").all():
+        out[sec.locator("h2").inner_text()] = " ".join(sec.inner_text().split())
+    return out
+
+
+def test_per_rank_and_checkpointing_tables_are_in_the_page(browser, tmp_path):
+    """The page had none of the console's distributed, checkpointing or compiled tables: each
+    is now in the page with the console's rows (report/sections.py writes them once)."""
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    html = tmp_path / "fsdp.html"
+    r = CliRunner().invoke(app, ["profile", TINY_LLAMA, "--batch", "2", "--seq", "16", "--fsdp",
+                                 "2", "--html", str(html), "-q"], terminal_width=250)
+    assert r.exit_code == 0, r.output
+    o = opened(browser, html)
+    sections = _section_texts(o)
+    assert list(sections) == ["Per rank", "Collectives of rank 0 per step"]
+    console_rows = [line.split() for line in r.output.splitlines() if line.startswith("0-1 ")]
+    assert console_rows and " ".join(console_rows[0]) in sections["Per rank"]
+    assert "Mesh dp_shard 2 = 2 ranks" in sections["Per rank"]
+    assert "all_gather" in sections["Collectives of rank 0 per step"]
+    assert not o.errors
+    o.page.close()
+
+    from .test_cli_probe import _CheckpointedDeep
+
+    p = tapescope.profile(_CheckpointedDeep, tapescope.spec((64, 64)), steps=1, optimizer=None)
+    write_html(p, tmp_path / "ckpt.html")
+    o = opened(browser, tmp_path / "ckpt.html")
+    text = _section_texts(o)["Activation checkpointing"]
+    recomputed = sum(op.recompute for op in p.ops)
+    assert f"recomputes {recomputed} ops in the backward" in text
+    rows = o.rows("#sections tbody tr")
+    assert sum(int(row.split("\t")[1]) for row in rows) == recomputed
+    assert not o.errors
+    o.page.close()

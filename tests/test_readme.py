@@ -89,7 +89,7 @@ COMMANDS = {
         None, ["4x2048", "sharded parameters", "Per rank", "all_gather"], []),
     "tapescope fit zoo:llama-70b --gpus 64 --gpu h100 --amp bf16": (
         f"tapescope fit {TINY_LLAMA} --gpus 8 --gpu h100 --amp bf16",
-        ["on 8 x NVIDIA H100", "FSDP 8", "FSDP 4 x TP 2"], []),
+        ["on 8 x NVIDIA H100", "FSDP 8", "FSDP 4 x TP 2", "global batch", "Best layout: "], []),
 }
 
 

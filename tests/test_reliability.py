@@ -130,13 +130,40 @@ class ObjectState(nn.Module):
         return y * (len(self.state.seen) > 0)
 
 
-ISOLATION_CASES = [DictCache, LruCache, GlobalDictCache, ClosureCache, ClassCache, ObjectState]
+def _model_with_a_cache_in_forwards_closure():
+    """A model class defined inside a function, its forward reaching an lru_cache and a dict made
+    there through its closure (issue 24: the cache ended up holding fake tensors and the model
+    failed on real data)."""
+    @functools.lru_cache(maxsize=None)
+    def table(n, device):
+        return torch.linspace(1.0, 3.0, n, device=device)
+
+    scales: dict = {}
+
+    class ForwardClosureCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            s = scales.setdefault("s", torch.full((4,), 0.5, device=x.device))
+            return self.fc(x) * table(4, x.device) + s
+
+    ForwardClosureCache.clear = lambda: (table.cache_clear(), scales.clear())
+    ForwardClosureCache.caches = (table, scales)
+    return ForwardClosureCache
+
+
+ForwardClosureCache = _model_with_a_cache_in_forwards_closure()
+ISOLATION_CASES = [DictCache, LruCache, GlobalDictCache, ClosureCache, ClassCache, ObjectState,
+                   ForwardClosureCache]
 
 
 def _clear_caches():
     _table.cache_clear()
     _GLOBAL_CACHE.clear()
     ClassCache._shared.clear()
+    ForwardClosureCache.clear()
 
 
 def _fake_tensors_in(obj, seen=None) -> list:
@@ -171,9 +198,25 @@ def test_model_gives_the_same_real_output_after_profiling(cls):
     p = tapescope.profile(model, tapescope.spec((2, 4)))
     assert p.peak_bytes > 0
     assert torch.equal(model(x), expected)
-    globals_seen = [_table(4, torch.device("cpu")), _GLOBAL_CACHE, ClassCache._shared]
+    globals_seen = [_table(4, torch.device("cpu")), _GLOBAL_CACHE, ClassCache._shared,
+                    ForwardClosureCache.caches[1]]
     assert not _fake_tensors_in(model) and not _fake_tensors_in(globals_seen)
     assert not p.facts.get("isolation_notes"), p.facts.get("isolation_notes")
+
+
+def test_two_profiles_of_a_closure_cached_model_stay_apart():
+    """The second profile must not find the first one's fake tensors in a cache the model's
+    forward reaches through its closure: each profile starts from the user's (empty) cache, so
+    both trace the cache's fill, a linspace and a full of 4 floats each, in the forward."""
+    _clear_caches()
+    table, scales = ForwardClosureCache.caches
+    profiles = [tapescope.profile(ForwardClosureCache(), tapescope.spec((2, 4)), steps=1)
+                for _ in range(2)]
+    for p in profiles:
+        made = [op.name for op in p.ops if op.phase == "forward"]
+        assert "aten.linspace.default" in made and "aten.full.default" in made
+    assert profiles[0].peak_bytes == profiles[1].peak_bytes
+    assert table.cache_info().currsize == 0 and scales == {}
 
 
 def test_profiling_leaves_filled_caches_as_they_were():

@@ -17,7 +17,7 @@ from functools import cached_property
 import torch
 
 from .analysis.memory import MemoryReport, memory_report, peak_bytes, storage_categories
-from .analysis.modules import module_rollup
+from .analysis.modules import ancestors, module_rollup
 from .analysis.ops import OpCosts, step_ops
 from .analysis.steps import step_views
 from .capture.records import BACKWARD, FORWARD, OPTIMIZER, Trace
@@ -83,7 +83,7 @@ class Profile:
         out = dict.fromkeys((FORWARD, BACKWARD, OPTIMIZER), 0)
         for op in self.ops:  # a user's step also has OTHER: its own code's ops
             if op.flops:
-                out[op.phase] = out.get(op.phase, 0) + op.flops
+                out[op.phase] = out.get(op.phase, 0) + op.total_flops
         out["total"] = sum(out.values())
         return out
 
@@ -91,17 +91,33 @@ class Profile:
     def recompute_flops(self) -> int:
         """FLOPs of the forward ops activation checkpointing runs again during backward (they
         are part of flops["backward"], when they run)."""
-        return sum(op.flops or 0 for op in self.ops if op.recompute)
+        return sum(op.total_flops or 0 for op in self.ops if op.recompute)
 
     @cached_property
     def uncounted_ops(self) -> dict:
         """Ops with no FLOP formula -> how many times they ran (their FLOPs are not in `flops`)."""
-        return dict(Counter(op.name for op in self.ops if op.flops is None))
+        counts: Counter = Counter()
+        for op in self.ops:
+            if op.flops is None:
+                counts[op.name] += op.runs
+        return dict(counts)
+
+    @cached_property
+    def module_own_flops(self) -> dict:
+        """Module fqn -> FLOPs of its own ops (not its submodules'); a compiled step's from its
+        graphs' nodes (analysis/compiled.py)."""
+        if self.compiled is not None:
+            return dict(self.compiled.module_flops)
+        return module_rollup(self.ops, lambda op: op.total_flops, own=True)
 
     @cached_property
     def module_flops(self) -> dict:
         """Module fqn -> FLOPs of its ops and its submodules' ops (forward and backward)."""
-        return module_rollup(self.ops, lambda op: op.flops)
+        out: dict = {}
+        for fqn, f in self.module_own_flops.items():
+            for m in ancestors(fqn):
+                out[m] = out.get(m, 0) + f
+        return out
 
     @cached_property
     def gpu(self):

@@ -381,8 +381,13 @@ def budget_sweep_cmd(
             values = [float(b) for b in budgets.split(",") if b.strip()]
         except ValueError as e:
             raise TapescopeError(f"--budgets: {e}") from None
+        wrong = [b for b in values if not 0 <= b <= 1]  # before the first (slow) compile
+        if wrong or not values:
+            raise TapescopeError(f"--budgets: each activation_memory_budget must be in [0, 1], got "
+                                 f"{', '.join(f'{b:g}' for b in wrong) or 'none'}; e.g. "
+                                 "--budgets 0.1,0.5,1")
         from .report.text import fmt_bytes, fmt_flops
-        from .sweeps import budget_sweep
+        from .sweeps import budget_sweep, sweep_notes
 
         workload, model_loss = _workload(spec, batch, seq, input)
         compile = _compile_options(True, compile_mode, False, dynamic, None, False, None)
@@ -401,7 +406,11 @@ def budget_sweep_cmd(
                       f"{fmt_bytes(pt.first_step_peak_bytes):>12}  {fmt_bytes(pt.saved_bytes):>12}  "
                       f"{pt.recomputed_ops:>10}  {fmt_flops(pt.recompute_flops):>12}",
                       highlight=False, markup=False)
-        _write_json(json_file, {"model": workload.name, "points": [p.to_dict() for p in points]})
+        notes = sweep_notes(points)
+        for note in notes:
+            out.print(Text.assemble(("note: ", "yellow"), note), highlight=False)
+        _write_json(json_file, {"model": workload.name, "points": [p.to_dict() for p in points],
+                                "notes": notes})
 
 
 @app.command("ops")
@@ -595,7 +604,7 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
                  json_file, budget=None, quiet=False) -> None:
     """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank; with a budget, a
     layout fits when its peak per rank is within it. Exits 1 when none fits."""
-    from .layouts import fit_layouts
+    from .layouts import best_layout, fit_layouts
     from .report.console import render_layouts
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
@@ -604,9 +613,11 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
                    quiet) as progress:
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
                            stage=progress)
-    render_layouts(rows, workload.name, gpus, options, out, budget=budget)
+    best = best_layout(rows)
+    render_layouts(rows, workload.name, gpus, options, out, budget=budget, best=best)
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
-                            "budget_bytes": budget, "layouts": [r.to_dict() for r in rows]})
+                            "budget_bytes": budget, "layouts": [r.to_dict() for r in rows],
+                            "best": None if best is None else str(best.layout)})
     if not any(r.fits for r in rows):
         raise typer.Exit(1)
 

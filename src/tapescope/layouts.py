@@ -7,6 +7,11 @@ a row gives the highest rank's peak, whether it fits the GPU (the caching alloca
 reserved memory plus the CUDA context against the GPU's memory), the step time, MFU and the
 tokens per second of the whole job. With a budget (`fit --gpus N --budget 40GiB`), a layout fits when its
 peak per rank is within the budget, as `fit` compares one device's peak.
+
+The batch given is each data-parallel rank's: the TP ranks of a group share one batch, so the
+global batch is that batch times the data-parallel degree (FSDP x replicas), and differs between
+layouts. Step times are therefore not comparable across rows; throughput (tokens, else samples,
+per second of the whole job) is, and `best_layout` picks the fitting layout with the most.
 """
 
 from __future__ import annotations
@@ -16,25 +21,53 @@ from dataclasses import dataclass
 from .errors import TapescopeError
 from .distributed.presets import Layout, preset_parallelize
 
-__all__ = ["LayoutRow", "candidate_layouts", "fit_layouts"]
+__all__ = ["LayoutRow", "best_layout", "candidate_layouts", "fit_layouts"]
 
 
 @dataclass
 class LayoutRow:
     layout: Layout
+    batch_per_rank: int | None = None    # samples of each data-parallel rank's batch
     peak_bytes: int | None = None        # highest rank, steady state
-    reserved_bytes: int | None = None    # what nvidia-smi would show on that rank
+    reserved_bytes: int | None = None    # what nvidia-smi would show on that rank (None: OOM)
+    oom: bool = False                    # the allocator's replay ran out of the GPU's memory
     fits: bool | None = None
     step_seconds: float | None = None
     mfu: float | None = None
     tokens_per_second: float | None = None
     note: str = ""
 
+    @property
+    def global_batch(self) -> int | None:
+        """Samples of one step of the whole job: every data-parallel rank takes its own batch."""
+        if self.batch_per_rank is None:
+            return None
+        return self.batch_per_rank * self.layout.fsdp * self.layout.dp_replicate
+
+    @property
+    def samples_per_second(self) -> float | None:
+        if self.global_batch is None or not self.step_seconds:
+            return None
+        return self.global_batch / self.step_seconds
+
     def to_dict(self) -> dict:
-        return {"fsdp": self.layout.fsdp, "tp": self.layout.tp, "peak_bytes": self.peak_bytes,
-                "nvidia_smi_bytes": self.reserved_bytes, "fits": self.fits,
+        return {"fsdp": self.layout.fsdp, "tp": self.layout.tp,
+                "dp_replicate": self.layout.dp_replicate, "batch_per_rank": self.batch_per_rank,
+                "global_batch": self.global_batch, "peak_bytes": self.peak_bytes,
+                "nvidia_smi_bytes": self.reserved_bytes, "oom": self.oom, "fits": self.fits,
                 "step_seconds": self.step_seconds, "mfu": self.mfu,
-                "tokens_per_second": self.tokens_per_second, "note": self.note}
+                "tokens_per_second": self.tokens_per_second,
+                "samples_per_second": self.samples_per_second, "note": self.note}
+
+
+def best_layout(rows: list[LayoutRow]) -> LayoutRow | None:
+    """The fitting layout with the most throughput of the whole job (tokens per second where
+    the model takes tokens, else samples): the global batch differs between layouts, so the
+    step time alone would favour the one that does the least work."""
+    timed = [r for r in rows if r.fits and r.step_seconds]
+    if not timed:
+        return None
+    return max(timed, key=lambda r: r.tokens_per_second or r.samples_per_second or 0.0)
 
 
 def candidate_layouts(gpus: int, gpus_per_node: int = 8) -> list[Layout]:
@@ -46,6 +79,15 @@ def candidate_layouts(gpus: int, gpus_per_node: int = 8) -> list[Layout]:
             out.append(Layout(fsdp=gpus // tp, tp=tp))
         tp *= 2
     return out
+
+
+def _batch(workload) -> int | None:
+    """Samples of one rank's batch: the leading size of the first input."""
+    for x in workload.args:
+        shape = getattr(x, "shape", None)
+        if shape:
+            return int(shape[0])
+    return None
 
 
 def _tokens(workload) -> int:
@@ -77,7 +119,7 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None, progres
     tokens = _tokens(workload)
     layouts = candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node)
     for i, layout in enumerate(layouts):
-        row = LayoutRow(layout)
+        row = LayoutRow(layout, batch_per_rank=_batch(workload))
         rows.append(row)
         if stage is not None:
             stage(f"layout {layout} ({i + 1} of {len(layouts)})")
@@ -90,7 +132,9 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None, progres
             continue
         cm, t = p.cuda_memory, p.time
         row.peak_bytes = p.peak_bytes
-        row.reserved_bytes = cm.nvidia_smi if cm is not None else None
+        # out of memory, the replay stops at the GPU's capacity: that is no figure to show
+        row.oom = cm is not None and cm.oom
+        row.reserved_bytes = cm.nvidia_smi if cm is not None and not cm.oom else None
         if budget is not None:
             row.fits = p.peak_bytes <= budget
         else:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["LOSSES", "resolve_loss", "logits_of", "default_loss", "floating_outputs", "grad_tensors",
-           "sum_of"]
+__all__ = ["LOSSES", "resolve_loss", "logits_of", "default_loss", "choose_default_loss",
+           "describe_loss", "floating_outputs", "grad_tensors", "sum_of"]
 
 
 def grad_tensors(values) -> list:
@@ -62,13 +62,18 @@ def _floating_outputs(output) -> list:
 def default_loss(output):
     """The loss when none is given: a scalar output; else an output's scalar `loss` field (Hugging
     Face models given labels); else the sum of all floating-point outputs that require grad."""
+    return choose_default_loss(output)[0]
+
+
+def choose_default_loss(output):
+    """default_loss's loss and, for the report, which of its three choices it made."""
     import torch
 
     if isinstance(output, torch.Tensor) and output.dim() == 0:
-        return output
+        return output, "the model's scalar output"
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
-        return loss
+        return loss, "the model's .loss"
     leaves = floating_outputs(output)
     if not leaves:
         from .errors import TapescopeError
@@ -77,7 +82,23 @@ def default_loss(output):
             "the model's output has no floating-point tensor that requires grad, so there is nothing "
             "to backpropagate; pass loss_fn=... (CLI: use a zoo model or a build function that "
             "returns a model producing a loss)")
-    return sum_of(leaves)
+    return sum_of(leaves), ("sum of the model's outputs (the default for a model without a loss: "
+                           "give --loss for the one you train with)")
+
+
+def describe_loss(loss_fn) -> str:
+    """How the report names a given loss: its --loss name, tapescope's own loss by its docstring's
+    first line (a zoo classifier's), else the function's qualified name."""
+    for name, fn in LOSSES.items():
+        if fn is loss_fn:
+            return name
+    module = getattr(loss_fn, "__module__", "") or ""
+    doc = (getattr(loss_fn, "__doc__", None) or "").strip()
+    if module.startswith("tapescope.") and doc:
+        first = doc.split(".")[0].split("(")[0].strip()
+        return first[0].lower() + first[1:]
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+    return f"{module.rsplit('.', 1)[-1]}:{name}" if module else name
 
 
 def sum_loss(output, *inputs):

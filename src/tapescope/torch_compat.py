@@ -69,7 +69,8 @@ __all__ = [
     "disable_current_modes", "no_dispatch",
     "sequence_nr", "node_sequence_nr", "current_autograd_node", "use_count", "storage_use_count",
     "storage_key", "untyped_storage_key", "is_zerotensor", "node_input_metadata", "tensor_backward_hooks",
-    "post_accumulate_grad_hooks", "push_saved_tensors_hooks", "pop_saved_tensors_hooks",
+    "post_accumulate_grad_hooks", "inductor_cache_dir", "push_saved_tensors_hooks",
+    "pop_saved_tensors_hooks",
     "mark_internal_saved_tensors_hooks", "set_graph_task_id", "forward_ad_level",
     "adinplaceorview_excluded", "default_device",
     "foreach_devices", "fake_cache_bypasses",
@@ -214,6 +215,14 @@ def constant_source(name: str):
     from torch._dynamo.source import ConstantSource
 
     return ConstantSource(name)
+
+
+def inductor_cache_dir() -> str:
+    """The folder inductor writes its generated Python to (TORCHINDUCTOR_CACHE_DIR or its
+    default under the temporary folder)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
 
 
 def user_source_location(framework_loc, user_loc: str):

@@ -12,11 +12,14 @@ node with the name of a forward node is that forward op run a second time.
 FLOPs: inside a compiled region the generated kernels do the work, so a region's FLOPs are its
 graphs' (every node, fused or not, through the same formulas as eager ops; recomputed nodes count
 again); ops that run eagerly (the loss outside the model, graph breaks, the optimizer) count as
-recorded.
+recorded. Per module likewise: a graph node's module is the one dynamo recorded for it
+(`nn_module_stack`, and for a backward node the forward's, `fwd_nn_module_stack`); the module
+hooks that name an eager op's module do not run inside compiled code.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +69,7 @@ class CompiledReport:
     recomputed: list             # RecomputedOp
     flops: dict                  # phase -> FLOPs of the compiled step (recompute included)
     recompute_flops: int
+    module_flops: dict = field(default_factory=dict)  # module fqn -> FLOPs of its own ops/nodes
     graphs: list = field(default_factory=list, repr=False)  # capture.compiled.CompiledGraph
     approximations: tuple = ()
 
@@ -131,6 +135,35 @@ def node_flops(node: torch.fx.Node) -> int | None:
         return op_flops(rec)
     except Exception:  # noqa: BLE001 - a formula that cannot read this node's arguments
         return None
+
+
+def node_module(node: torch.fx.Node) -> str | None:
+    """The fqn of the module a compiled graph's node came from ("" the compiled model itself),
+    read off dynamo's module stack: paths such as "L['model'].layers.0.fc" or
+    "L['self'].h[0]", relative to the stack's first entry (the model compiled)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    paths = [v[0] for v in (stack.values() if isinstance(stack, dict) else stack)]
+    root, last = paths[0], paths[-1]
+    if not (isinstance(root, str) and isinstance(last, str) and last.startswith(root)):
+        return None
+    rel = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", last[len(root):])
+    return ".".join(p for p in rel.split(".") if p and p != "_modules")
+
+
+def graph_module_flops(gm: torch.fx.GraphModule) -> dict:
+    """Module fqn -> FLOPs of the graph's nodes that came from it (its own, not its
+    submodules'); nodes with no module add nothing."""
+    out: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        m = node_module(node)
+        f = node_flops(node)
+        if m is not None and f:
+            out[m] = out.get(m, 0) + f
+    return out
 
 
 def graph_flops(gm: torch.fx.GraphModule, only=None) -> int:
@@ -219,6 +252,7 @@ def compiled_report(record, trace, view, ops) -> CompiledReport:
     in_step = set(view.ops)
     inside = set()
     flops = dict.fromkeys((FORWARD, BACKWARD, OPTIMIZER), 0)
+    by_module: dict = {}
     memo: dict = {}
     for label, start, end in trace.compiled_calls:
         inside.update(range(start, end))
@@ -226,15 +260,21 @@ def compiled_report(record, trace, view, ops) -> CompiledReport:
         if g is None or start not in in_step or start >= len(trace.ops):
             continue
         if label not in memo:
-            memo[label] = graph_flops(g.graph)
-        flops[trace.ops[start].phase] += memo[label]
+            memo[label] = (graph_flops(g.graph), graph_module_flops(g.graph))
+        total, per_module = memo[label]
+        flops[trace.ops[start].phase] += total
+        for m, f in per_module.items():
+            by_module[m] = by_module.get(m, 0) + f
     for op in ops:
         if op.record.index not in inside and op.flops:
-            flops[op.phase] += op.flops
+            flops[op.phase] += op.total_flops
+            if op.module is not None:
+                by_module[op.module] = by_module.get(op.module, 0) + op.total_flops
     flops["total"] = sum(flops.values())
     return CompiledReport(
         options=record.options.to_dict(), regions=record.regions, graph_breaks=list(record.breaks),
         saved=saved, saved_symbols=symbols, recomputed=recomputed, flops=flops,
+        module_flops=by_module,
         recompute_flops=sum(r.flops or 0 for r in recomputed), graphs=list(record.graphs),
         approximations=tuple(record.approximations))
 

@@ -101,7 +101,7 @@ def diff_steps(a_ops: list, b_ops: list, a_device: str, b_device: str) -> StepDi
             hunks.append(Hunk(
                 phase, mods, [o.name for o in ao], [o.name for o in bo],
                 _reasons(ao, bo, a_device, b_device, a_nodes, b_nodes, a_ops, b_ops),
-                sum(o.flops or 0 for o in ao), sum(o.flops or 0 for o in bo),
+                sum(o.total_flops or 0 for o in ao), sum(o.total_flops or 0 for o in bo),
                 sum(t.nbytes for o in ao if o.saved for t in o.outputs),
                 sum(t.nbytes for o in bo if o.saved for t in o.outputs)))
     return StepDiff(hunks, same)

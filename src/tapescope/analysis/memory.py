@@ -65,7 +65,7 @@ def group_live_tensors(live: list) -> list:
 class ModuleMemory:
     module: str
     peak_bytes: int       # highest live bytes while one of its ops (or a submodule's) ran
-    saved_bytes: int      # activations its forward ops left saved for backward
+    saved_bytes: int      # most activations its ops had saved for backward at one moment
 
 
 @dataclass
@@ -201,8 +201,7 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
         op = ops[k] if k is not None else None
         tensors.append(LiveTensor(
             sid, storages[sid].nbytes, categories[sid], k, op.name if op else None,
-            op.module if op else None, trace.storage_owner.get(sid),
-            str(op.source) if op is not None and op.source is not None else None))
+            op.module if op else None, trace.storage_owner.get(sid), _source(trace, op)))
     # repeats are counted over every tensor alive at the peak, not only among the largest few
     # (a tensor each of 8 blocks holds is x8 even where 20 larger ones come first)
     groups = group_live_tensors(tensors)[:top]
@@ -211,15 +210,32 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
         step=view.step, peak_bytes=peak, peak_op=peak_pos, at_peak=at_peak,
         live_at_peak=tensors[:top], live_groups=groups, timeline=timeline, timeline_by_category=timeline_cat,
         initial_bytes=initial_bytes, final_bytes=total,
-        modules=_module_memory(view, ops, timeline, categories, storages),
+        modules=_module_memory(trace, view, ops, timeline, categories),
     )
 
 
-def _module_memory(view, ops, timeline, categories, storages) -> list[ModuleMemory]:
-    """Per module: the highest live bytes while its ops ran, and the saved activations whose
-    memory its ops allocated (a view that autograd saves keeps its base's allocation alive)."""
+def _source(trace, op) -> str | None:
+    """Where an op came from: the user's line, else the compiled graph whose generated code ran
+    it (inductor's files are named by a hash: no line of the user's)."""
+    if op is None:
+        return None
+    if op.source is not None:
+        return str(op.source)
+    i = op.record.index
+    for label, start, end in trace.compiled_calls:
+        if start <= i < end:
+            return f"compiled graph ({label})"
+    return None
+
+
+def _module_memory(trace, view, ops, timeline, categories) -> list[ModuleMemory]:
+    """Per module: the highest live bytes while its ops ran, and the most saved activations whose
+    memory its ops allocated that were alive at one moment (a view that autograd saves keeps its
+    base's allocation alive). At one moment, not added up over the step: what checkpointing
+    recomputes is saved again in the backward and freed at once, and each micro-batch of an
+    accumulated step saves anew, so a sum would exceed the step's peak."""
+    storages = trace.storages
     peak: dict[str, int] = {}
-    saved: dict[str, int] = {}
     local = {t: k for k, t in enumerate(view.ops)}
     for op in ops:
         if op.module is None:
@@ -227,11 +243,22 @@ def _module_memory(view, ops, timeline, categories, storages) -> list[ModuleMemo
         for m in ancestors(op.module):
             if m not in peak or timeline[op.index] > peak[m]:
                 peak[m] = timeline[op.index]
+    owners: dict[int, tuple] = {}  # a saved storage made in this step -> its op's modules
     for s in storages:
         k = local.get(s.created_by)
         if k is not None and categories[s.id] == SAVED and ops[k].module is not None:
-            for m in ancestors(ops[k].module):
-                saved[m] = saved.get(m, 0) + s.nbytes
+            owners[s.id] = tuple(ancestors(ops[k].module))
+    alive: dict[str, int] = {}
+    saved: dict[str, int] = {}
+    for _, _, sid, delta in device_events(trace, view):
+        mods = owners.get(sid)
+        if mods is None:
+            continue
+        nbytes = storages[sid].nbytes if delta > 0 else -storages[sid].nbytes
+        for m in mods:
+            alive[m] = alive.get(m, 0) + nbytes
+            if delta > 0 and alive[m] > saved.get(m, 0):
+                saved[m] = alive[m]
     out = [ModuleMemory(m, p, saved.get(m, 0)) for m, p in peak.items()]
     out.sort(key=lambda m: m.peak_bytes, reverse=True)
     return out

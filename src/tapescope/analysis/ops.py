@@ -9,7 +9,7 @@ from .flops import op_flops
 from .steps import StepView
 from .traffic import op_traffic
 
-__all__ = ["Op", "OpCosts", "step_ops"]
+__all__ = ["Op", "expanded_ops", "OpCosts", "step_ops"]
 
 # phases whose ops record autograd nodes (a user's step computes its loss in its own code)
 _BUILDS_GRAPH = (FORWARD, OTHER)
@@ -42,6 +42,14 @@ class Op:
     source: Frame | None
     record: OpRecord = field(repr=False, compare=False)  # what capture saw (arguments included)
     recompute: bool = False
+    # times it runs in the step: >1 for the ops of a traced micro-batch that later micro-batches
+    # were proven to repeat (Trace.repeated); totals (FLOPs, time) count it that many times
+    runs: int = 1
+
+    @property
+    def total_flops(self) -> int | None:
+        """FLOPs of all its runs in the step (None: no formula)."""
+        return None if self.flops is None else self.flops * self.runs
 
     @property
     def input_shapes(self):
@@ -68,7 +76,7 @@ class Op:
             "flops": _num(self.flops), "bytes_read": _num(self.bytes_read),
             "bytes_written": _num(self.bytes_written), "saved": self.saved,
             "source": None if self.source is None else str(self.source),
-            "recompute": self.recompute,
+            "recompute": self.recompute, "runs": self.runs,
         }
 
 
@@ -94,6 +102,25 @@ class OpCosts:
             r = self.trace.ops[index]
             c = self._memo[index] = (op_flops(r), *op_traffic(r, self.trace))
         return c
+
+
+def expanded_ops(ops: list[Op]) -> list[Op]:
+    """The step's ops in the order they ran: each block of a micro-batch that stands for several
+    (consecutive trace ops with the same `runs` > 1) repeated that many times."""
+    out, k = [], 0
+    while k < len(ops):
+        op = ops[k]
+        if op.runs == 1:
+            out.append(op)
+            k += 1
+            continue
+        end = k + 1
+        while (end < len(ops) and ops[end].runs == op.runs
+               and ops[end].record.index == ops[end - 1].record.index + 1):
+            end += 1
+        out.extend(ops[k:end] * op.runs)
+        k = end
+    return out
 
 
 def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list[Op]:
@@ -125,6 +152,7 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
         """seq_nr counted from the capture's first autograd node (None: no node, or before it)."""
         return None if seq is None or seq == _NO_NODE or seq < base else seq - base
 
+    runs_of = {i: runs for first, end, runs in trace.repeated for i in range(first, end)}
     ops = []
     for k, r in enumerate(records):
         fwd = None
@@ -150,6 +178,6 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
             bytes_read=read, bytes_written=written,
             saved=any(o.value in saved for o in outputs),
             source=r.frame if r.frame is not None or fwd is None else records[fwd].frame,
-            record=r, recompute=r.recompute,
+            record=r, recompute=r.recompute, runs=runs_of.get(r.index, 1),
         ))
     return ops

@@ -107,7 +107,7 @@ class StepTime:
     gpu_busy: float                 # sum of kernel times
     host: float                     # host time to issue the step's ops
     by_phase: dict                  # phase -> seconds of the step's wall time
-    op_seconds: list = field(repr=False, default_factory=list)   # per op, GPU time
+    op_seconds: list = field(repr=False, default_factory=list)   # per op, GPU time (all runs)
     mfu: float = 0.0
     calibrated: bool = False
     bound: str = ""                 # "gpu", or "host" when the GPU idles half the step or more
@@ -162,9 +162,12 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
     for op in ops:
         func = op.record.func
         kernel = launches_kernel(func)
-        host += HOST_OP_S if kernel else HOST_VIEW_S
+        # an op of a repeated micro-batch runs op.runs times: counted back to back (the block's
+        # own order of host and GPU work is not replayed op.runs times)
+        runs = op.runs
+        host += (HOST_OP_S if kernel else HOST_VIEW_S) * runs
         t = 0.0
-        total_flops += op.flops or 0
+        total_flops += op.total_flops or 0
         c = comm.get(op.index)
         if c is not None:
             start = max(comm_t, host, *(written.get(r.storage, 0.0) for r in op.inputs))
@@ -178,6 +181,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
             continue
         if kernel:
             t, measured = kernel_seconds(op, gpu)
+            t *= runs
             calibrated &= measured
             if op_class(func) == "matmul" and model_dtype is None and op.inputs:
                 model_dtype = op.inputs[0].dtype

@@ -13,7 +13,8 @@ data. So before the trace, everything the model reaches that can hold state gets
   same function), recursively; a tensor found there becomes a fake one (its device kept);
 - state the model's code reads by name: the globals and class attributes named by the modules'
   `forward` methods and hooks, and by the methods and functions they name in turn (a few levels
-  deep), when they are caches (lru_cache wrappers) or mutable containers. These names are bound to private copies for the
+  deep), and the closure cells of that code, when they are caches (lru_cache wrappers) or mutable
+  containers. These names (and cells) are bound to private copies for the
   duration of the trace and restored afterwards (as the hook registry does with torch's hook
   entry points): the user's objects themselves are never written.
 
@@ -291,12 +292,19 @@ class Isolation:
                                                               f"{g.get('__name__', '?')}")))
                 elif isinstance(v, types.FunctionType) and depth < SCAN_DEPTH:
                     work.append((v, depth + 1))
-            for cell in f.__closure__ or ():
+            for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
                 try:
                     v = cell.cell_contents
                 except ValueError:
                     continue
-                if isinstance(v, types.FunctionType) and depth < SCAN_DEPTH:
+                if _stateful(v) and id(cell) not in seen_ns:
+                    # a cache or container the code reaches through its closure (a cache made
+                    # inside the function that defines the model): the cell is bound to a private
+                    # copy, as a global is
+                    seen_ns.add(id(cell))
+                    self._swaps.append((cell, name, self._copy(
+                        v, f"{name} (closure of {f.__qualname__})")))
+                elif isinstance(v, types.FunctionType) and depth < SCAN_DEPTH:
                     work.append((v, depth + 1))
 
     @contextmanager
@@ -305,7 +313,10 @@ class Isolation:
         done = []
         try:
             for ns, name, private in self._swaps:
-                if isinstance(ns, dict):
+                if isinstance(ns, types.CellType):
+                    done.append((ns, name, ns.cell_contents))
+                    ns.cell_contents = private
+                elif isinstance(ns, dict):
                     done.append((ns, name, ns.get(name, _EMPTY)))
                     ns[name] = private
                 else:
@@ -314,7 +325,9 @@ class Isolation:
             yield
         finally:
             for ns, name, original in reversed(done):
-                if isinstance(ns, dict):
+                if isinstance(ns, types.CellType):
+                    ns.cell_contents = original
+                elif isinstance(ns, dict):
                     if original is _EMPTY:
                         ns.pop(name, None)
                     else:
@@ -355,6 +368,9 @@ class Isolation:
 
         walk(model, "model")
         for ns, name, _ in self._swaps:
+            if isinstance(ns, types.CellType):
+                walk(ns.cell_contents, f"{name} (a closure's)")
+                continue
             value = ns.get(name) if isinstance(ns, dict) else vars(ns).get(name)
             walk(value, f"global {name}" if isinstance(ns, dict) else f"{ns.__qualname__}.{name}")
         return [f"{w} holds a fake tensor after the trace: tapescope could not isolate it"

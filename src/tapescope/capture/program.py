@@ -59,6 +59,8 @@ class StepRuntime:
         torch.autograd.grad; None: torch's own.
     forward_context / loss_context: opened around the built-in step's forward / loss.
     on_optimizer(optimizer): an optimizer's step starts or ends (capture names its state).
+    on_default_loss(what): the built-in step used default_loss, and which of its choices.
+    micro_batch_done(i, n): micro-batch i of n has run; True ends the loop (capture/step.py).
     """
 
     phase: Callable
@@ -67,6 +69,8 @@ class StepRuntime:
     forward_context: Callable = nullcontext
     loss_context: Callable = nullcontext
     on_optimizer: Callable = field(default=lambda optimizer: None)
+    on_default_loss: Callable = field(default=lambda what: None)
+    micro_batch_done: Callable = field(default=lambda i, n: False)
 
 
 class StepProgram(ABC):
@@ -103,7 +107,9 @@ class BuiltinStep(StepProgram):
         return train_step(model, args, kwargs, self.loss_fn, state, step=step,
                           phase=runtime.phase, backward=backward,
                           forward_context=runtime.forward_context,
-                          loss_context=runtime.loss_context, accumulate=self.accumulate, end=end)
+                          loss_context=runtime.loss_context, accumulate=self.accumulate, end=end,
+                          on_default_loss=runtime.on_default_loss,
+                          micro_batch_done=runtime.micro_batch_done)
 
 
 @dataclass

@@ -236,6 +236,9 @@ class Trace:
     ranges: dict = field(default_factory=dict)
     # compiled steps: (graph label, first op, end op) for each run of a compiled graph's code
     compiled_calls: list = field(default_factory=list)
+    # gradient accumulation: (first op, end op, runs) where the ops of one traced micro-batch stand
+    # for `runs` micro-batches, the later ones proven to repeat it (capture/session.py)
+    repeated: list = field(default_factory=list)
     # data-dependent sizes (capture/data_values.py): each unbacked symbol -> the name it is
     # reported under (one name per source line, op and value; also in `symbols` and `hints`),
     # the sizes with their assumed values (DataSize), the assumptions that decided them

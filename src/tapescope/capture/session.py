@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from ..losses import grad_tensors, sum_of
+from ..losses import describe_loss, grad_tensors, sum_of
 from ..errors import (DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope,
                       source_dirs)
 from ..options import Options, Workload
@@ -195,6 +195,8 @@ class CaptureSession:
             try:
                 with self._recording():
                     if program.reusable:
+                        if opts.loss_fn is not None:  # else the step says which default it used
+                            self.facts["loss"] = describe_loss(opts.loss_fn)
                         self._trace_steps()
                     else:
                         self._trace_user_steps()
@@ -415,10 +417,44 @@ class CaptureSession:
             else nullcontext
         runtime = StepRuntime(phase=self._phase, backward=self._run_backward,
                               forward_context=forward_context,
-                              loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE))
+                              loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
+                              on_default_loss=lambda what: self.facts.__setitem__("loss", what))
+        if self._may_stop_repeating():
+            ends: list = []  # (ops, events, Python state) when each micro-batch ended
+            runtime.micro_batch_done = lambda i, n: self._micro_batch_repeats(ends, i, n)
         self._loss = self.program.run(self.step_model, self.fargs, self.fkwargs, self.optimizer,
                                       step, runtime, end=end)
         self._mark_grads_and_state()
+
+    # ---- gradient accumulation: micro-batches that repeat ----------------------------------
+
+    def _may_stop_repeating(self) -> bool:
+        """Micro-batches are traced until one repeats the one before it; then the rest are
+        counted, not traced (`--accumulate 10000` traced 10,000 identical micro-batches). Not for
+        a symbolic, compiled or distributed step, whose analyses read every op of the trace."""
+        opts = self.options
+        return (opts.accumulate > 2 and not opts.symbolic and opts.compile is None
+                and opts.mesh is None)
+
+    def _micro_batch_repeats(self, ends: list, i: int, n: int) -> bool:
+        """After micro-batch i of n: True when it repeated micro-batch i-1 (the first allocates
+        the gradients, so from the third on), which proves that the next ones repeat it too:
+        the same ops on the same shapes, from a state with the same live storages (each micro-batch
+        frees as much as it allocates, in the same pattern), reading no tensor's value and leaving
+        the modules' plain Python values as they were (what a later call could branch on). Its
+        ops then stand for n-i+1 micro-batches (`Trace.repeated`)."""
+        trace = self.trace
+        ends.append((len(trace.ops), len(trace.events), _python_state(self.fmodel)))
+        if i < 3:
+            return False
+        (o0, e0, _), (o1, e1, before), (o2, e2, after) = ends[-3:]
+        if before != after:  # a Python counter on a module moved: later calls may branch on it
+            return False
+        if not _same_micro_batch(trace, (o0, o1, e0, e1), (o1, o2, e1, e2)):
+            return False
+        trace.repeated.append((o1, o2, n - i + 1))
+        self.facts["accumulate_traced"] = i
+        return True
 
     # ---- a user's own step (options.step) --------------------------------------------------
 
@@ -602,6 +638,46 @@ def _as_specs(inputs):
         return x
 
     return tree_map(convert, inputs, is_leaf=lambda x: isinstance(x, Spec))
+
+
+_READS_A_VALUE = torch.ops.aten._local_scalar_dense.default  # .item(), bool(t), int(t)
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _python_state(model: nn.Module) -> tuple:
+    """The plain Python values (numbers, strings, flags) the model's modules hold: a counter a
+    forward increments changes it."""
+    return tuple((name, k, v) for name, m in model.named_modules()
+                 for k, v in vars(m).items() if isinstance(v, _PLAIN))
+
+
+def _same_micro_batch(trace: Trace, a: tuple, b: tuple) -> bool:
+    """Two consecutive micro-batches, each (first op, end op, first event, end event), ran the
+    same ops on the same shapes and allocated and freed the same sizes in the same places, what
+    they freed of the state before them included, freeing as many bytes as they allocated."""
+    ao, ao_end, ae, ae_end = a
+    bo, bo_end, be, be_end = b
+    if ao_end - ao != bo_end - bo or ae_end - ae != be_end - be:
+        return False
+    ops = trace.ops
+    for x, y in zip(ops[ao:ao_end], ops[bo:bo_end]):
+        if x.func is _READS_A_VALUE:
+            return False  # the step decides on a value (a counter, a draw): it may change later
+        if x.func != y.func or [t.shape for t in x.tensor_outputs()] != \
+                [t.shape for t in y.tensor_outputs()] or \
+                [t.shape for t in x.tensor_inputs()] != [t.shape for t in y.tensor_inputs()]:
+            return False
+    storages, events = trace.storages, trace.events
+    net = 0
+    for (xo, xs, xd), (yo, ys, yd) in zip(events[ae:ae_end], events[be:be_end]):
+        sx, sy = storages[xs], storages[ys]
+        x_own = sx.created_by is not None and sx.created_by >= ao
+        y_own = sy.created_by is not None and sy.created_by >= bo
+        if xo - ao != yo - bo or xd != yd or sx.nbytes != sy.nbytes or x_own != y_own \
+                or sx.device != sy.device:
+            return False
+        net += xd * sy.nbytes
+    return net == 0
 
 
 @contextmanager

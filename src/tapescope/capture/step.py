@@ -17,6 +17,9 @@ times, the gradients adding up, then one optimizer step, as a training loop writ
     # the last micro-batch's loss dies when the step ends
 
 Each micro-batch takes the same inputs (a data loader's next batch has the same shapes).
+`micro_batch_done(i, n)` is asked after micro-batch i of n: the capture answers True once it has
+proven that the next micro-batches repeat this one op for op (capture/session.py), and the loop
+stops there; a real run never stops early.
 """
 
 from __future__ import annotations
@@ -27,18 +30,25 @@ from typing import Callable
 import torch
 
 from ..errors import TapescopeError
-from ..losses import default_loss
+from ..losses import choose_default_loss, default_loss
 from .records import BACKWARD, FORWARD, OPTIMIZER, ZERO_GRAD
 
 __all__ = ["default_loss", "forward_and_loss", "train_step", "zero_grad"]
 
 
-def forward_and_loss(model, args, kwargs, loss_fn, loss_context=nullcontext) -> torch.Tensor:
+def forward_and_loss(model, args, kwargs, loss_fn, loss_context=nullcontext,
+                     on_default_loss: Callable[[str], None] = lambda what: None) -> torch.Tensor:
+    """The model's output and its loss; `on_default_loss(what)` hears which loss default_loss
+    chose when no `loss_fn` is given (the report names it)."""
     if loss_fn is not None:
         _check_loss_call(loss_fn, len(args))
     out = model(*args, **kwargs)
     with loss_context():
-        loss = loss_fn(out, *args) if loss_fn is not None else default_loss(out)
+        if loss_fn is not None:
+            loss = loss_fn(out, *args)
+        else:
+            loss, what = choose_default_loss(out)
+            on_default_loss(what)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TapescopeError(f"the loss must be a one-element tensor, got {type(loss).__name__} "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
@@ -69,7 +79,10 @@ def train_step(model, args, kwargs, loss_fn, optimizer, *, step: int = 1,
                phase: Callable = lambda step, name: nullcontext(),
                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
                forward_context: Callable = nullcontext, loss_context: Callable = nullcontext,
-               accumulate: int = 1, end: bool = True) -> torch.Tensor | None:
+               accumulate: int = 1, end: bool = True,
+               on_default_loss: Callable[[str], None] = lambda what: None,
+               micro_batch_done: Callable[[int, int], bool] = lambda i, n: False,
+               ) -> torch.Tensor | None:
     """Forward and backward of each of `accumulate` micro-batches, the optimizer step, then
     zero_grad; `phase(step, name)` brackets each part (FORWARD, BACKWARD, OPTIMIZER, ZERO_GRAD).
 
@@ -77,15 +90,17 @@ def train_step(model, args, kwargs, loss_fn, optimizer, *, step: int = 1,
     step (zero_grad, then drops the loss inside its ZERO_GRAD phase), as tapescope's capture does
     when it decides how to trace step 2 (capture/session.py)."""
     loss = None
-    for _ in range(accumulate):
+    for i in range(1, accumulate + 1):
         with phase(step, FORWARD), forward_context():
             # rebinding `loss` frees the previous micro-batch's, as a loop's assignment does
-            loss = forward_and_loss(model, args, kwargs, loss_fn, loss_context)
+            loss = forward_and_loss(model, args, kwargs, loss_fn, loss_context, on_default_loss)
             if accumulate > 1:
                 with loss_context():
                     loss = loss / accumulate
         with phase(step, BACKWARD):
             backward(loss)
+        if i < accumulate and micro_batch_done(i, accumulate):
+            break  # micro-batches i+1..N repeat micro-batch i: the trace counts it N-i+1 times
     if optimizer is not None:
         with phase(step, OPTIMIZER):
             optimizer.step()

@@ -20,6 +20,7 @@ What it records, and how, so that the numbers follow real execution:
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import passes_user_calls, source_dirs
-from ..losses import default_loss, sum_of
+from ..losses import choose_default_loss, default_loss, sum_of
 from ..options import check_device_build, unbuilt_device_types
 from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
                             c10d_collective_result, current_autograd_node,
@@ -60,12 +61,27 @@ _DIRS = source_dirs()
 _TORCH_DIR = _DIRS.torch
 _TORCH_OPTIM_DIR = _DIRS.torch_optim  # an optimizer's update lines are worth showing
 _CAPTURE_DIR = _DIRS.capture
-_OWN_FILES = _DIRS.in_package("api.py", "torch_compat.py")
+_OWN_FILES = _DIRS.in_package("torch_compat.py")
+# Where tapescope is entered from (the API, the CLI and the commands built on them): a frame there
+# is above the step, so an op whose walk reaches one was issued by tapescope's own step (a built-in
+# backward, the loss's division): it has no line of the user's (a backward op then shows its
+# forward op's, analysis/ops.py), never the CLI's own line or the user's call of profile().
+_ENTRY_POINTS = _DIRS.in_package("api.py", "cli.py", "fit.py", "layouts.py", "sweeps.py",
+                                 "checkpointing/planner.py", "validate/")
 _DISTRIBUTED_DIR = _DIRS.distributed  # runs the user's parallelize
 _STDLIB_HELPERS = ("contextlib.py", "functools.py")
 # The default loss is part of the step tapescope writes (capture/step.py): its ops point past it,
 # to the user's call, as the rest of that step's do. A named loss's own line is shown.
-_STEP_LOSS_CODE = (default_loss.__code__, sum_of.__code__)
+_STEP_LOSS_CODE = (default_loss.__code__, choose_default_loss.__code__, sum_of.__code__)
+_KEEP, _SKIP, _STOP = 0, 1, 2  # what the frame walk does at a frame
+
+
+def _generated_code_dir() -> str:
+    """Where inductor writes the Python it generates (a compiled step's ops run from files named
+    by a hash there: no line of the user's)."""
+    from ..torch_compat import inductor_cache_dir
+
+    return os.path.join(inductor_cache_dir(), "")
 
 
 class ModuleStack(list):
@@ -110,6 +126,7 @@ class Tape(FakeTensorMode):
         self._tape_next_value = 0
         self._tape_frames: dict = {}
         self._tape_internal_code: dict = {}  # code object -> not the user's (torch's, ours)
+        self._generated: str | None = None  # inductor's generated code, once a compiled graph ran
         self._tape_replay = DispatchReplay(self)
         self._tape_unbuilt = unbuilt_device_types()  # empty on a CUDA build: no check at all
         # which CUDA stream is current (distributed.cuda_standin.StreamLog, or None: every op on
@@ -215,6 +232,8 @@ class Tape(FakeTensorMode):
 
     @contextmanager
     def compiled_call(self, label: str):
+        if self._generated is None:
+            self._generated = _generated_code_dir()
         """Ops recorded inside are one run of a compiled graph's code (`Trace.compiled_calls`)."""
         start = len(self.trace.ops)
         try:
@@ -369,15 +388,19 @@ class Tape(FakeTensorMode):
         frames, internal = self._tape_frames, self._tape_internal_code
         while f is not None:
             code = f.f_code
-            skip = internal.get(code)
-            if skip is None:
+            what = internal.get(code)
+            if what is None:
                 fn = code.co_filename
-                skip = internal[code] = (
+                what = internal[code] = _STOP if fn.startswith(_ENTRY_POINTS) else _SKIP if (
                     (fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
                     or fn.startswith(_CAPTURE_DIR) or fn in _OWN_FILES
                     or fn.startswith(_DISTRIBUTED_DIR)
-                    or fn.endswith(_STDLIB_HELPERS) or code in _STEP_LOSS_CODE)
-            if not skip:
+                    or fn.endswith(_STDLIB_HELPERS) or code in _STEP_LOSS_CODE
+                    or (self._generated is not None and fn.startswith(self._generated))) \
+                    else _KEEP
+            if what == _STOP:
+                return None
+            if what == _KEEP:
                 key = (code.co_filename, f.f_lineno)
                 frame = frames.get(key)
                 if frame is None:

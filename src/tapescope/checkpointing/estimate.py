@@ -260,7 +260,7 @@ def _op_seconds(profile) -> list[float]:
     out = []
     for op in profile.ops:
         flops = op.flops if isinstance(op.flops, int) else 0
-        out.append(flops / CPU_FLOPS + (op.bytes_read + op.bytes_written) / CPU_BYTES)
+        out.append(op.runs * (flops / CPU_FLOPS + (op.bytes_read + op.bytes_written) / CPU_BYTES))
     return out
 
 

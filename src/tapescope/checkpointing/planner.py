@@ -181,6 +181,13 @@ def plan_workload(workload: Workload, options: Options, *, budget=None, units=No
                              "not pass checkpointing=... as well")
     if options.symbolic:
         raise TapescopeError("plan_checkpointing traces concrete sizes; drop symbolic=...")
+    if options.mesh is not None:
+        # its re-traces would apply the plan to a distributed profile, a pairing profile()
+        # refuses (options.py): not yet checked against real ranks
+        raise TapescopeError("plan_checkpointing of a distributed step (mesh=) is not supported "
+                             "yet: plan one rank's step on one device (its per-rank batch and "
+                             "shard shapes), or apply checkpointing in your parallelize function, "
+                             "as torchtitan does")
     for what, n in (("pareto (CLI: --pareto)", pareto), ("max_traces (CLI: --max-traces)",
                                                          max_traces)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -437,9 +444,10 @@ class _Search:
         if p.time is not None:
             seconds = p.time.recompute
         else:
-            seconds = sum((op.flops if isinstance(op.flops, int) else 0) / CPU_FLOPS
-                          + (op.bytes_read + op.bytes_written) / CPU_BYTES for op in rec)
-        flops = sum(op.flops for op in rec if isinstance(op.flops, int))
+            seconds = sum(op.runs * ((op.flops if isinstance(op.flops, int) else 0) / CPU_FLOPS
+                                     + (op.bytes_read + op.bytes_written) / CPU_BYTES)
+                          for op in rec)
+        flops = sum(op.total_flops for op in rec if isinstance(op.flops, int))
         return _Traced(max(p.peak_bytes, p.first_step_peak_bytes), p.first_step_peak_bytes,
                        p.peak_bytes, flops, seconds, p)
 

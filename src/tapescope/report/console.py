@@ -13,7 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from ..analysis.modules import module_pattern, module_rollup
+from ..analysis.modules import module_pattern
 from ..capture.records import ALL_CATEGORIES
 from .text import assumption_lines, fmt_bytes, fmt_count, fmt_flops, short_op
 
@@ -125,6 +125,14 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     the next commands when the step does not fit its GPU."""
     mem = p.memory
     console.print(_header(p))
+    if p.facts.get("loss"):  # the step's loss decides part of the peak: never left implicit
+        console.print(_line(("Loss", "bold"), f" {p.facts['loss']}"))
+    traced, n = p.facts.get("accumulate_traced"), p.facts.get("accumulate")
+    if traced:
+        console.print(f"  micro-batches {traced + 1}-{n} repeat micro-batch {traced} op for op "
+                      f"(it repeated micro-batch {traced - 1} from the same memory): counted "
+                      "in FLOPs and time, not traced; the peak is the traced ones'",
+                      highlight=False, markup=False)
     which = "steady state (step 2, optimizer state alive)" if p.steps == 2 else "first step"
     console.print(_line(("Peak memory", "bold"), " ", (fmt_bytes(mem.peak_bytes), "bold cyan"),
                         f" — {which}; first step {fmt_bytes(p.first_step_peak_bytes)}"))
@@ -162,12 +170,10 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     console.print(_line(("FLOPs", "bold"), " " + " | ".join(
         f"{k} {fmt_flops(fl[k])}" for k in ("forward", "backward", "optimizer", "other", "total")
         if k in fl)))
-    recomputed = sum(op.recompute for op in p.ops)
-    if recomputed:
-        console.print(f"  activation checkpointing recomputes {recomputed} ops in the backward: "
-                      f"{fmt_flops(p.recompute_flops)} (in the backward's FLOPs)"
-                      + (f", {p.time.recompute * 1e3:.1f} ms" if p.time is not None else ""),
-                      markup=False)
+    from .sections import checkpointing_sections
+
+    for section in checkpointing_sections(p):
+        _print_section(section, console)
     if p.cuda_memory is not None:
         _render_cuda(p, console, invocation)
 
@@ -177,7 +183,7 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
                    for m in shown], console.width)
     total = fl["total"] or 1
     own: dict = {}  # pattern -> {instance fqn -> FLOPs of its own ops}
-    for fqn, v in module_rollup(p.ops, lambda op: op.flops, own=True).items():
+    for fqn, v in p.module_own_flops.items():
         own.setdefault(module_pattern(fqn), {})[fqn] = v
     ranked = sorted(own.items(), key=lambda kv: -sum(kv[1].values()))
     by_flops = _table("Top modules by FLOPs (their own ops; repeated blocks summed)",
@@ -271,88 +277,85 @@ def render_next_steps(console: Console, reason: str, steps) -> None:
         console.print(Text(f"        {because}", style="dim"), highlight=False, soft_wrap=True)
 
 
-def _ranks_text(ranks) -> str:
-    """(0, 1, 2, 5) -> '0-2, 5'"""
-    out, start, prev = [], None, None
-    for r in list(ranks) + [None]:
-        if start is None:
-            start = prev = r
-        elif r is not None and r == prev + 1:
-            prev = r
-        else:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = prev = r
-    return ", ".join(out)
+def _print_section(section, console: Console, title_line: bool = False) -> None:
+    """A report.sections.Section: its prose, its table, its closing prose; nothing it holds is
+    read as markup. `title_line`: the title as a bold line above the table, not the table's."""
+    if title_line:
+        console.print(Text(section.title, style="bold"), highlight=False)
+    for line in section.lines:
+        head, _, rest = line.partition(" ")
+        console.print(_line((head, "bold"), " " + rest) if head == "Mesh" else Text(line),
+                      highlight=False)
+    if section.columns:
+        t = Table(title=None if title_line else section.title, title_justify="left", box=None,
+                  pad_edge=False)
+        for col in section.columns:
+            t.add_column(col)
+        for row in section.rows:
+            t.add_row(*(Text(cell) for cell in row))
+        console.print(t)
+    for line in section.after:
+        console.print(Text("  " + line), highlight=False)
 
 
 def render_distributed(p, console: Console, top: int = 8) -> None:
     """Every rank's memory, the collectives and the step time of a distributed profile."""
-    d = p.distributed
-    classes = d.classes
-    how = "ranks whose shards have the same shapes run the same step: one trace each" \
-        if classes.provable else "which ranks run the same step could not be proven: every rank traced"
-    console.print(_line(("Mesh", "bold"), f" {d.mesh} = {d.mesh.world_size} ranks, parallelised "
-                        f"by {p.facts.get('parallelize', '?')}; {len(classes.members)} traced "
-                        f"({how})"), highlight=False)
-    by_rank = {r.rank: r for r in p.ranks}
-    t = Table(title="Per rank", title_justify="left", box=None)
-    timed = any(r.step_seconds is not None for r in p.ranks)
-    for col in ("ranks", "peak (steady)", "first step") + (("step", "MFU") if timed else ()) + (
-            "largest categories at the peak",):
-        t.add_column(col)
-    for members in classes.members:
-        r = by_rank[members[0]]
-        cats = sorted(r.at_peak.items(), key=lambda kv: -kv[1])[:4]
-        times = (f"{r.step_seconds * 1e3:.1f} ms", f"{r.mfu:.0%}") if timed else ()
-        t.add_row(_ranks_text(members), fmt_bytes(r.peak_bytes), fmt_bytes(r.first_step_peak_bytes),
-                  *times, ", ".join(f"{c} {fmt_bytes(b)}" for c, b in cats))
-    console.print(t)
-    rows = p.collective_table
-    if rows:
-        c = Table(title=f"Collectives of rank {p.facts.get('rank', 0)} per step",
-                  title_justify="left", box=None)
-        for col in ("kind", "mesh dim", "ranks", "bytes per rank", "count", "link", "time"):
-            c.add_column(col)
-        for r in rows[:top]:
-            c.add_row(r.kind, Text(r.group), str(r.group_size), fmt_bytes(r.nbytes), str(r.count),
-                      r.link, f"{r.seconds * 1e3:.2f} ms" if p.gpu is not None else "-")
-        if len(rows) > top:
-            c.add_row(f"... {len(rows) - top} more", "", "", "", "", "", "")
-        console.print(c)
-    tm = p.time
-    if tm is not None and tm.comm:
-        console.print(f"  collectives {tm.comm * 1e3:.1f} ms on the interconnect, "
-                      f"{tm.exposed_comm * 1e3:.1f} ms exposed ({tm.comm_overlap:.0%} overlapped "
-                      f"with compute); per-rank step {tm.seconds * 1e3:.1f} ms, MFU {tm.mfu:.0%}")
+    from .sections import distributed_sections
+
+    for section in distributed_sections(p, top):
+        _print_section(section, console)
 
 
 def render_layouts(rows, name: str, gpus: int, options, console: Console,
-                   budget: int | None = None) -> None:
-    """fit --gpus: one row per (FSDP, TP) layout."""
-    console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: (FSDP, TP) layouts at "
-                        "the model's per-rank batch"), highlight=False)
+                   budget: int | None = None, best=None) -> None:
+    """fit --gpus: one row per (FSDP, TP) layout; `best` (layouts.best_layout) named below."""
+    console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: (FSDP, TP) layouts, "
+                        "each data-parallel rank taking the batch given"), highlight=False)
+    console.print("  global batch = batch per rank x FSDP x replicas (the TP ranks of a group "
+                  "share a batch), so it differs between layouts: compare throughput, not step "
+                  "time", highlight=False, markup=False)
     if budget is not None:
         console.print(f"  fits: the peak per rank within the budget, {fmt_bytes(budget)}",
                       highlight=False, markup=False)
+    tokens = any(r.tokens_per_second for r in rows)
     t = Table(box=None)
-    for col in ("layout", "peak per rank", "nvidia-smi", "fits", "step", "MFU", "tokens/s"):
+    for col in ("layout", "batch/rank", "global batch", "peak per rank", "nvidia-smi", "fits",
+                "step", "MFU", "tokens/s" if tokens else "samples/s"):
         t.add_column(col)
     for r in rows:
-        if r.peak_bytes is None:
-            t.add_row(str(r.layout), "-", "-", "-", "-", "-", Text(r.note, style="dim"))
+        batches = (str(r.batch_per_rank or "-"), str(r.global_batch or "-"))
+        if r.peak_bytes is None:  # why is said below the table, not inside a figure's column
+            t.add_row(str(r.layout), *batches, Text("not run", style="dim"), "-", "-", "-", "-", "-")
             continue
-        fits = "-" if r.fits is None else ("yes" if r.fits else "[red]no[/]")
-        t.add_row(str(r.layout), fmt_bytes(r.peak_bytes),
+        fits = Text("-") if r.fits is None else (Text("yes") if r.fits else Text("no", style="red"))
+        rate = r.tokens_per_second if tokens else r.samples_per_second
+        t.add_row(str(r.layout), *batches, fmt_bytes(r.peak_bytes),
+                  Text("out of memory", style="red") if r.oom else
                   fmt_bytes(r.reserved_bytes) if r.reserved_bytes else "-", fits,
                   f"{r.step_seconds * 1e3:.0f} ms" if r.step_seconds else "-",
                   f"{r.mfu:.0%}" if r.mfu is not None else "-",
-                  f"{r.tokens_per_second:,.0f}" if r.tokens_per_second else "-")
+                  f"{rate:,.0f}" if rate else "-")
     console.print(t)
+    for r in rows:
+        if r.peak_bytes is None:
+            console.print(Text(f"  {r.layout} not run: {r.note}"), highlight=False)
+    if best is not None:  # layouts.best_layout(rows)
+        rate = (f"{best.tokens_per_second:,.0f} tokens/s" if best.tokens_per_second
+                else f"{best.samples_per_second:,.1f} samples/s")
+        console.print(_line(("Best layout", "bold"), f": {best.layout}, {rate} at a global "
+                            f"batch of {best.global_batch} ({best.batch_per_rank} per rank), "
+                            f"{fmt_bytes(best.peak_bytes)} per rank"), highlight=False)
+    else:
+        console.print(_line(("No layout fits", "bold red"),
+                            f" {gpus} x {options.gpu.name}" + (f" within {fmt_bytes(budget)}"
+                                                              if budget is not None else "")),
+                      highlight=False)
 
 
 def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
     """The forward<->backward table of the AOTAutograd seq_nr commit: SeqNr|OrigAten|SrcFn, forward
-    rows then backward rows, plus the autograd node, FLOPs and whether autograd saved the output."""
+    rows then backward rows, plus the autograd node, FLOPs (in units, as the other tables: the exact
+    counts are in --json) and whether autograd saved the output."""
     console.print("SeqNr|OrigAten|SrcFn|Node|FLOPs|Saved", highlight=False, soft_wrap=True,
                   markup=False)
     for op in p.ops:
@@ -364,8 +367,14 @@ def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
         if op.recompute:  # a forward op checkpointing runs again, in the backward rows
             flags = "recompute" + (",saved" if op.saved else "")
         console.print(f"{seq}|{op.name}|{module}|{op.autograd_node or ''}|"
-                      f"{op.flops if op.flops is not None else '?'}|{flags}",
+                      f"{_op_flops(op.flops)}|{flags}",
                       highlight=False, soft_wrap=True, markup=False)
+
+
+def _op_flops(n) -> str:
+    if n is None:
+        return "?"  # no formula: never shown as 0
+    return "0" if n == 0 else fmt_flops(n)
 
 
 def render_diff(a, b, d, console: Console, top: int = 12) -> None:
@@ -467,47 +476,11 @@ def render_validation(v, console: Console) -> None:
 def render_compiled(p, console: Console, top: int = 8) -> None:
     """A compiled step beside the eager one: peaks, saved activations, FLOPs, time; what the
     partitioner saved and recomputed; graph breaks."""
-    from ..analysis.compiled import side_by_side
+    from .sections import compiled_sections
 
-    c = p.compiled
-    opts = ", ".join(f"{k}={v}" for k, v in c.options.items() if v not in (None, False))
-    console.print(_line(("Eager vs torch.compile", "bold"),
-                        f" ({opts or 'defaults'}; {c.regions} compiled "
-                        f"graph{'s' if c.regions != 1 else ''}, {len(c.graph_breaks)} graph "
-                        f"break{'s' if len(c.graph_breaks) != 1 else ''})"))
-    t = Table(box=None, pad_edge=False)
-    for col in ("", "eager", "compiled", "change"):
-        t.add_column(col, justify="left" if not col else "right")
-    for name, (e, v) in side_by_side(p.eager, p).items():
-        if e is None or v is None:
-            continue
-        is_time = name.startswith("time")
-        fmt = (lambda x: f"{x * 1e3:.2f} ms") if is_time else (
-            fmt_flops if name.startswith("flops") else fmt_bytes)
-        change = f"{(v - e) / e:+.1%}" if isinstance(e, (int, float)) and e else ""
-        t.add_row("  " + name.replace("_", " "), fmt(e), fmt(v), change)
-    console.print(t)
-    acts = [s for s in c.saved if s.is_activation]
-    console.print(f"  the partitioner saves {len(c.saved)} tensors for the backward "
-                  f"({len(acts)} made by the forward, {fmt_bytes(c.saved_bytes)}; the rest are "
-                  f"parameters and inputs) and recomputes {len(c.recomputed)} ops "
-                  f"({fmt_flops(c.recompute_flops)})")
-    saved = Table(title="Saved for backward (largest first)", title_justify="left", box=None)
-    for col in ("graph", "tensor", "shape", "dtype", "bytes", "made by"):
-        saved.add_column(col)
-    for s in sorted(acts, key=lambda s: -s.nbytes)[:top]:
-        saved.add_row(str(s.region), Text(s.name), "x".join(str(x) for x in s.shape), s.dtype,
-                      fmt_bytes(s.nbytes) if not s.view_of else Text(f"view of {s.view_of}"),
-                      Text(s.op or "input"))
-    console.print(saved)
-    real = [r for r in c.recomputed if r.flops]
-    if real:
-        console.print("  recomputed in the backward: " + ", ".join(
-            f"{r.name} ({r.op}, {fmt_flops(r.flops)})" for r in real[:top]), highlight=False,
-            markup=False)
-    for b in c.graph_breaks:
-        console.print(_line("  ", ("graph break", "yellow"), f" at {b.where or '?'}: {b.reason}"),
-                      highlight=False)
+    side, saved = compiled_sections(p, top)
+    _print_section(side, console, title_line=True)
+    _print_section(saved, console)
 
 
 def render_plan(plan, name: str, options, console: Console, invocation=None) -> None:

@@ -20,6 +20,7 @@ from ..capture.records import ALL_CATEGORIES, BACKWARD, FORWARD, PARAMETER
 from .downsample import downsample
 from .palette import PHASE_COLORS, category_color
 from .phases import phase_runs
+from .sections import optional_sections
 
 __all__ = ["page_data", "op_times"]
 
@@ -42,6 +43,8 @@ def page_data(p, max_points: int = 4000) -> dict:
         "modules": _modules(p, times),
         "fwd_map": _fwd_map(p),
         "uncounted": sorted(([k, v] for k, v in p.uncounted_ops.items()), key=lambda r: (-r[1], r[0])),
+        # checkpointing, per-rank and compiled tables: the console's, as text (report/sections.py)
+        "sections": [section.to_dict() for section in optional_sections(p)],
     }
 
 

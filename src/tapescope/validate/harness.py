@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..analysis.ops import expanded_ops
 from ..capture.model import real_inputs
 from ..capture.program import BuiltinStep, StepRuntime
 from .real import _build, run_real_steps
@@ -47,7 +48,7 @@ def same_ops(profile, real_names: list[str]) -> tuple[bool, list[str]]:
     in the profiler."""
     import difflib
 
-    ops = profile.ops
+    ops = expanded_ops(profile.ops)  # a repeated micro-batch as often as it ran
     fake = []
     for i, op in enumerate(ops):
         nxt = ops[i + 1] if i + 1 < len(ops) else None

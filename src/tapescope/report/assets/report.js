@@ -545,6 +545,22 @@
     }
   }
 
+  // checkpointing, per-rank and compiled tables: rows of text, the console's (report/sections.py)
+  function optionalSections() {
+    const host = document.getElementById("sections");
+    for (const s of D.sections || []) {
+      const sec = el("section", { class: "optional" }, el("h2", { text: s.title }));
+      for (const line of s.lines) sec.append(el("p", { text: line }));
+      if (s.columns.length) {
+        const t = el("table", { class: "grid" });
+        table(t, s.columns.map((c, i) => ({ label: c, get: (r) => r[i] })), s.rows);
+        sec.append(el("div", { class: "scroll" }, t));
+      }
+      for (const line of s.after) sec.append(el("p", { class: "note", text: line }));
+      host.append(sec);
+    }
+  }
+
   function uncountedSection() {
     const host = document.getElementById("uncounted-body");
     if (!D.uncounted.length) {
@@ -565,6 +581,7 @@
   peakSection();
   moduleSection();
   fwdSection();
+  optionalSections();
   uncountedSection();
   window.tapescopeReport = { chart: u, readyMs: performance.now() };
   document.body.dataset.ready = "1";
