@@ -87,7 +87,7 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     workload = replace(workload, model=model_of(workload.model))
     pipelined = pipeline_plan(workload, options) if options.pipeline is not None else None
 
-    def parallelize(module, rank):
+    def parallelize(module, rank, device_mesh):
         if options.parallelize is None:
             return module
         try:
@@ -113,9 +113,10 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
 
         def prepare(fmodel):
             if pipelined is None:
-                out = parallelize(fmodel, rank)
+                out = parallelize(fmodel, rank, device_mesh)
             else:  # this rank's stages, each parallelised over the other dimensions
-                out = pipelined.stage_modules(fmodel, program.stages, lambda m: parallelize(m, rank))
+                out = pipelined.stage_modules(fmodel, program.stages,
+                                               lambda m: parallelize(m, rank, device_mesh))
             seen["layouts"] = shard_layouts(out, spec)
             seen["sharded"] = _sharded_names(out)
             return out

@@ -100,6 +100,8 @@ def pipeline_spec(value) -> PipelineSpec | None:
     if spec is None:
         return None
     name = spec.schedule.lower().replace("_", "-")
+    if name.startswith("schedule"):  # torch's class names: Schedule1F1B, ScheduleZBVZeroBubble
+        name = name[len("schedule"):]
     name = _ALIASES.get(name.replace("-", ""), _ALIASES.get(name, name))
     if name not in SCHEDULES:
         raise TapescopeError(f"unknown pipeline schedule {spec.schedule!r}; choose one of "
