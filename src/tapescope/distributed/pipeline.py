@@ -231,6 +231,7 @@ class PipelineStep(StepProgram):
     loss_fn: Any = None
     optimizer: Any = "adamw"
     records_setup: bool = True       # the stages and schedule are made in step 0 (setup)
+    order: dict | None = None        # the schedule's compute actions by pipeline rank (setup)
 
     def describe(self) -> dict:
         return {"pipeline": self.spec.to_dict(), "stages": list(self.stages)}
@@ -256,6 +257,7 @@ class PipelineStep(StepProgram):
         cls = getattr(schedules, self.spec.kind.torch_class)
         schedule = cls(stages if self.spec.kind.multi else stages[0], self.microbatches,
                        loss_fn=pipeline_loss(self.loss_fn), scale_grads=True)
+        self.order = compute_order(schedule)
         return schedule, make_optimizer(self.optimizer, params, device)
 
     def run(self, model, args, kwargs, state, step, runtime):
@@ -279,6 +281,123 @@ class PipelineStep(StepProgram):
         with runtime.phase(step, ZERO_GRAD):
             if optimizer is not None:
                 optimizer.zero_grad()
+
+
+# ---- the schedule's time ---------------------------------------------------------------------------
+
+COMPUTE = ("F", "B", "I", "W")   # forward, full backward, input backward, weight backward
+
+
+def compute_order(schedule) -> dict | None:
+    """pipeline rank -> its compute actions in order, (stage, kind, micro-batch), for a schedule
+    whose runtime executes its `pipeline_order` (the multi-stage ones); None for the single-stage
+    ones (GPipe, 1F1B), whose `_step_microbatches` is written out by hand - their
+    `pipeline_order` is for display and differs from what runs (torch 2.14's Schedule1F1B lists
+    micro-batches 1-4 on the last of 2 ranks) - so their order is read from the trace."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    order = getattr(schedule, "pipeline_order", None)
+    if not isinstance(schedule, PipelineScheduleMulti) or not order:
+        return None
+    return {rank: [(a.stage_index, a.computation_type.value, a.microbatch_index)
+                   for a in actions if a is not None and a.computation_type.value in COMPUTE]
+            for rank, actions in order.items()}
+
+
+def traced_order(stage: int, kinds: list) -> list:
+    """A single-stage schedule's actions from the phases its rank ran: the i-th forward is
+    micro-batch i, and so is the i-th backward (GPipe and 1F1B keep micro-batch order)."""
+    count = {"F": 0, "B": 0}
+    out = []
+    for k in kinds:
+        out.append((stage, k, count[k]))
+        count[k] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    """The step's time when the ranks run the schedule together: each rank's compute actions
+    take what its trace says they take, and wait for the actions they depend on."""
+
+    seconds: float                 # the step: the last rank to finish
+    rank_seconds: dict             # pipeline rank -> when it finishes (schedule + the rest)
+    bubble: dict                   # pipeline rank -> share of the schedule it waits
+    p2p_seconds: float             # one activation's transfer between neighbouring stages
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "rank_seconds": self.rank_seconds,
+                "bubble": self.bubble, "p2p_seconds": self.p2p_seconds}
+
+
+def schedule_time(order: dict, action_seconds: dict, other_seconds: dict, p2p: float,
+                  num_stages: int) -> PipelineTime | None:
+    """Run `order` (pipeline rank -> [(stage, kind, micro-batch)]) as an event simulation:
+    a rank runs its actions in order, each when its rank is free and its input is there - a
+    forward after the previous stage's forward of the same micro-batch, a backward after the
+    next stage's (the last stage's after its own forward), a weight backward after its input
+    backward - plus `p2p` seconds when that input came from another rank. `action_seconds`:
+    rank -> seconds of each action; `other_seconds`: rank -> the rest of its step (loss,
+    optimizer), added after its last action. None if the order cannot run (a deadlock).
+
+    torch's own `_simulate_comms_compute` counts steps of unit length; this one takes each
+    action's traced time, so an unbalanced stage shows as the others' waiting."""
+    where = {a: r for r, acts in order.items() for a in acts}
+    done: dict = {}
+    clock = dict.fromkeys(order, 0.0)
+    busy = dict.fromkeys(order, 0.0)
+    nxt = dict.fromkeys(order, 0)
+
+    def needs(stage, kind, mb):
+        if kind == "F":
+            return [(stage - 1, "F", mb)] if stage > 0 else []
+        if kind == "W":
+            return [(stage, "I", mb)]
+        if stage == num_stages - 1:
+            return [(stage, "F", mb)]
+        return [a for a in ((stage + 1, "B", mb), (stage + 1, "I", mb)) if a in where]
+
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in order.items():
+            while nxt[r] < len(acts):
+                act = acts[nxt[r]]
+                deps = needs(*act)
+                if any(d not in done for d in deps):
+                    break
+                ready = max((done[d] + (p2p if where[d] != r else 0.0) for d in deps),
+                            default=0.0)
+                t = action_seconds[r][nxt[r]]
+                start = max(clock[r], ready)
+                clock[r] = start + t
+                busy[r] += t
+                done[act] = clock[r]
+                nxt[r] += 1
+                progress = True
+    if any(nxt[r] < len(acts) for r, acts in order.items()):
+        return None
+    span = max(clock.values(), default=0.0)
+    ends = {r: clock[r] + other_seconds.get(r, 0.0) for r in order}
+    bubble = {r: (1 - busy[r] / span) if span else 0.0 for r in order}
+    return PipelineTime(max(ends.values(), default=0.0), ends, bubble, p2p)
+
+
+def action_seconds(profile) -> tuple[list, list, float] | None:
+    """The kinds ("F", "B") and seconds of a rank's compute actions in its traced steady-state
+    step - each forward and backward the schedule ran is one phase segment of the trace, in
+    order - and the seconds of the rest of its step; None off a GPU."""
+    t = profile.time
+    if t is None:
+        return None
+    trace, step = profile.trace, profile.steps
+    by_index = {op.record.index: i for i, op in enumerate(profile.ops)}
+    kinds, secs = [], []
+    for seg in trace.segments:
+        if seg.step == step and seg.phase in ("forward", "backward"):
+            kinds.append("F" if seg.phase == "forward" else "B")
+            secs.append(sum(t.op_seconds[by_index[i]] for i in seg.ops if i in by_index))
+    return kinds, secs, max(0.0, t.seconds - sum(secs))
 
 
 # ---- a pipelined profile's plan: what every rank shares ------------------------------------------
@@ -339,10 +458,93 @@ class PipelinePlan:
         members.sort(key=lambda m: m[0])
         return RankClasses(tuple(members), provable)
 
+    def report(self, ranks: list, profiles: dict, orders: dict) -> "PipelineReport":
+        """What the pipeline does per stage: each pipeline rank's peak, what it holds at its
+        peak, its in-flight micro-batches, and the step's time when the ranks run together."""
+        by_pp: dict = {}
+        for r in ranks:
+            by_pp.setdefault(self.mesh.coordinate(r.rank)["pp"], r)   # the lowest rank of each
+        order = next((o for o in orders.values() if o), None)   # a multi-stage schedule's
+        traced = {s: action_seconds(profiles[r.traced_as]) for s, r in by_pp.items()}
+        if order is None:   # a single-stage schedule: what each rank ran, from its trace
+            order = {s: traced_order(r.stages[0], traced[s][0] if traced[s] else
+                                     _phase_kinds(profiles[r.traced_as]))
+                     for s, r in by_pp.items()}
+        timing = None
+        # each traced forward / backward segment is the order's next action (a zero-bubble
+        # schedule's input and weight backwards are backward segments too)
+        if all(traced.values()) and all(
+                ["F" if k == "F" else "B" for _, k, _ in order[s]] == traced[s][0]
+                for s in by_pp):
+            p2p = [c.seconds for r in by_pp.values() for c in profiles[r.traced_as].collectives
+                   if c.kind in ("send", "recv")]
+            timing = schedule_time(order, {s: traced[s][1] for s in by_pp},
+                                   {s: traced[s][2] for s in by_pp}, max(p2p, default=0.0),
+                                   self.num_stages)
+        in_flight = {s: max_in_flight(order.get(s, [])) for s in by_pp}
+        stages = [PipelineRank(s, r.stages, r.peak_bytes, dict(r.at_peak), in_flight.get(s))
+                  for s, r in sorted(by_pp.items())]
+        return PipelineReport(self, stages, timing)
+
     def to_dict(self) -> dict:
         return {**self.spec.to_dict(), "microbatches": self.microbatches,
                 "pp": self.pp, "num_stages": self.num_stages,
                 "stage_inputs": [[list(shape) for shape, _ in s.inputs] for s in self.shapes]}
+
+
+def _phase_kinds(profile) -> list:
+    """"F" / "B" for each forward and backward segment of the rank's steady-state step."""
+    return ["F" if seg.phase == "forward" else "B" for seg in profile.trace.segments
+            if seg.step == profile.steps and seg.phase in ("forward", "backward")]
+
+
+def max_in_flight(actions: list) -> int:
+    """The most micro-batches a rank's stages hold at once: forwards run whose backward has not
+    (each holds its activations until then)."""
+    live = most = 0
+    for _, kind, _ in actions:
+        if kind == "F":
+            live += 1
+            most = max(most, live)
+        elif kind in ("B", "I"):
+            live -= 1
+    return most
+
+
+@dataclass(frozen=True)
+class PipelineRank:
+    """One pipeline coordinate (its ranks of the other dimensions are alike or listed apart)."""
+
+    pp_rank: int
+    stages: tuple
+    peak_bytes: int
+    at_peak: dict          # category -> bytes at its peak
+    in_flight: int | None  # micro-batch activations it holds at most
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    plan: PipelinePlan
+    ranks: list            # PipelineRank, by pipeline rank
+    time: PipelineTime | None
+
+    def highest(self) -> tuple:
+        """(the pipeline rank with the highest peak, the category that puts it above the
+        lowest one and by how many bytes)."""
+        top = max(self.ranks, key=lambda r: r.peak_bytes)
+        low = min(self.ranks, key=lambda r: r.peak_bytes)
+        gaps = {k: v - low.at_peak.get(k, 0) for k, v in top.at_peak.items()}
+        why = max(gaps, key=gaps.get) if gaps else None
+        return top, why, gaps.get(why, 0)
+
+    def to_dict(self) -> dict:
+        top, why, gap = self.highest()
+        return {**self.plan.to_dict(),
+                "ranks": [{"pp_rank": r.pp_rank, "stages": list(r.stages),
+                           "peak_bytes": r.peak_bytes, "at_peak": r.at_peak,
+                           "in_flight_microbatches": r.in_flight} for r in self.ranks],
+                "highest": {"pp_rank": top.pp_rank, "because_of": why, "bytes_more": gap},
+                "time": None if self.time is None else self.time.to_dict()}
 
 
 def pipeline_plan(workload, options) -> PipelinePlan:

@@ -68,13 +68,15 @@ class DistributedFacts:
     profiles: dict = field(default_factory=dict, repr=False)   # traced rank -> Profile
     trace_seconds: dict = field(default_factory=dict)     # traced rank -> seconds to trace it
     trace_cpu_seconds: dict = field(default_factory=dict)  # ... this process's CPU time
+    pipeline: object = None    # distributed.pipeline.PipelineReport of a pipelined profile
 
     def to_dict(self) -> dict:
         return {"mesh": self.mesh.as_dict(), "world_size": self.mesh.world_size,
                 "rank_classes": [list(m) for m in self.classes.members],
                 "classes_provable": self.classes.provable,
                 "traced_ranks": sorted(self.profiles), "trace_seconds": self.trace_seconds,
-                "trace_cpu_seconds": self.trace_cpu_seconds}
+                "trace_cpu_seconds": self.trace_cpu_seconds,
+                "pipeline": None if self.pipeline is None else self.pipeline.to_dict()}
 
 
 def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
@@ -133,6 +135,8 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
             # (capture retries a step whose sizes depend on data - an MoE's routing - with
             # values, as for one device; the fake world stays up for the retry)
             trace, facts = capture(workload, options, progress, prepare=prepare, program=program)
+            if program is not None:
+                seen["order"] = program.order
             groups = process_groups(spec)
             facts["collective_groups"] = collective_groups(trace)
         facts["process_groups"] = {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
@@ -142,10 +146,11 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         facts["mesh"] = spec.as_dict()
         facts["rank"] = rank
         facts["parallelize"] = getattr(options.parallelize, "__name__", str(options.parallelize))
+        orders[rank] = seen.get("order")
         return analyse(trace, facts), seen["layouts"], groups
 
     seconds, cpu = {}, {}
-    profiles, group_maps = {}, {}
+    profiles, group_maps, orders = {}, {}, {}
 
     def trace_timed(rank: int):
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -185,8 +190,10 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
                                      None if pipelined is None else pipelined.stages_of(r)))
     ranks.sort(key=lambda r: r.rank)
     top = max(profiles, key=lambda r: (profiles[r].peak_bytes, -r))
-    return profiles[top], ranks, DistributedFacts(spec, classes, group_maps[top], profiles, seconds,
-                                                  cpu)
+    facts = DistributedFacts(spec, classes, group_maps[top], profiles, seconds, cpu)
+    if pipelined is not None:
+        facts.pipeline = pipelined.report(ranks, profiles, orders)
+    return profiles[top], ranks, facts
 
 
 _DDP_NOTE = (
