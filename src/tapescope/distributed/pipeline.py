@@ -151,17 +151,23 @@ def microbatch(args: tuple, microbatches: int) -> tuple:
 
 
 def stage_boundaries(model: nn.Module, stage_inputs: tuple, spec: PipelineSpec, pp: int,
-                     microbatches: int, split) -> list[StageShapes]:
+                     microbatches: int, split, parallelize=None) -> list[StageShapes]:
     """Each stage's StageShapes, by running the stages in order on meta tensors (one micro-batch);
-    `model` and the inputs are on the meta device."""
+    `model` and the inputs are on the meta device. parallelize(stage module): the parallelisation
+    of the other mesh dimensions, in a (fake) world: tensor parallelism's sequence-parallel
+    blocks pass each rank its share of the sequence between stages."""
+    from torch.distributed.tensor import DTensor
+
     num_stages = spec.num_stages(pp)
     x = microbatch(stage_inputs, microbatches)
     out: list = []
     with torch.no_grad():
         for s in range(num_stages):
             module = _split(split, copy.deepcopy(model), s, num_stages)
+            if parallelize is not None:
+                module = parallelize(module)
             y = _run_stage(module, x, s)
-            ys = _tensors(y)
+            ys = tuple(t.to_local() if isinstance(t, DTensor) else t for t in _tensors(y))
             out.append(StageShapes(tuple((tuple(t.shape), t.dtype) for t in _tensors(x)),
                                    tuple((tuple(t.shape), t.dtype) for t in ys)))
             x = ys
@@ -412,6 +418,24 @@ class PipelinePlan:
     microbatches: int
     shapes: list
     split: Any
+    meta_model: Any = None           # what the shapes were found on, for measure_parallelised
+    stage_inputs: tuple = ()
+
+    def measure_parallelised(self, parallelize, device) -> None:
+        """Find the stages' shapes again with each stage parallelised over the other mesh
+        dimensions (call in a fake world): what the ranks send each other is their local
+        tensor (a share of the sequence under sequence parallelism, in FSDP2's mixed-precision
+        dtype). It runs on fake tensors on the profiled device: FSDP2 allocates its buffers
+        there, on a GPU a GPU-less machine lacks."""
+        from ..capture.model import fake_copy, fake_tensor_like
+        from ..torch_compat import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = fake_copy(self.meta_model, lambda t: fake_tensor_like(t, device, None))
+            inputs = tuple(fake_tensor_like(t, device, None) if isinstance(t, torch.Tensor)
+                           else t for t in self.stage_inputs)
+            self.shapes = stage_boundaries(model, inputs, self.spec, self.pp,
+                                           self.microbatches, self.split, parallelize)
 
     @property
     def pp(self) -> int:
@@ -577,4 +601,4 @@ def pipeline_plan(workload, options) -> PipelinePlan:
                              f"pipeline ranks ({pp}); got {microbatches}")
     split = spec.split or split_blocks
     shapes = stage_boundaries(meta_model, stage_inputs, spec, pp, microbatches, split)
-    return PipelinePlan(spec, mesh, microbatches, shapes, split)
+    return PipelinePlan(spec, mesh, microbatches, shapes, split, meta_model, stage_inputs)

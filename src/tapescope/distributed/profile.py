@@ -88,6 +88,7 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     # built once: every rank copies the same meta model
     workload = replace(workload, model=model_of(workload.model))
     pipelined = pipeline_plan(workload, options) if options.pipeline is not None else None
+    measured: list = []
 
     def parallelize(module, rank, device_mesh):
         if options.parallelize is None:
@@ -130,6 +131,11 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
             standin = cuda_without_gpu(options.gpu.compute_capability)
         with standin, eager_distributed(), fake_world(spec, rank, options.device.type) as device_mesh:
             if pipelined is not None:
+                if options.parallelize is not None and not measured:
+                    # the shapes between stages are the parallelised stages' (found once)
+                    pipelined.measure_parallelised(lambda m: parallelize(m, rank, device_mesh),
+                                                   options.device)
+                    measured.append(True)
                 program = pipelined.program(rank, device_mesh, options.loss_fn,
                                             options.optimizer)
             # (capture retries a step whose sizes depend on data - an MoE's routing - with
@@ -145,7 +151,8 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         assign_roles(trace, sharded)
         facts["mesh"] = spec.as_dict()
         facts["rank"] = rank
-        facts["parallelize"] = getattr(options.parallelize, "__name__", str(options.parallelize))
+        facts["parallelize"] = None if options.parallelize is None else \
+            getattr(options.parallelize, "__name__", str(options.parallelize))
         orders[rank] = seen.get("order")
         return analyse(trace, facts), seen["layouts"], groups
 

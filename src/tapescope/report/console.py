@@ -18,7 +18,7 @@ from ..capture.records import ALL_CATEGORIES
 from .text import assumption_lines, fmt_bytes, fmt_count, fmt_flops, short_op
 
 __all__ = ["render_summary", "render_ops", "render_diff", "render_fit", "render_compiled",
-           "render_validation", "render_distributed", "render_layouts"]
+           "render_validation", "render_distributed", "render_layouts", "render_pipeline"]
 
 
 def _mod(m) -> str:
@@ -100,7 +100,7 @@ def _header(p) -> Text:
             f"{opt['name']} ({opt['implementation']})" if opt else "no optimizer",
             *([f"{f['step']['optimizers']} optimizers"]
               if f.get("step") and f["step"]["optimizers"] > 1 else []),
-            *([f"your step {f['step']['fn']}"] if f.get("step") else []),
+            *([f"your step {f['step']['fn']}"] if (f.get("step") or {}).get("fn") else []),
             *([f"{f['accumulate']} micro-batches per step"] if f.get("accumulate") else []),
             f"{fmt_count(f.get('parameters', 0))} parameters"]
     return Text(" · ".join(bits), style="bold")
@@ -291,8 +291,10 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
     classes = d.classes
     how = "ranks whose shards have the same shapes run the same step: one trace each" \
         if classes.provable else "which ranks run the same step could not be proven: every rank traced"
+    by = p.facts.get("parallelize")
+    by = "its pipeline stages alone" if by in (None, "None") else by
     console.print(_line(("Mesh", "bold"), f" {d.mesh} = {d.mesh.world_size} ranks, parallelised "
-                        f"by {p.facts.get('parallelize', '?')}; {len(classes.members)} traced "
+                        f"by {by}; {len(classes.members)} traced "
                         f"({how})"), highlight=False)
     by_rank = {r.rank: r for r in p.ranks}
     t = Table(title="Per rank", title_justify="left", box=None)
@@ -319,11 +321,44 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
         if len(rows) > top:
             c.add_row(f"... {len(rows) - top} more", "", "", "", "", "", "")
         console.print(c)
+    if d.pipeline is not None:
+        render_pipeline(d.pipeline, console)
     tm = p.time
     if tm is not None and tm.comm:
         console.print(f"  collectives {tm.comm * 1e3:.1f} ms on the interconnect, "
                       f"{tm.exposed_comm * 1e3:.1f} ms exposed ({tm.comm_overlap:.0%} overlapped "
                       f"with compute); per-rank step {tm.seconds * 1e3:.1f} ms, MFU {tm.mfu:.0%}")
+
+
+def render_pipeline(pl, console: Console) -> None:
+    """Each pipeline stage's peak, what it holds, its in-flight micro-batches and its bubble;
+    why the highest is highest; the step's time when the stages run together."""
+    plan = pl.plan
+    console.print(_line(("Pipeline", "bold"), f" {plan.spec.schedule}, {plan.num_stages} stages "
+                        f"on {plan.pp} ranks, {plan.microbatches} micro-batches"),
+                  highlight=False)
+    t = Table(box=None)
+    timed = pl.time is not None
+    for col in ("pp rank", "stages", "peak", "in flight", "saved activations", "parameters") + (
+            ("bubble",) if timed else ()):
+        t.add_column(col)
+    for r in pl.ranks:
+        t.add_row(str(r.pp_rank), ", ".join(map(str, r.stages)), fmt_bytes(r.peak_bytes),
+                  "-" if r.in_flight is None else
+                  f"{r.in_flight} micro-batch{'es' if r.in_flight != 1 else ''}",
+                  fmt_bytes(r.at_peak.get("saved activations", 0)),
+                  fmt_bytes(r.at_peak.get("parameters", 0) +
+                            r.at_peak.get("sharded parameters", 0)),
+                  *((f"{pl.time.bubble.get(r.pp_rank, 0):.0%}",) if timed else ()))
+    console.print(t)
+    top, why, gap = pl.highest()
+    if why is not None and len(pl.ranks) > 1:
+        console.print(f"  pp rank {top.pp_rank} is highest: {why} {fmt_bytes(gap)} more than the "
+                      f"lowest stage", highlight=False)
+    if timed:
+        console.print(f"  step {pl.time.seconds * 1e3:.1f} ms with the stages running together "
+                      f"(each stage's traced forward and backward, and the schedule's waits)",
+                      highlight=False)
 
 
 def render_layouts(rows, name: str, gpus: int, options, console: Console,
