@@ -352,9 +352,19 @@ def render_pipeline(pl, console: Console) -> None:
                   *((f"{pl.time.bubble.get(r.pp_rank, 0):.0%}",) if timed else ()))
     console.print(t)
     top, why, gap = pl.highest()
-    if why is not None and len(pl.ranks) > 1:
-        console.print(f"  pp rank {top.pp_rank} is highest: {why} {fmt_bytes(gap)} more than the "
-                      f"lowest stage", highlight=False)
+    low = min(pl.ranks, key=lambda r: r.peak_bytes)
+    if why is not None and len(pl.ranks) > 1 and top is not low:
+        held = ""
+        if top.in_flight is not None and low.in_flight is not None \
+                and top.in_flight != low.in_flight:
+            held = (f": it holds {top.in_flight} micro-batches' activations in flight where pp "
+                    f"rank {low.pp_rank} holds {low.in_flight}")
+        diffs = sorted(((v - low.at_peak.get(k, 0), k) for k, v in top.at_peak.items()),
+                       reverse=True)[:2]
+        parts = ", ".join(f"{k} +{fmt_bytes(d)}" for d, k in diffs if d > 0)
+        console.print(f"  pp rank {top.pp_rank} is highest ({fmt_bytes(top.peak_bytes)}, pp rank "
+                      f"{low.pp_rank} {fmt_bytes(low.peak_bytes)}){held}; at the peaks: {parts}",
+                      highlight=False)
     if timed:
         console.print(f"  step {pl.time.seconds * 1e3:.1f} ms with the stages running together "
                       f"(each stage's traced forward and backward, and the schedule's waits)",
