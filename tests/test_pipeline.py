@@ -60,14 +60,15 @@ def test_each_pipeline_coordinate_is_traced_and_its_fsdp_peers_share_it():
     assert [r.traced_as for r in p.ranks] == [0, 0, 2, 2]
 
 
-def test_interleaved_and_v_schedules_place_stages_as_torch_does():
+def test_interleaved_schedules_place_stages_as_torch_does():
     from tapescope.values.pipeline import pipeline_spec
 
     assert pipeline_spec("interleaved-1f1b").stages_of(1, 4) == (1, 5)
     assert pipeline_spec({"schedule": "interleaved-1f1b", "stages_per_rank": 3}).stages_of(
         2, 4) == (2, 6, 10)
-    assert pipeline_spec("zbv").stages_of(0, 4) == (0, 7)   # the V: first and last on rank 0
-    assert pipeline_spec("ScheduleZBVZeroBubble").schedule == "zbv"
+    assert pipeline_spec("Schedule1F1B").schedule == "1f1b"       # torch's class names too
+    with pytest.raises(TapescopeError, match="register_prehook"):   # zero-bubble: refused
+        pipeline_spec("ScheduleZBVZeroBubble")
 
 
 def test_the_default_split_keeps_each_stage_s_blocks_and_the_ends():
@@ -113,3 +114,64 @@ def test_a_user_split_makes_the_stages():
     assert [r.stages for r in p.ranks] == [(0,), (1,)]
     params = {r.rank: p.distributed.profiles[r.traced_as].facts["parameters"] for r in p.ranks}
     assert params == {0: 8 * 16 + 16, 1: 16 * 8 + 8}
+
+
+def test_activations_between_stages_require_grad():
+    """A received activation that does not require grad gets no gradient: the stages before it
+    would train on garbage and the zero-bubble split backward finds no weights (the static
+    metadata must say requires_grad, as the dynamic inference's does)."""
+    from tapescope.distributed.pipeline import pipeline_plan
+    from tapescope.options import Options, Workload
+
+    options = Options.create(mesh={"pp": 2}, pipeline=_pipeline("1f1b"))
+    plan = pipeline_plan(Workload(dm.pipeline_llama, dm.PIPELINE_INPUTS, {}), options)
+    assert plan.shapes[0].inputs == (((2, 32), torch.int64, False),)   # the tokens
+    assert plan.shapes[1].inputs == (((2, 32, 64), torch.float32, True),)
+
+
+def test_schedule_time_of_gpipe_by_hand():
+    """GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 2 s, no transfer time: stage 1
+    runs F0 [1, 2], F1 [2, 3], B0 [3, 5], B1 [5, 7]; stage 0 F0 [0, 1], F1 [1, 2], B0 waits
+    for stage 1's B0: [5, 7], B1 [7, 9]. Both ranks are busy 6 of 9 s: the bubble is
+    (p - 1) / (m + p - 1) = 1/3."""
+    from tapescope.distributed.pipeline import schedule_time
+
+    order = {0: [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)],
+             1: [(1, "F", 0), (1, "F", 1), (1, "B", 0), (1, "B", 1)]}
+    t = schedule_time(order, {0: [1, 1, 2, 2], 1: [1, 1, 2, 2]}, {0: 0.5, 1: 0.0}, 0.0, 2)
+    assert t.seconds == 9.5 and t.rank_seconds == {0: 9.5, 1: 7.0}
+    assert t.bubble == pytest.approx({0: 1 / 3, 1: 1 / 3})
+    # 0.25 s a hop: stage 1 runs F0 [1.25, 2.25] ... B1 [5.25, 7.25]; stage 0's B0 waits for
+    # [5.5, 7.5], B1 [7.5, 9.5]: two hops on the critical path (F0 there, B0 back)
+    late = schedule_time(order, {0: [1, 1, 2, 2], 1: [1, 1, 2, 2]}, {}, 0.25, 2)
+    assert late.seconds == 9 + 2 * 0.25 and late.rank_seconds == {0: 9.5, 1: 7.25}
+
+
+def test_in_flight_micro_batches_of_1f1b_are_pp_minus_rank():
+    from tapescope.distributed.pipeline import max_in_flight, traced_order
+
+    # 1F1B on 4 stages, 8 micro-batches: stage r warms up with 4 - r forwards
+    for r in range(4):
+        warm = 4 - r
+        kinds = ["F"] * warm + ["B", "F"] * (8 - warm) + ["B"] * warm
+        assert max_in_flight(traced_order(r, kinds)) == warm
+
+
+def test_cli_pipeline_prints_each_stage_and_the_bubble(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", "zoo:llama:dim=64,n_layers=4,n_heads=4,n_kv_heads=2,"
+                                 "ffn_dim=128,vocab_size=512", "--batch", "4", "--seq", "32",
+                                 "--pp", "2", "--microbatches", "4", "--device", "cuda",
+                                 "--gpu", "h100", "--amp", "bf16", "--json", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "Pipeline 1f1b, 2 stages on 2 ranks, 4 micro-batches" in r.output
+    assert "pp rank 0 is highest" in r.output or "pp rank 1 is highest" in r.output
+    pl = json.loads(out.read_text())["distributed"]["pipeline"]
+    assert [x["in_flight_microbatches"] for x in pl["ranks"]] == [2, 1]
+    assert pl["time"]["seconds"] >= max(pl["time"]["rank_seconds"].values()) - 1e-12

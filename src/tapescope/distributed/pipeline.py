@@ -121,7 +121,7 @@ def split_blocks(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
 
 @dataclass(frozen=True)
 class StageShapes:
-    """A stage's inputs and outputs for one micro-batch: ((shape, dtype), ...) each."""
+    """A stage's inputs and outputs for one micro-batch: ((shape, dtype, requires_grad), ...)."""
 
     inputs: tuple
     outputs: tuple
@@ -161,17 +161,25 @@ def stage_boundaries(model: nn.Module, stage_inputs: tuple, spec: PipelineSpec, 
     num_stages = spec.num_stages(pp)
     x = microbatch(stage_inputs, microbatches)
     out: list = []
-    with torch.no_grad():
+    # with autograd on (on meta / fake tensors it costs nothing): whether an output requires
+    # grad is part of what a stage sends. A received activation that does not require grad
+    # gets no gradient, and the zero-bubble schedules then find no weight to differentiate
+    # (stage_backward_input's param groups start from the inputs' gradient functions)
+    with torch.enable_grad():
         for s in range(num_stages):
             module = _split(split, copy.deepcopy(model), s, num_stages)
             if parallelize is not None:
                 module = parallelize(module)
             y = _run_stage(module, x, s)
             ys = tuple(t.to_local() if isinstance(t, DTensor) else t for t in _tensors(y))
-            out.append(StageShapes(tuple((tuple(t.shape), t.dtype) for t in _tensors(x)),
-                                   tuple((tuple(t.shape), t.dtype) for t in ys)))
-            x = ys
+            out.append(StageShapes(tuple(_meta_of(t) for t in _tensors(x)),
+                                   tuple(_meta_of(t) for t in ys)))
+            x = tuple(t.detach().requires_grad_(t.requires_grad) for t in ys)
     return out
+
+
+def _meta_of(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point()
 
 
 @passes_user_calls
@@ -250,7 +258,8 @@ class PipelineStep(StepProgram):
         modules = list(model) if len(self.stages) > 1 else [model]
 
         def like(metas):
-            return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas)
+            return tuple(torch.empty(shape, dtype=dtype, device=device).requires_grad_(grad)
+                         for shape, dtype, grad in metas)
 
         stages = []
         for index, module in zip(self.stages, modules):
@@ -513,7 +522,7 @@ class PipelinePlan:
     def to_dict(self) -> dict:
         return {**self.spec.to_dict(), "microbatches": self.microbatches,
                 "pp": self.pp, "num_stages": self.num_stages,
-                "stage_inputs": [[list(shape) for shape, _ in s.inputs] for s in self.shapes]}
+                "stage_inputs": [[list(m[0]) for m in s.inputs] for s in self.shapes]}
 
 
 def _phase_kinds(profile) -> list:
@@ -574,7 +583,7 @@ class PipelineReport:
 def pipeline_plan(workload, options) -> PipelinePlan:
     """The plan of a pipelined profile: micro-batches (default: one per sample), the split and
     every stage's StageShapes, from a meta copy of the workload's model."""
-    from ..capture.model import fake_copy, fake_inputs, fake_tensor_like
+    from ..capture.model import fake_copy, fake_inputs, fake_tensor_like, model_of
 
     # imported here, outside any rank's capture: importing it makes a real 4-byte tensor
     # (microbatch.py's sum_reducer), which would count as a rank's memory if made inside one
@@ -589,7 +598,8 @@ def pipeline_plan(workload, options) -> PipelinePlan:
     if len(workload.args) < 2:
         raise TapescopeError("a pipelined step takes the first stage's inputs and then the "
                              "target of the loss (e.g. tokens, labels)")
-    meta_model = fake_copy(workload.model, lambda t: fake_tensor_like(t, "meta", options.dtype))
+    meta_model = fake_copy(model_of(workload.model),
+                           lambda t: fake_tensor_like(t, "meta", options.dtype))
     args = fake_inputs(tuple(workload.args), torch.device("meta"), options.dtype)
     stage_inputs = args[:-1]
     batch = next((a.shape[0] for a in stage_inputs if isinstance(a, torch.Tensor) and a.dim()),
