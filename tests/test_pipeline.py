@@ -20,7 +20,8 @@ from . import distributed_models as dm
 MICROBATCHES = 4
 CASES = {
     2: [("1f1b", {"pp": 2}, None), ("gpipe", {"pp": 2}, None),
-        ("interleaved-1f1b", {"pp": 2}, None)],  # stages 0, 2 on rank 0; 1, 3 on rank 1
+        ("interleaved-1f1b", {"pp": 2}, None),  # stages 0, 2 on rank 0; 1, 3 on rank 1
+        ("looped-bfs", {"pp": 2}, None)],
     4: [("1f1b", {"pp": 2, "dp_shard": 2}, dm.fsdp_stage)],  # 2-D: FSDP2 inside each stage
 }
 
