@@ -132,3 +132,27 @@ def ddp(model, mesh):
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_mesh=mesh)
+
+
+# ---- pipeline parallelism (tests/test_pipeline.py) -------------------------------------------------
+
+PIPELINE_INPUTS = (tapescope.spec((8, 32), dtype=torch.long, high=512),
+                   tapescope.spec((8, 32), dtype=torch.long, high=512))
+
+
+def pipeline_llama():
+    """A 4-block Llama (embedding, blocks, norm, output): 2 stages of 2 blocks, or 4 of 1."""
+    from tapescope.zoo.llama import Llama, LlamaConfig
+
+    return Llama(LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                             ffn_dim=128, max_seq_len=64))
+
+
+def fsdp_stage(model, mesh):
+    """FSDP2 over "dp_shard" on a pipeline stage: each block it holds, then the stage's root."""
+    m = mesh["dp_shard"]
+    for layer in model.layers:
+        if layer is not None:
+            fully_shard(layer, mesh=m, reshard_after_forward=False)
+    fully_shard(model, mesh=m, reshard_after_forward=False)
+    return model

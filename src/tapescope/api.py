@@ -218,7 +218,7 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
             name: str | None = None, engine: str = "python", symbolic=(), gpu=None,
             alloc_conf=None, checkpointing=(), sizes=None, threads: int | None = None,
             cpu_isa: str | None = None, progress=None, compile=None, mesh=None,
-            parallelize=None, step=None, setup=None) -> Profile:
+            parallelize=None, step=None, setup=None, pipeline=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
@@ -282,13 +282,20 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
         model and returns it, as your training script does. `p.peak_bytes` is the highest
         rank's, `p.ranks` every rank's; ranks whose shards have the same shapes are traced once.
         Inputs are one rank's.
+    pipeline: pipeline parallelism over the mesh's "pp" dimension (mesh={"pp": 4, ...}): a
+        schedule name ("gpipe", "1f1b", "interleaved-1f1b", ...) or {"schedule": ...,
+        "microbatches": M, "stages_per_rank": V, "split": fn}. torch.distributed.pipelining's
+        own stages and schedule run on each rank (docs/distributed.md); the inputs are the first
+        stage's, then the target of the last stage's `loss_fn(output, target)`. `split(model,
+        stage, num_stages) -> module` makes a stage; default: the model's block list split
+        evenly, embeddings on the first stage, norm and output on the last.
     """
     options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, gpu=gpu,
                              dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
                              alloc_conf=alloc_conf, checkpointing=checkpointing, compile=compile,
                              threads=threads, cpu_isa=cpu_isa, mesh=mesh,
                              parallelize=parallelize, sizes=sizes, accumulate=accumulate,
-                             step=step, setup=setup)
+                             step=step, setup=setup, pipeline=pipeline)
     return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
                             options, progress)
 

@@ -107,7 +107,7 @@ def _workload(spec, batch, seq, inputs):
 
 def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None,
              symbolic=(), compile=None, threads=None, cpu_isa=None, parallel=None, routing=None,
-             mask=None, accumulate=1, step=None, setup=None):
+             mask=None, accumulate=1, step=None, setup=None, pipeline=None):
     from .options import Options
 
     mesh = parallelize = None
@@ -123,7 +123,7 @@ def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, allo
                           alloc_conf=alloc_conf, symbolic=symbolic, compile=compile,
                           threads=threads, cpu_isa=cpu_isa, mesh=mesh, parallelize=parallelize,
                           sizes=_sizes(routing, mask), accumulate=accumulate, step=step,
-                          setup=setup)
+                          setup=setup, pipeline=pipeline)
 
 
 def _sizes(routing, mask):
@@ -142,13 +142,14 @@ def _sizes(routing, mask):
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
                  alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None,
                  parallel=None, routing=None, mask=None, accumulate=1, step=None, setup=None,
-                 quiet=False):
+                 quiet=False, pipeline=None):
     from .api import profile_workload
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
     options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
                        compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel,
-                       routing=routing, mask=mask, accumulate=accumulate, step=step, setup=setup)
+                       routing=routing, mask=mask, accumulate=accumulate, step=step, setup=setup,
+                       pipeline=pipeline)
     what = "compiling and tracing" if compile else "tracing"
     with _progress(f"{what} {workload.name} on fake {options.device.type} tensors",
                    quiet) as progress:
@@ -255,9 +256,32 @@ QuietOpt = typer.Option(False, "--quiet", "-q",
                              "takes over a second).")
 
 
-def _parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh) -> dict:
+PpOpt = typer.Option(1, "--pp", help="Pipeline parallel over N ranks (torch.distributed.pipelining), outermost.")
+PpScheduleOpt = typer.Option(None, "--pp-schedule",
+                             help="With --pp: gpipe, 1f1b (default), interleaved-1f1b, looped-bfs.")
+MicrobatchesOpt = typer.Option(None, "--microbatches",
+                               help="With --pp: micro-batches per step (default: one per sample).")
+PpSplitOpt = typer.Option(None, "--pp-split",
+                          help="With --pp: FILE.py:FN, FN(model, stage, num_stages) -> the stage's "
+                               "module (default: the block list split evenly).")
+
+
+def _parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, pp=1) -> dict:
     return dict(fsdp=fsdp, tp=tp, hsdp=hsdp, dp_replicate=dp_replicate, parallelize=parallelize,
-                mesh=mesh)
+                mesh=mesh, pp=pp)
+
+
+def _pipeline(schedule, microbatches, split) -> dict | None:
+    """profile(pipeline=...) from --pp-schedule / --microbatches / --pp-split (None when none is
+    given: a "pp" mesh dimension alone runs 1F1B with one micro-batch per sample)."""
+    if schedule is None and microbatches is None and split is None:
+        return None
+    out = {"schedule": schedule or "1f1b", "microbatches": microbatches}
+    if split is not None:
+        from .loading import load_function
+
+        out["split"] = load_function(split, "--pp-split")
+    return out
 
 
 StepOpt = typer.Option(None, "--step",
@@ -302,6 +326,8 @@ def profile_cmd(
     routing: Optional[str] = RoutingOpt, mask_fraction: Optional[float] = MaskOpt,
     accumulate: int = AccumulateOpt, step: Optional[str] = StepOpt,
     setup: Optional[str] = SetupOpt,
+    pp: int = PpOpt, pp_schedule: Optional[str] = PpScheduleOpt,
+    microbatches: Optional[int] = MicrobatchesOpt, pp_split: Optional[str] = PpSplitOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
     html_file: Optional[str] = typer.Option(None, "--html", help="Write an interactive, self-contained HTML report."),
@@ -327,9 +353,11 @@ def profile_cmd(
         p = _run_profile(spec, batch, seq, device, dtype, optimizer, steps, input, amp, gpu,
                          alloc_conf, loss, compile=compile_options, threads=threads,
                          cpu_isa=cpu_isa,
-                         parallel=_parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh),
+                         parallel=_parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh,
+                                            pp),
                          routing=routing, mask=mask_fraction, accumulate=accumulate,
-                         step=step, setup=setup, quiet=quiet)
+                         step=step, setup=setup, quiet=quiet,
+                         pipeline=_pipeline(pp_schedule, microbatches, pp_split))
         elapsed = time.perf_counter() - t0
         from .report.console import render_compiled, render_summary
 

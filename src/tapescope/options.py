@@ -187,7 +187,10 @@ class Options:
         scheduler, an EMA's weights).
     mesh: a distributed job's device mesh (values.mesh.MeshSpec: dimension names and sizes);
         every rank is profiled. parallelize: `fn(model, device_mesh) -> model`, the user's
-        torch.distributed code applied to each simulated rank's model.
+        torch.distributed code applied to each simulated rank's model (to each of its pipeline
+        stages when pipelined).
+    pipeline: pipeline parallelism over the mesh's "pp" dimension (values.pipeline.PipelineSpec:
+        schedule, micro-batches, split); None without one.
     """
 
     loss_fn: Callable | None = None
@@ -209,13 +212,14 @@ class Options:
     sizes: Any = None
     step: Callable | None = None
     setup: Callable | None = None
+    pipeline: Any = None
 
     @classmethod
     def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
                amp=None, steps: int = 2, engine: str = "python", symbolic=(),
                alloc_conf=None, checkpointing=(), compile=None, threads: int | None = None,
                cpu_isa: str | None = None, mesh=None, parallelize=None, sizes=None,
-               accumulate: int = 1, step=None, setup=None) -> "Options":
+               accumulate: int = 1, step=None, setup=None, pipeline=None) -> "Options":
         """Check and resolve every option; a bad one raises a TapescopeError that says why."""
         from .losses import resolve_loss
 
@@ -276,7 +280,9 @@ class Options:
             raise TapescopeError(f"{given} {verb} the CPU whose kernels a cpu step runs; a "
                                  f"{dev.type} step runs none of them: drop {given.split(' (')[0]}"
                                  ", or trace with --device cpu")
-        mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine)
+        pipeline = _resolve_pipeline(pipeline, mesh, accumulate)
+        mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine,
+                           pipelined=pipeline is not None)
         if mesh is not None and (compile is not None or checkpointing):
             raise TapescopeError("a distributed profile (mesh=) with compile= or a checkpointing "
                                  "plan is not supported yet; apply checkpointing in your "
@@ -290,7 +296,8 @@ class Options:
                    alloc_conf=_resolve_alloc_conf(alloc_conf),
                    checkpointing=_resolve_checkpointing(checkpointing), compile=compile,
                    cpu=_resolve_cpu(cpu_isa, threads), mesh=mesh, parallelize=parallelize,
-                   sizes=Sizes.create(sizes), accumulate=accumulate, step=step, setup=setup)
+                   sizes=Sizes.create(sizes), accumulate=accumulate, step=step, setup=setup,
+                   pipeline=pipeline)
 
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""
@@ -338,14 +345,36 @@ def _resolve_checkpointing(checkpointing) -> tuple:
     return tuple(UnitPolicy.of(p) for p in policies)
 
 
-def _check_mesh(mesh, parallelize, device, symbolic, engine):
-    """The MeshSpec of a distributed profile (None without one); mesh and parallelize go together."""
+def _resolve_pipeline(pipeline, mesh, accumulate):
+    """The PipelineSpec of a pipelined profile: given, or the default schedule when the mesh has
+    a "pp" dimension; None without pipeline parallelism."""
+    from .values.pipeline import PipelineSpec, pipeline_spec
+
+    has_pp = isinstance(mesh, dict) and "pp" in mesh or \
+        getattr(mesh, "names", None) is not None and "pp" in mesh.names
+    spec = pipeline_spec(pipeline)
+    if spec is None and not has_pp:
+        return None
+    if not has_pp:
+        raise TapescopeError("pipeline= needs a mesh with a 'pp' dimension, the pipeline's ranks "
+                             "(e.g. mesh={'pp': 4}, CLI --pp 4)")
+    if accumulate != 1:
+        raise TapescopeError("a pipelined step accumulates over its micro-batches: drop "
+                             "accumulate (--accumulate) and set the micro-batches "
+                             "(pipeline={'microbatches': M}, CLI --microbatches M)")
+    return spec or PipelineSpec()
+
+
+def _check_mesh(mesh, parallelize, device, symbolic, engine, pipelined: bool = False):
+    """The MeshSpec of a distributed profile (None without one); mesh and parallelize go together
+    (a pipelined mesh may have no parallelize: the stages are the parallelisation)."""
     if mesh is None and parallelize is None:
         return None
     if mesh is None:
         raise TapescopeError("parallelize= needs mesh=, the device mesh to run it on "
                              "(e.g. mesh={'dp': 4, 'tp': 2})")
-    if not callable(parallelize):
+    if parallelize is not None and not callable(parallelize) or \
+            parallelize is None and not pipelined:
         raise TapescopeError("mesh= needs parallelize=fn, where fn(model, mesh) applies your "
                              "torch.distributed code (fully_shard, parallelize_module, ...) to the "
                              "model and returns it (CLI: --fsdp/--tp or --parallelize file.py:fn)")

@@ -547,11 +547,11 @@ def _roots(tensors, grads) -> list:
     tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
     if grads is None or isinstance(grads, torch.Tensor):
         grads = (grads,) * len(tensors) if grads is None else (grads,)
+    from ..errors import user_error
+
     roots = []
     for t, g in zip(tensors, grads):
         if t.grad_fn is None:
-            from ..errors import user_error
-
             raise user_error(RuntimeError(
                 "element 0 of tensors does not require grad and does not have a grad_fn"
                 if not t.requires_grad else "a backward from a leaf tensor is not supported"))

@@ -78,6 +78,13 @@ class StepProgram(ABC):
 
     #: step 2's forward and backward may be step 1's (capture/session.py checks when)
     reusable: bool = False
+    #: setup is recorded as step 0 (what it makes is alive when step 1 starts); else it runs
+    #: before the recording, like the built-in step's optimizer construction
+    records_setup: bool = False
+
+    def describe(self) -> dict | None:
+        """What the report says about the program (facts["step"]); None for the built-in step."""
+        return None
 
     @abstractmethod
     def setup(self, model: nn.Module, params: list, device: torch.device) -> Any:
@@ -125,6 +132,13 @@ class UserStep(StepProgram):
     setup_fn: Callable | None = None
     optimizer: Any = "adamw"
 
+    @property
+    def records_setup(self) -> bool:
+        return self.setup_fn is not None
+
+    def describe(self) -> dict:
+        return {"fn": _qualname(self.fn), "setup": _qualname(self.setup_fn)}
+
     def setup(self, model, params, device):
         if self.setup_fn is None:
             return make_optimizer(self.optimizer, params, device)
@@ -138,6 +152,12 @@ class UserStep(StepProgram):
         batch = dict(kwargs) if kwargs else tuple(args)
         with phase_marks(model, step, runtime):
             _call_step(self.fn, model, batch, state)  # what it returns dies here, in the step
+
+
+def _qualname(fn) -> str | None:
+    if fn is None:
+        return None
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 @passes_user_calls

@@ -61,7 +61,7 @@ _TORCH_BACKWARD, _TORCH_GRAD = torch.autograd.backward, torch.autograd.grad
 
 
 def capture(workload: Workload, options: Options, progress=None,
-            prepare=None, streams=None) -> tuple[Trace, dict]:
+            prepare=None, streams=None, program=None) -> tuple[Trace, dict]:
     """Trace `options.steps` (1 or 2) training steps; returns the Trace and facts about the run.
 
     A step whose sizes depend on tensor values (a mixture of experts' routing, a boolean mask) is
@@ -69,14 +69,17 @@ def capture(workload: Workload, options: Options, progress=None,
     given by `options.sizes` (data_values.py); the first attempt runs without one, as most
     steps need none. progress(step, phase) is called after each phase; `prepare(fake_model)`
     (a distributed profile's parallelisation) runs on each attempt's fake model; `streams` (a
-    StreamLog) says which CUDA stream each op is issued on."""
+    StreamLog) says which CUDA stream each op is issued on; `program` is a StepProgram run in
+    place of the one the options ask for (a pipelined rank's step, distributed/pipeline.py)."""
     workload = replace(workload, model=model_of(workload.model))  # built once, for both
     try:
-        return CaptureSession(workload, options, progress, prepare=prepare, streams=streams).run()
+        return CaptureSession(workload, options, progress, prepare=prepare, streams=streams,
+                              program=program).run()
     except DataDependentError:
         if options.symbolic:
             raise  # that session had a ShapeEnv and values already
     return CaptureSession(workload, options, progress, prepare=prepare, streams=streams,
+                          program=program,
                           data_dependent=True).run()
 
 
@@ -142,7 +145,7 @@ class CaptureSession:
     """One capture of a workload under options. `run()` once."""
 
     def __init__(self, workload: Workload, options: Options, progress=None, prepare=None,
-                 data_dependent: bool = False, streams=None):
+                 data_dependent: bool = False, streams=None, program=None):
         """prepare: `fn(fake_model) -> model`, run on the fake copy before the first step and
         recorded as step 0 (setup): a simulated rank's parallelisation (distributed/profile.py).
         What it leaves alive is there when step 1 starts.
@@ -151,6 +154,7 @@ class CaptureSession:
         self.options = options
         self.progress = progress
         self.prepare = prepare
+        self.given_program = program  # a StepProgram; default: the one the options ask for
         self.model = model_of(workload.model)
         args, kwargs = tuple(workload.args), dict(workload.kwargs or {})
         self.shape_env = None
@@ -181,11 +185,11 @@ class CaptureSession:
         opts, trace = self.options, self.trace
         with self.tape, self.tape.recording_resizes():
             self._make_fake_model()
-            self.program = program = step_program(opts)
+            self.program = program = self.given_program or step_program(opts)
             self.optimizers: list = []  # every optimizer the step uses (their state is named)
             self.state_tensors: list = []  # what a user step's setup made besides optimizers
             self.optimizer = None
-            if program.reusable or program.setup_fn is None:
+            if not program.records_setup:
                 self.optimizer = program.setup(self.fmodel, self.params, opts.device)
                 if self.optimizer is not None:
                     self.optimizers.append(self.optimizer)
@@ -213,10 +217,9 @@ class CaptureSession:
                 raise from_trace_failure(e) from e
         self.facts["optimizer"] = _describe_optimizer(self.optimizers[0]) \
             if self.optimizers else None
-        if not program.reusable:
-            self.facts["step"] = {"fn": _qualname(program.fn),
-                                  "setup": _qualname(program.setup_fn),
-                                  "optimizers": len(self.optimizers)}
+        described = program.describe()
+        if described is not None:
+            self.facts["step"] = {**described, "optimizers": len(self.optimizers)}
         notes = self.isolation.notes + self.isolation.leaks(self.model)
         if notes:
             self.facts["isolation_notes"] = notes
@@ -463,7 +466,7 @@ class CaptureSession:
         forward, backward and optimizer is its own: nothing of step 1 is assumed for step 2).
         Its setup, if any, is recorded as step 0: what it makes is alive when step 1 starts."""
         program = self.program
-        if program.setup_fn is not None:
+        if program.records_setup:
             with self.tape.phase(0, SETUP):
                 self.state = program.setup(self.fmodel, self.params, self.options.device)
             self.optimizers += optimizers_in(self.state)
@@ -471,8 +474,13 @@ class CaptureSession:
         else:
             self.state = self.optimizer
         self._mark_grads_and_state()
+        opts = self.options
+        # (amp: a user's step opens its own autocast, so only a pipelined step has one here)
+        forward_context = (lambda: autocast(opts.device, opts.amp)) if opts.amp is not None \
+            else nullcontext
         runtime = StepRuntime(phase=self._user_phase, backward=self._run_backward,
-                              grad=self._run_grad, on_optimizer=self._saw_optimizer)
+                              grad=self._run_grad, on_optimizer=self._saw_optimizer,
+                              forward_context=forward_context)
         for step in range(1, self.options.steps + 1):
             program.run(self.step_model, self.fargs, self.fkwargs, self.state, step, runtime)
             self._mark_grads_and_state()
@@ -709,12 +717,6 @@ def _self_contained(trace: Trace, seg) -> bool:
             if made is None or made not in ops:
                 return False
     return True
-
-
-def _qualname(fn) -> str | None:
-    if fn is None:
-        return None
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _describe_optimizer(opt: torch.optim.Optimizer) -> dict:

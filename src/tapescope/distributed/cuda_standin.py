@@ -124,6 +124,11 @@ def cuda_without_gpu(compute_capability: tuple = (9, 0)):
         "stream": stream,
         "synchronize": lambda device=None: None,
         "get_device_capability": lambda device=None: tuple(compute_capability),
+        # the CUDA generator's state is a 16-byte CPU tensor (seed, offset); pipelining forks
+        # the generators around a schedule's first step (torch.random.fork_rng): no GPU, no
+        # generator, so a state that restores nothing
+        "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+        "set_rng_state": lambda new_state, device="cuda": None,
     }
     saved = {name: getattr(torch.cuda, name) for name in replaced}
     saved_accel = torch.accelerator.current_stream

@@ -318,13 +318,73 @@ def eager_distributed():
     setattr(propagator, propagate_name, propagate_unrecorded)
     restore_mesh = _mesh_bookkeeping_on_real_tensors()
     restore_flag = _strided_flag_once_per_op()
+    restore_p2p = _p2p_works_hold_their_tensors()
     _clear_dtensor_caches()
     try:
         yield
     finally:
         _clear_dtensor_caches()
+        restore_p2p()
         restore_flag()
         restore_mesh()
         setattr(propagator, propagate_name, propagate)
         for mod, name, fn in saved:
             setattr(mod, name, fn)
+
+
+class _HeldWork:
+    """A point-to-point Work that holds its tensor, as a real backend's does.
+
+    Gloo's send and receive works keep their tensors until the Work object dies
+    (ProcessGroupGloo's AsyncWork members); NCCL's keep them in the work's stash for the
+    allocator's safety (TORCH_NCCL_AVOID_RECORD_STREAMS) at least until it is waited. The fake
+    process group's FakeWork holds nothing, so a sent activation would die as soon as the
+    program dropped it. Pipeline schedules keep their send works in a list until the next
+    send (Schedule1F1B's `send_work`): in a real gloo run stage 0 holds micro-batch 0's output
+    that long, 16 KiB of a 2-stage Llama's peak in tests/test_pipeline.py."""
+
+    __slots__ = ("work", "tensor")
+
+    def __init__(self, work, tensor):
+        self.work, self.tensor = work, tensor
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+    def __bool__(self):
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _p2p_works_hold_their_tensors():
+    """Make torch.distributed.isend / irecv return works that hold their tensors (_HeldWork)
+    while a capture runs; returns the function that restores them. The same wrapper is set
+    on torch.distributed and distributed_c10d: P2POp and batch_isend_irecv compare an op with
+    `isend` / `irecv` by identity."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    originals = {name: getattr(c10d, name) for name in ("isend", "irecv")}
+
+    def holding(fn):
+        def p2p(tensor, *args, **kwargs):
+            work = fn(tensor, *args, **kwargs)
+            return None if work is None else _HeldWork(work, tensor)
+        p2p.__name__ = p2p.__qualname__ = fn.__name__
+        p2p.__wrapped__ = fn
+        return p2p
+
+    wrapped = {name: holding(fn) for name, fn in originals.items()}
+    before = {name: getattr(dist, name) for name in originals}
+    for name, fn in wrapped.items():
+        setattr(c10d, name, fn)
+        setattr(dist, name, fn)
+
+    def restore():
+        for name, fn in originals.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, before[name])
+
+    return restore

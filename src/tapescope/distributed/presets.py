@@ -69,9 +69,9 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     (Llama's `layers`, GPT-2's `h`, a ViT's encoder layers)."""
     best: list = []
     for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > len(best) \
-                and len({type(b) for b in m}) == 1:
-            best = list(m)
+        held = [b for b in m if b is not None] if isinstance(m, nn.ModuleList) else []
+        if len(held) > len(best) and len({type(b) for b in held}) == 1:
+            best = held  # (a pipeline stage's list holds None for other stages' blocks)
     return best
 
 
@@ -103,12 +103,15 @@ def _llama_plan(model, tp_mesh) -> None:
                                                    parallelize_module)
 
     _check_heads(model.config.n_heads, model.config.n_kv_heads, tp_mesh.size())
-    parallelize_module(model, tp_mesh, {
+    ends = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
-    for block in model.layers:
+    }
+    # a pipeline stage holds some of them (the others are None)
+    parallelize_module(model, tp_mesh, {k: v for k, v in ends.items()
+                                        if getattr(model, k) is not None})
+    for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1),),
@@ -256,10 +259,24 @@ def load_function(text: str) -> Callable:
 
 
 def parallelization(fsdp: int = 1, tp: int = 1, hsdp: int = 1, dp_replicate: int = 1,
-                    parallelize: str | None = None, mesh: str | None = None, amp=None):
+                    parallelize: str | None = None, mesh: str | None = None, amp=None,
+                    pp: int = 1):
     """(mesh dict, parallelize fn, amp for autocast) from the CLI's flags; (None, None, amp)
     when none asks for more than one rank. With a preset and amp, FSDP2's MixedPrecisionPolicy
-    takes the place of autocast."""
+    takes the place of autocast. --pp N puts a "pp" dimension outermost (torchtitan's order):
+    the presets then parallelise each pipeline stage over the other dimensions."""
+    if pp < 1:
+        raise TapescopeError(f"--pp {pp}: a degree must be at least 1")
+    if pp > 1:
+        if mesh is not None:
+            raise TapescopeError("--mesh gives the whole layout: put the pipeline in it "
+                                 f"(--mesh pp={pp},...) instead of --pp {pp}")
+        inner, fn, amp = parallelization(fsdp, tp, hsdp, dp_replicate, parallelize, None, amp)
+        return {"pp": pp, **(inner or {})}, fn, amp
+    return _parallelization(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, amp)
+
+
+def _parallelization(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, amp):
     from ..options import resolve_dtype
 
     degrees = {"--fsdp": fsdp, "--tp": tp, "--hsdp": hsdp, "--dp-replicate": dp_replicate}

@@ -30,6 +30,7 @@ from .categories import assign_roles
 from .fidelity import eager_distributed
 from .groups import collective_groups, process_groups
 from .mesh import MeshSpec, fake_world
+from .pipeline import pipeline_plan
 from .ranks import RankClasses, rank_classes, shard_layouts
 
 __all__ = ["RankProfile", "DistributedFacts", "profile_ranks"]
@@ -48,11 +49,13 @@ class RankProfile:
     traced_as: int
     step_seconds: float | None = None   # on the profiled GPU (device cuda), with its collectives
     mfu: float | None = None
+    stages: tuple | None = None         # the pipeline stages it holds (pipelined profiles)
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "coordinate": self.coordinate, "peak_bytes": self.peak_bytes,
                 "first_step_peak_bytes": self.first_step_peak_bytes, "at_peak": self.at_peak,
-                "traced_as": self.traced_as, "step_seconds": self.step_seconds, "mfu": self.mfu}
+                "traced_as": self.traced_as, "step_seconds": self.step_seconds, "mfu": self.mfu,
+                "stages": None if self.stages is None else list(self.stages)}
 
 
 @dataclass
@@ -65,13 +68,15 @@ class DistributedFacts:
     profiles: dict = field(default_factory=dict, repr=False)   # traced rank -> Profile
     trace_seconds: dict = field(default_factory=dict)     # traced rank -> seconds to trace it
     trace_cpu_seconds: dict = field(default_factory=dict)  # ... this process's CPU time
+    pipeline: object = None    # distributed.pipeline.PipelineReport of a pipelined profile
 
     def to_dict(self) -> dict:
         return {"mesh": self.mesh.as_dict(), "world_size": self.mesh.world_size,
                 "rank_classes": [list(m) for m in self.classes.members],
                 "classes_provable": self.classes.provable,
                 "traced_ranks": sorted(self.profiles), "trace_seconds": self.trace_seconds,
-                "trace_cpu_seconds": self.trace_cpu_seconds}
+                "trace_cpu_seconds": self.trace_cpu_seconds,
+                "pipeline": None if self.pipeline is None else self.pipeline.to_dict()}
 
 
 def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
@@ -82,26 +87,39 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     spec = options.mesh
     # built once: every rank copies the same meta model
     workload = replace(workload, model=model_of(workload.model))
+    pipelined = pipeline_plan(workload, options) if options.pipeline is not None else None
+    measured: list = []
+
+    def parallelize(module, rank, device_mesh):
+        if options.parallelize is None:
+            return module
+        try:
+            out = options.parallelize(module, device_mesh)
+        except TapescopeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's parallelisation failed
+            raise _parallelize_failed(e, options.parallelize, rank) from e
+        if out is None:
+            out = module  # parallelised in place
+        if not isinstance(out, torch.nn.Module):
+            fn = getattr(options.parallelize, "__name__", "parallelize")
+            raise TapescopeError(
+                f"{fn}(model, mesh) returned {type(out).__name__} {_short_repr(out)}; return "
+                "the parallelised model (an nn.Module) or None when it changes the model in "
+                "place")
+        _refuse_ddp(out)
+        return out
 
     def trace_rank(rank: int):
         seen: dict = {}
+        program = None
 
         def prepare(fmodel):
-            try:
-                out = options.parallelize(fmodel, device_mesh)
-            except TapescopeError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the user's parallelisation failed
-                raise _parallelize_failed(e, options.parallelize, rank) from e
-            if out is None:
-                out = fmodel  # parallelised in place
-            if not isinstance(out, torch.nn.Module):
-                fn = getattr(options.parallelize, "__name__", "parallelize")
-                raise TapescopeError(
-                    f"{fn}(model, mesh) returned {type(out).__name__} {_short_repr(out)}; return "
-                    "the parallelised model (an nn.Module) or None when it changes the model in "
-                    "place")
-            _refuse_ddp(out)
+            if pipelined is None:
+                out = parallelize(fmodel, rank, device_mesh)
+            else:  # this rank's stages, each parallelised over the other dimensions
+                out = pipelined.stage_modules(fmodel, program.stages,
+                                               lambda m: parallelize(m, rank, device_mesh))
             seen["layouts"] = shard_layouts(out, spec)
             seen["sharded"] = _sharded_names(out)
             return out
@@ -113,9 +131,20 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
             standin = cuda_without_gpu(options.gpu.compute_capability)
         with standin as streams, eager_distributed(), \
                 fake_world(spec, rank, options.device.type) as device_mesh:
+            if pipelined is not None:
+                if options.parallelize is not None and not measured:
+                    # the shapes between stages are the parallelised stages' (found once)
+                    pipelined.measure_parallelised(lambda m: parallelize(m, rank, device_mesh),
+                                                   options.device)
+                    measured.append(True)
+                program = pipelined.program(rank, device_mesh, options.loss_fn,
+                                            options.optimizer)
             # (capture retries a step whose sizes depend on data - an MoE's routing - with
             # values, as for one device; the fake world stays up for the retry)
-            trace, facts = capture(workload, options, progress, prepare=prepare, streams=streams)
+            trace, facts = capture(workload, options, progress, prepare=prepare, streams=streams,
+                                   program=program)
+            if program is not None:
+                seen["order"] = program.order
             groups = process_groups(spec)
             facts["collective_groups"] = collective_groups(trace)
         facts["process_groups"] = {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
@@ -124,14 +153,26 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         assign_roles(trace, sharded)
         facts["mesh"] = spec.as_dict()
         facts["rank"] = rank
-        facts["parallelize"] = getattr(options.parallelize, "__name__", str(options.parallelize))
+        facts["parallelize"] = None if options.parallelize is None else \
+            getattr(options.parallelize, "__name__", str(options.parallelize))
+        orders[rank] = seen.get("order")
         return analyse(trace, facts), seen["layouts"], groups
 
     seconds, cpu = {}, {}
-    start, start_cpu = time.perf_counter(), time.process_time()
-    first, layouts, groups = trace_rank(0)
-    seconds[0], cpu[0] = time.perf_counter() - start, time.process_time() - start_cpu
-    classes = rank_classes(spec, layouts)
+    profiles, group_maps, orders = {}, {}, {}
+
+    def trace_timed(rank: int):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        profiles[rank], layouts, group_maps[rank] = trace_rank(rank)
+        seconds[rank], cpu[rank] = time.perf_counter() - start, time.process_time() - start_cpu
+        return layouts
+
+    if pipelined is None:
+        classes = rank_classes(spec, trace_timed(0))
+    else:
+        # the stages differ in their modules, so each pipeline rank's step is its own: one
+        # trace per pipeline coordinate, and the classes of the other dimensions within it
+        classes = pipelined.classes(spec, trace_timed)
     if not classes.provable and spec.world_size > 1:
         # said before the long part starts, with what it will cost
         note = (f"cannot prove which ranks run the same step (a parameter's device mesh has no "
@@ -141,12 +182,9 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         warnings.warn(note, stacklevel=2)
         if progress is not None:
             progress(note)
-    profiles, group_maps = {0: first}, {0: groups}
     for rep in classes.representatives:
         if rep not in profiles:
-            start, start_cpu = time.perf_counter(), time.process_time()
-            profiles[rep], _, group_maps[rep] = trace_rank(rep)
-            seconds[rep], cpu[rep] = time.perf_counter() - start, time.process_time() - start_cpu
+            trace_timed(rep)
 
     ranks = []
     for rep, members in zip(classes.representatives, classes.members):
@@ -157,11 +195,14 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         for r in members:
             ranks.append(RankProfile(r, spec.coordinate(r), p.peak_bytes, p.first_step_peak_bytes,
                                      at_peak, rep, None if t is None else t.seconds,
-                                     None if t is None else t.mfu))
+                                     None if t is None else t.mfu,
+                                     None if pipelined is None else pipelined.stages_of(r)))
     ranks.sort(key=lambda r: r.rank)
     top = max(profiles, key=lambda r: (profiles[r].peak_bytes, -r))
-    return profiles[top], ranks, DistributedFacts(spec, classes, group_maps[top], profiles, seconds,
-                                                  cpu)
+    facts = DistributedFacts(spec, classes, group_maps[top], profiles, seconds, cpu)
+    if pipelined is not None:
+        facts.pipeline = pipelined.report(ranks, profiles, orders)
+    return profiles[top], ranks, facts
 
 
 _DDP_NOTE = (

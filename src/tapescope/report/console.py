@@ -100,7 +100,7 @@ def _header(p) -> Text:
             f"{opt['name']} ({opt['implementation']})" if opt else "no optimizer",
             *([f"{f['step']['optimizers']} optimizers"]
               if f.get("step") and f["step"]["optimizers"] > 1 else []),
-            *([f"your step {f['step']['fn']}"] if f.get("step") else []),
+            *([f"your step {f['step']['fn']}"] if (f.get("step") or {}).get("fn") else []),
             *([f"{f['accumulate']} micro-batches per step"] if f.get("accumulate") else []),
             f"{fmt_count(f.get('parameters', 0))} parameters"]
     return Text(" · ".join(bits), style="bold")

@@ -53,8 +53,10 @@ def distributed_sections(p, top: int = 8) -> list[Section]:
     classes = d.classes
     how = "ranks whose shards have the same shapes run the same step: one trace each" \
         if classes.provable else "which ranks run the same step could not be proven: every rank traced"
+    by = p.facts.get("parallelize")
+    by = "its pipeline stages alone" if by in (None, "None") else by
     mesh = (f"Mesh {d.mesh} = {d.mesh.world_size} ranks, parallelised by "
-            f"{p.facts.get('parallelize', '?')}; {len(classes.members)} traced ({how})")
+            f"{by}; {len(classes.members)} traced ({how})")
     by_rank = {r.rank: r for r in p.ranks}
     timed = any(r.step_seconds is not None for r in p.ranks)
     rows = []
@@ -82,7 +84,45 @@ def distributed_sections(p, top: int = 8) -> list[Section]:
         out.append(Section(f"Collectives of rank {p.facts.get('rank', 0)} per step", (),
                            ("kind", "mesh dim", "ranks", "bytes per rank", "count", "link", "time"),
                            tuple(rows), after))
+    if d.pipeline is not None:
+        out.append(pipeline_section(d.pipeline))
     return out
+
+
+def pipeline_section(pl) -> Section:
+    """Each pipeline stage's peak, what it holds, its in-flight micro-batches and its bubble;
+    why the highest is highest; the step's time when the stages run together."""
+    plan, timed = pl.plan, pl.time is not None
+    rows = []
+    for r in pl.ranks:
+        rows.append((str(r.pp_rank), ", ".join(map(str, r.stages)), fmt_bytes(r.peak_bytes),
+                     "-" if r.in_flight is None else
+                     f"{r.in_flight} micro-batch{'es' if r.in_flight != 1 else ''}",
+                     fmt_bytes(r.at_peak.get("saved activations", 0)),
+                     fmt_bytes(r.at_peak.get("parameters", 0)
+                               + r.at_peak.get("sharded parameters", 0)),
+                     *((f"{pl.time.bubble.get(r.pp_rank, 0):.0%}",) if timed else ())))
+    after = []
+    top, why, _ = pl.highest()
+    low = min(pl.ranks, key=lambda r: r.peak_bytes)
+    if why is not None and top is not low:
+        held = ""
+        if top.in_flight is not None and low.in_flight is not None \
+                and top.in_flight != low.in_flight:
+            held = (f": it holds {top.in_flight} micro-batches' activations in flight where pp "
+                    f"rank {low.pp_rank} holds {low.in_flight}")
+        diffs = sorted(((v - low.at_peak.get(k, 0), k) for k, v in top.at_peak.items()),
+                       reverse=True)[:2]
+        parts = ", ".join(f"{k} +{fmt_bytes(d)}" for d, k in diffs if d > 0)
+        after.append(f"pp rank {top.pp_rank} is highest ({fmt_bytes(top.peak_bytes)}, pp rank "
+                     f"{low.pp_rank} {fmt_bytes(low.peak_bytes)}){held}; at the peaks: {parts}")
+    if timed:
+        after.append(f"step {pl.time.seconds * 1e3:.1f} ms with the stages running together "
+                     "(each stage's traced forward and backward, and the schedule's waits)")
+    return Section(f"Pipeline {plan.spec.schedule}, {plan.num_stages} stages on {plan.pp} ranks, "
+                   f"{plan.microbatches} micro-batches", (),
+                   ("pp rank", "stages", "peak", "in flight", "saved activations", "parameters")
+                   + (("bubble",) if timed else ()), tuple(rows), tuple(after))
 
 
 def checkpointing_sections(p) -> list[Section]:

@@ -61,21 +61,25 @@ class RealJob:
     dtype: object = None
     steps: int = 2
     seed: int = 0
+    pipeline: object = None   # a schedule name or dict, as profile(pipeline=...) takes it
 
 
 def run_real_distributed(build, inputs=(), input_kwargs=None, *, mesh: dict, parallelize,
                          loss_fn=None, optimizer="adamw", dtype=None, steps: int = 2,
-                         seed: int = 0, threads: int = 1) -> list[RealRank]:
+                         seed: int = 0, threads: int = 1, pipeline=None) -> list[RealRank]:
     """Run `steps` real steps on `prod(mesh.values())` CPU processes; each rank's peaks.
 
     build: a function that builds the model (called on the CPU in every rank, same seed).
     mesh: {"dp": 2, "tp": 2}, the device mesh's dimension names and sizes, outermost first.
-    parallelize: `fn(model, mesh) -> model`, the user's torch.distributed code.
+    parallelize: `fn(model, mesh) -> model`, the user's torch.distributed code (None: a
+        pipelined job's stages alone).
+    pipeline: as `tapescope.profile(pipeline=...)`: each rank builds its stages with the same
+        split and runs the same schedule (distributed/pipeline.py's PipelineStep), over gloo.
     threads: intra-op threads per process (kernel choices do not depend on it for the ops whose
         memory tapescope models; fewer threads keep N processes from fighting over the cores).
     """
     job = RealJob(build, tuple(inputs), dict(mesh), parallelize, input_kwargs or {}, loss_fn,
-                  optimizer, dtype, steps, seed)
+                  optimizer, dtype, steps, seed, pipeline)
     return run_real_jobs([job], threads=threads)[0]
 
 
@@ -136,11 +140,18 @@ def _run_job(job: RealJob) -> dict:
 
     from ..capture.model import real_inputs, resolve_dtype
     from ..capture.optimizers import make_optimizer
+    from ..capture.program import StepRuntime
     from ..capture.step import train_step
     from .real import _read_allocations
 
     mesh = init_device_mesh("cpu", tuple(job.mesh.values()), mesh_dim_names=tuple(job.mesh))
     device, dtype = torch.device("cpu"), resolve_dtype(job.dtype)
+    plan = None
+    if job.pipeline is not None:
+        plan = _pipeline_plan(job)
+        # imported before the profiler starts, as a training script imports it: the module
+        # makes a 4-byte tensor at import (microbatch.py's sum_reducer), which is no step's
+        from torch.distributed import pipelining  # noqa: F401
     torch.manual_seed(job.seed)
     gen = torch.Generator().manual_seed(job.seed)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
@@ -149,9 +160,16 @@ def _run_job(job: RealJob) -> dict:
                 model = job.build()
             if dtype is not None:
                 model = model.to(dtype)
-            model = job.parallelize(model, mesh)
             args, kwargs = real_inputs((tuple(job.inputs), job.input_kwargs), device, dtype, gen)
-            opt = make_optimizer(job.optimizer, list(model.parameters()), device)
+            if plan is None:
+                model = job.parallelize(model, mesh)
+                opt = make_optimizer(job.optimizer, list(model.parameters()), device)
+            else:  # the rank's stages, as tapescope's capture makes them (distributed/profile.py)
+                rank = torch.distributed.get_rank()
+                program = plan.program(rank, mesh, job.loss_fn, job.optimizer)
+                model = plan.stage_modules(model, program.stages, lambda m: m if job.parallelize
+                                           is None else job.parallelize(m, mesh))
+                state = program.setup(model, list(model.parameters()), device)
             # the tensors parallelize replaced can sit in reference cycles until the collector
             # runs, which in a real job happens long before the steady state (tapescope
             # collects at the same point)
@@ -162,8 +180,22 @@ def _run_job(job: RealJob) -> dict:
 
         for s in range(1, job.steps + 1):
             with record_function(f"tapescope::step{s}"):
-                train_step(model, args, kwargs, job.loss_fn, opt, step=s, phase=phase)
-    program = _read_allocations(prof, device, program_only=True)
+                if plan is None:
+                    train_step(model, args, kwargs, job.loss_fn, opt, step=s, phase=phase)
+                else:
+                    program.run(model, args, kwargs, state, s, StepRuntime(phase=phase))
+    own = _read_allocations(prof, device, program_only=True)
     allocator = _read_allocations(prof, device)
-    return {"peaks": program.peaks, "allocator_peaks": allocator.peaks,
-            "late_frees": program.late_frees}
+    return {"peaks": own.peaks, "allocator_peaks": allocator.peaks,
+            "late_frees": own.late_frees}
+
+
+def _pipeline_plan(job: RealJob):
+    """The PipelinePlan tapescope's profile of this job makes (the same split and shapes)."""
+    from ..capture.model import build_on_meta
+    from ..distributed.pipeline import pipeline_plan
+    from ..options import Options, Workload
+
+    options = Options.create(loss_fn=job.loss_fn, optimizer=job.optimizer, dtype=job.dtype,
+                             mesh=job.mesh, parallelize=job.parallelize, pipeline=job.pipeline)
+    return pipeline_plan(Workload(build_on_meta(job.build), tuple(job.inputs), {}), options)

@@ -79,13 +79,25 @@ class GPT2(nn.Module):
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.wte.weight = self.lm_head.weight  # weight tying
 
-    def forward(self, idx, targets):
-        T = idx.shape[1]
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+    def forward(self, idx, targets=None):
+        """The loss given targets, else the logits. A pipeline stage holds some of the modules
+        (the others are None): it skips those it does not hold (zoo/llama.py)."""
+        if self.wte is not None:
+            T = idx.shape[1]
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+            pos = torch.arange(T, device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+        else:
+            x = idx
         for block in self.h:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+            if block is not None:
+                x = block(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.lm_head is None:
+            return x
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))

@@ -108,12 +108,25 @@ class Llama(nn.Module):
         self.norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
 
-    def forward(self, tokens, targets):
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len "
-                             f"{self.config.max_seq_len}")
-        x = self.tok_embeddings(tokens)
+    def forward(self, tokens, targets=None):
+        """The loss given targets, else the logits. A pipeline stage holds some of the modules
+        (the others are None, as torchtitan splits a model): it skips those it does not hold,
+        so stage 0 takes tokens and a later stage the hidden states."""
+        if self.tok_embeddings is not None:
+            if tokens.shape[1] > self.config.max_seq_len:
+                raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len "
+                                 f"{self.config.max_seq_len}")
+            x = self.tok_embeddings(tokens)
+        else:
+            x = tokens
         for layer in self.layers:
-            x = layer(x)
-        logits = self.output(self.norm(x))
+            if layer is not None:
+                x = layer(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.output is None:
+            return x
+        logits = self.output(x)
+        if targets is None:
+            return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))

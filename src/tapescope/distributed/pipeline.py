@@ -1,0 +1,614 @@
+"""Pipeline parallelism on a simulated rank: torch.distributed.pipelining's own stages and schedules,
+run on fake tensors.
+
+A pipelined rank's step is what torchtitan's training loop runs on it: the model split into
+stages, this rank's stages wrapped in `PipelineStage`s, a schedule (`Schedule1F1B`, ...) over
+`microbatches` micro-batches, `schedule.step(...)`, then `optimizer.step()` and `zero_grad()`.
+tapescope runs exactly that (`PipelineStep`, a StepProgram) on the rank's fake copy of the model,
+under the fake process group: the schedule's sends and receives are recorded as collectives with
+their buffers, the stage keeps each in-flight micro-batch's activations until its backward as a
+real rank does, and the backward (`stage_backward` calls torch.autograd.backward) runs on
+tapescope's engine. So a stage's peak is the schedule's own: 1F1B holds pp - rank micro-batches,
+GPipe all of them.
+
+What tapescope supplies and why:
+- The split. `split(model, stage, num_stages)` makes a stage's module; the default keeps the
+  stage's share of the model's repeated blocks, the modules before the blocks on the first stage
+  and those after on the last, and sets the rest to None, as torchtitan's
+  `pipeline_module_split` does (the model's forward must skip None modules, as torchtitan's and
+  tapescope's zoo models do).
+- The stages' static metadata. PipelineStage infers shapes by sending them between ranks
+  (`send_object_list`), which the fake group cannot carry, so tapescope gives each stage its
+  `input_args`/`output_args` (and the gradients' `input_grads`/`output_grads`), found by running
+  the stages one after another on a meta copy of the model with one micro-batch.
+- The loss: the last stage calls `loss_fn(output, target)`, the target being the last input.
+
+Not modelled: the zero-bubble schedules' split backward (`stage_backward_input/weight` compute
+gradients of graph nodes, `GradientEdge`s, which tapescope's engine does not take yet).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..capture.program import StepProgram, phase_marks
+from ..capture.records import ZERO_GRAD
+from ..errors import TapescopeError, passes_user_calls
+from ..values.pipeline import PipelineSpec
+
+__all__ = ["split_blocks", "stage_boundaries", "PipelineStep", "pipeline_loss", "StageShapes"]
+
+
+# ---- the split -----------------------------------------------------------------------------------
+
+def _path_to_blocks(model: nn.Module) -> tuple[list, nn.ModuleList]:
+    """[(parent, child name)] from the root down to the model's block list, and the list: the
+    longest nn.ModuleList whose members share a class (Llama's `layers`, GPT-2's `h`)."""
+    best, best_path = None, None
+
+    def walk(module, path):
+        nonlocal best, best_path
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            here = path + [(module, name)]
+            if isinstance(child, nn.ModuleList):
+                kinds = {type(b) for b in child if b is not None}
+                if len(kinds) == 1 and (best is None or len(child) > len(best)):
+                    best, best_path = child, here
+            walk(child, here)
+
+    walk(model, [])
+    if best is None:
+        raise TapescopeError(
+            f"{type(model).__name__} has no list of repeated blocks (an nn.ModuleList of one "
+            "class) for the default pipeline split; pass your own: pipeline={'split': fn} "
+            "(CLI --pp-split file.py:fn), fn(model, stage, num_stages) -> the stage's module")
+    return best_path, best
+
+
+def block_range(stage: int, num_stages: int, n_blocks: int) -> range:
+    """The blocks stage `stage` holds: an even share, the earlier stages one fewer when they do
+    not divide (the first stage also holds the embedding, the last the output)."""
+    return range(stage * n_blocks // num_stages, (stage + 1) * n_blocks // num_stages)
+
+
+def split_blocks(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """Stage `stage`'s module: a copy of the model's structure (modules shared, not copied) that
+    holds its blocks, the modules registered before the block list on the path to it (embeddings)
+    on the first stage and those after (norm, output) on the last; the rest are None."""
+    path, blocks = _path_to_blocks(model)
+    n = len(blocks)
+    if n < num_stages:
+        raise TapescopeError(f"the model has {n} blocks, too few for {num_stages} pipeline "
+                             f"stages (each needs one); use fewer stages")
+    # shallow copies of the modules on the path, each with its own _modules: the stage's
+    # structure is its own, its leaves (the blocks, the embedding) are the model's
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    parent = root
+    for _, name in path:
+        child = copy.copy(parent._modules[name])
+        child._modules = dict(child._modules)
+        parent._modules[name] = child
+        parent = child
+    stage_blocks = parent
+    keep = block_range(stage, num_stages, n)
+    for i, key in enumerate(list(stage_blocks._modules)):
+        if i not in keep:
+            stage_blocks._modules[key] = None
+    first, last = stage == 0, stage == num_stages - 1
+    parent = root
+    for _, name in path:
+        names = list(parent._modules)
+        at = names.index(name)
+        for sibling in names[:at]:
+            if not first:
+                parent._modules[sibling] = None
+        for sibling in names[at + 1:]:
+            if not last:
+                parent._modules[sibling] = None
+        parent = parent._modules[name]
+    return root
+
+
+# ---- the stages' static metadata -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageShapes:
+    """A stage's inputs and outputs for one micro-batch: ((shape, dtype, requires_grad), ...)."""
+
+    inputs: tuple
+    outputs: tuple
+
+
+def _tensors(x) -> tuple:
+    from ..torch_compat import tree_leaves
+
+    return tuple(t for t in tree_leaves(x) if isinstance(t, torch.Tensor))
+
+
+def microbatch(args: tuple, microbatches: int) -> tuple:
+    """The first micro-batch of each input: torch.tensor_split along dim 0, as the schedule's
+    default TensorChunkSpec(0) splits."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.dim() == 0 or a.shape[0] < microbatches:
+                raise TapescopeError(
+                    f"an input of shape {tuple(a.shape)} cannot be split into {microbatches} "
+                    f"micro-batches along its first dimension; use a batch of at least "
+                    f"{microbatches} or fewer micro-batches")
+            out.append(torch.tensor_split(a, microbatches)[0])
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def stage_boundaries(model: nn.Module, stage_inputs: tuple, spec: PipelineSpec, pp: int,
+                     microbatches: int, split, parallelize=None) -> list[StageShapes]:
+    """Each stage's StageShapes, by running the stages in order on meta tensors (one micro-batch);
+    `model` and the inputs are on the meta device. parallelize(stage module): the parallelisation
+    of the other mesh dimensions, in a (fake) world: tensor parallelism's sequence-parallel
+    blocks pass each rank its share of the sequence between stages."""
+    from torch.distributed.tensor import DTensor
+
+    num_stages = spec.num_stages(pp)
+    x = microbatch(stage_inputs, microbatches)
+    out: list = []
+    # with autograd on (on meta / fake tensors it costs nothing): whether an output requires
+    # grad is part of what a stage sends. A received activation that does not require grad
+    # gets no gradient, and the zero-bubble schedules then find no weight to differentiate
+    # (stage_backward_input's param groups start from the inputs' gradient functions)
+    with torch.enable_grad():
+        for s in range(num_stages):
+            module = _split(split, copy.deepcopy(model), s, num_stages)
+            if parallelize is not None:
+                module = parallelize(module)
+            y = _run_stage(module, x, s)
+            ys = tuple(t.to_local() if isinstance(t, DTensor) else t for t in _tensors(y))
+            out.append(StageShapes(tuple(_meta_of(t) for t in _tensors(x)),
+                                   tuple(_meta_of(t) for t in ys)))
+            x = tuple(t.detach().requires_grad_(t.requires_grad) for t in ys)
+    return out
+
+
+def _meta_of(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point()
+
+
+@passes_user_calls
+def _split(split, model, stage, num_stages):
+    module = split(model, stage, num_stages)
+    if not isinstance(module, nn.Module):
+        raise TapescopeError(f"the pipeline split returned {type(module).__name__} for stage "
+                             f"{stage}; it must return the stage's nn.Module")
+    return module
+
+
+def _run_stage(module, x, stage):
+    try:
+        return module(*x)
+    except TypeError as e:
+        if "'NoneType' object is not callable" in str(e):
+            raise TapescopeError(
+                f"stage {stage}'s forward calls a module the split set to None: "
+                f"{type(module).__name__}.forward must skip the modules a stage does not hold "
+                "(as torchtitan's models do), or pass your own split (pipeline={'split': fn}, "
+                "CLI --pp-split file.py:fn)") from e
+        raise
+
+
+# ---- the loss ------------------------------------------------------------------------------------
+
+def pipeline_loss(loss_fn):
+    """The last stage's loss, `loss(output, target)`: the user's, else cross-entropy against an
+    integer target (a language model's next tokens), mean squared error against a target of the
+    output's shape, else the mean of the output."""
+    if loss_fn is not None:
+        return loss_fn
+
+    def default(output, target=None):
+        from ..losses import logits_of
+
+        import torch.nn.functional as F
+
+        logits = logits_of(output)
+        if target is not None and not target.is_floating_point():
+            return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+        if target is not None and target.shape == logits.shape:
+            return F.mse_loss(logits, target)
+        return logits.float().mean()
+
+    return default
+
+
+# ---- the step ------------------------------------------------------------------------------------
+
+@dataclass
+class PipelineStep(StepProgram):
+    """One pipelined step on one rank: `schedule.step` over its stages, optimizer.step(),
+    zero_grad(). `model` is the rank's stage module, or an nn.ModuleList of them (several stages
+    per rank), in the order of `stages`."""
+
+    spec: PipelineSpec
+    stages: tuple                    # this rank's stage indices
+    num_stages: int
+    microbatches: int
+    shapes: list                     # StageShapes of every stage
+    group: Any                       # the pipeline dimension's ProcessGroup
+    loss_fn: Any = None
+    optimizer: Any = "adamw"
+    records_setup: bool = True       # the stages and schedule are made in step 0 (setup)
+    order: dict | None = None        # the schedule's compute actions by pipeline rank (setup)
+
+    def describe(self) -> dict:
+        return {"pipeline": self.spec.to_dict(), "stages": list(self.stages)}
+
+    def setup(self, model, params, device):
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        from ..capture.optimizers import make_optimizer
+
+        modules = list(model) if len(self.stages) > 1 else [model]
+
+        def like(metas):
+            return tuple(torch.empty(shape, dtype=dtype, device=device).requires_grad_(grad)
+                         for shape, dtype, grad in metas)
+
+        stages = []
+        for index, module in zip(self.stages, modules):
+            shapes = self.shapes[index]
+            stages.append(PipelineStage(
+                module, index, self.num_stages, device, group=self.group,
+                input_args=like(shapes.inputs), output_args=like(shapes.outputs),
+                input_grads=like(shapes.inputs) if index > 0 else None,
+                output_grads=like(shapes.outputs) if index < self.num_stages - 1 else None))
+        cls = getattr(schedules, self.spec.kind.torch_class)
+        schedule = cls(stages if self.spec.kind.multi else stages[0], self.microbatches,
+                       loss_fn=pipeline_loss(self.loss_fn), scale_grads=True)
+        self.order = compute_order(schedule)
+        return schedule, make_optimizer(self.optimizer, params, device)
+
+    def run(self, model, args, kwargs, state, step, runtime):
+        schedule, optimizer = state
+        if kwargs:
+            raise TapescopeError("a pipelined step takes positional inputs (the first stage's "
+                                 "inputs, then the target); give them positionally")
+        inputs, target = tuple(args[:-1]), args[-1] if args else None
+        first, last = 0 in self.stages, self.num_stages - 1 in self.stages
+        with phase_marks(model, step, runtime):
+            # torchtitan's call: the last stage keeps the losses, not the merged outputs
+            losses: list | None = [] if last else None
+            if last:
+                schedule.step(*(inputs if first else ()), target=target, losses=losses,
+                              return_outputs=False)
+            else:
+                schedule.step(*(inputs if first else ()), return_outputs=False)
+            del losses
+            if optimizer is not None:
+                optimizer.step()
+        with runtime.phase(step, ZERO_GRAD):
+            if optimizer is not None:
+                optimizer.zero_grad()
+
+
+# ---- the schedule's time ---------------------------------------------------------------------------
+
+COMPUTE = ("F", "B", "I", "W")   # forward, full backward, input backward, weight backward
+
+
+def compute_order(schedule) -> dict | None:
+    """pipeline rank -> its compute actions in order, (stage, kind, micro-batch), for a schedule
+    whose runtime executes its `pipeline_order` (the multi-stage ones); None for the single-stage
+    ones (GPipe, 1F1B), whose `_step_microbatches` is written out by hand - their
+    `pipeline_order` is for display and differs from what runs (torch 2.14's Schedule1F1B lists
+    micro-batches 1-4 on the last of 2 ranks) - so their order is read from the trace."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    order = getattr(schedule, "pipeline_order", None)
+    if not isinstance(schedule, PipelineScheduleMulti) or not order:
+        return None
+    return {rank: [(a.stage_index, a.computation_type.value, a.microbatch_index)
+                   for a in actions if a is not None and a.computation_type.value in COMPUTE]
+            for rank, actions in order.items()}
+
+
+def traced_order(stage: int, kinds: list) -> list:
+    """A single-stage schedule's actions from the phases its rank ran: the i-th forward is
+    micro-batch i, and so is the i-th backward (GPipe and 1F1B keep micro-batch order)."""
+    count = {"F": 0, "B": 0}
+    out = []
+    for k in kinds:
+        out.append((stage, k, count[k]))
+        count[k] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    """The step's time when the ranks run the schedule together: each rank's compute actions
+    take what its trace says they take, and wait for the actions they depend on."""
+
+    seconds: float                 # the step: the last rank to finish
+    rank_seconds: dict             # pipeline rank -> when it finishes (schedule + the rest)
+    bubble: dict                   # pipeline rank -> share of the schedule it waits
+    p2p_seconds: float             # one activation's transfer between neighbouring stages
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "rank_seconds": self.rank_seconds,
+                "bubble": self.bubble, "p2p_seconds": self.p2p_seconds}
+
+
+def schedule_time(order: dict, action_seconds: dict, other_seconds: dict, p2p: float,
+                  num_stages: int) -> PipelineTime | None:
+    """Run `order` (pipeline rank -> [(stage, kind, micro-batch)]) as an event simulation:
+    a rank runs its actions in order, each when its rank is free and its input is there - a
+    forward after the previous stage's forward of the same micro-batch, a backward after the
+    next stage's (the last stage's after its own forward), a weight backward after its input
+    backward - plus `p2p` seconds when that input came from another rank. `action_seconds`:
+    rank -> seconds of each action; `other_seconds`: rank -> the rest of its step (loss,
+    optimizer), added after its last action. None if the order cannot run (a deadlock).
+
+    torch's own `_simulate_comms_compute` counts steps of unit length; this one takes each
+    action's traced time, so an unbalanced stage shows as the others' waiting."""
+    where = {a: r for r, acts in order.items() for a in acts}
+    done: dict = {}
+    clock = dict.fromkeys(order, 0.0)
+    busy = dict.fromkeys(order, 0.0)
+    nxt = dict.fromkeys(order, 0)
+
+    def needs(stage, kind, mb):
+        if kind == "F":
+            return [(stage - 1, "F", mb)] if stage > 0 else []
+        if kind == "W":
+            return [(stage, "I", mb)]
+        if stage == num_stages - 1:
+            return [(stage, "F", mb)]
+        return [a for a in ((stage + 1, "B", mb), (stage + 1, "I", mb)) if a in where]
+
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in order.items():
+            while nxt[r] < len(acts):
+                act = acts[nxt[r]]
+                deps = needs(*act)
+                if any(d not in done for d in deps):
+                    break
+                ready = max((done[d] + (p2p if where[d] != r else 0.0) for d in deps),
+                            default=0.0)
+                t = action_seconds[r][nxt[r]]
+                start = max(clock[r], ready)
+                clock[r] = start + t
+                busy[r] += t
+                done[act] = clock[r]
+                nxt[r] += 1
+                progress = True
+    if any(nxt[r] < len(acts) for r, acts in order.items()):
+        return None
+    span = max(clock.values(), default=0.0)
+    ends = {r: clock[r] + other_seconds.get(r, 0.0) for r in order}
+    bubble = {r: (1 - busy[r] / span) if span else 0.0 for r in order}
+    return PipelineTime(max(ends.values(), default=0.0), ends, bubble, p2p)
+
+
+def action_seconds(profile) -> tuple[list, list, float] | None:
+    """The kinds ("F", "B") and seconds of a rank's compute actions in its traced steady-state
+    step - each forward and backward the schedule ran is one phase segment of the trace, in
+    order - and the seconds of the rest of its step; None off a GPU."""
+    t = profile.time
+    if t is None:
+        return None
+    trace, step = profile.trace, profile.steps
+    by_index = {op.record.index: i for i, op in enumerate(profile.ops)}
+    kinds, secs = [], []
+    for seg in trace.segments:
+        if seg.step == step and seg.phase in ("forward", "backward"):
+            kinds.append("F" if seg.phase == "forward" else "B")
+            secs.append(sum(t.op_seconds[by_index[i]] for i in seg.ops if i in by_index))
+    return kinds, secs, max(0.0, t.seconds - sum(secs))
+
+
+# ---- a pipelined profile's plan: what every rank shares ------------------------------------------
+
+@dataclass
+class PipelinePlan:
+    """What every simulated rank of a pipelined profile shares: the spec, the split, the
+    micro-batches and every stage's StageShapes (found once, on meta)."""
+
+    spec: PipelineSpec
+    mesh: Any                        # values.mesh.MeshSpec
+    microbatches: int
+    shapes: list
+    split: Any
+    meta_model: Any = None           # what the shapes were found on, for measure_parallelised
+    stage_inputs: tuple = ()
+
+    def measure_parallelised(self, parallelize, device) -> None:
+        """Find the stages' shapes again with each stage parallelised over the other mesh
+        dimensions (call in a fake world): what the ranks send each other is their local
+        tensor (a share of the sequence under sequence parallelism, in FSDP2's mixed-precision
+        dtype). It runs on fake tensors on the profiled device: FSDP2 allocates its buffers
+        there, on a GPU a GPU-less machine lacks."""
+        from ..capture.model import fake_copy, fake_tensor_like
+        from ..torch_compat import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = fake_copy(self.meta_model, lambda t: fake_tensor_like(t, device, None))
+            inputs = tuple(fake_tensor_like(t, device, None) if isinstance(t, torch.Tensor)
+                           else t for t in self.stage_inputs)
+            self.shapes = stage_boundaries(model, inputs, self.spec, self.pp,
+                                           self.microbatches, self.split, parallelize)
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.as_dict()["pp"]
+
+    @property
+    def num_stages(self) -> int:
+        return self.spec.num_stages(self.pp)
+
+    def stages_of(self, rank: int) -> tuple:
+        return self.spec.stages_of(self.mesh.coordinate(rank)["pp"], self.pp)
+
+    def program(self, rank: int, device_mesh, loss_fn=None, optimizer="adamw") -> PipelineStep:
+        """Rank `rank`'s step; its pipeline group is device_mesh's "pp" dimension."""
+        return PipelineStep(self.spec, self.stages_of(rank), self.num_stages, self.microbatches,
+                            self.shapes, device_mesh["pp"].get_group(), loss_fn, optimizer)
+
+    def stage_modules(self, model: nn.Module, stages: tuple, parallelize) -> nn.Module:
+        """The rank's stage modules from its copy of the model, each parallelised over the
+        other dimensions: the module itself for one stage, an nn.ModuleList for several."""
+        modules = []
+        for i, s in enumerate(stages):
+            # the default split shares the model's modules between stages (each holds other
+            # blocks); a user's split may change the model, so each stage but the last gets a copy
+            source = model if self.split is split_blocks or i == len(stages) - 1 \
+                else copy.deepcopy(model)
+            modules.append(parallelize(_split(self.split, source, s, self.num_stages)))
+        return modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+
+    def classes(self, mesh, trace_timed):
+        """RankClasses of a pipelined mesh: the ranks of one pipeline coordinate, grouped by
+        their shards as ranks.py groups them; `trace_timed(rank) -> layouts` traces a rank."""
+        from .ranks import RankClasses, rank_classes
+
+        members, provable = [], True
+        for s in range(self.pp):
+            ranks = [r for r in range(mesh.world_size) if mesh.coordinate(r)["pp"] == s]
+            within = rank_classes(mesh, trace_timed(ranks[0]))
+            provable = provable and within.provable
+            for m in within.members:
+                mine = tuple(r for r in m if r in set(ranks))
+                if mine:
+                    members.append(mine)
+        members.sort(key=lambda m: m[0])
+        return RankClasses(tuple(members), provable)
+
+    def report(self, ranks: list, profiles: dict, orders: dict) -> "PipelineReport":
+        """What the pipeline does per stage: each pipeline rank's peak, what it holds at its
+        peak, its in-flight micro-batches, and the step's time when the ranks run together."""
+        by_pp: dict = {}
+        for r in ranks:
+            by_pp.setdefault(self.mesh.coordinate(r.rank)["pp"], r)   # the lowest rank of each
+        order = next((o for o in orders.values() if o), None)   # a multi-stage schedule's
+        traced = {s: action_seconds(profiles[r.traced_as]) for s, r in by_pp.items()}
+        if order is None:   # a single-stage schedule: what each rank ran, from its trace
+            order = {s: traced_order(r.stages[0], traced[s][0] if traced[s] else
+                                     _phase_kinds(profiles[r.traced_as]))
+                     for s, r in by_pp.items()}
+        timing = None
+        # each traced forward / backward segment is the order's next action (a zero-bubble
+        # schedule's input and weight backwards are backward segments too)
+        if all(traced.values()) and all(
+                ["F" if k == "F" else "B" for _, k, _ in order[s]] == traced[s][0]
+                for s in by_pp):
+            p2p = [c.seconds for r in by_pp.values() for c in profiles[r.traced_as].collectives
+                   if c.kind in ("send", "recv")]
+            timing = schedule_time(order, {s: traced[s][1] for s in by_pp},
+                                   {s: traced[s][2] for s in by_pp}, max(p2p, default=0.0),
+                                   self.num_stages)
+        in_flight = {s: max_in_flight(order.get(s, [])) for s in by_pp}
+        stages = [PipelineRank(s, r.stages, r.peak_bytes, dict(r.at_peak), in_flight.get(s))
+                  for s, r in sorted(by_pp.items())]
+        return PipelineReport(self, stages, timing)
+
+    def to_dict(self) -> dict:
+        return {**self.spec.to_dict(), "microbatches": self.microbatches,
+                "pp": self.pp, "num_stages": self.num_stages,
+                "stage_inputs": [[list(m[0]) for m in s.inputs] for s in self.shapes]}
+
+
+def _phase_kinds(profile) -> list:
+    """"F" / "B" for each forward and backward segment of the rank's steady-state step."""
+    return ["F" if seg.phase == "forward" else "B" for seg in profile.trace.segments
+            if seg.step == profile.steps and seg.phase in ("forward", "backward")]
+
+
+def max_in_flight(actions: list) -> int:
+    """The most micro-batches a rank's stages hold at once: forwards run whose backward has not
+    (each holds its activations until then)."""
+    live = most = 0
+    for _, kind, _ in actions:
+        if kind == "F":
+            live += 1
+            most = max(most, live)
+        elif kind in ("B", "I"):
+            live -= 1
+    return most
+
+
+@dataclass(frozen=True)
+class PipelineRank:
+    """One pipeline coordinate (its ranks of the other dimensions are alike or listed apart)."""
+
+    pp_rank: int
+    stages: tuple
+    peak_bytes: int
+    at_peak: dict          # category -> bytes at its peak
+    in_flight: int | None  # micro-batch activations it holds at most
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    plan: PipelinePlan
+    ranks: list            # PipelineRank, by pipeline rank
+    time: PipelineTime | None
+
+    def highest(self) -> tuple:
+        """(the pipeline rank with the highest peak, the category that puts it above the
+        lowest one and by how many bytes)."""
+        top = max(self.ranks, key=lambda r: r.peak_bytes)
+        low = min(self.ranks, key=lambda r: r.peak_bytes)
+        gaps = {k: v - low.at_peak.get(k, 0) for k, v in top.at_peak.items()}
+        why = max(gaps, key=gaps.get) if gaps else None
+        return top, why, gaps.get(why, 0)
+
+    def to_dict(self) -> dict:
+        top, why, gap = self.highest()
+        return {**self.plan.to_dict(),
+                "ranks": [{"pp_rank": r.pp_rank, "stages": list(r.stages),
+                           "peak_bytes": r.peak_bytes, "at_peak": r.at_peak,
+                           "in_flight_microbatches": r.in_flight} for r in self.ranks],
+                "highest": {"pp_rank": top.pp_rank, "because_of": why, "bytes_more": gap},
+                "time": None if self.time is None else self.time.to_dict()}
+
+
+def pipeline_plan(workload, options) -> PipelinePlan:
+    """The plan of a pipelined profile: micro-batches (default: one per sample), the split and
+    every stage's StageShapes, from a meta copy of the workload's model."""
+    from ..capture.model import fake_copy, fake_inputs, fake_tensor_like, model_of
+
+    # imported here, outside any rank's capture: importing it makes a real 4-byte tensor
+    # (microbatch.py's sum_reducer), which would count as a rank's memory if made inside one
+    from torch.distributed import pipelining  # noqa: F401
+
+    spec, mesh = options.pipeline, options.mesh
+    if "pp" not in mesh.names:
+        raise TapescopeError("a pipelined profile needs a mesh dimension named 'pp'")
+    if workload.kwargs:
+        raise TapescopeError("a pipelined step takes positional inputs only (the first stage's "
+                             "inputs, then the target the last stage's loss compares with)")
+    if len(workload.args) < 2:
+        raise TapescopeError("a pipelined step takes the first stage's inputs and then the "
+                             "target of the loss (e.g. tokens, labels)")
+    meta_model = fake_copy(model_of(workload.model),
+                           lambda t: fake_tensor_like(t, "meta", options.dtype))
+    args = fake_inputs(tuple(workload.args), torch.device("meta"), options.dtype)
+    stage_inputs = args[:-1]
+    batch = next((a.shape[0] for a in stage_inputs if isinstance(a, torch.Tensor) and a.dim()),
+                 None)
+    microbatches = spec.microbatches or batch or 1
+    pp = mesh.as_dict()["pp"]
+    if microbatches < pp and spec.schedule != "gpipe":
+        raise TapescopeError(f"schedule {spec.schedule} needs at least as many micro-batches as "
+                             f"pipeline ranks ({pp}); got {microbatches}")
+    split = spec.split or split_blocks
+    shapes = stage_boundaries(meta_model, stage_inputs, spec, pp, microbatches, split)
+    return PipelinePlan(spec, mesh, microbatches, shapes, split, meta_model, stage_inputs)

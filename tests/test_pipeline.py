@@ -1,0 +1,178 @@
+"""Pipeline parallelism: each rank's step under torch.distributed.pipelining's own schedules.
+
+Truth: `validate.distributed.run_real_jobs` runs the same pipelined step in one process per rank
+(gloo on the CPU, the same split, stages and schedule), and each rank's allocator reports its
+peak; tapescope traces every rank in one process with the fake process group. Each rank's first
+and steady-state peaks must be equal to the byte.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tapescope
+from tapescope.distributed.pipeline import block_range, split_blocks
+from tapescope.errors import TapescopeError
+from tapescope.validate.distributed import RealJob, run_real_jobs
+
+from . import distributed_models as dm
+
+MICROBATCHES = 4
+CASES = {
+    2: [("1f1b", {"pp": 2}, None), ("gpipe", {"pp": 2}, None),
+        ("interleaved-1f1b", {"pp": 2}, None),  # stages 0, 2 on rank 0; 1, 3 on rank 1
+        ("looped-bfs", {"pp": 2}, None)],
+    4: [("1f1b", {"pp": 2, "dp_shard": 2}, dm.fsdp_stage)],  # 2-D: FSDP2 inside each stage
+}
+
+
+def _pipeline(schedule):
+    return {"schedule": schedule, "microbatches": MICROBATCHES}
+
+
+@pytest.fixture(scope="module")
+def real():
+    out = {}
+    for world, cases in CASES.items():
+        jobs = [RealJob(dm.pipeline_llama, dm.PIPELINE_INPUTS, mesh, par,
+                        pipeline=_pipeline(schedule)) for schedule, mesh, par in cases]
+        for (schedule, _, _), ranks in zip(cases, run_real_jobs(jobs)):
+            out[(world, schedule)] = ranks
+    return out
+
+
+@pytest.mark.parametrize("world,schedule", [(w, s) for w, cases in CASES.items()
+                                            for s, _, _ in cases])
+def test_every_rank_of_a_pipeline_matches_its_real_process(real, world, schedule):
+    mesh, par = next((m, p) for s, m, p in CASES[world] if s == schedule)
+    p = tapescope.profile(dm.pipeline_llama, *dm.PIPELINE_INPUTS, mesh=mesh, parallelize=par,
+                          pipeline=_pipeline(schedule))
+    assert len(p.ranks) == world
+    for ours, theirs in zip(p.ranks, real[(world, schedule)]):
+        assert ours.first_step_peak_bytes == theirs.peaks[1], (ours.rank, theirs.peaks)
+        assert ours.peak_bytes == theirs.peaks[2], (ours.rank, theirs.peaks)
+    assert p.peak_bytes == max(r.peak_bytes for r in p.ranks)
+
+
+def test_each_pipeline_coordinate_is_traced_and_its_fsdp_peers_share_it():
+    p = tapescope.profile(dm.pipeline_llama, *dm.PIPELINE_INPUTS, mesh={"pp": 2, "dp_shard": 2},
+                          parallelize=dm.fsdp_stage, pipeline=_pipeline("1f1b"))
+    assert [r.stages for r in p.ranks] == [(0,), (0,), (1,), (1,)]
+    assert [r.traced_as for r in p.ranks] == [0, 0, 2, 2]
+
+
+def test_interleaved_schedules_place_stages_as_torch_does():
+    from tapescope.values.pipeline import pipeline_spec
+
+    assert pipeline_spec("interleaved-1f1b").stages_of(1, 4) == (1, 5)
+    assert pipeline_spec({"schedule": "interleaved-1f1b", "stages_per_rank": 3}).stages_of(
+        2, 4) == (2, 6, 10)
+    assert pipeline_spec("Schedule1F1B").schedule == "1f1b"       # torch's class names too
+    with pytest.raises(TapescopeError, match="register_prehook"):   # zero-bubble: refused
+        pipeline_spec("ScheduleZBVZeroBubble")
+
+
+def test_the_default_split_keeps_each_stage_s_blocks_and_the_ends():
+    model = dm.pipeline_llama()
+    assert [list(block_range(s, 3, 4)) for s in range(3)] == [[0], [1], [2, 3]]
+    first, last = split_blocks(model, 0, 2), split_blocks(model, 1, 2)
+    assert first.tok_embeddings is model.tok_embeddings and first.output is None
+    assert last.tok_embeddings is None and last.norm is model.norm
+    assert [b is not None for b in first.layers] == [True, True, False, False]
+    assert [b is not None for b in last.layers] == [False, False, True, True]
+    assert all(b is not None for b in model.layers)  # the model itself is left as it was
+    assert first.layers[0] is model.layers[0]        # blocks are shared, not copied
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"mesh": {"dp": 2}, "pipeline": "1f1b", "parallelize": lambda m, mesh: m}, "'pp' dimension"),
+    ({"mesh": {"pp": 2}, "pipeline": "1f2b"}, "unknown pipeline schedule"),
+    ({"mesh": {"pp": 4}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
+     "at least as many micro-batches"),
+    ({"mesh": {"pp": 2}, "pipeline": "1f1b", "accumulate": 2}, "accumulates over its micro"),
+    ({"mesh": {"pp": 2}, "pipeline": {"schedule": "gpipe", "stages_per_rank": 2}},
+     "one stage per rank"),
+])
+def test_bad_pipeline_options_are_refused_with_what_to_do(kwargs, message):
+    with pytest.raises(TapescopeError, match=message):
+        tapescope.profile(dm.pipeline_llama, *dm.PIPELINE_INPUTS, **kwargs)
+
+
+def test_a_model_without_a_block_list_needs_its_own_split():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with pytest.raises(TapescopeError, match="pipeline split"):
+        tapescope.profile(model, torch.randn(4, 8), torch.randn(4, 8), mesh={"pp": 2},
+                          pipeline="gpipe")
+
+
+def test_a_user_split_makes_the_stages():
+    def split(model, stage, num_stages):
+        return model[stage]   # one Linear per stage
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    p = tapescope.profile(model, torch.randn(4, 8), torch.randn(4, 8), mesh={"pp": 2},
+                          pipeline={"schedule": "gpipe", "microbatches": 2, "split": split})
+    assert [r.stages for r in p.ranks] == [(0,), (1,)]
+    params = {r.rank: p.distributed.profiles[r.traced_as].facts["parameters"] for r in p.ranks}
+    assert params == {0: 8 * 16 + 16, 1: 16 * 8 + 8}
+
+
+def test_activations_between_stages_require_grad():
+    """A received activation that does not require grad gets no gradient: the stages before it
+    would train on garbage and the zero-bubble split backward finds no weights (the static
+    metadata must say requires_grad, as the dynamic inference's does)."""
+    from tapescope.distributed.pipeline import pipeline_plan
+    from tapescope.options import Options, Workload
+
+    options = Options.create(mesh={"pp": 2}, pipeline=_pipeline("1f1b"))
+    plan = pipeline_plan(Workload(dm.pipeline_llama, dm.PIPELINE_INPUTS, {}), options)
+    assert plan.shapes[0].inputs == (((2, 32), torch.int64, False),)   # the tokens
+    assert plan.shapes[1].inputs == (((2, 32, 64), torch.float32, True),)
+
+
+def test_schedule_time_of_gpipe_by_hand():
+    """GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 2 s, no transfer time: stage 1
+    runs F0 [1, 2], F1 [2, 3], B0 [3, 5], B1 [5, 7]; stage 0 F0 [0, 1], F1 [1, 2], B0 waits
+    for stage 1's B0: [5, 7], B1 [7, 9]. Both ranks are busy 6 of 9 s: the bubble is
+    (p - 1) / (m + p - 1) = 1/3."""
+    from tapescope.distributed.pipeline import schedule_time
+
+    order = {0: [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)],
+             1: [(1, "F", 0), (1, "F", 1), (1, "B", 0), (1, "B", 1)]}
+    t = schedule_time(order, {0: [1, 1, 2, 2], 1: [1, 1, 2, 2]}, {0: 0.5, 1: 0.0}, 0.0, 2)
+    assert t.seconds == 9.5 and t.rank_seconds == {0: 9.5, 1: 7.0}
+    assert t.bubble == pytest.approx({0: 1 / 3, 1: 1 / 3})
+    # 0.25 s a hop: stage 1 runs F0 [1.25, 2.25] ... B1 [5.25, 7.25]; stage 0's B0 waits for
+    # [5.5, 7.5], B1 [7.5, 9.5]: two hops on the critical path (F0 there, B0 back)
+    late = schedule_time(order, {0: [1, 1, 2, 2], 1: [1, 1, 2, 2]}, {}, 0.25, 2)
+    assert late.seconds == 9 + 2 * 0.25 and late.rank_seconds == {0: 9.5, 1: 7.25}
+
+
+def test_in_flight_micro_batches_of_1f1b_are_pp_minus_rank():
+    from tapescope.distributed.pipeline import max_in_flight, traced_order
+
+    # 1F1B on 4 stages, 8 micro-batches: stage r warms up with 4 - r forwards
+    for r in range(4):
+        warm = 4 - r
+        kinds = ["F"] * warm + ["B", "F"] * (8 - warm) + ["B"] * warm
+        assert max_in_flight(traced_order(r, kinds)) == warm
+
+
+def test_cli_pipeline_prints_each_stage_and_the_bubble(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", "zoo:llama:dim=64,n_layers=4,n_heads=4,n_kv_heads=2,"
+                                 "ffn_dim=128,vocab_size=512", "--batch", "4", "--seq", "32",
+                                 "--pp", "2", "--microbatches", "4", "--device", "cuda",
+                                 "--gpu", "h100", "--amp", "bf16", "--json", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "Pipeline 1f1b, 2 stages on 2 ranks, 4 micro-batches" in r.output
+    assert "pp rank 0 is highest" in r.output or "pp rank 1 is highest" in r.output
+    pl = json.loads(out.read_text())["distributed"]["pipeline"]
+    assert [x["in_flight_microbatches"] for x in pl["ranks"]] == [2, 1]
+    assert pl["time"]["seconds"] >= max(pl["time"]["rank_seconds"].values()) - 1e-12
