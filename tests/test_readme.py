@@ -13,6 +13,8 @@ does not change what is shown:
   widths, and budget-sweep over 2 of README's 5 budgets;
 - validate runs the real step 7 times on this CPU: GPT-2 with 2 layers, width 64 and a
   128-token vocabulary (README's batch and sequence length kept);
+- the pipeline example traces 4 ranks of the default Llama: a 4-layer Llama of width 64, README's
+  pipeline flags kept;
 - fit --gpus profiles each (FSDP, TP) layout: a 2-layer Llama on 8 GPUs instead of Llama-70B on
   64 (the 70B run takes minutes; its layouts table is the same command's output).
 Every other command runs exactly as README writes it.
@@ -54,6 +56,13 @@ COMMANDS = {
     "--step examples/my_step.py:train_step --setup examples/my_step.py:setup": (
         None, ["your step train_step", "AdamW", "| other "], []),
     "tapescope ops zoo:gpt2:n_layer=2": (None, ["SeqNr|OrigAten|SrcFn", "_backward"], []),
+    "tapescope profile zoo:llama --batch 8 --pp 4 --microbatches 8 --pp-schedule 1f1b --device "
+    "cuda --gpu h100 --amp bf16": (
+        "tapescope profile zoo:llama:n_layers=4,dim=64,n_heads=4,n_kv_heads=2,ffn_dim=160,"
+        "vocab_size=128 --batch 8 --seq 64 --pp 4 --microbatches 8 --pp-schedule 1f1b --device "
+        "cuda --gpu h100 --amp bf16",
+        ["Pipeline 1f1b, 4 stages on 4 ranks, 8 micro-batches", "4 micro-batches",
+         "1 micro-batch ", "is highest", "with the stages running together"], []),
     "tapescope profile zoo:llama --gpu h100 --amp bf16 --html report.html": (
         None, ["NVIDIA H100", "autocast bfloat16", "wrote report.html"], ["report.html"]),
     "tapescope fit zoo:gpt2 --budget 24GiB --sweep 1..64": (

@@ -108,7 +108,7 @@ def pipeline_section(pl) -> Section:
     if why is not None and top is not low:
         held = ""
         if top.in_flight is not None and low.in_flight is not None \
-                and top.in_flight != low.in_flight:
+                and top.in_flight > low.in_flight:
             held = (f": it holds {top.in_flight} micro-batches' activations in flight where pp "
                     f"rank {low.pp_rank} holds {low.in_flight}")
         diffs = sorted(((v - low.at_peak.get(k, 0), k) for k, v in top.at_peak.items()),
