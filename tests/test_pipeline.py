@@ -176,3 +176,27 @@ def test_cli_pipeline_prints_each_stage_and_the_bubble(tmp_path):
     pl = json.loads(out.read_text())["distributed"]["pipeline"]
     assert [x["in_flight_microbatches"] for x in pl["ranks"]] == [2, 1]
     assert pl["time"]["seconds"] >= max(pl["time"]["rank_seconds"].values()) - 1e-12
+
+
+def test_fit_gpus_compares_pipelined_layouts_by_their_schedule_s_time(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+    from tapescope.layouts import candidate_layouts
+
+    assert [str(x) for x in candidate_layouts(8, 8, (1, 2))] == [
+        "FSDP 8", "FSDP 4 x TP 2", "FSDP 2 x TP 4", "TP 8",
+        "PP 2 x FSDP 4", "PP 2 x FSDP 2 x TP 2", "PP 2 x TP 4"]
+    out = tmp_path / "fit.json"
+    r = CliRunner().invoke(app, ["fit", "zoo:llama:n_layers=4,dim=64,n_heads=4,n_kv_heads=2,"
+                                 "ffn_dim=128,vocab_size=512", "--gpus", "4", "--pp", "1,2",
+                                 "--gpu", "h100", "--amp", "bf16", "--batch", "4", "--seq", "32",
+                                 "--json", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    rows = {(x["pp"], x["fsdp"], x["tp"]): x for x in json.loads(out.read_text())["layouts"]}
+    piped = rows[(2, 2, 1)]
+    # the global batch counts data-parallel ranks only: the stages share one batch
+    assert piped["global_batch"] == 4 * 2 and rows[(1, 4, 1)]["global_batch"] == 4 * 4
+    assert piped["tokens_per_second"] == pytest.approx(8 * 32 / piped["step_seconds"])

@@ -547,6 +547,7 @@ def fit_cmd(
     input: Optional[List[str]] = InputOpt, loss: Optional[str] = LossOpt,
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Also print the peak for sizes A..B, e.g. 1..4096."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Compare the (FSDP, TP) layouts of this many GPUs of --gpu."),
+    pp: Optional[str] = typer.Option(None, "--pp", help="With --gpus: pipeline degrees to try too, e.g. 1,2,4 (1F1B, one micro-batch per sample)."),
     json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
 ):
     """The largest batch (or, with --batch, sequence length) whose step fits the memory budget.
@@ -566,7 +567,10 @@ def fit_cmd(
                                      "at one batch); drop --sweep, or run fit without --gpus")
             return _fit_layouts(spec, gpus, gpu, batch, seq, input, loss, dtype, amp, optimizer,
                                 json_file, parse_bytes(budget) if budget is not None else None,
-                                quiet)
+                                quiet, _pp_degrees(pp))
+        if pp is not None:
+            raise TapescopeError("--pp goes with --gpus (the pipeline degrees to compare); to "
+                                 "profile one pipelined layout, run profile --pp N")
         dim = "seq" if batch is not None else "batch"
         sweep_range = parse_sweep(sweep) if sweep else None
         budget_bytes = parse_bytes(budget) if budget is not None else None
@@ -628,8 +632,21 @@ def plan_cmd(
         raise typer.Exit(1)
 
 
+def _pp_degrees(text) -> tuple:
+    """--pp 1,2,4 -> (1, 2, 4); default (1,): no pipeline."""
+    if text is None:
+        return (1,)
+    try:
+        degrees = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        degrees = ()
+    if not degrees or any(d < 1 for d in degrees):
+        raise TapescopeError(f"cannot read --pp {text!r}: give pipeline degrees >= 1, e.g. 1,2,4")
+    return tuple(dict.fromkeys(degrees))
+
+
 def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimizer,
-                 json_file, budget=None, quiet=False) -> None:
+                 json_file, budget=None, quiet=False, pp_degrees=(1,)) -> None:
     """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank; with a budget, a
     layout fits when its peak per rank is within it. Exits 1 when none fits."""
     from .layouts import best_layout, fit_layouts
@@ -640,7 +657,7 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
     with _progress(f"profiling the layouts of {gpus} GPUs for {workload.name}",
                    quiet) as progress:
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
-                           stage=progress)
+                           stage=progress, pp_degrees=pp_degrees)
     best = best_layout(rows)
     render_layouts(rows, workload.name, gpus, options, out, budget=budget, best=best)
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,

@@ -1,7 +1,9 @@
-"""Which (FSDP, TP) layout of N GPUs trains a model best: `tapescope fit SPEC --gpus 64 --gpu h100`.
+"""Which (PP, FSDP, TP) layout of N GPUs trains a model best: `tapescope fit SPEC --gpus 64 --gpu h100`.
 
 The sensible layouts of N GPUs, as torchtitan users pick them: tensor parallelism inside a node
-(TP degree a power of two up to the GPUs of a node, dividing N), FSDP over the rest. Each is
+(TP degree a power of two up to the GPUs of a node, dividing N), FSDP over the rest; with
+`--pp 1,2,4`, the same for each pipeline degree (1F1B, one micro-batch per sample, the step time
+the schedule's with its bubble). Each is
 profiled with the preset parallelisation (distributed/presets.py) at the model's per-rank batch;
 a row gives the highest rank's peak, whether it fits the GPU (the caching allocator's predicted
 reserved memory plus the CUDA context against the GPU's memory), the step time, MFU and the
@@ -51,7 +53,7 @@ class LayoutRow:
         return self.global_batch / self.step_seconds
 
     def to_dict(self) -> dict:
-        return {"fsdp": self.layout.fsdp, "tp": self.layout.tp,
+        return {"pp": self.layout.pp, "fsdp": self.layout.fsdp, "tp": self.layout.tp,
                 "dp_replicate": self.layout.dp_replicate, "batch_per_rank": self.batch_per_rank,
                 "global_batch": self.global_batch, "peak_bytes": self.peak_bytes,
                 "nvidia_smi_bytes": self.reserved_bytes, "oom": self.oom, "fits": self.fits,
@@ -70,14 +72,24 @@ def best_layout(rows: list[LayoutRow]) -> LayoutRow | None:
     return max(timed, key=lambda r: r.tokens_per_second or r.samples_per_second or 0.0)
 
 
-def candidate_layouts(gpus: int, gpus_per_node: int = 8) -> list[Layout]:
+def candidate_layouts(gpus: int, gpus_per_node: int = 8, pp_degrees=(1,)) -> list[Layout]:
+    """For each pipeline degree dividing `gpus`: TP a power of two up to a node's GPUs dividing
+    what is left, FSDP over the rest."""
     if gpus < 1:
         raise TapescopeError("--gpus must be at least 1")
-    out, tp = [], 1
-    while tp <= min(gpus, gpus_per_node):
-        if gpus % tp == 0:
-            out.append(Layout(fsdp=gpus // tp, tp=tp))
-        tp *= 2
+    out = []
+    for pp in pp_degrees:
+        if pp < 1:
+            raise TapescopeError(f"a pipeline degree must be at least 1, got {pp}")
+        if gpus % pp:
+            continue
+        rest, tp = gpus // pp, 1
+        while tp <= min(rest, gpus_per_node):
+            if rest % tp == 0:
+                out.append(Layout(fsdp=rest // tp, tp=tp, pp=pp))
+            tp *= 2
+    if not out:
+        raise TapescopeError(f"no pipeline degree of {list(pp_degrees)} divides {gpus} GPUs")
     return out
 
 
@@ -105,10 +117,11 @@ def _tokens(workload) -> int:
 
 
 def fit_layouts(workload, options, gpus: int, budget: int | None = None, progress=None,
-                stage=None) -> list[LayoutRow]:
+                stage=None, pp_degrees=(1,), schedule: str = "1f1b") -> list[LayoutRow]:
     """Profile every candidate layout of `gpus` GPUs of `options.gpu` (device cuda); `budget`
     (bytes per rank) replaces the GPU's memory in the verdict. `progress(step, phase)` is told of
-    each traced phase, `stage(message)` of each layout begun."""
+    each traced phase, `stage(message)` of each layout begun. pp_degrees: the pipeline degrees
+    to try (each with `schedule`, one micro-batch per sample of the batch)."""
     from .api import profile_workload
     from .devices.gpus import interconnect
 
@@ -117,14 +130,17 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None, progres
     mp, amp = options.amp, None  # FSDP2's mixed precision stands in for autocast
     rows = []
     tokens = _tokens(workload)
-    layouts = candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node)
+    layouts = candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node, pp_degrees)
     for i, layout in enumerate(layouts):
         row = LayoutRow(layout, batch_per_rank=_batch(workload))
         rows.append(row)
         if stage is not None:
             stage(f"layout {layout} ({i + 1} of {len(layouts)})")
-        opts = options.but(amp=amp, mesh=_mesh_spec(layout),
-                           parallelize=preset_parallelize(layout, mp))
+        sharded = layout.fsdp > 1 or layout.dp_replicate > 1
+        opts = options.but(amp=amp if sharded else mp, mesh=_mesh_spec(layout),
+                           parallelize=preset_parallelize(layout, mp)
+                           if layout.parallelised else None,
+                           pipeline=_pipeline(layout, schedule))
         try:
             p = profile_workload(workload, opts, progress)
         except TapescopeError as e:
@@ -139,12 +155,26 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None, progres
             row.fits = p.peak_bytes <= budget
         else:
             row.fits = None if cm is None else not cm.oom
-        if t is not None:
+        pipelined = p.distributed.pipeline if p.distributed is not None else None
+        if pipelined is not None and pipelined.time is not None:
+            # the stages run together: the schedule's time, bubble included (the highest
+            # rank's FLOPs over it for MFU)
+            row.step_seconds = pipelined.time.seconds
+            row.mfu = t.mfu * t.seconds / row.step_seconds if t is not None else None
+        elif t is not None:
             row.step_seconds, row.mfu = t.seconds, t.mfu
+        if row.step_seconds and tokens:
             # every data-parallel replica (FSDP rank group) processes its own batch
-            row.tokens_per_second = tokens * layout.fsdp * layout.dp_replicate / t.seconds \
-                if tokens and t.seconds else None
+            row.tokens_per_second = tokens * layout.fsdp * layout.dp_replicate / row.step_seconds
     return rows
+
+
+def _pipeline(layout: Layout, schedule: str):
+    if layout.pp == 1:
+        return None
+    from .values.pipeline import pipeline_spec
+
+    return pipeline_spec(schedule)
 
 
 def _mesh_spec(layout: Layout):

@@ -150,7 +150,7 @@ def microbatch(args: tuple, microbatches: int) -> tuple:
     return tuple(out)
 
 
-def stage_boundaries(model: nn.Module, stage_inputs: tuple, spec: PipelineSpec, pp: int,
+def stage_boundaries(model, stage_inputs: tuple, spec: PipelineSpec, pp: int,
                      microbatches: int, split, parallelize=None) -> list[StageShapes]:
     """Each stage's StageShapes, by running the stages in order on meta tensors (one micro-batch);
     `model` and the inputs are on the meta device. parallelize(stage module): the parallelisation
@@ -167,7 +167,11 @@ def stage_boundaries(model: nn.Module, stage_inputs: tuple, spec: PipelineSpec, 
     # (stage_backward_input's param groups start from the inputs' gradient functions)
     with torch.enable_grad():
         for s in range(num_stages):
-            module = _split(split, copy.deepcopy(model), s, num_stages)
+            # each stage from its own copy (a split may change the model it is given);
+            # `model` may be a function that makes one
+            fresh = model() if callable(model) and not isinstance(model, nn.Module) \
+                else copy.deepcopy(model)
+            module = _split(split, fresh, s, num_stages)
             if parallelize is not None:
                 module = parallelize(module)
             y = _run_stage(module, x, s)
@@ -436,15 +440,24 @@ class PipelinePlan:
         tensor (a share of the sequence under sequence parallelism, in FSDP2's mixed-precision
         dtype). It runs on fake tensors on the profiled device: FSDP2 allocates its buffers
         there, on a GPU a GPU-less machine lacks."""
-        from ..capture.model import fake_copy, fake_tensor_like
-        from ..torch_compat import FakeTensorMode
+        import gc
 
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = fake_copy(self.meta_model, lambda t: fake_tensor_like(t, device, None))
+        from ..capture.model import fake_copy, fake_tensor_like
+        from ..torch_compat import active_fake_mode
+
+        # inside the rank's capture, on its fake tensors, unrecorded: a FakeTensorMode of our
+        # own here left DeviceMesh's later sub-mesh lookups crashing (a segmentation fault in
+        # nonzero of the rank map) in about 3 runs in 4
+        tape = active_fake_mode()
+        with tape.unrecorded():
             inputs = tuple(fake_tensor_like(t, device, None) if isinstance(t, torch.Tensor)
                            else t for t in self.stage_inputs)
-            self.shapes = stage_boundaries(model, inputs, self.spec, self.pp,
-                                           self.microbatches, self.split, parallelize)
+            shapes = stage_boundaries(
+                lambda: fake_copy(self.meta_model, lambda t: fake_tensor_like(t, device, None)),
+                inputs, self.spec, self.pp, self.microbatches, self.split, parallelize)
+            del inputs
+            gc.collect()  # what the pass made dies here, unrecorded (FSDP2's cycles)
+        self.shapes = shapes
 
     @property
     def pp(self) -> int:

@@ -37,24 +37,32 @@ class Layout:
     fsdp: int = 1
     tp: int = 1
     dp_replicate: int = 1
+    pp: int = 1        # pipeline stages (fit --gpus; profile's --pp builds its mesh itself)
 
     def __post_init__(self):
-        for name in ("fsdp", "tp", "dp_replicate"):
+        for name in ("fsdp", "tp", "dp_replicate", "pp"):
             if getattr(self, name) < 1:
                 raise TapescopeError(f"--{name.replace('_', '-')} must be at least 1")
 
     @property
     def world_size(self) -> int:
-        return self.fsdp * self.tp * self.dp_replicate
+        return self.fsdp * self.tp * self.dp_replicate * self.pp
 
     @property
     def mesh(self) -> dict:
-        dims = {"dp_replicate": self.dp_replicate, "dp_shard": self.fsdp, "tp": self.tp}
+        """torchtitan's order, outermost first: pp, dp_replicate, dp_shard, tp."""
+        dims = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.fsdp,
+                "tp": self.tp}
         mesh = {k: v for k, v in dims.items() if v > 1}
         return mesh or {"dp_shard": 1}
 
+    @property
+    def parallelised(self) -> bool:
+        """Whether a preset parallelize has anything to do (pipeline stages alone need none)."""
+        return self.fsdp * self.tp * self.dp_replicate > 1
+
     def __str__(self) -> str:
-        parts = []
+        parts = [f"PP {self.pp}"] if self.pp > 1 else []
         if self.dp_replicate > 1:
             parts.append(f"{'HSDP' if self.fsdp > 1 else 'DDP'} {self.dp_replicate}")
         if self.fsdp > 1:

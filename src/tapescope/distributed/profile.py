@@ -118,6 +118,12 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
             if pipelined is None:
                 out = parallelize(fmodel, rank, device_mesh)
             else:  # this rank's stages, each parallelised over the other dimensions
+                if options.parallelize is not None and not measured:
+                    # the shapes between stages are the parallelised stages' (found once)
+                    pipelined.measure_parallelised(lambda m: parallelize(m, rank, device_mesh),
+                                                   options.device)
+                    measured.append(True)
+                program.shapes = pipelined.shapes
                 out = pipelined.stage_modules(fmodel, program.stages,
                                                lambda m: parallelize(m, rank, device_mesh))
             seen["layouts"] = shard_layouts(out, spec)
@@ -132,11 +138,6 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         with standin as streams, eager_distributed(), \
                 fake_world(spec, rank, options.device.type) as device_mesh:
             if pipelined is not None:
-                if options.parallelize is not None and not measured:
-                    # the shapes between stages are the parallelised stages' (found once)
-                    pipelined.measure_parallelised(lambda m: parallelize(m, rank, device_mesh),
-                                                   options.device)
-                    measured.append(True)
                 program = pipelined.program(rank, device_mesh, options.loss_fn,
                                             options.optimizer)
             # (capture retries a step whose sizes depend on data - an MoE's routing - with

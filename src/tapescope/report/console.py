@@ -309,8 +309,13 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
 def render_layouts(rows, name: str, gpus: int, options, console: Console,
                    budget: int | None = None, best=None) -> None:
     """fit --gpus: one row per (FSDP, TP) layout; `best` (layouts.best_layout) named below."""
-    console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: (FSDP, TP) layouts, "
+    piped = any(r.layout.pp > 1 for r in rows)
+    console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: "
+                        f"({'PP, ' if piped else ''}FSDP, TP) layouts, "
                         "each data-parallel rank taking the batch given"), highlight=False)
+    if piped:
+        console.print("  pipelined layouts: 1F1B over one micro-batch per sample; their step is "
+                      "the schedule's, bubble included", highlight=False, markup=False)
     console.print("  global batch = batch per rank x FSDP x replicas (the TP ranks of a group "
                   "share a batch), so it differs between layouts: compare throughput, not step "
                   "time", highlight=False, markup=False)
