@@ -362,3 +362,52 @@ def test_cli_step_and_setup_from_files(tmp_path):
     assert "your step train_step" in r.output and "other" in r.output
     facts = json.loads(out.read_text())["facts"]
     assert facts["step"] == {"fn": "train_step", "setup": "setup", "optimizers": 1}
+
+
+# ---- GradScaler with fp16 autocast; a chunked cross-entropy --------------------------------------
+
+def _scaler_setup(model):
+    return {"optimizer": _sgd(model.parameters()), "scaler": torch.amp.GradScaler("cpu")}
+
+
+def _scaler_step(model, batch, state):
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    state["scaler"].scale(loss).backward()
+    state["scaler"].unscale_(state["optimizer"])      # found_inf is read back with .item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    state["scaler"].step(state["optimizer"])
+    state["scaler"].update()
+    state["optimizer"].zero_grad(set_to_none=True)
+
+
+def test_grad_scaler_step_matches_a_real_run_assuming_finite_gradients():
+    p, real, ok, diff = _truth(_Net, step=_scaler_step, setup=_scaler_setup, optimizer=None)
+    assert p.first_step_peak_bytes == real.peaks[1]
+    assert p.peak_bytes == real.peaks[2]
+    assert ok, diff
+    names = {op.name for op in p.ops}
+    assert "aten._amp_foreach_non_finite_check_and_unscale_.default" in names
+    assert "aten._amp_update_scale_.default" in names
+    kinds = [a.kind for a in p.trace.assumptions if a.decided]
+    assert kinds == ["finite gradients"]   # said in the report: the optimizer steps
+
+
+def _chunked_step(model, batch, optimizer):
+    x, y = batch
+    h = model.b(model.a(x).relu()).relu()
+    total = 0
+    for hc, yc in zip(h.chunk(4), y.chunk(4)):  # the head and its loss a quarter at a time
+        total = total + F.cross_entropy(model.c(hc), yc, reduction="sum")
+    (total / y.numel()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_chunked_cross_entropy_step_matches_a_real_run():
+    p, real, ok, diff = _truth(_Net, step=_chunked_step, optimizer=_sgd)
+    assert p.first_step_peak_bytes == real.peaks[1]
+    assert p.peak_bytes == real.peaks[2]
+    assert ok, diff
+    assert sum(op.name == "aten._log_softmax.default" for op in p.ops) == 4

@@ -109,7 +109,7 @@ def routing_indices(tokens: int, k: int, experts: int, routing) -> torch.Tensor:
 class Assumption:
     """One place where an assumption gave values: a router's selection, a mask."""
 
-    kind: str     # "routing" or "mask"
+    kind: str     # "routing", "mask", "finite gradients", ...
     where: str    # the source line
     detail: str   # what was assumed, in words
     decided: bool = True  # False: no size or value read of the step depended on it
@@ -233,6 +233,14 @@ class DataValues:
             if real is not None:
                 self._attach(outs, [r for r in tree_flatten(real)[0]
                                     if isinstance(r, torch.Tensor)], sources, func, where)
+        elif func in _FINITE_CHECKS and self.value(args[1]) is not None:
+            # GradScaler's check of the unscaled gradients writes found_inf only when one is
+            # inf or nan: a step is assumed to have finite gradients (found_inf stays 0, the
+            # optimizer steps), as a healthy step of a real run does
+            detail = "the gradients are finite: GradScaler's found_inf stays 0 and it steps"
+            i = self._assumption("finite gradients", where(), detail)
+            real, sources = self.value(args[1])
+            self._set(args[1], real, frozenset(sources) | {i})
         elif func in _FILLS and outs and _small_factory(func, outs):
             fill = _FILLS[func](args, kwargs)  # ones_like(x): x's values do not matter
             with unset_fake_temporarily():
@@ -591,6 +599,9 @@ DataValues.routers = frozenset(_ROUTERS)
 
 
 # factories that take a tensor for its shape only, and the value they fill with
+# ops that write a flag only when a value is not finite (GradScaler's unscale)
+_FINITE_CHECKS = {aten._amp_foreach_non_finite_check_and_unscale_.default}
+
 _FILLS = {aten.ones_like.default: lambda a, k: 1, aten.zeros_like.default: lambda a, k: 0,
           aten.full_like.default: lambda a, k: a[1], aten.new_ones.default: lambda a, k: 1,
           aten.new_zeros.default: lambda a, k: 0, aten.new_full.default: lambda a, k: a[2]}
