@@ -200,3 +200,16 @@ def test_fit_gpus_compares_pipelined_layouts_by_their_schedule_s_time(tmp_path):
     # the global batch counts data-parallel ranks only: the stages share one batch
     assert piped["global_batch"] == 4 * 2 and rows[(1, 4, 1)]["global_batch"] == 4 * 4
     assert piped["tokens_per_second"] == pytest.approx(8 * 32 / piped["step_seconds"])
+
+
+def test_cli_micro_batches_above_a_zoo_model_s_default_batch_take_one_sample_each():
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    r = CliRunner().invoke(app, ["profile", "zoo:llama:dim=64,n_layers=4,n_heads=4,n_kv_heads=2,"
+                                 "ffn_dim=128,vocab_size=512", "--seq", "32", "--pp", "4",
+                                 "--microbatches", "8", "-q"])
+    assert r.exit_code == 0, r.output
+    assert "batch 8 (one sample per micro-batch" in r.output   # said, on stderr
+    assert "8x32" in r.output and "Pipeline 1f1b, 4 stages on 4 ranks, 8 micro-batches" in r.output

@@ -56,11 +56,11 @@ COMMANDS = {
     "--step examples/my_step.py:train_step --setup examples/my_step.py:setup": (
         None, ["your step train_step", "AdamW", "| other "], []),
     "tapescope ops zoo:gpt2:n_layer=2": (None, ["SeqNr|OrigAten|SrcFn", "_backward"], []),
-    "tapescope profile zoo:llama --batch 8 --pp 4 --microbatches 8 --pp-schedule 1f1b --device "
-    "cuda --gpu h100 --amp bf16": (
+    "tapescope profile zoo:llama --pp 4 --microbatches 8 --pp-schedule 1f1b --device cuda --gpu "
+    "h100 --amp bf16": (
         "tapescope profile zoo:llama:n_layers=4,dim=64,n_heads=4,n_kv_heads=2,ffn_dim=160,"
-        "vocab_size=128 --batch 8 --seq 64 --pp 4 --microbatches 8 --pp-schedule 1f1b --device "
-        "cuda --gpu h100 --amp bf16",
+        "vocab_size=128 --seq 64 --pp 4 --microbatches 8 --pp-schedule 1f1b --device cuda "
+        "--gpu h100 --amp bf16",
         ["Pipeline 1f1b, 4 stages on 4 ranks, 8 micro-batches", "4 micro-batches",
          "1 micro-batch ", "is highest", "with the stages running together"], []),
     "tapescope profile zoo:llama --gpu h100 --amp bf16 --html report.html": (

@@ -146,6 +146,16 @@ def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=
     from .api import profile_workload
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
+    wanted = (pipeline or {}).get("microbatches")
+    first = workload.args[0] if workload.args else None
+    if wanted and batch is None and not inputs and getattr(first, "shape", None) \
+            and first.shape[0] < wanted:
+        # a model's default batch (the zoo's 4) cannot make more micro-batches than samples:
+        # give each micro-batch one sample, and say so
+        err.print(f"batch {wanted} (one sample per micro-batch; {workload.name}'s default batch "
+                  f"is {first.shape[0]}): give --batch to choose another", highlight=False,
+                  markup=False)
+        workload, model_loss = _workload(spec, wanted, seq, inputs)
     options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
                        compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel,
                        routing=routing, mask=mask, accumulate=accumulate, step=step, setup=setup,
