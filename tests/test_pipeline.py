@@ -22,7 +22,8 @@ CASES = {
     2: [("1f1b", {"pp": 2}, None), ("gpipe", {"pp": 2}, None),
         ("interleaved-1f1b", {"pp": 2}, None),  # stages 0, 2 on rank 0; 1, 3 on rank 1
         ("looped-bfs", {"pp": 2}, None)],
-    4: [("1f1b", {"pp": 2, "dp_shard": 2}, dm.fsdp_stage)],  # 2-D: FSDP2 inside each stage
+    4: [("1f1b", {"pp": 2, "dp_shard": 2}, dm.fsdp_stage),  # 2-D: FSDP2 inside each stage
+        ("interleaved-1f1b", {"pp": 2, "dp_shard": 2}, dm.fsdp_stage)],  # two FSDP2 roots a rank
 }
 
 

@@ -72,6 +72,15 @@ def _path_to_blocks(model: nn.Module) -> tuple[list, nn.ModuleList]:
     return best_path, best
 
 
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of the module object whose containers (submodules, parameters, buffers, hooks)
+    are copies: the same members, its own dicts and sets."""
+    out = copy.copy(module)
+    out.__dict__ = {k: (type(v)(v) if isinstance(v, (dict, set)) else v)
+                    for k, v in module.__dict__.items()}
+    return out
+
+
 def block_range(stage: int, num_stages: int, n_blocks: int) -> range:
     """The blocks stage `stage` holds: an even share, the earlier stages one fewer when they do
     not divide (the first stage also holds the embedding, the last the output)."""
@@ -87,14 +96,13 @@ def split_blocks(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     if n < num_stages:
         raise TapescopeError(f"the model has {n} blocks, too few for {num_stages} pipeline "
                              f"stages (each needs one); use fewer stages")
-    # shallow copies of the modules on the path, each with its own _modules: the stage's
-    # structure is its own, its leaves (the blocks, the embedding) are the model's
-    root = copy.copy(model)
-    root._modules = dict(model._modules)
+    # shallow copies of the modules on the path: the stage's structure is its own (its own
+    # submodule, parameter and hook containers: FSDP2 wrapping one stage's root must not hook
+    # another's), its leaves (the blocks, the embedding) are the model's
+    root = _shallow(model)
     parent = root
     for _, name in path:
-        child = copy.copy(parent._modules[name])
-        child._modules = dict(child._modules)
+        child = _shallow(parent._modules[name])
         parent._modules[name] = child
         parent = child
     stage_blocks = parent
@@ -165,12 +173,19 @@ def stage_boundaries(model, stage_inputs: tuple, spec: PipelineSpec, pp: int,
     # grad is part of what a stage sends. A received activation that does not require grad
     # gets no gradient, and the zero-bubble schedules then find no weight to differentiate
     # (stage_backward_input's param groups start from the inputs' gradient functions)
+    make = model if callable(model) and not isinstance(model, nn.Module) else \
+        (lambda: copy.deepcopy(model))
+    shared = None
     with torch.enable_grad():
         for s in range(num_stages):
-            # each stage from its own copy (a split may change the model it is given);
-            # `model` may be a function that makes one
-            fresh = model() if callable(model) and not isinstance(model, nn.Module) \
-                else copy.deepcopy(model)
+            # each stage from its own copy (a split may change the model it is given, and a
+            # parallelisation changes the blocks' classes); the default split alone changes
+            # nothing and gives the stages disjoint modules: one copy serves
+            if split is split_blocks and parallelize is None:
+                shared = shared if shared is not None else make()
+                fresh = shared
+            else:
+                fresh = make()
             module = _split(split, fresh, s, num_stages)
             if parallelize is not None:
                 module = parallelize(module)
@@ -478,13 +493,16 @@ class PipelinePlan:
     def stage_modules(self, model: nn.Module, stages: tuple, parallelize) -> nn.Module:
         """The rank's stage modules from its copy of the model, each parallelised over the
         other dimensions: the module itself for one stage, an nn.ModuleList for several."""
-        modules = []
+        split = []
         for i, s in enumerate(stages):
             # the default split shares the model's modules between stages (each holds other
             # blocks); a user's split may change the model, so each stage but the last gets a copy
             source = model if self.split is split_blocks or i == len(stages) - 1 \
                 else copy.deepcopy(model)
-            modules.append(parallelize(_split(self.split, source, s, self.num_stages)))
+            split.append(_split(self.split, source, s, self.num_stages))
+        # parallelised once all are split: FSDP2 changes a block's class, and the default split
+        # finds the block list by its one class
+        modules = [parallelize(m) for m in split]
         return modules[0] if len(modules) == 1 else nn.ModuleList(modules)
 
     def classes(self, mesh, trace_timed):
