@@ -125,7 +125,8 @@ class OpCosts:
     def _content(self, x):
         kind = type(x)
         if kind is TensorRef:
-            return (x.shape, x.dtype, -1 if x.storage < 0 else self.trace.storages[x.storage].nbytes)
+            size = -1 if x.storage < 0 else self.trace.storages[x.storage].nbytes
+            return (x.shape, x.dtype, size)
         if kind is tuple:
             return tuple(self._content(y) for y in x)
         if kind is list:  # a list is not equal to the tuple of its items; its key must not be

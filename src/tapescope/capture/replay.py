@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 from ..torch_compat import (FakeTensor, FakeTensorMode, default_device, disable_current_modes,
-                            disable_torch_dispatch, fake_cache_bypasses, in_kernel_invocation_manager, no_dispatch,
-                            untyped_storage_key)
+                            disable_torch_dispatch, fake_cache_bypasses,
+                            in_kernel_invocation_manager, no_dispatch, untyped_storage_key)
 
 # 0-d literals of these dtypes get an `.item()` memo from FakeTensorMode (fake_tensor.py)
 _ITEM_MEMO_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.float64)
