@@ -66,7 +66,7 @@ __all__ = [
     "DynamicOutputShapeException", "UnsupportedOperatorException", "GuardOnDataDependentSymNode",
     "ShapeEnv", "DimDynamic", "statically_known_true", "tree_leaves", "tree_map",
     "tree_flatten", "free_unbacked_symbols", "unset_fake_temporarily",
-    "disable_current_modes", "no_dispatch",
+    "disable_current_modes", "no_dispatch", "disable_torch_dispatch",
     "sequence_nr", "node_sequence_nr", "current_autograd_node", "use_count", "storage_use_count",
     "storage_key", "untyped_storage_key", "is_zerotensor", "node_input_metadata", "tensor_backward_hooks",
     "post_accumulate_grad_hooks", "inductor_cache_dir", "push_saved_tensors_hooks",
@@ -301,6 +301,9 @@ sdpa_builtin = torch._C._nn.scaled_dot_product_attention
 
 # No torch function mode or subclass handler sees the calls made inside (a context manager).
 disable_torch_function = torch._C.DisableTorchFunction
+# No torch dispatch mode or subclass handler sees the ops run inside (the C++ guard that
+# in_kernel_invocation_manager holds, without its meta-key and generator work)
+disable_torch_dispatch = torch._C._DisableTorchDispatch
 
 
 def without_torch_function(fn):
@@ -522,7 +525,7 @@ def active_fake_mode():
 
 # What tests/test_torch_compat.py checks on every torch CI installs: each entry must resolve.
 PRIVATE_NAMES = (
-    "torch._C.DisableTorchFunction",
+    "torch._C.DisableTorchFunction", "torch._C._DisableTorchDispatch",
     "torch._ops.OpOverloadPacket", "torch._ops.OperatorBase", "torch._ops.OpOverload",
     "torch.autograd._get_sequence_nr", "torch._C._current_autograd_node",
     "torch._C._storage_Use_Count", "torch._C._dispatch_tls_is_dispatch_key_excluded",

@@ -90,18 +90,52 @@ def param_module(fqn: str) -> str:
 
 
 class OpCosts:
-    """FLOPs and traffic of trace ops, computed once each (step 2 reuses step 1's forward)."""
+    """FLOPs and traffic of trace ops, computed once each (step 2 reuses step 1's forward), and
+    once per distinct op: a model's identical blocks repeat the same (op, shapes, scalars), 186
+    distinct ones among GPT-2's 4,911 recorded ops.
+
+    The content key holds everything the formulas read from a record: the op, its arguments and
+    outputs with each TensorRef as (shape, dtype, its storage's size: traffic counts at most the
+    storage), floats by their bits and bools by type (2.0 == 2, -0.0 == 0.0 and True == 1 in
+    Python). Storage and value ids are left out: no formula reads them.
+    """
 
     def __init__(self, trace: Trace):
         self.trace = trace
         self._memo: dict[int, tuple] = {}
+        self._by_content: dict[tuple, tuple] = {}
 
     def __call__(self, index: int) -> tuple:
         c = self._memo.get(index)
         if c is None:
             r = self.trace.ops[index]
-            c = self._memo[index] = (op_flops(r), *op_traffic(r, self.trace))
+            try:
+                key = (r.func, self._content(r.args), self._content(tuple(r.kwargs.items())),
+                       self._content(r.outputs))
+                c = self._by_content.get(key)
+            except TypeError:  # an unhashable argument, symbolic sizes (SymInts do not hash)
+                key = c = None
+            if c is None:
+                c = (op_flops(r), *op_traffic(r, self.trace))
+                if key is not None:
+                    self._by_content[key] = c
+            self._memo[index] = c
         return c
+
+    def _content(self, x):
+        kind = type(x)
+        if kind is TensorRef:
+            size = -1 if x.storage < 0 else self.trace.storages[x.storage].nbytes
+            return (x.shape, x.dtype, size)
+        if kind is tuple:
+            return tuple(self._content(y) for y in x)
+        if kind is list:  # a list is not equal to the tuple of its items; its key must not be
+            return (list, tuple(self._content(y) for y in x))
+        if kind is float:  # 2.0 == 2 and -0.0 == 0.0 in Python; the bits tell them apart
+            return (float, x.hex())
+        if kind is bool:  # True == 1
+            return (bool, x)
+        return x
 
 
 def expanded_ops(ops: list[Op]) -> list[Op]:

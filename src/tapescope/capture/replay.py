@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 from ..torch_compat import (FakeTensor, FakeTensorMode, default_device, disable_current_modes,
-                            fake_cache_bypasses, in_kernel_invocation_manager, no_dispatch,
-                            untyped_storage_key)
+                            disable_torch_dispatch, fake_cache_bypasses,
+                            in_kernel_invocation_manager, no_dispatch, untyped_storage_key)
 
 # 0-d literals of these dtypes get an `.item()` memo from FakeTensorMode (fake_tensor.py)
 _ITEM_MEMO_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.float64)
@@ -37,7 +37,9 @@ class _NoKey(Exception):
 def _tensor_key(t):
     if type(t) is not FakeTensor or t.constant is not None or t.layout is not torch.strided:
         raise _NoKey
-    return (t.shape, t.stride(), t.dtype, t.device, t.storage_offset(), t.requires_grad,
+    # `fake_device` is what `device` answers outside a kernel invocation (the front runs outside
+    # one), without the property's Python call
+    return (t.shape, t.stride(), t.dtype, t.fake_device, t.storage_offset(), t.requires_grad,
             t.is_conj(), t.is_neg())
 
 
@@ -53,18 +55,39 @@ def _tensor_key_symbolic(t):
             t.device, _sym(t.storage_offset()), t.requires_grad, t.is_conj(), t.is_neg())
 
 
-def _key(func, args, kwargs, symbolic: bool = False):
+def _key(func, args, kwargs):
+    """The key of an op on concrete sizes: every argument as it is, tensors by `_tensor_key`.
+    None where an argument has no key (a constant, a sparse tensor, an unhashable value)."""
     key = [func, torch.get_default_dtype(), default_device()]
-    tkey = _tensor_key_symbolic if symbolic else _tensor_key
-    other = _sym if symbolic else (lambda x: x)
+    append = key.append
+    try:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                append(_tensor_key(a))
+            elif isinstance(a, (list, tuple)):
+                append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor) else x for x in a))
+            else:
+                append(a)
+        for name, a in kwargs.items():
+            append((name, _tensor_key(a) if isinstance(a, torch.Tensor) else a))
+        key = tuple(key)
+        hash(key)
+        return key
+    except (_NoKey, TypeError):
+        return None
+
+
+def _key_symbolic(func, args, kwargs):
+    key = [func, torch.get_default_dtype(), default_device()]
     try:
         for a in (*args, *kwargs.items()):
             if isinstance(a, torch.Tensor):
-                key.append(tkey(a))
+                key.append(_tensor_key_symbolic(a))
             elif isinstance(a, (list, tuple)):
-                key.append(tuple(tkey(x) if isinstance(x, torch.Tensor) else other(x) for x in a))
+                key.append(tuple(_tensor_key_symbolic(x) if isinstance(x, torch.Tensor) else _sym(x)
+                                 for x in a))
             else:
-                key.append(other(a))
+                key.append(_sym(a))
         key = tuple(key)
         hash(key)
         return key
@@ -91,7 +114,9 @@ class DispatchReplay:
         self.enabled = True
 
     def key(self, func, args, kwargs):
-        return _key(func, args, kwargs, self.mode.shape_env is not None) if self.enabled else None
+        if not self.enabled:
+            return None
+        return (_key if self.mode.shape_env is None else _key_symbolic)(func, args, kwargs)
 
     def literal(self, real):
         """The fake of a tensor literal (`torch.tensor(0.)`, lifted by aten.lift_fresh), as
@@ -161,35 +186,46 @@ class DispatchReplay:
             return args[entry[1]]
         if kind == _NONE:
             return None
+        _, wrap, infos, in_kernel = entry
         try:
-            outs = [self._make(info, args) for info in entry[2]]
+            if in_kernel:
+                # a view of an argument (a FakeTensor) or symbolic sizes: the meta kernels must
+                # see the fake arguments as meta tensors, once for all outputs
+                with in_kernel_invocation_manager(self.mode):
+                    metas = [self._meta(info, args) for info in infos]
+            else:
+                # only fresh outputs: an empty meta tensor touches no fake tensor, so it needs no
+                # kernel invocation; only no mode below ours may see it
+                with disable_torch_dispatch():
+                    metas = [self._meta(info, args) for info in infos]
+            outs = [None if t is None else FakeTensor(self.mode, t, info[3])
+                    for t, info in zip(metas, infos)]
         except Exception:  # noqa: BLE001 - internals moved: stop replaying, use FakeTensorMode
             self.enabled = False
             raise LookupError from None
-        return outs[0] if kind == "tensor" else entry[1](outs)  # tuple or list
+        return outs[0] if wrap is None else wrap(outs)  # a tensor, or a tuple or list
 
-    def _make(self, info, args):
+    @staticmethod
+    def _meta(info, args):
+        """The meta tensor of one output, built the way FakeTensorMode rebuilds a cache hit."""
         if info is None:
             return None
         shape, stride, dtype, device, offset, rg, view_of, storage_numel = info
-        with in_kernel_invocation_manager(self.mode):
-            base = args[view_of] if view_of is not None else None
-            if base is not None and not rg and base.dtype == dtype and not (
-                    base.is_conj() or base.is_neg()):
-                # as_strided shares the storage without the size arithmetic that empty_strided
-                # + set_ do: with symbolic sizes that arithmetic is ~10x the cost of the view
-                t = torch.ops.aten.as_strided.default(base, shape, stride, offset)
-            elif storage_numel is not None:
-                # symbolic sizes: a flat storage of the size FakeTensorMode gave this output, then
-                # as_strided; a third of the SymInt arithmetic of empty_strided
-                t = torch.empty((storage_numel,), dtype=dtype, device="meta")
-                t = torch.ops.aten.as_strided.default(t, shape, stride, offset)
-            else:
-                t = torch.empty_strided(shape, stride, dtype=dtype, device="meta",
-                                        requires_grad=rg)
-                if base is not None:
-                    t.set_(base.untyped_storage(), offset, shape, stride)
-        return FakeTensor(self.mode, t, device)
+        base = args[view_of] if view_of is not None else None
+        if base is not None and not rg and base.dtype == dtype and not (
+                base.is_conj() or base.is_neg()):
+            # as_strided shares the storage without the size arithmetic that empty_strided
+            # + set_ do: with symbolic sizes that arithmetic is ~10x the cost of the view
+            return torch.ops.aten.as_strided.default(base, shape, stride, offset)
+        if storage_numel is not None:
+            # symbolic sizes: a flat storage of the size FakeTensorMode gave this output, then
+            # as_strided; a third of the SymInt arithmetic of empty_strided
+            t = torch.empty((storage_numel,), dtype=dtype, device="meta")
+            return torch.ops.aten.as_strided.default(t, shape, stride, offset)
+        t = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=rg)
+        if base is not None:
+            t.set_(base.untyped_storage(), offset, shape, stride)
+        return t
 
     def learn(self, key, func, args, out) -> None:
         """Remember how to rebuild `out` for this key (skip anything unusual)."""
@@ -226,6 +262,8 @@ class DispatchReplay:
                 seen.add(st)
             infos.append((tuple(o.shape), tuple(o.stride()), o.dtype, o.device, o.storage_offset(),
                           o.requires_grad, view_of, _symbolic_storage_numel(o, view_of)))
+        # fresh outputs on concrete sizes need no kernel invocation to be rebuilt (replay)
+        in_kernel = any(i is not None and (i[6] is not None or i[7] is not None) for i in infos)
         if isinstance(out, FakeTensor):
-            return ("tensor", None, tuple(infos))
-        return ("seq", list if isinstance(out, list) else tuple, tuple(infos))
+            return ("tensor", None, tuple(infos), in_kernel)
+        return ("seq", list if isinstance(out, list) else tuple, tuple(infos), in_kernel)
