@@ -263,9 +263,6 @@ class Options:
                 "creates the optimizer's state while compiling (OptimizerVariable runs _init_group "
                 "at trace time), outside the ops tapescope records, so the steady state would miss "
                 "it; profile the compiled model with the optimizer run eagerly (the default)")
-        if compile is not None and checkpointing:
-            raise TapescopeError("applying a checkpointing plan to a compiled step is not "
-                                 "supported yet: profile the plan eagerly (drop compile=...)")
         if compile is not None and symbolic:
             raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
                                  "compile with dynamic=True to see the graphs torch.compile makes)")

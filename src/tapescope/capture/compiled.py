@@ -233,10 +233,11 @@ def _mode_patches(options: CompileOptions) -> dict:
     return patches
 
 
-def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None):
+def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None, fqns=None):
     """A torch.compile backend: inductor (or AOTAutograd + default partitioner for aot_eager)
     recording the partitioned graphs and making the generated code fake-friendly.
-    `on_call(label)` gives a context entered around each run of a compiled graph."""
+    `on_call(label)` gives a context entered around each run of a compiled graph; `fqns` names
+    the model's parameters and buffers by id (input_name)."""
 
     def note(kind, gm, code=None):
         g = CompiledGraph(kind, record.regions - 1, gm, code)
@@ -267,7 +268,8 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None):
 
     def new_region(gm):
         record.regions += 1
-        record.inputs.append([input_name(n) for n in gm.graph.nodes if n.op == "placeholder"])
+        record.inputs.append([input_name(n, fqns) for n in gm.graph.nodes
+                              if n.op == "placeholder"])
         reason = getattr(gm, "compile_subgraph_reason", None)
         if reason is not None and getattr(reason, "graph_break", False):
             record.breaks.append(GraphBreak(str(reason.reason), _where(reason.user_stack)))
@@ -388,10 +390,17 @@ def _trampoline():
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)")
 
 
-def input_name(node: torch.fx.Node) -> str:
-    """What a dynamo graph input is, from its source: a parameter or buffer by its fully
-    qualified name ("h.0.attn.c_attn.weight"), a step input by position ("input 0")."""
+def input_name(node: torch.fx.Node, fqns: dict | None = None) -> str:
+    """What a dynamo graph input is: a parameter or buffer by its fully qualified name
+    ("h.0.attn.c_attn.weight"), a step input by position ("input 0").
+
+    fqns: id(tensor) -> name, the model's `named_parameters`/`named_buffers`: the names the
+    user knows, also where a wrapper module sits on the path (checkpoint_wrapper's
+    `_checkpoint_wrapped_module`, reached through its `__dict__`); else read from the source."""
     arg = node.meta.get("grapharg")
+    known = (fqns or {}).get(id(getattr(arg, "example", None)))
+    if known is not None:
+        return known
     name = getattr(getattr(arg, "source", None), "name", None)
     if name is None:
         return node.name
@@ -415,10 +424,15 @@ def _where(user_stack) -> str | None:
 
 
 def compile_model(model: torch.nn.Module, options: CompileOptions, record: CompileRecord,
-                  on_call=None):
+                  on_call=None, fqns: dict | None = None):
     """`model` as `torch.compile(model, ...)` would run it, compiled by tapescope's backend.
-    `on_call(label)`: a context entered around each run of a compiled graph ("forward 0")."""
-    backend = _make_backend(options, record, on_call)
+    `on_call(label)`: a context entered around each run of a compiled graph ("forward 0");
+    `fqns`: id(parameter or buffer) -> its name (default: the model's named_parameters/buffers)."""
+    if fqns is None:
+        fqns = {id(t): name for named in (model.named_parameters(remove_duplicate=False),
+                                          model.named_buffers(remove_duplicate=False))
+                for name, t in named}
+    backend = _make_backend(options, record, on_call, fqns)
     fn = torch.compile(_trampoline(), backend=backend, fullgraph=options.fullgraph,
                        dynamic=options.dynamic)
 

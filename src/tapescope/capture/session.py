@@ -279,7 +279,9 @@ class CaptureSession:
         for fqn, p in self.fmodel.named_parameters(remove_duplicate=False):
             self.param_fqn.setdefault(id(p), fqn)
             tape.register(p, fqn, PARAMETER, owner=fqn)
+        self.buffer_fqn: dict[int, str] = {}
         for fqn, b in self.fmodel.named_buffers(remove_duplicate=False):
+            self.buffer_fqn.setdefault(id(b), fqn)
             tape.register(b, fqn, BUFFER, owner=fqn)
         inputs = [x for x in tree_leaves((self.fargs, self.fkwargs)) if isinstance(x, torch.Tensor)]
         for i, t in enumerate(inputs):
@@ -326,7 +328,10 @@ class CaptureSession:
 
         opts = self.options
         self.facts["compiled"] = record = CompileRecord(opts.compile)
-        self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call)
+        # the graphs' inputs by the names the user's model gives them (before a plan's wrappers)
+        fqns = {**self.buffer_fqn, **self.param_fqn}
+        self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call,
+                                        fqns)
 
     def _gpu_answered(self):
         """Inductor's CUDA path, GPU-less: the device queries answered for the named GPU
