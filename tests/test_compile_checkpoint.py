@@ -77,3 +77,52 @@ def test_the_model_copy_keeps_torch_functions_themselves():
 
     copied = iso._copy(user, "f")
     assert copied is not user and copied.__kwdefaults__["cache"] is not user.__kwdefaults__["cache"]
+
+
+def test_compiled_checkpointed_cuda_step_without_gpu():
+    """The same on a GPU-less H100 (capture/gpu_less.py): two Llama-style blocks, block 0
+    checkpointed. Truths: each graph's generated wrapper read as text gives the allocations and
+    frees the Tape saw (tests/test_compile_cuda.py), and what the forward saves is what real
+    torch.compile's partitioner saves for the same model on this CPU (the joint graph of these
+    ops, and AOTAutograd's min-cut partition of it, do not depend on the device; inductor's
+    code generation, which does, is checked by the wrapper)."""
+    from .test_compile_cuda import _source_events, _tape_events, two_blocks
+
+    inputs, plan = (tapescope.spec((8, 128, 128)),), ["0"]
+    p = tapescope.profile(two_blocks, *inputs, device="cuda", gpu="h100", compile=True,
+                          optimizer=None, steps=1, checkpointing=plan)
+    assert p.compiled.regions == 1 and not p.compiled.graph_breaks
+    for kind in ("forward", "backward"):
+        graph = next(g for g in p.compiled.graphs if g.kind == kind)
+        assert _tape_events(p, f"{kind} 0") == _source_events(graph.wrapper_code)
+    real = run_real_steps(lambda: apply_policies(two_blocks(), plan), inputs, compile=True,
+                          optimizer=None, steps=1)
+    assert _saved(p) == _real_saved(real)
+
+
+def test_cli_profile_compiled_with_checkpointing(tmp_path):
+    """`tapescope profile ... --compile --checkpoint MODULE` on a GPU-less H100: the plan is
+    applied to both steps, side by side; a bad --checkpoint value is a message, not a traceback."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    from .conftest import TINY_LLAMA
+
+    out = tmp_path / "p.json"
+    args = ["profile", TINY_LLAMA, "--batch", "2", "--seq", "32", "--device", "cuda", "--gpu",
+            "h100", "--amp", "bf16", "--compile", "-q"]
+    r = CliRunner().invoke(app, args + ["--checkpoint", "layers.0",
+                                        "--checkpoint", "layers.1:selective:aten.mm.default",
+                                        "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "Eager vs torch.compile" in r.output
+    d = json.loads(out.read_text())
+    assert d["facts"]["checkpointing"] == [
+        {"module": "layers.0", "mode": "full"},
+        {"module": "layers.1", "mode": "selective", "save_ops": ["aten.mm.default"]}]
+    assert d["compiled"]["regions"] == 1 and not d["compiled"]["graph_breaks"]
+    bad = CliRunner().invoke(app, args + ["--checkpoint", "layers.9"])
+    assert bad.exit_code == 1 and "no module 'layers.9'" in bad.output
