@@ -132,3 +132,11 @@ def ddp(model, mesh):
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_mesh=mesh)
+
+
+def fsdp_compiled(model, mesh):
+    """torchtitan's order: each block compiled (apply_compile: `block.compile(fullgraph=True)`),
+    then FSDP2 on every block and the root."""
+    for b in model.blocks:
+        b.compile(fullgraph=True)
+    return fsdp(model, mesh)

@@ -274,10 +274,10 @@ class Options:
                                  f"{dev.type} step runs none of them: drop {given.split(' (')[0]}"
                                  ", or trace with --device cpu")
         mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine)
-        if mesh is not None and (compile is not None or checkpointing):
-            raise TapescopeError("a distributed profile (mesh=) with compile= or a checkpointing "
-                                 "plan is not supported yet; apply checkpointing in your "
-                                 "parallelize function, as torchtitan does")
+        if mesh is not None and checkpointing:
+            raise TapescopeError("a distributed profile (mesh=) with a checkpointing plan is not "
+                                 "supported yet; apply checkpointing in your parallelize "
+                                 "function, as torchtitan does")
         step, setup = _resolve_step(step, setup, loss_fn=loss_fn, accumulate=accumulate,
                                     amp=amp, compile=compile, mesh=mesh, symbolic=symbolic)
         from .values.sizes import Sizes

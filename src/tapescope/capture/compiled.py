@@ -53,8 +53,8 @@ from ..torch_compat import (aot_autograd, compile_configs, dynamo_callback_handl
                             function_modes_suspended, inductor_async_compile, inductor_compilers,
                             inductor_mode_options)
 
-__all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compiling",
-           "input_name", "APPROXIMATIONS"]
+__all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compile_blocks",
+           "compiling", "input_name", "APPROXIMATIONS"]
 
 APPROXIMATIONS = (
     "kernels are not run: a generated kernel allocates nothing the caching allocator sees",
@@ -441,3 +441,25 @@ def compile_model(model: torch.nn.Module, options: CompileOptions, record: Compi
             return fn(model, *args, **kwargs)
 
     return forward
+
+
+def compile_blocks(blocks, options: CompileOptions, record: CompileRecord, on_call=None,
+                   fqns: dict | None = None) -> None:
+    """Each module of `blocks` compiled on its own, in place, as torchtitan's `apply_compile`
+    does inside a parallelize function (`block.compile(fullgraph=True)`, every transformer
+    block, after tensor parallelism and checkpointing, before FSDP2 wraps it).
+
+    `Module.compile` routes the module's calls through `torch.compile(self._call_impl)`; here
+    the call goes through one fresh trampoline per profile (see `_trampoline`), so the blocks
+    share one compiled graph as they share one `_call_impl` in torch (their parameters are graph
+    inputs), and nothing is shared with another profile. FSDP2's hooks around a block are not
+    traced (dynamo's `skip_fsdp_hooks`): they run eagerly, with their collectives recorded."""
+    backend = _make_backend(options, record, on_call, fqns)
+    fn = torch.compile(_trampoline(), backend=backend, fullgraph=options.fullgraph,
+                       dynamic=options.dynamic)
+    for block in blocks:
+        def call(*args, _impl=block._call_impl, **kwargs):
+            with function_modes_suspended():
+                return fn(_impl, *args, **kwargs)
+
+        block._compiled_call_impl = call

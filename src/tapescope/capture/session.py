@@ -330,6 +330,20 @@ class CaptureSession:
         self.facts["compiled"] = record = CompileRecord(opts.compile)
         # the graphs' inputs by the names the user's model gives them (before a plan's wrappers)
         fqns = {**self.buffer_fqn, **self.param_fqn}
+        if opts.mesh is not None:
+            # a parallelised model is compiled per transformer block (torchtitan's apply_compile),
+            # each block with its FSDP2/TP wrapping as parallelize left it
+            from .compiled import compile_blocks
+            from .model import transformer_blocks
+
+            blocks = transformer_blocks(self.fmodel)
+            if not blocks:
+                raise TapescopeError(
+                    "a distributed compiled profile compiles each transformer block (torchtitan's "
+                    "apply_compile), and this model has no repeated blocks (an nn.ModuleList of "
+                    "one class); profile it with compile= alone, or without the mesh")
+            compile_blocks(blocks, opts.compile, record, self.tape.compiled_call, fqns)
+            return
         self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call,
                                         fqns)
 
