@@ -4,8 +4,8 @@ Truth: `validate.distributed.run_real_jobs` runs the step in one process per ran
 with a parallelize function that compiles each block for real (`block.compile(fullgraph=True)`,
 inductor's C++ backend) and then applies FSDP2 to every block and the root, in torchtitan's order;
 each rank's allocator is read through torch.profiler memory events. tapescope profiles the same
-model with `mesh=`, the plain FSDP2 parallelize and `compile=True`: it compiles each transformer
-block of the parallelised model with its own backend (capture/compiled.py, compile_blocks).
+model with `mesh=` and `compile=True`: it compiles each transformer block of the parallelised
+model (or the modules the parallelize compiled itself) with its own backend (compile_blocks).
 One spawn of 2 processes for both jobs; the real compile dominates the time.
 """
 
@@ -35,9 +35,15 @@ def _matches(pred: int, observed: list, tolerance: int = 16) -> None:
     assert all(o >= pred - tolerance for o in observed), (pred, sorted(observed))
 
 
-def test_fsdp_with_compiled_blocks_matches_every_real_rank(real):
+@pytest.mark.parametrize("parallelize", [dm.fsdp, dm.fsdp_compiled],
+                         ids=["tapescope compiles the blocks", "parallelize compiles them"])
+def test_fsdp_with_compiled_blocks_matches_every_real_rank(real, parallelize):
+    """With the plain FSDP2 parallelize, tapescope compiles each transformer block; with the one
+    that calls `block.compile()` itself, those modules are the ones compiled (with tapescope's
+    backend)."""
     compiled, eager = real
-    p = tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=dm.fsdp, compile=True)
+    p = tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=parallelize,
+                          compile=True)
     assert p.compiled is not None and not p.compiled.graph_breaks
     for side, runs in ((p, compiled), (p.eager, eager)):
         for members in side.distributed.classes.members:
@@ -75,3 +81,12 @@ def test_cli_fsdp_compiled_llama_on_h100():
     assert r.exit_code == 0, r.output
     assert "Eager vs torch.compile (backend=inductor" in r.output and "dp_shard 2" in r.output
     assert "0 graph breaks" in r.output
+
+
+def test_modules_the_model_compiled_run_eagerly_without_compile(real):
+    """Without compile=, modules compiled by the user's code run eagerly (a real compile would
+    run inductor's kernels on fake tensors) and the profile says so: the eager truth."""
+    _, eager = real
+    p = tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=dm.fsdp_compiled)
+    assert any("Module.compile()" in n for n in p.facts["isolation_notes"])
+    _matches(p.ranks[0].first_step_peak_bytes, [run[r].peaks[1] for run in eager for r in (0, 1)])
