@@ -237,25 +237,29 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None, 
     """A torch.compile backend: inductor (or AOTAutograd + default partitioner for aot_eager)
     recording the partitioned graphs and making the generated code fake-friendly.
     `on_call(label)` gives a context entered around each run of a compiled graph; `fqns` names
-    the model's parameters and buffers by id (input_name)."""
+    the model's parameters and buffers by id (input_name).
 
-    def note(kind, gm, code=None):
-        g = CompiledGraph(kind, record.regions - 1, gm, code)
+    Each dynamo graph (a region) gets compilers of its own: AOTAutograd compiles a backward
+    lazily, at its first run, when later regions may exist; the compilers it kept know which
+    region the backward belongs to."""
+
+    def note(kind, region, gm, code=None):
+        g = CompiledGraph(kind, region, gm, code)
         record.graphs.append(g)
         return g
 
-    def running(kind):
+    def running(kind, region):
         if on_call is None:
             return None
-        label = f"{kind} {record.regions - 1}"
+        label = f"{kind} {region}"
         return lambda: on_call(label)
 
-    def boxed(kind, gm):
+    def boxed(kind, region, gm):
         from functorch.compile import make_boxed_func
 
-        note(kind, gm)
+        note(kind, region, gm)
         fn = make_boxed_func(gm.forward)
-        ctx = running(kind)
+        ctx = running(kind, region)
         if ctx is None:
             return fn
 
@@ -266,39 +270,40 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None, 
         call._boxed_call = True
         return call
 
-    def new_region(gm):
+    def new_region(gm) -> int:
         record.regions += 1
         record.inputs.append([input_name(n, fqns) for n in gm.graph.nodes
                               if n.op == "placeholder"])
         reason = getattr(gm, "compile_subgraph_reason", None)
         if reason is not None and getattr(reason, "graph_break", False):
             record.breaks.append(GraphBreak(str(reason.reason), _where(reason.user_stack)))
+        return record.regions - 1
 
     if options.backend == "aot_eager":
-        inner = aot_autograd(fw_compiler=lambda gm, ex: boxed("forward", gm),
-                             bw_compiler=lambda gm, ex: boxed("backward", gm),
-                             inference_compiler=lambda gm, ex: boxed("inference", gm))
-
         def backend(gm, example_inputs):
-            new_region(gm)
+            region = new_region(gm)
+            inner = aot_autograd(
+                fw_compiler=lambda gm, ex: boxed("forward", region, gm),
+                bw_compiler=lambda gm, ex: boxed("backward", region, gm),
+                inference_compiler=lambda gm, ex: boxed("inference", region, gm))
             return inner(gm, example_inputs)
 
         return backend
 
     compile_fx, compile_fx_inner = inductor_compilers()
-
-    def inner_compile(gm, example_inputs, **kwargs):
-        kind = "backward" if kwargs.get("is_backward") else (
-            "inference" if kwargs.get("is_inference") else "forward")
-        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        code = _fake_friendly_module(compiled, running(kind))
-        note(kind, gm, code)
-        return compiled
-
     patches = _mode_patches(options)
 
     def backend(gm, example_inputs):
-        new_region(gm)
+        region = new_region(gm)
+
+        def inner_compile(gm, example_inputs, **kwargs):
+            kind = "backward" if kwargs.get("is_backward") else (
+                "inference" if kwargs.get("is_inference") else "forward")
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            code = _fake_friendly_module(compiled, running(kind, region))
+            note(kind, region, gm, code)
+            return compiled
+
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
     return backend

@@ -238,6 +238,11 @@ class Isolation:
                          for k, b in m._buffers.items()}
         d["_modules"] = {k: None if c is None else self._module_child(c, where, k)
                          for k, c in m._modules.items()}
+        if m.__dict__.get("_compiled_call_impl") is not None:
+            # Module.compile() was called on it; copy.copy drops the compiled call
+            # (Module.__getstate__), which would run the user's module anyway. The copy keeps the
+            # mark, running its own code: capture compiles it (compile=) or says it ran eagerly
+            d["_compiled_call_impl"] = new._call_impl
         return new
 
     def _module_child(self, c, where, name):
