@@ -54,7 +54,7 @@ from ..torch_compat import (aot_autograd, compile_configs, dynamo_callback_handl
                             inductor_mode_options)
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compile_blocks",
-           "compiling", "input_name", "APPROXIMATIONS"]
+           "compiling", "input_name", "trampoline", "APPROXIMATIONS"]
 
 APPROXIMATIONS = (
     "kernels are not run: a generated kernel allocates nothing the caching allocator sees",
@@ -376,7 +376,7 @@ def _unrecorded_while_compiling(unrecorded):
         callback_handler.remove_end_callback(end)
 
 
-def _trampoline():
+def trampoline():
     """The function dynamo compiles: `model(*args, **kwargs)`, with a code object of its own.
 
     Dynamo keeps compiled code on the code object it entered, and remembers the sizes each code
@@ -438,7 +438,7 @@ def compile_model(model: torch.nn.Module, options: CompileOptions, record: Compi
                                           model.named_buffers(remove_duplicate=False))
                 for name, t in named}
     backend = _make_backend(options, record, on_call, fqns)
-    fn = torch.compile(_trampoline(), backend=backend, fullgraph=options.fullgraph,
+    fn = torch.compile(trampoline(), backend=backend, fullgraph=options.fullgraph,
                        dynamic=options.dynamic)
 
     def forward(*args, **kwargs):
@@ -455,12 +455,12 @@ def compile_blocks(blocks, options: CompileOptions, record: CompileRecord, on_ca
     block, after tensor parallelism and checkpointing, before FSDP2 wraps it).
 
     `Module.compile` routes the module's calls through `torch.compile(self._call_impl)`; here
-    the call goes through one fresh trampoline per profile (see `_trampoline`), so the blocks
+    the call goes through one fresh trampoline per profile (see `trampoline`), so the blocks
     share one compiled graph as they share one `_call_impl` in torch (their parameters are graph
     inputs), and nothing is shared with another profile. FSDP2's hooks around a block are not
     traced (dynamo's `skip_fsdp_hooks`): they run eagerly, with their collectives recorded."""
     backend = _make_backend(options, record, on_call, fqns)
-    fn = torch.compile(_trampoline(), backend=backend, fullgraph=options.fullgraph,
+    fn = torch.compile(trampoline(), backend=backend, fullgraph=options.fullgraph,
                        dynamic=options.dynamic)
     for block in blocks:
         def call(*args, _impl=block._call_impl, **kwargs):
