@@ -414,6 +414,9 @@ def input_name(node: torch.fx.Node, fqns: dict | None = None) -> str:
     m = re.match(r"L\['args'\]\[(\d+)\]$", name)
     if m:
         return f"input {m.group(1)}"
+    m = re.match(r"L\['(\w+)'\]$", name)  # a block's own argument (compile_blocks): by name
+    if m and m.group(1) not in ("model", "self", "fn"):
+        return f"input {m.group(1)}"
     m = re.match(r"L\['(model|self)'\]", name)
     if m:
         parts = [a or b for a, b in _SOURCE_PART.findall(name[m.end():])]
