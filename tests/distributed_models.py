@@ -156,3 +156,11 @@ def fsdp_stage(model, mesh):
             fully_shard(layer, mesh=m, reshard_after_forward=False)
     fully_shard(model, mesh=m, reshard_after_forward=False)
     return model
+
+
+def fsdp_compiled(model, mesh):
+    """torchtitan's order: each block compiled (apply_compile: `block.compile(fullgraph=True)`),
+    then FSDP2 on every block and the root."""
+    for b in model.blocks:
+        b.compile(fullgraph=True)
+    return fsdp(model, mesh)

@@ -165,6 +165,9 @@ def test_graph_break_splits_the_step_and_is_reported():
     assert len(c.graph_breaks) == 1
     assert "graph_break" in c.graph_breaks[0].reason
     assert "test_compile.py" in c.graph_breaks[0].where
+    # each dynamo graph has its forward and its (lazily compiled) backward
+    assert sorted((g.region, g.kind) for g in c.graphs) == [
+        (0, "backward"), (0, "forward"), (1, "backward"), (1, "forward")]
     assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 12
     assert abs(p.peak_bytes - real.peaks[2]) <= 12
     with pytest.raises(TapescopeError):
@@ -197,3 +200,28 @@ def test_activation_memory_budget_changes_the_peak_as_in_reality():
     assert p.compiled.recompute_flops > 0
     assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 12
     assert abs(p.peak_bytes - real.peaks[2]) <= 12
+
+
+def self_compiled_blocks():
+    """A model whose own code compiles its blocks (`Module.compile()`, as torchtune's
+    compile_model and torchtitan's apply_compile do)."""
+    m = mlp_blocks(2)
+    for block in m:
+        block.compile()
+    return m
+
+
+def test_modules_the_model_compiled_are_what_is_compiled():
+    """Truth: the model run for real as built (its blocks compiled by inductor, real kernels).
+    tapescope with compile=True compiles those modules, not the whole model; without it they
+    run eagerly and the profile says so."""
+    inputs = (tapescope.spec((4, 32, 128)),)
+    real = run_real_steps(self_compiled_blocks, inputs)
+    p = tapescope.profile(self_compiled_blocks, *inputs, compile=True)
+    # each block ran compiled (the second recompiles, as in torch: its input requires grad)
+    assert {lab for lab, _, _ in p.trace.compiled_calls} >= {"forward 0", "forward 1"}
+    assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 12
+    assert abs(p.peak_bytes - real.peaks[2]) <= 12
+    eager = tapescope.profile(self_compiled_blocks, *inputs)
+    assert any("Module.compile()" in n for n in eager.facts["isolation_notes"])
+    assert eager.peak_bytes == p.eager.peak_bytes

@@ -88,6 +88,8 @@ def cuda_compiled():
 
 _ALLOC = re.compile(r"^(\w+) = empty_strided_cuda\((\(.*?\)), (\(.*?\)), torch\.(\w+)\)$")
 _ALIAS = re.compile(r"^(\w+) = (?:reinterpret_tensor\()?(\w+)(?:,.*\))?$")
+_METADATA = re.compile(r"^assert_tensor_metadata\((\w+), (\(.*?\)), (\(.*?\)), torch\.(\w+)")
+_ATEN = re.compile(r"^(\w+) = torch\.ops\.aten\.(\w+)\.(\w+)\((\w+)\b")
 
 
 def _storage_bytes(size, stride, dtype) -> int:
@@ -100,7 +102,7 @@ def _source_events(code: str) -> list:
     """(+1 | -1, bytes) of each storage the graph's `call()` allocates, in the order its text
     allocates and frees them; the storages it returns stay alive."""
     body = code[code.index("    def call(self, args):"):code.index("\nrunner = Runner(")]
-    names, alive, events, returned = {}, {}, [], set()
+    names, alive, events, returned, pending = {}, {}, [], set(), set()
     for line in body.splitlines():
         line = line.split("#")[0].strip()
         if line.startswith("return "):
@@ -119,6 +121,17 @@ def _source_events(code: str) -> list:
                         events.append((-1, alive.pop(st)))
             elif m := _ALIAS.match(stmt):  # a graph input's storage is not one made here
                 names[m[1]] = names.get(m[2], f"input {m[2]}")
+            elif m := _ATEN.match(stmt):  # an ATen op inductor falls back to
+                if getattr(getattr(torch.ops.aten, m[2]), m[3]).is_view:  # by its schema
+                    names[m[1]] = names.get(m[4], f"input {m[4]}")
+                else:  # it allocates its output: the metadata the wrapper asserts next
+                    pending.add(m[1])
+            elif (m := _METADATA.match(stmt)) and m[1] in pending:
+                pending.discard(m[1])
+                n = _storage_bytes(ast.literal_eval(m[2]), ast.literal_eval(m[3]), m[4])
+                alive[m[1]] = n
+                names[m[1]] = m[1]
+                events.append((1, n))
             elif re.match(r"^buf\d+ = ", stmt):  # any other way of making a buffer
                 raise AssertionError(f"a buffer this reading does not model: {stmt}")
     kept = {names[r] for r in returned if r in names}

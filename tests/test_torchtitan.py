@@ -73,3 +73,42 @@ def test_torchtitan_llama3_fsdp_selective_ac_on_cuda_without_a_gpu():
     assert set(p.facts["sdpa_backends"]) == {"cudnn"}
     assert p.recompute_flops > 0
     assert {r.kind for r in p.collective_table} >= {"all_gather", "reduce_scatter"}
+
+
+def _parallelize_compiled(model, mesh):
+    """As `_parallelize`, with torchtitan's `--compile.enable` for the model: apply_compile calls
+    `block.compile(fullgraph=True)` on every TransformerBlock after AC and before FSDP2."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    parallelism = ParallelismConfig(data_parallel_shard_degree=WORLD)
+    dims = ParallelDims.from_config(parallelism, world_size=WORLD)
+    dims.build_mesh()
+    return parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
+                             parallelism=parallelism,
+                             compile_config=CompileConfig(enable=True, components=["model"]),
+                             ac_config=SelectiveAC.Config(), dump_folder="/tmp")
+
+
+def test_torchtitan_llama3_compiled_fsdp_selective_ac_on_cuda_without_a_gpu():
+    """torchtitan's own compile + FSDP2 + selective AC, GPU-less (compile=True: the blocks its
+    apply_compile compiled are compiled by tapescope's backend). Truths: torchtitan compiles with
+    fullgraph=True, so the real run has no graph break (one graph, shared by the layers); the
+    selective checkpoint stays inside it (a higher-order op) and the partitioner recomputes part
+    of each layer; attention in the graph is the backend sm90 picks for bf16 in the wrapper's
+    order (cuDNN, sdp_utils.cpp). (The wrapper read as text, tests/test_compile_cuda.py, is not
+    applied here: the extern attention op returns a tuple of outputs, which that reading does
+    not model yet.)"""
+    cfg = _config()
+    p = tapescope.profile(cfg.build, tapescope.spec((2, 128), dtype=torch.long), loss_fn=_loss,
+                          mesh={"fsdp": WORLD}, parallelize=_parallelize_compiled,
+                          device="cuda", gpu="h100", compile=True)
+    c = p.compiled
+    assert c.regions == 1 and not c.graph_breaks
+    assert c.recompute_flops > 0
+    ops = {str(n.target) for g in c.graphs for n in g.graph.graph.nodes}
+    assert "aten._scaled_dot_product_cudnn_attention.default" in ops
+    assert "aten._scaled_dot_product_cudnn_attention_backward.default" in ops
+    assert p.eager is not None and p.eager.ranks[0].peak_bytes > 0

@@ -302,10 +302,10 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
 
 def profile_workload(workload: Workload, options: Options, progress=None) -> Profile:
     """`profile` for an already resolved workload and options (what the CLI calls)."""
-    if options.mesh is not None:
-        return _profile_ranks(workload, options, progress)
     if options.compile is not None:
         return _profile_compiled(workload, options, progress)
+    if options.mesh is not None:
+        return _profile_ranks(workload, options, progress)
     if options.symbolic:
         from .capture.model import model_of
 
@@ -329,22 +329,31 @@ def profile_workload(workload: Workload, options: Options, progress=None) -> Pro
 
 def _profile_compiled(workload: Workload, options: Options, progress=None) -> Profile:
     """The compiled step, with the eager step beside it (`p.eager`)."""
-    from .analysis.compiled import compiled_report
-
     from .capture.model import model_of
 
     workload = replace(workload, model=model_of(workload.model))  # built once for both
     eager = profile_workload(workload, options.but(compile=None), progress)
+    if options.mesh is not None:  # every rank class compiled, each with its report
+        p = _profile_ranks(workload, options, progress)
+        p.eager = eager
+        return p
     trace, facts = capture(workload, options, progress)
-    record = facts.pop("compiled")
-    facts["compile"] = options.compile.to_dict()
     with _gc_paused():
         p = analyse(trace, facts, model=workload.display_name, options=options,
                     inputs=[_describe_input(x) for x in workload.args])
-        views = step_views(trace)
-        p.compiled = compiled_report(record, trace, views[max(views)], p.ops)
+        _add_compiled_report(p)
     p.eager = eager
     return p
+
+
+def _add_compiled_report(p: Profile) -> None:
+    """`p.compiled` from what compiling recorded (the capture's facts["compiled"])."""
+    from .analysis.compiled import compiled_report
+
+    record = p.facts.pop("compiled")
+    p.facts["compile"] = p.options.compile.to_dict()
+    views = step_views(p.trace)
+    p.compiled = compiled_report(record, p.trace, views[max(views)], p.ops)
 
 
 def analyse(trace: Trace, facts: dict, *, model: str, options: Options, inputs) -> Profile:
@@ -394,7 +403,10 @@ def _profile_ranks(workload: Workload, options: Options, progress=None) -> Profi
     from .distributed.profile import profile_ranks
 
     def analyse_rank(trace, facts):
-        return _analyse_captured(trace, facts, workload, options)
+        p = _analyse_captured(trace, facts, workload, options)
+        if options.compile is not None:
+            _add_compiled_report(p)
+        return p
 
     p, ranks, dist = profile_ranks(workload, options, analyse_rank, progress)
     p.ranks, p.distributed = ranks, dist

@@ -107,7 +107,7 @@ def _workload(spec, batch, seq, inputs):
 
 def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None,
              symbolic=(), compile=None, threads=None, cpu_isa=None, parallel=None, routing=None,
-             mask=None, accumulate=1, step=None, setup=None, pipeline=None):
+             mask=None, accumulate=1, step=None, setup=None, pipeline=None, checkpointing=()):
     from .options import Options
 
     mesh = parallelize = None
@@ -123,7 +123,7 @@ def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, allo
                           alloc_conf=alloc_conf, symbolic=symbolic, compile=compile,
                           threads=threads, cpu_isa=cpu_isa, mesh=mesh, parallelize=parallelize,
                           sizes=_sizes(routing, mask), accumulate=accumulate, step=step,
-                          setup=setup, pipeline=pipeline)
+                          setup=setup, pipeline=pipeline, checkpointing=checkpointing)
 
 
 def _sizes(routing, mask):
@@ -142,7 +142,7 @@ def _sizes(routing, mask):
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
                  alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None,
                  parallel=None, routing=None, mask=None, accumulate=1, step=None, setup=None,
-                 quiet=False, pipeline=None):
+                 checkpointing=(), quiet=False, pipeline=None):
     from .api import profile_workload
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
@@ -159,7 +159,7 @@ def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=
     options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
                        compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel,
                        routing=routing, mask=mask, accumulate=accumulate, step=step, setup=setup,
-                       pipeline=pipeline)
+                       pipeline=pipeline, checkpointing=checkpointing)
     what = "compiling and tracing" if compile else "tracing"
     with _progress(f"{what} {workload.name} on fake {options.device.type} tensors",
                    quiet) as progress:
@@ -313,6 +313,35 @@ MaskOpt = typer.Option(None, "--mask-fraction",
 AllocConfOpt = typer.Option(None, "--alloc-conf",
                             help="CUDA caching-allocator settings as PYTORCH_ALLOC_CONF writes them, "
                                  "e.g. expandable_segments:True (default: the environment's).")
+CheckpointOpt = typer.Option(
+    None, "--checkpoint",
+    help="Checkpoint a module (repeat): MODULE (full), MODULE:selective:OP,OP (keep those aten "
+         "ops' outputs, e.g. aten.mm.default), or a `tapescope plan --json` file.")
+
+
+def _checkpointing(values) -> list:
+    """--checkpoint values as UnitPolicy sources: fqns, (fqn, mode, save_ops), a plan's JSON."""
+    policies = []
+    for v in values or ():
+        if v.endswith(".json"):
+            import json
+
+            try:
+                with open(v) as f:
+                    plan = json.load(f)
+            except (OSError, ValueError) as e:
+                raise TapescopeError(f"--checkpoint {v}: cannot read it as JSON ({e})") from None
+            if not isinstance(plan, dict) or "policies" not in plan:
+                raise TapescopeError(f"--checkpoint {v}: not a checkpointing plan (write one with "
+                                     "`tapescope plan SPEC --budget B --json FILE.json`)")
+            policies += plan["policies"]
+            continue
+        fqn, _, rest = v.partition(":")
+        mode, _, ops = rest.partition(":")
+        policies.append((fqn, mode or "full", tuple(o for o in ops.split(",") if o)))
+    return policies
+
+
 CompileOpt = typer.Option(False, "--compile", help="Profile the step as torch.compile runs it, beside eager.")
 ModeOpt = typer.Option(None, "--compile-mode", help="torch.compile mode: default, max-autotune, ... (implies --compile).")
 FullgraphOpt = typer.Option(False, "--fullgraph", help="torch.compile(fullgraph=True): a graph break is an error.")
@@ -346,7 +375,7 @@ def profile_cmd(
     compile: bool = CompileOpt, compile_mode: Optional[str] = ModeOpt, fullgraph: bool = FullgraphOpt,
     dynamic: Optional[str] = DynamicOpt, activation_memory_budget: Optional[float] = BudgetOpt,
     compile_optimizer: bool = CompileOptimOpt, compile_backend: Optional[str] = BackendOpt,
-    quiet: bool = QuietOpt,
+    checkpoint: Optional[List[str]] = CheckpointOpt, quiet: bool = QuietOpt,
 ):
     """Peak memory and what causes it, FLOPs by phase, top modules, uncounted ops; with --compile,
     the step as torch.compile runs it beside the eager one."""
@@ -366,8 +395,8 @@ def profile_cmd(
                          parallel=_parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh,
                                             pp),
                          routing=routing, mask=mask_fraction, accumulate=accumulate,
-                         step=step, setup=setup, quiet=quiet,
-                         pipeline=_pipeline(pp_schedule, microbatches, pp_split))
+                         step=step, setup=setup, checkpointing=_checkpointing(checkpoint),
+                         quiet=quiet, pipeline=_pipeline(pp_schedule, microbatches, pp_split))
         elapsed = time.perf_counter() - t0
         from .report.console import render_compiled, render_summary
 

@@ -267,9 +267,6 @@ class Options:
                 "creates the optimizer's state while compiling (OptimizerVariable runs _init_group "
                 "at trace time), outside the ops tapescope records, so the steady state would miss "
                 "it; profile the compiled model with the optimizer run eagerly (the default)")
-        if compile is not None and checkpointing:
-            raise TapescopeError("applying a checkpointing plan to a compiled step is not "
-                                 "supported yet: profile the plan eagerly (drop compile=...)")
         if compile is not None and symbolic:
             raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
                                  "compile with dynamic=True to see the graphs torch.compile makes)")
@@ -283,10 +280,13 @@ class Options:
         pipeline = _resolve_pipeline(pipeline, mesh, accumulate)
         mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine,
                            pipelined=pipeline is not None)
-        if mesh is not None and (compile is not None or checkpointing):
-            raise TapescopeError("a distributed profile (mesh=) with compile= or a checkpointing "
-                                 "plan is not supported yet; apply checkpointing in your "
-                                 "parallelize function, as torchtitan does")
+        if mesh is not None and checkpointing:
+            raise TapescopeError("a distributed profile (mesh=) with a checkpointing plan is not "
+                                 "supported yet; apply checkpointing in your parallelize "
+                                 "function, as torchtitan does")
+        if pipeline is not None and compile is not None:
+            raise TapescopeError("a pipelined profile with compile= is not supported yet; "
+                                 "profile the pipeline eagerly (drop --compile)")
         step, setup = _resolve_step(step, setup, loss_fn=loss_fn, accumulate=accumulate,
                                     amp=amp, compile=compile, mesh=mesh, symbolic=symbolic)
         from .values.sizes import Sizes

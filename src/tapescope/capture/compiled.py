@@ -53,8 +53,8 @@ from ..torch_compat import (INDUCTOR_KERNEL_COMPILERS, aot_autograd, compile_con
                             dynamo_callback_handler, function_modes_suspended,
                             inductor_async_compile, inductor_compilers, inductor_mode_options)
 
-__all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compiling",
-           "input_name", "APPROXIMATIONS"]
+__all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compile_blocks",
+           "compiling", "input_name", "trampoline", "APPROXIMATIONS"]
 
 APPROXIMATIONS = (
     "kernels are not run: a generated kernel allocates nothing the caching allocator sees",
@@ -229,28 +229,33 @@ def _mode_patches(options: CompileOptions) -> dict:
     return patches
 
 
-def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None):
+def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None, fqns=None):
     """A torch.compile backend: inductor (or AOTAutograd + default partitioner for aot_eager)
     recording the partitioned graphs and making the generated code fake-friendly.
-    `on_call(label)` gives a context entered around each run of a compiled graph."""
+    `on_call(label)` gives a context entered around each run of a compiled graph; `fqns` names
+    the model's parameters and buffers by id (input_name).
 
-    def note(kind, gm, code=None):
-        g = CompiledGraph(kind, record.regions - 1, gm, code)
+    Each dynamo graph (a region) gets compilers of its own: AOTAutograd compiles a backward
+    lazily, at its first run, when later regions may exist; the compilers it kept know which
+    region the backward belongs to."""
+
+    def note(kind, region, gm, code=None):
+        g = CompiledGraph(kind, region, gm, code)
         record.graphs.append(g)
         return g
 
-    def running(kind):
+    def running(kind, region):
         if on_call is None:
             return None
-        label = f"{kind} {record.regions - 1}"
+        label = f"{kind} {region}"
         return lambda: on_call(label)
 
-    def boxed(kind, gm):
+    def boxed(kind, region, gm):
         from functorch.compile import make_boxed_func
 
-        note(kind, gm)
+        note(kind, region, gm)
         fn = make_boxed_func(gm.forward)
-        ctx = running(kind)
+        ctx = running(kind, region)
         if ctx is None:
             return fn
 
@@ -261,38 +266,40 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None):
         call._boxed_call = True
         return call
 
-    def new_region(gm):
+    def new_region(gm) -> int:
         record.regions += 1
-        record.inputs.append([input_name(n) for n in gm.graph.nodes if n.op == "placeholder"])
+        record.inputs.append([input_name(n, fqns) for n in gm.graph.nodes
+                              if n.op == "placeholder"])
         reason = getattr(gm, "compile_subgraph_reason", None)
         if reason is not None and getattr(reason, "graph_break", False):
             record.breaks.append(GraphBreak(str(reason.reason), _where(reason.user_stack)))
+        return record.regions - 1
 
     if options.backend == "aot_eager":
-        inner = aot_autograd(fw_compiler=lambda gm, ex: boxed("forward", gm),
-                             bw_compiler=lambda gm, ex: boxed("backward", gm),
-                             inference_compiler=lambda gm, ex: boxed("inference", gm))
-
         def backend(gm, example_inputs):
-            new_region(gm)
+            region = new_region(gm)
+            inner = aot_autograd(
+                fw_compiler=lambda gm, ex: boxed("forward", region, gm),
+                bw_compiler=lambda gm, ex: boxed("backward", region, gm),
+                inference_compiler=lambda gm, ex: boxed("inference", region, gm))
             return inner(gm, example_inputs)
 
         return backend
 
     compile_fx, compile_fx_inner = inductor_compilers()
-
-    def inner_compile(gm, example_inputs, **kwargs):
-        kind = "backward" if kwargs.get("is_backward") else (
-            "inference" if kwargs.get("is_inference") else "forward")
-        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        code = _fake_friendly_module(compiled, running(kind))
-        note(kind, gm, code)
-        return compiled
-
     patches = _mode_patches(options)
 
     def backend(gm, example_inputs):
-        new_region(gm)
+        region = new_region(gm)
+
+        def inner_compile(gm, example_inputs, **kwargs):
+            kind = "backward" if kwargs.get("is_backward") else (
+                "inference" if kwargs.get("is_inference") else "forward")
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            code = _fake_friendly_module(compiled, running(kind, region))
+            note(kind, region, gm, code)
+            return compiled
+
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
     return backend
@@ -365,7 +372,7 @@ def _unrecorded_while_compiling(unrecorded):
         callback_handler.remove_end_callback(end)
 
 
-def _trampoline():
+def trampoline():
     """The function dynamo compiles: `model(*args, **kwargs)`, with a code object of its own.
 
     Dynamo keeps compiled code on the code object it entered, and remembers the sizes each code
@@ -384,10 +391,17 @@ def _trampoline():
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)")
 
 
-def input_name(node: torch.fx.Node) -> str:
-    """What a dynamo graph input is, from its source: a parameter or buffer by its fully
-    qualified name ("h.0.attn.c_attn.weight"), a step input by position ("input 0")."""
+def input_name(node: torch.fx.Node, fqns: dict | None = None) -> str:
+    """What a dynamo graph input is: a parameter or buffer by its fully qualified name
+    ("h.0.attn.c_attn.weight"), a step input by position ("input 0").
+
+    fqns: id(tensor) -> name, the model's `named_parameters`/`named_buffers`: the names the
+    user knows, also where a wrapper module sits on the path (checkpoint_wrapper's
+    `_checkpoint_wrapped_module`, reached through its `__dict__`); else read from the source."""
     arg = node.meta.get("grapharg")
+    known = (fqns or {}).get(id(getattr(arg, "example", None)))
+    if known is not None:
+        return known
     name = getattr(getattr(arg, "source", None), "name", None)
     if name is None:
         return node.name
@@ -395,6 +409,9 @@ def input_name(node: torch.fx.Node) -> str:
         name = name()
     m = re.match(r"L\['args'\]\[(\d+)\]$", name)
     if m:
+        return f"input {m.group(1)}"
+    m = re.match(r"L\['(\w+)'\]$", name)  # a block's own argument (compile_blocks): by name
+    if m and m.group(1) not in ("model", "self", "fn"):
         return f"input {m.group(1)}"
     m = re.match(r"L\['(model|self)'\]", name)
     if m:
@@ -411,11 +428,16 @@ def _where(user_stack) -> str | None:
 
 
 def compile_model(model: torch.nn.Module, options: CompileOptions, record: CompileRecord,
-                  on_call=None):
+                  on_call=None, fqns: dict | None = None):
     """`model` as `torch.compile(model, ...)` would run it, compiled by tapescope's backend.
-    `on_call(label)`: a context entered around each run of a compiled graph ("forward 0")."""
-    backend = _make_backend(options, record, on_call)
-    fn = torch.compile(_trampoline(), backend=backend, fullgraph=options.fullgraph,
+    `on_call(label)`: a context entered around each run of a compiled graph ("forward 0");
+    `fqns`: id(parameter or buffer) -> its name (default: the model's named_parameters/buffers)."""
+    if fqns is None:
+        fqns = {id(t): name for named in (model.named_parameters(remove_duplicate=False),
+                                          model.named_buffers(remove_duplicate=False))
+                for name, t in named}
+    backend = _make_backend(options, record, on_call, fqns)
+    fn = torch.compile(trampoline(), backend=backend, fullgraph=options.fullgraph,
                        dynamic=options.dynamic)
 
     def forward(*args, **kwargs):
@@ -423,3 +445,25 @@ def compile_model(model: torch.nn.Module, options: CompileOptions, record: Compi
             return fn(model, *args, **kwargs)
 
     return forward
+
+
+def compile_blocks(blocks, options: CompileOptions, record: CompileRecord, on_call=None,
+                   fqns: dict | None = None) -> None:
+    """Each module of `blocks` compiled on its own, in place, as torchtitan's `apply_compile`
+    does inside a parallelize function (`block.compile(fullgraph=True)`, every transformer
+    block, after tensor parallelism and checkpointing, before FSDP2 wraps it).
+
+    `Module.compile` routes the module's calls through `torch.compile(self._call_impl)`; here
+    the call goes through one fresh trampoline per profile (see `trampoline`), so the blocks
+    share one compiled graph as they share one `_call_impl` in torch (their parameters are graph
+    inputs), and nothing is shared with another profile. FSDP2's hooks around a block are not
+    traced (dynamo's `skip_fsdp_hooks`): they run eagerly, with their collectives recorded."""
+    backend = _make_backend(options, record, on_call, fqns)
+    fn = torch.compile(trampoline(), backend=backend, fullgraph=options.fullgraph,
+                       dynamic=options.dynamic)
+    for block in blocks:
+        def call(*args, _impl=block._call_impl, **kwargs):
+            with function_modes_suspended():
+                return fn(_impl, *args, **kwargs)
+
+        block._compiled_call_impl = call

@@ -199,7 +199,15 @@ class Isolation:
                                                              f"{f.__qualname__})")
                         for v in contents]
         defaults = self._copy(f.__defaults__, where) if f.__defaults__ else f.__defaults__
-        kwdefaults = self._copy(f.__kwdefaults__, where) if f.__kwdefaults__ else f.__kwdefaults__
+        kwdefaults = f.__kwdefaults__
+        if kwdefaults:
+            # the state is in the values (`*, cache={}`), not in the dict that holds them: a
+            # function whose keyword defaults all stay stays itself. Its identity matters beyond
+            # state: dynamo recognizes torch's functions by it (`torch.utils.checkpoint.checkpoint`
+            # is traced as a higher-order op, a copy of it is a function dynamo skips)
+            values = {k: self._copy(v, where) for k, v in kwdefaults.items()}
+            if any(values[k] is not v for k, v in kwdefaults.items()):
+                kwdefaults = values
         if (all(a is b for a, b in zip(new_contents, contents)) and defaults is f.__defaults__
                 and kwdefaults is f.__kwdefaults__):
             return self._remember(f, f)
@@ -231,6 +239,11 @@ class Isolation:
                          for k, b in m._buffers.items()}
         d["_modules"] = {k: None if c is None else self._module_child(c, where, k)
                          for k, c in m._modules.items()}
+        if m.__dict__.get("_compiled_call_impl") is not None:
+            # Module.compile() was called on it; copy.copy drops the compiled call
+            # (Module.__getstate__), which would run the user's module anyway. The copy keeps the
+            # mark, running its own code: capture compiles it (compile=) or says it ran eagerly
+            d["_compiled_call_impl"] = new._call_impl
         return new
 
     def _module_child(self, c, where, name):

@@ -13,7 +13,8 @@ from ..options import check_device_build, resolve_device, resolve_dtype
 from ..torch_compat import post_accumulate_grad_hooks, tensor_backward_hooks, tree_map
 from .build_values import BuildValues, keep_build_value
 
-__all__ = ["spec", "Spec", "build_on_meta", "model_of", "fake_copy", "fake_inputs", "resolve_dtype"]
+__all__ = ["spec", "Spec", "build_on_meta", "model_of", "fake_copy", "fake_inputs", "resolve_dtype",
+           "transformer_blocks"]
 
 @dataclass(frozen=True)
 class Spec:
@@ -207,3 +208,14 @@ def real_inputs(inputs: Any, device, dtype: torch.dtype | None, generator: torch
         return x
 
     return tree_map(convert, inputs, is_leaf=lambda x: isinstance(x, Spec))
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model: the longest nn.ModuleList whose members share a class
+    (Llama's `layers`, GPT-2's `h`, a ViT's encoder layers)."""
+    best: list = []
+    for m in model.modules():
+        held = [b for b in m if b is not None] if isinstance(m, nn.ModuleList) else []
+        if len(held) > len(best) and len({type(b) for b in held}) == 1:
+            best = held  # (a pipeline stage's list holds None for other stages' blocks)
+    return best

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -32,12 +33,19 @@ def track_modules(stack: list[str], names: dict[int, str]):
     Modules outside the model (a loss module, say) appear under their class name.
     """
 
+    # Where dynamo traces a module call (torch.compile), the hooks are traced with it and have
+    # nothing to do: the ops run later inside a compiled graph, which has no module stack. Traced,
+    # their list mutation would be a side effect dynamo replays after the graph, and one it
+    # refuses inside a higher-order op (a checkpointed region: a graph break real torch does not
+    # have). `is_compiling()` is a constant to dynamo, so the branch is not traced at all.
     def pre(mod, _args):
+        if torch.compiler.is_compiling():
+            return
         name = names.get(id(mod))
         stack.append(type(mod).__name__ if name is None else name)
 
     def post(mod, _args, _out):
-        if stack:
+        if stack and not torch.compiler.is_compiling():
             name = stack.pop()
             # always_call: this also runs while an error leaves the module's forward; the
             # innermost module it leaves is where the error happened

@@ -196,6 +196,8 @@ class CaptureSession:
             self.step_model = self.fmodel
             if opts.compile is not None:
                 self._compile_model()
+            elif compiled_modules(self.fmodel):
+                self._run_compiled_modules_eagerly()
             try:
                 with self._recording():
                     if program.reusable:
@@ -286,7 +288,9 @@ class CaptureSession:
         for fqn, p in self.fmodel.named_parameters(remove_duplicate=False):
             self.param_fqn.setdefault(id(p), fqn)
             tape.register(p, fqn, PARAMETER, owner=fqn)
+        self.buffer_fqn: dict[int, str] = {}
         for fqn, b in self.fmodel.named_buffers(remove_duplicate=False):
+            self.buffer_fqn.setdefault(id(b), fqn)
             tape.register(b, fqn, BUFFER, owner=fqn)
         inputs = [x for x in tree_leaves((self.fargs, self.fkwargs)) if isinstance(x, torch.Tensor)]
         for i, t in enumerate(inputs):
@@ -333,7 +337,40 @@ class CaptureSession:
 
         opts = self.options
         self.facts["compiled"] = record = CompileRecord(opts.compile)
-        self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call)
+        # the graphs' inputs by the names the user's model gives them (before a plan's wrappers)
+        fqns = {**self.buffer_fqn, **self.param_fqn}
+        # modules the user's code compiled itself (`block.compile()` in a parallelize function,
+        # as torchtitan's apply_compile does) are the regions tapescope compiles, with its backend
+        blocks = compiled_modules(self.fmodel)
+        if blocks or opts.mesh is not None:
+            # a parallelised model is compiled per transformer block (torchtitan's apply_compile),
+            # each block with its FSDP2/TP wrapping as parallelize left it
+            from .compiled import compile_blocks
+            from .model import transformer_blocks
+
+            blocks = blocks or transformer_blocks(self.fmodel)
+            if not blocks:
+                raise TapescopeError(
+                    "a distributed compiled profile compiles each transformer block (torchtitan's "
+                    "apply_compile), and this model has no repeated blocks (an nn.ModuleList of "
+                    "one class); profile it with compile= alone, or without the mesh")
+            compile_blocks(blocks, opts.compile, record, self.tape.compiled_call, fqns)
+            return
+        self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call,
+                                        fqns)
+
+    def _run_compiled_modules_eagerly(self) -> None:
+        """An eager profile of a model whose code compiled some modules (`block.compile()`):
+        those run eagerly in the private copy (a real compile would run inductor's kernels,
+        which fake tensors cannot feed), and the profile says so."""
+        modules = compiled_modules(self.fmodel)
+        for m in modules:
+            m._compiled_call_impl = None
+        names = [self.names.get(id(m), type(m).__name__) or "(root)" for m in modules]
+        self.isolation.notes.append(
+            f"modules compiled with Module.compile() ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}) ran eagerly in this profile; pass --compile "
+            "(compile=True) to profile them compiled, with tapescope's backend")
 
     def _gpu_answered(self):
         """Inductor's CUDA path, GPU-less: the device queries answered for the named GPU
@@ -573,6 +610,12 @@ class CaptureSession:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+def compiled_modules(model: nn.Module) -> list:
+    """The modules `Module.compile()` was called on (their calls go through
+    `_compiled_call_impl`)."""
+    return [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+
 
 def _tensors_fingerprint(model: nn.Module) -> tuple:
     """Which tensors the model holds and where they live; equal before and after a step unless the

@@ -116,6 +116,6 @@ def zero_grad(model, optimizer) -> None:
     """optimizer.zero_grad(set_to_none=True); without an optimizer, each parameter's grad = None."""
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
-    elif isinstance(model, torch.nn.Module):  # a compiled function's step has no parameters
+    elif callable(getattr(model, "parameters", None)):  # a compiled function's step has none
         for p in model.parameters():
             p.grad = None

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..capture.model import transformer_blocks
 from ..errors import TapescopeError
 
 __all__ = ["Layout", "preset_parallelize", "TP_PLANS", "transformer_blocks"]
@@ -70,17 +71,6 @@ class Layout:
         if self.tp > 1:
             parts.append(f"TP {self.tp}")
         return " x ".join(parts) or "1 rank"
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the longest nn.ModuleList whose members share a class
-    (Llama's `layers`, GPT-2's `h`, a ViT's encoder layers)."""
-    best: list = []
-    for m in model.modules():
-        held = [b for b in m if b is not None] if isinstance(m, nn.ModuleList) else []
-        if len(held) > len(best) and len({type(b) for b in held}) == 1:
-            best = held  # (a pipeline stage's list holds None for other stages' blocks)
-    return best
 
 
 # ---- tensor-parallel plans, by architecture ----------------------------------------------------

@@ -187,11 +187,32 @@ def _compiled(model, opt, options, graphs: list):
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
     else:
         backend = "aot_eager"
-    model = torch.compile(model, backend=backend, fullgraph=options.fullgraph,
-                          dynamic=options.dynamic)
+    # through a fresh code object, as tapescope compiles (capture/compiled.py, trampoline):
+    # dynamo remembers the sizes each code saw ("automatic dynamic"), so compiling the model's
+    # own forward a second time in one process, at other sizes, would trace it with symbolic
+    # sizes; each real run is the first compile of its step, as in a fresh process
+    from ..capture.compiled import trampoline
+
+    step = torch.compile(trampoline(), backend=backend, fullgraph=options.fullgraph,
+                         dynamic=options.dynamic)
+    model = _CompiledCall(model, step)
     if opt is not None and options.optimizer:
         opt.step = torch.compile(opt.step, backend=backend)
     return model, opt
+
+
+class _CompiledCall:
+    """`model` called through a compiled trampoline; everything else (parameters, train(),
+    zero_grad) is the model's own."""
+
+    def __init__(self, model, step):
+        self._model, self._step = model, step
+
+    def __call__(self, *args, **kwargs):
+        return self._step(self._model, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
 
 
 def _compile_config(options):
