@@ -5,7 +5,8 @@ all-gather and reduce-scatter streams with `torch.cuda.Stream(priority=-1)`; eve
 records an Event and the compute stream waits on it) and for the current device
 (`_get_device_from_mesh` calls `torch.cuda.current_device()`). Without a GPU each of these
 calls `torch.cuda._lazy_init()`, which raises "Found no NVIDIA driver on your system". Tracing on
-fake CUDA tensors needs none of them to do anything: no kernel runs, so nothing needs ordering.
+fake CUDA tensors needs none of them to reach a driver: no kernel runs, so nothing needs ordering
+while tracing (the order is kept for the timing model, below).
 
 So while a distributed CUDA profile runs, these attributes of `torch.cuda` (and
 `torch.accelerator.current_stream`) are replaced by stand-ins that need no driver, and restored
