@@ -224,3 +224,25 @@ def test_a_stream_waits_for_the_event_it_was_made_to_wait_on():
     side2 = _elementwise(2, add, 1, (4, 5), (6,), 1 << 20)
     t = estimate_step_time([long, hold, side2], trace, gpu).seconds
     assert t == pytest.approx(HOST_OP_S + t0 + t1)
+
+
+def test_a_collective_on_a_side_stream_holds_that_stream_until_it_ends():
+    """distributed_c10d calls work.wait() after a synchronous collective (async_op=False), which
+    blocks the issuing CUDA stream until the collective completes: the next op on that stream
+    starts when the collective ends (issue time + its seconds), though it reads nothing of it;
+    on another stream it starts when the host issues it."""
+    from tapescope.analysis.timing import kernel_seconds
+
+    gpu = get_gpu("h100")
+    add = torch.ops.aten.add.Tensor
+    gather = _elementwise(0, torch.ops.c10d._allgather_base_.default, 2, (1,), (2,), 1 << 20)
+    after = _elementwise(1, add, 2, (4, 5), (6,), 1 << 20)
+    t1 = kernel_seconds(after, gpu)[0]
+    trace = SimpleNamespace(storages={})
+    c = 0.01
+    assert estimate_step_time([gather, after], trace, gpu, {0: c}).seconds == \
+        pytest.approx(HOST_OP_S + c + t1)
+    after.record.stream = 3
+    assert estimate_step_time([gather, after], trace, gpu, {0: c}).seconds == \
+        pytest.approx(HOST_OP_S + c)          # it ran beside the collective
+    assert 2 * HOST_OP_S + t1 < HOST_OP_S + c

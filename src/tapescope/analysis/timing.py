@@ -32,8 +32,10 @@ earlier than the ops marked by them end), which is how FSDP2 bounds its prefetch
 all-gather's copy-in and collective wait for an earlier block's copy-out event, and the
 reduce-scatter waits for the compute stream's queue (`wait_stream`). A collective issued on a
 side stream waits for that stream's queue and holds it until it ends (ProcessGroupNCCL orders its
-NCCL stream after the issuing stream, and a synchronous collective the issuing stream after it);
-one on the default stream waits only for its inputs. While a collective runs it holds NCCL_SMS
+NCCL stream after the issuing stream, and for async_op=False distributed_c10d calls work.wait(),
+which blocks the current CUDA stream until the collective completes: FSDP2's all-gathers in
+forward and its reduce-scatters are issued so); one on the default stream waits only for its
+inputs (a reader of its output waits for it). While a collective runs it holds NCCL_SMS
 of the GPU's SMs, and compute overlapped with it runs on the others (slower by that share).
 `exposed_comm` is the time compute waited on collectives; `comm_overlap` the share of
 communication hidden behind compute.
