@@ -268,3 +268,33 @@ def test_fsdp_ops_are_recorded_on_the_streams_fsdp2_issues_them_on():
     assert streams["all_gather_copy_in"] == {1} and 1 in streams["_foreach_copy_"]
     assert streams["_allgather_base_"] == {2} and streams["_reduce_scatter_base_"] == {3}
     assert streams["mm"] == {0} and streams["addmm"] == {0}
+
+
+def test_fsdp_streams_wait_on_the_events_fsdp2_makes_them_wait_on():
+    """FSDP2's rules, as its source writes them: the all-gather stream waits for the copy-in
+    stream (`all_gather_stream.wait_stream(all_gather_copy_in_stream)`), so each all-gather waits
+    for its own copy-in; in forward the streams of the next all-gather wait for the copy-out
+    event of the group before the previous one (`wait_for_unshard` ->
+    `_wait_all_gather_streams_on_event(prev_all_gather_state.event)`), which bounds how far
+    all-gathers run ahead of compute; the reduce-scatter stream waits for the compute stream
+    (`reduce_scatter_stream.wait_stream(current_stream)`), after the gradients' copy-in."""
+    p = tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=_fsdp_bf16,
+                          device="cuda", gpu="h100")
+    ops = [op.record for op in p.ops]
+    at = {r.index: r for r in ops}
+    gathers = [r for r in ops if r.name == "c10d._allgather_base_.default"]
+    copy_ins = [r for r in ops if r.name == "fsdp.all_gather_copy_in.default"]
+    for g in gathers:   # the last copy-in before it is among the ops it waits for
+        assert max(c.index for c in copy_ins if c.index < g.index) in g.waits
+    forward = [r for r in ops if r.phase == "forward"]
+    outs = [r for r in forward if r.name == "fsdp.split_with_sizes_copy.default"]
+    firsts = [r for r in forward if r.stream == 1 and r.waits]
+    # the third group's (blocks.1) all-gather: its copy-in stream waits for a compute-stream op
+    # issued after the first group's (the root's) copy-out and before the second's all-gather
+    third = [r for r in firsts if r.module == "blocks.1"][0]
+    (mark,) = third.waits
+    assert at[mark].stream == 0 and outs[0].index < mark < copy_ins[1].index
+    for rs in (r for r in ops if r.name == "c10d._reduce_scatter_base_.default"):
+        first = [r for r in ops if r.stream == 3 and r.index < rs.index][-1]  # its output
+        (mark,) = first.waits
+        assert at[mark].name == "fsdp.chunk_cat.default" and at[mark].stream == 0

@@ -196,3 +196,53 @@ def test_a_side_stream_runs_in_its_own_queue_and_its_readers_wait_for_it():
            for i, op in enumerate(ops)]
     start1 = max(HOST_OP_S + t0, 2 * HOST_OP_S)   # after op 0 and after the host issued it
     assert estimate_step_time(one, trace, gpu).seconds == pytest.approx(start1 + t1 + t2)
+
+
+def test_a_stream_waits_for_the_event_it_was_made_to_wait_on():
+    """Schedule by hand (cudaStreamWaitEvent: a stream's later work starts after the work the
+    event was recorded behind): a long op on the compute stream, then an op on another stream
+    that reads nothing of it but whose stream waits on an event recorded after it (FSDP2's next
+    all-gather copy-in waiting for a copy-out) starts when it ends, not when the host issues it.
+    A wait held by an op that launches nothing (an `empty`) applies to that stream's next kernel."""
+    from tapescope.analysis.timing import kernel_seconds
+
+    gpu = get_gpu("h100")
+    add = torch.ops.aten.add.Tensor
+    empty = torch.ops.aten.empty.memory_format
+    long = _elementwise(0, add, 0, (1, 2), (3,), 1 << 30)
+    side = _elementwise(1, add, 1, (4, 5), (6,), 1 << 20)
+    t0, t1 = (kernel_seconds(op, gpu)[0] for op in (long, side))
+    trace = SimpleNamespace(storages={})
+    assert HOST_OP_S + t0 > 2 * HOST_OP_S       # the host issues op 1 long before op 0 ends
+    free = estimate_step_time([long, side], trace, gpu).seconds
+    assert free == pytest.approx(HOST_OP_S + t0)            # op 1 runs beside op 0
+    side.record.waits = (0,)
+    assert estimate_step_time([long, side], trace, gpu).seconds == pytest.approx(HOST_OP_S + t0 + t1)
+    side.record.waits = ()
+    hold = _elementwise(1, empty, 1, (), (8,), 1 << 20)
+    hold.record.waits = (0,)
+    side2 = _elementwise(2, add, 1, (4, 5), (6,), 1 << 20)
+    t = estimate_step_time([long, hold, side2], trace, gpu).seconds
+    assert t == pytest.approx(HOST_OP_S + t0 + t1)
+
+
+def test_a_collective_on_a_side_stream_holds_that_stream_until_it_ends():
+    """distributed_c10d calls work.wait() after a synchronous collective (async_op=False), which
+    blocks the issuing CUDA stream until the collective completes: the next op on that stream
+    starts when the collective ends (issue time + its seconds), though it reads nothing of it;
+    on another stream it starts when the host issues it."""
+    from tapescope.analysis.timing import kernel_seconds
+
+    gpu = get_gpu("h100")
+    add = torch.ops.aten.add.Tensor
+    gather = _elementwise(0, torch.ops.c10d._allgather_base_.default, 2, (1,), (2,), 1 << 20)
+    after = _elementwise(1, add, 2, (4, 5), (6,), 1 << 20)
+    t1 = kernel_seconds(after, gpu)[0]
+    trace = SimpleNamespace(storages={})
+    c = 0.01
+    assert estimate_step_time([gather, after], trace, gpu, {0: c}).seconds == \
+        pytest.approx(HOST_OP_S + c + t1)
+    after.record.stream = 3
+    assert estimate_step_time([gather, after], trace, gpu, {0: c}).seconds == \
+        pytest.approx(HOST_OP_S + c)          # it ran beside the collective
+    assert 2 * HOST_OP_S + t1 < HOST_OP_S + c

@@ -26,10 +26,16 @@ parameters to their compute dtype and copies them in for the all-gather on its a
 copy-in stream, and copies gradients in for the reduce-scatter and casts / accumulates the
 reduced shards on its reduce-scatter stream) run in that stream's own queue, not behind the
 compute stream's: so the all-gather of the next block overlaps this block's compute, as FSDP2
-schedules it, and a tensor-parallel all-reduce whose output the next op needs is exposed. The
-events FSDP2 makes streams wait on (the copy-in of the next all-gather waits for the previous
-block's copy-out, which bounds how far all-gathers run ahead) are not recorded: a stream waits
-only for the ops whose outputs it reads. While a collective runs it holds NCCL_SMS
+schedules it, and a tensor-parallel all-reduce whose output the next op needs is exposed. A
+stream also waits for the events it was made to wait on (`OpRecord.waits`: the op starts no
+earlier than the ops marked by them end), which is how FSDP2 bounds its prefetching: the next
+all-gather's copy-in and collective wait for an earlier block's copy-out event, and the
+reduce-scatter waits for the compute stream's queue (`wait_stream`). A collective issued on a
+side stream waits for that stream's queue and holds it until it ends (ProcessGroupNCCL orders its
+NCCL stream after the issuing stream, and for async_op=False distributed_c10d calls work.wait(),
+which blocks the current CUDA stream until the collective completes: FSDP2's all-gathers in
+forward and its reduce-scatters are issued so); one on the default stream waits only for its
+inputs (a reader of its output waits for it). While a collective runs it holds NCCL_SMS
 of the GPU's SMs, and compute overlapped with it runs on the others (slower by that share).
 `exposed_comm` is the time compute waited on collectives; `comm_overlap` the share of
 communication hidden behind compute.
@@ -137,7 +143,10 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
     comm = comm or {}
     comm_t = comm_total = exposed = 0.0
     side_t: dict = {}     # stream (other than the default) -> when its last op is done
-    dataflow = bool(comm) or any(op.record.stream for op in ops)
+    dataflow = bool(comm) or any(op.record.stream or op.record.waits for op in ops)
+    end: dict = {}        # trace op index -> when its stream had done it (what events mark)
+    collectives: set = set()   # trace op indices of the collectives
+    held: dict = {}       # stream -> the waits of its ops that launched nothing, not yet applied
     ready: dict = {}     # storage -> when the collective that last wrote it is done
     written: dict = {}   # storage -> when the op that last wrote it is done
     intervals: list = []   # (start, end) of the collectives, in stream order
@@ -168,14 +177,25 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
         host += (HOST_OP_S if kernel else HOST_VIEW_S) * runs
         t = 0.0
         total_flops += op.total_flops or 0
+        rec = op.record
+        stream = rec.stream
+        # the events this op's stream waits on: it starts no earlier than the ops they mark end
+        # (those a stream waited on before ops that launch nothing hold for its next kernel)
+        marks = held.pop(stream, ()) + rec.waits if held else rec.waits
+        after = max((end.get(w, 0.0) for w in marks), default=0.0)
         c = comm.get(op.index)
         if c is not None:
-            start = max(comm_t, host, *(written.get(r.storage, 0.0) for r in op.inputs))
+            start = max(comm_t, host, after, side_t.get(stream, 0.0) if stream else 0.0,
+                        *(written.get(r.storage, 0.0) for r in op.inputs))
             comm_t = start + c
             intervals.append((start, comm_t))
             comm_total += c
             for r in op.outputs:
                 ready[r.storage] = comm_t
+            if stream:
+                side_t[stream] = comm_t
+            end[rec.index] = comm_t
+            collectives.add(rec.index)
             op_seconds.append(0.0)
             phase_end[op.phase] = span(op.phase, max(gpu_t, host, comm_t))
             continue
@@ -185,25 +205,27 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
             calibrated &= measured
             if op_class(func) == "matmul" and model_dtype is None and op.inputs:
                 model_dtype = op.inputs[0].dtype
-            stream = op.record.stream
             if stream:
                 # another stream's queue (FSDP2's copy-in / reduce-scatter streams): it waits for
-                # its inputs, not for the compute stream's queue
-                start = max(side_t.get(stream, 0.0), host,
+                # its inputs and its events, not for the compute stream's queue
+                start = max(side_t.get(stream, 0.0), host, after,
                             *(written.get(r.storage, 0.0) for r in op.inputs),
                             *(ready.get(r.storage, 0.0) for r in op.inputs))
                 side_t[stream] = start + t
                 busy += t
                 for r in op.outputs:
                     written[r.storage] = side_t[stream]
+                end[rec.index] = side_t[stream]
                 op_seconds.append(t)
                 phase_end[op.phase] = span(op.phase, max(gpu_t, host, side_t[stream]))
                 continue
             start = max(gpu_t, host)
             waits = max((max(ready.get(r.storage, 0.0), written.get(r.storage, 0.0))
                          for r in op.inputs), default=0.0) if dataflow else 0.0
+            waits = max(waits, after)
             if waits > start:
-                if any(ready.get(r.storage, 0.0) > start for r in op.inputs):
+                if any(ready.get(r.storage, 0.0) > start for r in op.inputs) or \
+                        any(w in collectives and end[w] > start for w in marks):
                     exposed += waits - start
                 start = waits
             if slow and intervals:
@@ -217,6 +239,10 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
             if dataflow:
                 for r in op.outputs:
                     written[r.storage] = gpu_t
+        elif marks:   # no kernel: the stream's next kernel waits for these events
+            held[stream] = marks
+        end[rec.index] = max(side_t.get(stream, 0.0) if stream else gpu_t,
+                             after if not kernel else 0.0)
         if func.overloadpacket is _ITEM and op.inputs and op.inputs[0].storage >= 0 \
                 and storages[op.inputs[0].storage].device.type == "cuda":
             host = max(host, gpu_t)  # .item() waits for the GPU

@@ -118,7 +118,8 @@ class OpRecord:
     that node; `owns_node` marks the forward op during which the node was created. `recompute`
     marks a forward op run again during backward (activation checkpointing); its phase is
     BACKWARD (when it runs) and its seq_nr, module and frame are a forward op's. `stream` is the
-    stream it was issued on (analysis.timing runs each stream's ops in their own queue).
+    stream it was issued on (analysis.timing runs each stream's ops in their own queue), `waits`
+    the ops of other streams it was ordered after.
     """
 
     index: int
@@ -139,6 +140,10 @@ class OpRecord:
     # distributed CUDA profile's stand-in streams tell them apart (FSDP2's copy-in, all-gather
     # and reduce-scatter streams)
     stream: int = 0
+    # indices of the ops this op's stream was made to wait for since its previous op (events
+    # recorded after them: FSDP2's copy-out events, `wait_stream`); analysis.timing starts the
+    # op no earlier than they end
+    waits: tuple = ()
 
     @property
     def name(self) -> str:

@@ -731,6 +731,7 @@ class Tape(FakeTensorMode):
             rec.recompute = True
         if self.streams is not None:
             rec.stream = self.streams.current.id
+            rec.waits = self.streams.issued(rec.stream, index)
         if self._tape_phase in _BUILDS_GRAPH or rec.recompute:
             peek = sequence_nr()
             rec.seq_nr = peek - 1

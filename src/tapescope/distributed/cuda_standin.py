@@ -5,7 +5,8 @@ all-gather and reduce-scatter streams with `torch.cuda.Stream(priority=-1)`; eve
 records an Event and the compute stream waits on it) and for the current device
 (`_get_device_from_mesh` calls `torch.cuda.current_device()`). Without a GPU each of these
 calls `torch.cuda._lazy_init()`, which raises "Found no NVIDIA driver on your system". Tracing on
-fake CUDA tensors needs none of them to do anything: no kernel runs, so nothing needs ordering.
+fake CUDA tensors needs none of them to reach a driver: no kernel runs, so nothing needs ordering
+while tracing (the order is kept for the timing model, below).
 
 So while a distributed CUDA profile runs, these attributes of `torch.cuda` (and
 `torch.accelerator.current_stream`) are replaced by stand-ins that need no driver, and restored
@@ -18,7 +19,13 @@ these names are replaced; the fake tensors themselves never touch the driver (Fa
 runs meta kernels).
 
 The stand-in streams remember which stream is current (`StreamLog`), so the trace knows which ops
-FSDP2 issued on its all-gather and reduce-scatter streams.
+FSDP2 issued on its all-gather and reduce-scatter streams, and the waits between them: an Event
+marks the last op issued on its stream when it was recorded, and a stream that waits on it
+(`wait_event`, `Event.wait`, `wait_stream`) hands the mark to the next op issued on that stream
+(`OpRecord.waits`), as CUDA orders a stream's later work after the event. FSDP2 bounds its
+prefetching this way: the next all-gather's copy-in and collective wait for an earlier block's
+copy-out (`_wait_all_gather_streams_on_event`), and the reduce-scatter stream waits for the
+compute stream (`wait_stream(current_stream)`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,19 @@ class StreamLog:
         self._ids = itertools.count()
         self.default = _Stream(self, priority=0, name="default")
         self.current = self.default
+        self.last: dict = {}      # stream id -> index of the last op issued on it
+        self.pending: dict = {}   # stream id -> op indices its next op waits for
+
+    def issued(self, stream: int, index: int) -> tuple:
+        """The op `index` is issued on `stream`: the op indices it waits for (events its stream
+        was made to wait on since its previous op)."""
+        self.last[stream] = index
+        return tuple(self.pending.pop(stream, ()))
+
+    def wait(self, stream, mark: int | None) -> None:
+        """`stream`'s later work waits for the op `mark` (None: an event recorded before any op)."""
+        if mark is not None:
+            self.pending.setdefault(stream.id, []).append(mark)
 
 
 class _Stream:
@@ -52,13 +72,15 @@ class _Stream:
         self.device_index, self.device_type = 0, "cuda"
 
     def wait_stream(self, stream) -> None:
-        pass
+        self.log.wait(self, self.log.last.get(stream.id))
 
     def wait_event(self, event) -> None:
-        pass
+        self.log.wait(self, getattr(event, "mark", None))
 
     def record_event(self, event=None):
-        return event if event is not None else _Event()
+        event = event if event is not None else _Event(self.log)
+        event.record(self)
+        return event
 
     def query(self) -> bool:
         return True
@@ -79,15 +101,20 @@ class _Stream:
 
 
 class _Event:
-    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+    def __init__(self, log: StreamLog, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, **_):
-        pass
+        self.log = log
+        self.mark = None   # index of the last op on the recording stream when recorded
 
     def record(self, stream=None):
+        stream = stream if stream is not None else self.log.current
+        self.mark = self.log.last.get(stream.id)
+        # torch.cuda.Event.record returns None; FSDP2's `Event().record()` (world size 1)
+        # keeps that None as its all-gather event
         return None
 
     def wait(self, stream=None) -> None:
-        pass
+        self.log.wait(stream if stream is not None else self.log.current, self.mark)
 
     def query(self) -> bool:
         return True
@@ -118,7 +145,7 @@ def cuda_without_gpu(compute_capability: tuple = (9, 0)):
         "device_count": lambda: 1,
         "is_initialized": lambda: True,
         "Stream": make_stream,
-        "Event": _Event,
+        "Event": lambda *a, **kw: _Event(log, *a, **kw),
         "current_stream": lambda device=None: log.current,
         "default_stream": lambda device=None: log.default,
         "stream": stream,
