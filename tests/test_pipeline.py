@@ -3,7 +3,8 @@
 Truth: `validate.distributed.run_real_jobs` runs the same pipelined step in one process per rank
 (gloo on the CPU, the same split, stages and schedule), and each rank's allocator reports its
 peak; tapescope traces every rank in one process with the fake process group. Each rank's first
-and steady-state peaks must be equal to the byte.
+and steady-state peaks must be equal to the byte (above it only by what gloo's worker thread
+freed late, out of the profiler's sight, in that step).
 """
 
 import pytest
@@ -50,8 +51,13 @@ def test_every_rank_of_a_pipeline_matches_its_real_process(real, world, schedule
                           pipeline=_pipeline(schedule))
     assert len(p.ranks) == world
     for ours, theirs in zip(p.ranks, real[(world, schedule)]):
-        assert ours.first_step_peak_bytes == theirs.peaks[1], (ours.rank, theirs.peaks)
-        assert ours.peak_bytes == theirs.peaks[2], (ours.rank, theirs.peaks)
+        for step, pred in ((1, ours.first_step_peak_bytes), (2, ours.peak_bytes)):
+            # equal to the byte; a real step in which gloo's worker thread freed some of the
+            # program's tensors late (an FSDP2 collective's buffers, out of the profiler's sight:
+            # validate/distributed.py) can peak higher by at most what it freed late
+            late = theirs.late_frees.get(step, 0)
+            assert pred <= theirs.peaks[step] <= pred + late, \
+                (ours.rank, step, pred, theirs.peaks, theirs.late_frees)
     assert p.peak_bytes == max(r.peak_bytes for r in p.ranks)
 
 

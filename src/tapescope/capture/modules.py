@@ -45,16 +45,19 @@ def track_modules(stack: list[str], names: dict[int, str]):
         stack.append(type(mod).__name__ if name is None else name)
 
     def post(mod, _args, _out):
-        if stack and not torch.compiler.is_compiling():
-            name = stack.pop()
-            # always_call: this also runs while an error leaves the module's forward; the
-            # innermost module it leaves is where the error happened
-            e = sys.exc_info()[1]
-            if e is not None and getattr(e, "tapescope_module", None) is None:
-                try:
-                    e.tapescope_module = name
-                except AttributeError:  # exception types that refuse attributes
-                    pass
+        # is_compiling() first: dynamo would guard on the length of `stack` if it read it, and
+        # recompile a block whose call found another length (a second layer, a later profile)
+        if torch.compiler.is_compiling() or not stack:
+            return
+        name = stack.pop()
+        # always_call: this also runs while an error leaves the module's forward; the
+        # innermost module it leaves is where the error happened
+        e = sys.exc_info()[1]
+        if e is not None and getattr(e, "tapescope_module", None) is None:
+            try:
+                e.tapescope_module = name
+            except AttributeError:  # exception types that refuse attributes
+                pass
 
     h1 = register_module_forward_pre_hook(pre)
     h2 = register_module_forward_hook(post, always_call=True)
