@@ -20,11 +20,17 @@ What tapescope supplies and why:
 - The stages' static metadata. PipelineStage infers shapes by sending them between ranks
   (`send_object_list`), which the fake group cannot carry, so tapescope gives each stage its
   `input_args`/`output_args` (and the gradients' `input_grads`/`output_grads`), found by running
-  the stages one after another on a meta copy of the model with one micro-batch.
+  the stages one after another on a meta copy of the model with one micro-batch (with a
+  parallelize, on fake tensors inside the rank's capture: `PipelinePlan.measure_parallelised`).
+  Activations between stages are marked requires_grad, as dynamic inference would find them.
 - The loss: the last stage calls `loss_fn(output, target)`, the target being the last input.
+- The step's time (`schedule_time`): an event simulation of the schedule's order over each
+  rank's traced forward and backward segments.
+(distributed/fidelity.py makes point-to-point Works hold their tensors as real backends do.)
 
-Not modelled: the zero-bubble schedules' split backward (`stage_backward_input/weight` compute
-gradients of graph nodes, `GradientEdge`s, which tapescope's engine does not take yet).
+Not modelled: the zero-bubble schedules (values/pipeline.py refuses them). Their split backward
+(`stage_backward_input`) captures gradients with pre-hooks on autograd's C++ nodes
+(`Node.register_prehook`), which tapescope's Python engine cannot see.
 """
 
 from __future__ import annotations
