@@ -11,8 +11,9 @@ program has dropped its own reference by then, the free comes late, at a moment 
 run to run, and a real peak can come out higher than the program's own. Delays only ever raise a
 peak, so the program's peak is the least one observed: every case runs twice, and each rank class
 (ranks whose shards have the same shapes run the same program) gives several observations of the
-first and of the steady step. The least must equal tapescope's prediction, and no observation may
-be below it.
+first and of the steady step. No observation may be below tapescope's prediction, and one must
+equal it, or (on a loaded machine every observation can be delayed) lie above it by no more than
+the bytes a backend thread freed late in that step, which the truth counts (`late_frees`).
 """
 
 import pytest
@@ -59,9 +60,19 @@ def _observed(runs, ranks, steps) -> list:
     return [run[r].peaks[s] for run in runs for r in ranks for s in steps]
 
 
+def _observed_with_late_frees(runs, ranks, steps) -> list:
+    """(peak, bytes a backend thread freed late in that step) of every observation."""
+    return [(run[r].peaks[s], run[r].late_frees.get(s, 0))
+            for run in runs for r in ranks for s in steps]
+
+
 def _matches(pred: int, observed: list, tolerance: int = SCALAR_TEMPS) -> None:
-    assert abs(min(observed) - pred) <= tolerance, (pred, sorted(observed))
-    assert all(o >= pred - tolerance for o in observed), (pred, sorted(observed))
+    """No observation below the prediction, and at least one equal to it or above it by no more
+    than what a backend thread freed late in that step."""
+    assert all(peak >= pred - tolerance for peak, _ in observed), (pred, sorted(observed))
+    assert any(pred - tolerance <= peak <= pred + late + tolerance and
+               (late or peak <= pred + tolerance) for peak, late in observed), \
+        (pred, sorted(observed))
 
 
 @pytest.mark.parametrize("world,name", [(w, n) for w, cases in CASES.items() for n, _, _ in cases])
@@ -74,8 +85,10 @@ def test_every_rank_matches_its_real_process(real, world, name):
         rep = p.ranks[members[0]]
         assert all(p.ranks[r].peak_bytes == rep.peak_bytes for r in members)
         tolerance = 0 if name in EXACT else SCALAR_TEMPS
-        _matches(rep.first_step_peak_bytes, _observed(runs, members, [1]), tolerance)
-        _matches(rep.peak_bytes, _observed(runs, members, range(2, STEPS + 1)), tolerance)
+        _matches(rep.first_step_peak_bytes, _observed_with_late_frees(runs, members, [1]),
+                 tolerance)
+        _matches(rep.peak_bytes, _observed_with_late_frees(runs, members, range(2, STEPS + 1)),
+                 tolerance)
     assert p.peak_bytes == max(r.peak_bytes for r in p.ranks)
 
 
