@@ -205,3 +205,11 @@ def _selective_context():
 def sac_stage(model, mesh):
     """Selective activation checkpointing (the matmuls' outputs kept) on every block."""
     return _checkpoint_blocks(model, preserve_rng_state=False, context_fn=_selective_context)
+
+
+def tp_stage(model, mesh):
+    """torchtitan's Llama tensor-parallel plan (sequence-parallel norms) on a pipeline stage."""
+    from tapescope.distributed.presets import tp_plan_for
+
+    tp_plan_for(model)[1](model, mesh["tp"])
+    return model
