@@ -164,3 +164,52 @@ def fsdp_compiled(model, mesh):
     for b in model.blocks:
         b.compile(fullgraph=True)
     return fsdp(model, mesh)
+
+
+def _checkpoint_blocks(model, **kwargs):
+    """Activation checkpointing on every block a stage holds, torchtitan's way (apply_ac:
+    torch.distributed's checkpoint_wrapper, non-reentrant, put back in the block list)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name, layer in list(model.layers.named_children()):
+        if layer is not None:
+            model.layers.register_module(name, checkpoint_wrapper(layer, **kwargs))
+    return model
+
+
+def ac_stage(model, mesh):
+    """Full activation checkpointing on every block of a pipeline stage (checkpoint_wrapper's
+    defaults: the RNG state is saved and restored around the recomputation)."""
+    return _checkpoint_blocks(model)
+
+
+def ac_stage_titan(model, mesh):
+    """Full activation checkpointing as torchtitan configures it (preserve_rng_state=False)."""
+    return _checkpoint_blocks(model, preserve_rng_state=False)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def sac_stage(model, mesh):
+    """Selective activation checkpointing (the matmuls' outputs kept) on every block."""
+    return _checkpoint_blocks(model, preserve_rng_state=False, context_fn=_selective_context)
+
+
+def tp_stage(model, mesh):
+    """torchtitan's Llama tensor-parallel plan (sequence-parallel norms) on a pipeline stage."""
+    from tapescope.distributed.presets import tp_plan_for
+
+    tp_plan_for(model)[1](model, mesh["tp"])
+    return model

@@ -26,6 +26,10 @@ CASES = {
     4: [("1f1b", {"pp": 2, "dp_shard": 2}, dm.fsdp_stage),  # 2-D: FSDP2 inside each stage
         ("interleaved-1f1b", {"pp": 2, "dp_shard": 2}, dm.fsdp_stage)],  # two FSDP2 roots a rank
 }
+# activation checkpointing on every block of each stage (checkpoint_wrapper, torchtitan's
+# apply_ac), run in the world-2 processes above: each micro-batch's blocks recompute in its
+# backward, inside stage_backward
+CHECKPOINTED = ("1f1b", {"pp": 2}, dm.ac_stage)
 
 
 def _pipeline(schedule):
@@ -36,10 +40,11 @@ def _pipeline(schedule):
 def real():
     out = {}
     for world, cases in CASES.items():
+        cases = cases + [CHECKPOINTED] if world == 2 else cases
         jobs = [RealJob(dm.pipeline_llama, dm.PIPELINE_INPUTS, mesh, par,
                         pipeline=_pipeline(schedule)) for schedule, mesh, par in cases]
-        for (schedule, _, _), ranks in zip(cases, run_real_jobs(jobs)):
-            out[(world, schedule)] = ranks
+        for (schedule, _, par), ranks in zip(cases, run_real_jobs(jobs)):
+            out[(world, schedule, par is dm.ac_stage)] = ranks
     return out
 
 
@@ -50,7 +55,7 @@ def test_every_rank_of_a_pipeline_matches_its_real_process(real, world, schedule
     p = tapescope.profile(dm.pipeline_llama, *dm.PIPELINE_INPUTS, mesh=mesh, parallelize=par,
                           pipeline=_pipeline(schedule))
     assert len(p.ranks) == world
-    for ours, theirs in zip(p.ranks, real[(world, schedule)]):
+    for ours, theirs in zip(p.ranks, real[(world, schedule, False)]):
         for step, pred in ((1, ours.first_step_peak_bytes), (2, ours.peak_bytes)):
             # equal to the byte; a real step in which gloo's worker thread freed some of the
             # program's tensors late (an FSDP2 collective's buffers, out of the profiler's sight:
@@ -59,6 +64,27 @@ def test_every_rank_of_a_pipeline_matches_its_real_process(real, world, schedule
             assert pred <= theirs.peaks[step] <= pred + late, \
                 (ours.rank, step, pred, theirs.peaks, theirs.late_frees)
     assert p.peak_bytes == max(r.peak_bytes for r in p.ranks)
+
+
+def test_checkpointed_blocks_in_every_stage_match_the_real_processes(real):
+    """1F1B, 2 stages, every block in checkpoint_wrapper: each micro-batch's blocks keep only
+    their inputs and recompute in stage_backward (RNG state saved and restored around it)."""
+    schedule, mesh, par = CHECKPOINTED
+    p = tapescope.profile(dm.pipeline_llama, *dm.PIPELINE_INPUTS, mesh=mesh, parallelize=par,
+                          pipeline=_pipeline(schedule))
+    for ours, theirs in zip(p.ranks, real[(2, schedule, True)]):
+        ops = p.distributed.profiles[ours.traced_as].ops
+        assert any(op.recompute for op in ops)
+        for step, pred in ((1, ours.first_step_peak_bytes), (2, ours.peak_bytes)):
+            # the first step peaks in AdamW's first update, inside `sqrt / bias_correction`:
+            # the CPU kernel wraps the Python number in an 8- and a 4-byte tensor (the 12
+            # bytes of scalars every single-device truth allows, docs/validation.md)
+            late = theirs.late_frees.get(step, 0)
+            assert pred <= theirs.peaks[step] <= pred + 12 + late, \
+                (ours.rank, step, pred, theirs.peaks, theirs.late_frees)
+    # the case checkpoints (each real rank's steady peak is below the plain 1F1B run's)
+    assert all(c.peaks[2] < q.peaks[2] for c, q in zip(real[(2, schedule, True)],
+                                                       real[(2, schedule, False)]))
 
 
 def test_each_pipeline_coordinate_is_traced_and_its_fsdp_peers_share_it():

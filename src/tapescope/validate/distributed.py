@@ -149,6 +149,8 @@ def _run_job(job: RealJob) -> dict:
     plan = None
     if job.pipeline is not None:
         plan = _pipeline_plan(job)
+        if job.parallelize is not None:
+            plan.shapes = _parallelised_shapes(job, plan)
         # imported before the profiler starts, as a training script imports it: the module
         # makes a 4-byte tensor at import (microbatch.py's sum_reducer), which is no step's
         from torch.distributed import pipelining  # noqa: F401
@@ -188,6 +190,34 @@ def _run_job(job: RealJob) -> dict:
     allocator = _read_allocations(prof, device)
     return {"peaks": own.peaks, "allocator_peaks": allocator.peaks,
             "late_frees": own.late_frees}
+
+
+def _parallelised_shapes(job: RealJob, plan) -> list:
+    """The stages' StageShapes with each stage parallelised (under sequence parallelism a stage
+    sends its share of the sequence): every rank runs every stage's forward once, on real
+    tensors, before the profiler starts, so a tensor-parallel group's collectives pair up. What
+    tapescope measures on fake tensors (PipelinePlan.measure_parallelised), found here by
+    running the real parallelised stages. On a mesh of its own: the job's mesh makes its
+    sub-meshes (and their rank maps) inside step 0, as the traced rank does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..capture.model import real_inputs, resolve_dtype
+    from ..distributed.pipeline import stage_boundaries
+
+    dtype = resolve_dtype(job.dtype)
+
+    def build():
+        model = job.build()
+        return model if dtype is None else model.to(dtype)
+
+    mesh = init_device_mesh("cpu", tuple(job.mesh.values()), mesh_dim_names=tuple(job.mesh))
+    gen = torch.Generator().manual_seed(job.seed)
+    inputs = real_inputs(tuple(job.inputs), torch.device("cpu"), dtype, gen)[:-1]
+    shapes = stage_boundaries(build, inputs, plan.spec, plan.pp, plan.microbatches, plan.split,
+                              lambda m: job.parallelize(m, mesh))
+    del inputs
+    gc.collect()
+    return shapes
 
 
 def _pipeline_plan(job: RealJob):
