@@ -94,6 +94,41 @@ def test_in_place_op_on_a_view_matches_allocator(optimizer):
     assert _rel(p.peak_bytes, real.peaks[2]) < 1e-3
 
 
+# ---- the for-loop optimizer's loop-carried temporaries ----------------------------------------
+# Truth: the real allocator. torch's for-loop Adam (`_single_tensor_adam`, the CPU default) binds
+# each parameter's `denom` to a local that lives until the next parameter's `denom` replaces it,
+# so the step peaks holding two of them (plus the next one's `sqrt`). A replay of the optimizer
+# one parameter at a time (docs/benchmarks.md, candidate 1) would free each `denom` early and
+# miss one whole parameter-sized buffer here (4 MiB of 46 MiB).
+
+class _ThreeSquareLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(1024, 1024, bias=False)
+        self.b = torch.nn.Linear(1024, 1024, bias=False)
+        self.c = torch.nn.Linear(1024, 8, bias=False)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def _for_loop_adamw(params):
+    return torch.optim.AdamW(params, foreach=False)
+
+
+def test_for_loop_adam_holds_the_previous_parameters_denominator():
+    import tapescope
+
+    inputs = (torch.randn(2, 1024),)
+    p = tapescope.profile(_ThreeSquareLinears, *inputs, optimizer=_for_loop_adamw)
+    real = run_real_steps(_ThreeSquareLinears, inputs, optimizer=_for_loop_adamw)
+    square = 1024 * 1024 * 4
+    state = 4 * (2 * square + 1024 * 8 * 4)  # parameters, gradients, two moments
+    # the case exercises what it guards: the real step holds sqrt + two denominators at once
+    assert real.peaks[2] >= state + 3 * square
+    assert _rel(p.peak_bytes, real.peaks[2]) < 1e-3
+
+
 # ---- how long the loss lives -------------------------------------------------------------------
 # Truth: a training loop written out by hand (not capture.step.train_step), run for real under
 # torch.profiler; validate.real._read_allocations only reads the allocator's running total.
