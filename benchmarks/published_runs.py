@@ -600,7 +600,9 @@ def predict(row) -> dict:
     elif row.metric == "GB allocated":
         full["value"] = full["allocated"] / 1e9
     if row.metric in ("GB allocated", "fits", "GiB active"):
-        full["oom"] = full["reserved"] > usable_memory_bytes(gpu)
+        # a full-depth replay that ran out stops at the card's capacity and says so (oom);
+        # an extrapolated one is judged by its reserved bytes
+        full["oom"] = bool(full.get("oom")) or full["reserved"] > usable_memory_bytes(gpu)
         if row.published == "OOM" or row.metric == "fits":
             full["value"] = "OOM" if full["oom"] else "fits"
     return full
