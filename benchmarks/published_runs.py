@@ -7,9 +7,12 @@ the fake process group; the figure the source reports (tokens/s per GPU, peak ac
 max_memory_allocated, OOM) is compared with tapescope's. Rows it cannot express are listed with
 the reason.
 
-Reduced depth: a Llama's blocks are identical, so a step of L blocks is traced at 2 and 3 blocks
-and extrapolated linearly (T(L) = T(2) + (L - 2) (T(3) - T(2))); `--check-linear` traces 4 blocks
-too and prints how far T(4) lies from the line (the per-block figures are identical when it is 0).
+Reduced depth, for step time only: a Llama's blocks are identical, so a step of L blocks is
+traced at 2 and 3 blocks and extrapolated linearly (T(L) = T(2) + (L - 2) (T(3) - T(2)));
+`--check-linear` traces 4 blocks too and prints how far T(4) lies from the line. Memory rows are
+traced at full depth: the peak is a maximum over the step, and where it sits can change with
+depth (torchtune's "+ activation checkpointing": the loss's backward at 2 and 3 blocks, the
+foreach AdamW step at 28), so extrapolating the peak from two small depths is wrong there.
 
     python benchmarks/published_runs.py                 # every row (a few minutes), cached
     python benchmarks/published_runs.py --rows fms-7b-a100,litgpt-7b-lora-mb1 --no-cache
@@ -257,24 +260,58 @@ class TuneLayer(nn.Module):
 
 
 class _TuneCrossEntropy(nn.Module):
-    """torchtune's loss for the rows before "+ chunked cross-entropy": nn.CrossEntropyLoss on the
-    float logits, a module of its own so that `compile_loss` compiles it alone."""
+    """torchtune's loss for the rows before "+ chunked cross-entropy": nn.CrossEntropyLoss
+    (mean over the labels that are not -100) on the float32 logits the model returns."""
 
     def forward(self, logits, targets):
-        return F.cross_entropy(logits, targets, ignore_index=-100)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-100)
+
+
+class _UpcastCrossEntropy(nn.Module):
+    """CEWithChunkedOutputLoss.compute_cross_entropy: one chunk upcast to float32 and its summed
+    cross-entropy. A module of its own so that it can be compiled alone, as `compile_loss`
+    compiles only this method (`loss.compute_cross_entropy = torch.compile(...)`)."""
+
+    def forward(self, logits, labels):
+        return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+
+
+class _TuneChunkedCrossEntropy(nn.Module):
+    """torchtune/modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss (8 chunks): the
+    bf16 logits come as a list of chunks along the sequence, each upcast and reduced alone, so
+    one chunk's float32 copy exists at a time."""
+
+    def __init__(self, num_output_chunks: int = 8):
+        super().__init__()
+        self.num_output_chunks = num_output_chunks
+        self.compute_cross_entropy = _UpcastCrossEntropy()
+
+    def forward(self, logits, labels):
+        total_elements = (labels != -100).sum()
+        labels = [c.reshape(-1) for c in labels.chunk(self.num_output_chunks, dim=1)]
+        logits = [c.reshape(-1, c.size(-1)) for c in logits]
+        total_loss = 0.0
+        for logits_chunk, labels_chunk in zip(logits, labels):
+            total_loss += self.compute_cross_entropy(logits_chunk, labels_chunk)
+        return total_loss / total_elements
 
 
 class TuneLlama(nn.Module):
-    """torchtune's llama3_2 TransformerDecoder as full_finetune_single_device trains it in bf16:
-    tied output projection, logits cast to float32 (`self.output(h).float()`), then
-    CrossEntropyLoss over the flattened logits."""
+    """torchtune's llama3_2 TransformerDecoder as full_finetune_single_device trains it in bf16,
+    with the recipe's loss inside (the step is model(tokens, labels) -> loss): tied output
+    projection; without chunking the logits are cast to float32 (`self.output(h).float()`) for
+    CrossEntropyLoss, with `set_num_output_chunks(8)` they stay bf16, one projection per sequence
+    chunk (`chunked_output`), for CEWithChunkedOutputLoss."""
 
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, num_output_chunks: int = 0):
         super().__init__()
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleList(TuneLayer(c) for _ in range(c.n_layers))
         self.norm = TuneRMSNorm(c.dim)
-        self.loss = _TuneCrossEntropy()   # a module of its own: compile_loss compiles it alone
+        self.num_output_chunks = num_output_chunks
+        self.loss = _TuneChunkedCrossEntropy(num_output_chunks) if num_output_chunks \
+            else _TuneCrossEntropy()
         self.to(torch.bfloat16)
         hd = c.dim // c.n_heads
         theta = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
@@ -282,26 +319,50 @@ class TuneLlama(nn.Module):
         self.register_buffer("rope_cache", torch.stack([angles.cos(), angles.sin()], -1),
                              persistent=False)
 
+    def output(self, h):
+        return F.linear(h, self.tok_embeddings.weight)   # TiedLinear
+
     def forward(self, tokens, labels):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope_cache)
-        logits = F.linear(self.norm(h), self.tok_embeddings.weight).float()
-        return self.loss(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        h = self.norm(h)
+        if self.num_output_chunks:
+            logits = [self.output(c) for c in h.chunk(self.num_output_chunks, dim=1)]
+        else:
+            logits = self.output(h).float()
+        return self.loss(logits, labels)
 
 
-def compiled_tune_llama(cfg: LlamaConfig):
-    """Llama 3.2 with torchtune's `compile: True` (training/_compile.py): `compile_model` calls
-    `.compile()` on every TransformerSelfAttentionLayer, `compile_loss` compiles the loss module.
-    tapescope compiles exactly the modules the code compiled (with compile=True)."""
+def tune_llama(compile: bool = False, chunked_ce: bool = False, ac: bool = False):
+    """Llama 3.2 as full_finetune_single_device sets it up, in the recipe's order.
 
-    def build():
-        m = TuneLlama(cfg)
-        for layer in m.layers:
-            layer.compile()
-        m.loss.compile()
-        return m
-    return build
+    compile (training/_compile.py): `compile_model` calls `.compile()` on every
+    TransformerSelfAttentionLayer; `compile_loss` compiles CEWithChunkedOutputLoss's
+    `compute_cross_entropy` in place, but for any other loss it returns
+    `torch.compile(loss)` and the recipe drops the return value (`training.compile_loss(
+    self._loss_fn)`, unassigned, torchtune 0.4 and 0.5), so plain CrossEntropyLoss runs eagerly.
+    ac: `set_activation_checkpointing(model, {TransformerSelfAttentionLayer})`, i.e. torch's
+    `apply_activation_checkpointing`: every layer, already compiled, inside a non-reentrant
+    CheckpointWrapper. tapescope compiles exactly the modules the code compiled (compile=True)."""
+
+    def for_config(cfg: LlamaConfig):
+        def build():
+            m = TuneLlama(cfg, num_output_chunks=8 if chunked_ce else 0)
+            if compile:
+                for layer in m.layers:
+                    layer.compile()
+            if ac:
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                    apply_activation_checkpointing)
+                from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+                apply_activation_checkpointing(m, auto_wrap_policy=ModuleWrapPolicy({TuneLayer}))
+            if compile and chunked_ce:
+                m.loss.compute_cross_entropy.compile()
+            return m
+        return build
+    return for_config
 
 
 def fms_parallelize(ac_every: float):
@@ -397,20 +458,42 @@ _LITGPT = "litgpt tutorials/resource-tables.md (A100-SXM4-40GB, bf16-true, LoRA,
 _LORA = (("7b", _L2_7B, 1, 21.30), ("7b", _L2_7B, 2, 29.07), ("7b", _L2_7B, 4, "OOM"),
          ("13b", _L2_13B, 1, 38.12), ("13b", _L2_13B, 2, "OOM"))
 
+_TUNE = "torchtune README, optimization flags (PR #2003): "
+_TUNE_NOTE = ("torchtune's own modules (float32 RMSNorm and rope internals, k/v expanded to every "
+              "head, float32 logits), bf16 parameters and AdamW state")
+# the README's cumulative rows: (row suffix, technique, published peak active GiB, builder options)
+_TUNE_STEPS = (
+    ("packed", "+ packed", 60.0, {}, "no AC, eager"),
+    ("packed-compile", "+ compile", 51.0, {"compile": True},
+     "every layer compiled (inductor, GPU-less); the loss eager (the recipe drops compile_loss's "
+     "return value)"),
+    ("packed-compile-chunkedce", "+ chunked cross-entropy", 42.9,
+     {"compile": True, "chunked_ce": True},
+     "as above, output projection in 8 sequence chunks, CEWithChunkedOutputLoss with its "
+     "compute_cross_entropy compiled"),
+    ("packed-compile-chunkedce-ac", "+ activation checkpointing", 24.9,
+     {"compile": True, "chunked_ce": True, "ac": True},
+     "as above, every (compiled) layer in a non-reentrant CheckpointWrapper"),
+)
+
+
+def _torchtune_rows():
+    rows = []
+    for suffix, technique, published, opts, note in _TUNE_STEPS:
+        rows.append(Row(f"torchtune-3b-{suffix}", _TUNE + technique, "GiB active", published,
+                        "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28, build=tune_llama(**opts),
+                        options={"compile": True} if opts.get("compile") else {},
+                        note=f"{_TUNE_NOTE}; {note}"))
+        if suffix == "packed":
+            rows.append(Row("torchtune-3b-packed-speed", _TUNE + technique, "tokens/s/GPU", 7075,
+                            "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
+                            build=tune_llama(), note="as the row above"))
+    return rows
+
+
 ROWS = [
     *_fms_rows(),
-    Row("torchtune-3b-packed", "torchtune README, optimization flags (PR #2003): + packed",
-        "GiB active", 60.0, "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
-        build=lambda c: (lambda: TuneLlama(c)),
-        note="torchtune's own modules (float32 RMSNorm and rope internals, k/v expanded to "
-             "every head, float32 logits), bf16 parameters and AdamW state, no AC, eager"),
-    Row("torchtune-3b-packed-speed", "torchtune README, optimization flags (PR #2003): + packed",
-        "tokens/s/GPU", 7075, "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
-        build=lambda c: (lambda: TuneLlama(c)), note="as the row above"),
-    Row("torchtune-3b-packed-compile", "torchtune README, optimization flags (PR #2003): + compile",
-        "GiB active", 51.0, "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
-        build=compiled_tune_llama, options={"compile": True},
-        note="as torchtune-3b-packed, every layer and the loss compiled (inductor, GPU-less)"),
+    *_torchtune_rows(),
     *[Row(f"litgpt-{size}-lora-mb{mb}", _LITGPT, "GB allocated", pub, "held out",
           "a100-sxm-40gb", cfg, mb, 1304, cfg.n_layers, build=lit_gpt_lora,
           note="lit-gpt's own GPT + LoRA (fused qkv, unfused RMSNorm, fp16 rope cache, lm_head "
@@ -430,9 +513,19 @@ NOT_EXPRESSIBLE = [
     ("Korthikanti et al. 2022, Table 5 / Figure 1", "175B and up need pipeline parallelism "
      "(interleaved); 22B TP 8 with Megatron's sequence parallelism and fused fp16 kernels is "
      "expressible with a TP plan for GPT but not done yet; Figure 1 is computed, not measured"),
-    ("torchtune + chunked CE, AC, optimizer in backward, offloading, 8-bit AdamW",
-     "activation offloading (CPU), bitsandbytes 8-bit AdamW and optimizer-in-backward are not "
-     "expressible; chunked CE and AC are, not done yet"),
+    ("torchtune + optimizer in backward (23.1 GiB), + activation offloading (21.8 GiB)",
+     "optimizer_in_bwd is a user step (step=, one AdamW per parameter in post-accumulate-grad "
+     "hooks) on top of the compiled, checkpointed layers; with step= and 2 or more compiled "
+     "layers inside CheckpointWrapper the recompute in the backward runs a layer eagerly (not "
+     "compiled), so torch.utils.checkpoint refuses the recomputed tensors' metadata (the "
+     "built-in step recomputes compiled: a tapescope bug, not fixed yet). Offloading "
+     "(OffloadActivations, use_streams) also needs its own CUDA stream, events and pinned host "
+     "copies in a single-device GPU-less step; not built yet"),
+    ("torchtune + 8-bit AdamW (17.6 GiB)", "bitsandbytes' PagedAdamW8bit: its own CUDA kernels "
+     "and paged (unified) memory"),
+    ("torchtune tokens/s after + packed (8998, 9174, 7210, 7309, 7301, 6960)", "every later row "
+     "is compiled, and tapescope gives no step time for an inductor-compiled step (Profile.time "
+     "is None: the fused Triton kernels have no roofline yet)"),
     ("torchtune baseline (unpacked)", "sequence lengths follow the data (Alpaca padded per batch)"),
     ("torchtune 8B on RTX 4090 / A6000", "PagedAdamW8bit (bitsandbytes) and CPU paging"),
     ("litgpt A10G full finetunes: llama-3.2-1b 8.70, llama-3.2-3b 16.51, phi-3 17.01, "
@@ -490,8 +583,14 @@ def _line(a: dict, b: dict, layers: int, lo: int) -> dict:
 
 def predict(row) -> dict:
     t0 = time.time()
-    a, b = _trace(row, 2), _trace(row, 3)
-    full = _line(a, b, row.layers, 2)
+    if row.metric == "tokens/s/GPU":
+        a, b = _trace(row, 2), _trace(row, 3)
+        full = _line(a, b, row.layers, 2)
+    else:
+        # the peak is a maximum over the step: at 2 and 3 blocks it can sit in one phase (the
+        # loss's backward) and at full depth in another (the optimizer step, whose foreach
+        # temporaries grow faster per block), and the max of two lines is not a line
+        full = _trace(row, row.layers)
     full["trace_s"] = time.time() - t0
     gpu = _gpu(row)
     if row.metric == "tokens/s/GPU":
@@ -501,7 +600,9 @@ def predict(row) -> dict:
     elif row.metric == "GB allocated":
         full["value"] = full["allocated"] / 1e9
     if row.metric in ("GB allocated", "fits", "GiB active"):
-        full["oom"] = full["reserved"] > usable_memory_bytes(gpu)
+        # a full-depth replay that ran out stops at the card's capacity and says so (oom);
+        # an extrapolated one is judged by its reserved bytes
+        full["oom"] = bool(full.get("oom")) or full["reserved"] > usable_memory_bytes(gpu)
         if row.published == "OOM" or row.metric == "fits":
             full["value"] = "OOM" if full["oom"] else "fits"
     return full
@@ -541,7 +642,8 @@ def table(rows, results) -> str:
             errtext = f"{err:+.1%}"
             if r.metric != "tokens/s/GPU":
                 errtext += "" if not res.get("oom") else " (called OOM: WRONG)"
-        depth = f"{r.layers} blocks from 2 and 3"
+        depth = f"{r.layers} blocks from 2 and 3" if r.metric == "tokens/s/GPU" else \
+            f"{r.layers} blocks traced"
         lines.append(f"| {r.name} | {r.gpu} | {r.metric} | {pub} | {shown} | {errtext} | "
                      f"{r.role} | {r.note}; {depth} |")
     return "\n".join(lines)

@@ -225,3 +225,39 @@ def test_modules_the_model_compiled_are_what_is_compiled():
     eager = tapescope.profile(self_compiled_blocks, *inputs)
     assert any("Module.compile()" in n for n in eager.facts["isolation_notes"])
     assert eager.peak_bytes == p.eager.peak_bytes
+
+
+def _adamw_in_backward(model):
+    """torchtune's optimizer_in_bwd: one AdamW per parameter, stepped by a post-accumulate-grad
+    hook, its gradient freed right after."""
+    optimizers = {p: torch.optim.AdamW([p]) for p in model.parameters()}
+
+    def step(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    return optimizers
+
+
+def _backward_only(model, batch, optimizers):
+    (x,) = batch
+    model(x).float().pow(2).mean().backward()
+
+
+def test_a_user_step_runs_the_modules_the_model_compiled():
+    """Truth: the same step and setup run for real on the model as built (its blocks compiled by
+    inductor). With step=, compile=True compiles the modules the model's code compiled; a model
+    that compiled none is refused with a message (the step gets the model itself)."""
+    inputs = (tapescope.spec((4, 32, 128)),)
+    real = run_real_steps(self_compiled_blocks, inputs, step=_backward_only,
+                          setup=_adamw_in_backward)
+    p = tapescope.profile(self_compiled_blocks, *inputs, compile=True, step=_backward_only,
+                          setup=_adamw_in_backward)
+    assert {lab for lab, _, _ in p.trace.compiled_calls} >= {"forward 0", "backward 0"}
+    assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 12
+    assert abs(p.peak_bytes - real.peaks[2]) <= 12
+    with pytest.raises(TapescopeError, match="compiled\\s+none"):
+        tapescope.profile(lambda: mlp_blocks(2), *inputs, compile=True, step=_backward_only,
+                          setup=_adamw_in_backward)

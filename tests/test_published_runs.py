@@ -30,3 +30,35 @@ def test_a_throughput_row_and_an_oom_row():
     text = bench.table([rows["fms-7b-a100"], rows["litgpt-13b-lora-mb2"]],
                        {"fms-7b-a100": speed, "litgpt-13b-lora-mb2": oom})
     assert "calibration" in text and "| right |" in text
+
+
+def test_torchtune_rows_are_built_as_the_recipe_builds_them():
+    """Construction, not predictions: the + compile / + chunked CE / + AC models have
+    torchtune's module structure (checked against torchtune 0.4/0.5's recipe and modules):
+    every TransformerSelfAttentionLayer compiled, the plain CrossEntropyLoss not (the recipe
+    drops compile_loss's return value), CEWithChunkedOutputLoss's compute_cross_entropy
+    compiled, 8 bf16 logit chunks, and each compiled layer inside a CheckpointWrapper."""
+    from dataclasses import replace
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    bench = _bench()
+    steps = {suffix: opts for suffix, _, _, opts, _ in bench._TUNE_STEPS}
+    cfg = replace(bench._L32_3B, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                  vocab_size=256, max_seq_len=32)
+    compiled = bench.tune_llama(**steps["packed-compile"])(cfg)()
+    assert all(layer._compiled_call_impl is not None for layer in compiled.layers)
+    assert compiled.loss._compiled_call_impl is None
+    chunked = bench.tune_llama(**steps["packed-compile-chunkedce"])(cfg)()
+    assert chunked.loss.compute_cross_entropy._compiled_call_impl is not None
+    assert chunked.num_output_chunks == chunked.loss.num_output_chunks == 8
+    ac = bench.tune_llama(**steps["packed-compile-chunkedce-ac"])(cfg)()
+    assert all(isinstance(layer, CheckpointWrapper) and
+               layer._checkpoint_wrapped_module._compiled_call_impl is not None
+               for layer in ac.layers)
+    # the eager model computes torchtune's loss: chunked and unchunked agree
+    tokens = torch.randint(0, 256, (2, 16))
+    eager = bench.TuneLlama(cfg)
+    chunks = bench.TuneLlama(cfg, num_output_chunks=8)
+    chunks.load_state_dict(eager.state_dict())
+    assert torch.allclose(eager(tokens, tokens), chunks(tokens, tokens), rtol=1e-2)

@@ -324,7 +324,6 @@ def _resolve_step(step, setup, *, loss_fn, accumulate, amp, compile, mesh, symbo
     refused = [(loss_fn is not None, "loss_fn (--loss): your step computes its own loss"),
                (accumulate != 1, "accumulate (--accumulate): accumulate in your step's own loop"),
                (amp is not None, "amp (--amp): open torch.autocast in your step"),
-               (compile is not None, "compile (--compile): not supported with a step yet"),
                (mesh is not None, "mesh (--fsdp/--tp): not supported with a step yet"),
                (bool(symbolic), "symbolic sizes: not supported with a step yet")]
     for bad, why in refused:

@@ -262,12 +262,14 @@ def compiled_report(record, trace, view, ops) -> CompiledReport:
         if label not in memo:
             memo[label] = (graph_flops(g.graph), graph_module_flops(g.graph))
         total, per_module = memo[label]
-        flops[trace.ops[start].phase] += total
+        # a user's step has phases of its own (other, setup) besides these three
+        phase = trace.ops[start].phase
+        flops[phase] = flops.get(phase, 0) + total
         for m, f in per_module.items():
             by_module[m] = by_module.get(m, 0) + f
     for op in ops:
         if op.record.index not in inside and op.flops:
-            flops[op.phase] += op.total_flops
+            flops[op.phase] = flops.get(op.phase, 0) + op.total_flops
             if op.module is not None:
                 by_module[op.module] = by_module.get(op.module, 0) + op.total_flops
     flops["total"] = sum(flops.values())

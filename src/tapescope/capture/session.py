@@ -342,6 +342,13 @@ class CaptureSession:
         # modules the user's code compiled itself (`block.compile()` in a parallelize function,
         # as torchtitan's apply_compile does) are the regions tapescope compiles, with its backend
         blocks = compiled_modules(self.fmodel)
+        if not blocks and not self.program.reusable:
+            # a user's step gets the model itself (its .parameters(), its submodules), so the
+            # regions compiled are the ones its code compiled, as they would be for real
+            raise TapescopeError(
+                "with step=, compile= compiles the modules your model's code compiled itself "
+                "(`block.compile()`, as torchtune's compile_model does), and this model compiled "
+                "none: call .compile() on its blocks in the build function, or drop compile=")
         if blocks or opts.mesh is not None:
             # a parallelised model is compiled per transformer block (torchtitan's apply_compile),
             # each block with its FSDP2/TP wrapping as parallelize left it
