@@ -22,7 +22,12 @@ MICROBATCHES = 4
 CASES = {
     2: [("1f1b", {"pp": 2}, None), ("gpipe", {"pp": 2}, None),
         ("interleaved-1f1b", {"pp": 2}, None),  # stages 0, 2 on rank 0; 1, 3 on rank 1
-        ("looped-bfs", {"pp": 2}, None)],
+        ("looped-bfs", {"pp": 2}, None),
+        # zero bubble: the backward split into input and weight backwards (pre-hooks on
+        # autograd's C++ nodes capture the gradients between them)
+        ("interleaved-zb", {"pp": 2}, None),
+        ("zbv", {"pp": 2}, None),  # a V: stages 0, 3 on rank 0; 1, 2 on rank 1
+        ("dualpipev", {"pp": 2}, None)],
     4: [("1f1b", {"pp": 2, "dp_shard": 2}, dm.fsdp_stage),  # 2-D: FSDP2 inside each stage
         ("interleaved-1f1b", {"pp": 2, "dp_shard": 2}, dm.fsdp_stage)],  # two FSDP2 roots a rank
 }
@@ -56,6 +61,7 @@ def test_every_rank_of_a_pipeline_matches_its_real_process(real, world, schedule
                           pipeline=_pipeline(schedule))
     assert len(p.ranks) == world
     for ours, theirs in zip(p.ranks, real[(world, schedule, False)]):
+        assert theirs.unstepped == 0   # the real run trained every parameter of its stages
         for step, pred in ((1, ours.first_step_peak_bytes), (2, ours.peak_bytes)):
             # equal to the byte; a real step in which gloo's worker thread freed some of the
             # program's tensors late (an FSDP2 collective's buffers, out of the profiler's sight:
@@ -101,8 +107,9 @@ def test_interleaved_schedules_place_stages_as_torch_does():
     assert pipeline_spec({"schedule": "interleaved-1f1b", "stages_per_rank": 3}).stages_of(
         2, 4) == (2, 6, 10)
     assert pipeline_spec("Schedule1F1B").schedule == "1f1b"       # torch's class names too
-    with pytest.raises(TapescopeError, match="register_prehook"):   # zero-bubble: refused
-        pipeline_spec("ScheduleZBVZeroBubble")
+    assert pipeline_spec("ScheduleZBVZeroBubble").stages_of(0, 4) == (0, 7)   # a V
+    with pytest.raises(TapescopeError, match="unknown pipeline schedule"):
+        pipeline_spec("zero-bubble-h1")
 
 
 def test_the_default_split_keeps_each_stage_s_blocks_and_the_ends():

@@ -192,6 +192,35 @@ def test_optimizer_in_backward_matches_a_real_run():
     assert p.peak_bytes < plain.peak_bytes
 
 
+# ---- hooks on autograd's C++ nodes (torch.distributed.pipelining's split backward) -------------
+
+def _cpp_node_hooks_step(model, batch, optimizer):
+    x, y = batch
+    hidden = model.a(x).relu()
+    loss = F.cross_entropy(model.c(model.b(hidden).relu()), y)
+    loss.grad_fn.register_prehook(lambda grads: (grads[0] * 2,))      # a pre-hook replacing
+    removed = hidden.grad_fn.register_prehook(lambda grads: (grads[0] * 0,))
+    removed.remove()                                                   # removed: never runs
+    hidden.grad_fn.register_hook(lambda grad_inputs, grad_outputs: (grad_inputs[0].clone(),))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_hooks_on_cpp_nodes_run_as_in_a_real_run():
+    """Hooks filed on C++ autograd nodes (NllLossBackward0, ReluBackward0) go through no Python
+    method of the node: tapescope reads them back from the dict torch keeps them in. The
+    pre-hook's multiply and the post-hook's clone are in the real backward and in the trace;
+    the removed hook runs in neither."""
+    p, real, ok, diff = _truth(_Net, step=_cpp_node_hooks_step, optimizer=_sgd)
+    assert ok, diff
+    assert p.first_step_peak_bytes == real.peaks[1]
+    assert p.peak_bytes == real.peaks[2]
+    backward = [op.name for op in p.ops if op.phase == BACKWARD]
+    assert backward[:2] == ["aten.ones_like.default", "aten.mul.Tensor"]   # the pre-hook, first
+    assert "aten.clone.default" in backward
+
+
 # ---- activation offloading with saved-tensor hooks --------------------------------------------
 
 def _save_on_cpu_step(model, batch, optimizer):

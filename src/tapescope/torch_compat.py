@@ -174,6 +174,17 @@ def set_graph_task_id(gid):
     return previous
 
 
+def node_hook_registrar():
+    """(class, name) of the Python function torch calls to file a hook on any autograd node, a
+    C++ node included: `registerFunctionHook` / `registerFunctionPreHook`
+    (python_cpp_function.cpp) call `Function._register_hook(dict, hook)` with the dict of
+    Python hooks the node already has (None if it has none) and keep the dict it returns. That
+    dict is the only way Python can read a C++ node's hooks."""
+    from torch.autograd.function import _HookMixin
+
+    return _HookMixin, "_register_hook"
+
+
 def post_accumulate_grad_hooks(t: torch.Tensor):
     return getattr(t, "_post_accumulate_grad_hooks", None)
 
@@ -831,6 +842,9 @@ PATCHED = (
     Patched("torch.autograd.function.BackwardCFunction",
             ("register_hook", "register_prehook", "maybe_clear_saved_tensors"), "capture/hooks.py",
             "node hooks; what a custom Function's backward unpacked is released with it"),
+    Patched("torch.autograd.function._HookMixin", ("_register_hook",), "capture/hooks.py",
+            "hooks filed on C++ nodes (Node.register_prehook: pipelining's split backward) are "
+            "read back through the dict torch keeps them in"),
     Patched("torch.autograd.Function", ("apply",), "capture/hooks.py",
             "which inputs of a custom Function are Variables (its backward's inputs)"),
     Patched("torch.autograd.graph.saved_tensors_hooks", ("__enter__", "__exit__"),

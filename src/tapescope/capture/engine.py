@@ -118,6 +118,14 @@ class _ReadyQueue:
         return top
 
 
+def _gradient_edge(t):
+    """Where a gradient enters or leaves the graph: a tensor's edge, or a GradientEdge given as
+    is (torch.autograd.grad takes both; pipelining's split backward passes GradientEdges)."""
+    if isinstance(t, torch.autograd.graph.GradientEdge):
+        return t
+    return torch.autograd.graph.get_gradient_edge(t)
+
+
 class PythonEngine:
     """Runs `loss.backward()`'s graph from Python.
 
@@ -227,8 +235,9 @@ class PythonEngine:
         .grad, and only the nodes on a path to an input run (the C++ engine's exec_info).
         AOTAutograd's joint trace calls torch.autograd.grad, which on fake CUDA tensors without a
         GPU fails in the C++ engine; compiled.py routes it here for CUDA compiles."""
-        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
-        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        edge_types = (torch.Tensor, torch.autograd.graph.GradientEdge)
+        outputs = [outputs] if isinstance(outputs, edge_types) else list(outputs)
+        inputs = [inputs] if isinstance(inputs, edge_types) else list(inputs)
         if grad_outputs is None:
             grad_outputs = [None] * len(outputs)
         elif isinstance(grad_outputs, torch.Tensor):
@@ -238,13 +247,20 @@ class PythonEngine:
             if g is None:
                 g = torch.ones_like(out, memory_format=torch.preserve_format)
             self._hold(g)
-            roots.append((out.grad_fn, out.output_nr, g))
+            if isinstance(out, torch.autograd.graph.GradientEdge):
+                roots.append((out.node, out.output_nr, g))
+            else:
+                roots.append((out.grad_fn, out.output_nr, g))
         targets = {}
         for i, t in enumerate(inputs):
-            edge = torch.autograd.graph.get_gradient_edge(t)
+            edge = _gradient_edge(t)
             targets.setdefault((edge.node, edge.output_nr), []).append(i)
         results = [None] * len(inputs)
-        self._run(roots, targets, results, keep_graph=keep_graph)
+        # a hook may queue a final callback (AOTAutograd's stack-trace hooks on the joint
+        # graph's C++ nodes do): the C++ engine's graph task of autograd.grad takes it
+        with standing_in(GraphTask([n for n, _, _ in roots], self._dependencies)) as graph_task:
+            self._run(roots, targets, results, keep_graph=keep_graph)
+            graph_task.run_final_callbacks()
         for _, _, g in roots:
             self._drop(g)
         if not allow_unused and any(r is None for r in results):
@@ -408,7 +424,7 @@ class PythonEngine:
                 t = ref()
                 t.grad = inputs[i].clone(memory_format=torch.contiguous_format) if t.grad is None \
                     else t.grad + inputs[i]
-        for hook in hooks.pre_hooks.get(node, ()):
+        for hook in (*hooks.pre_hooks.get(node, ()), *hooks.cpp_node_hooks(node, pre=True)):
             new = hook(tuple(inputs))
             if new is not None:
                 for i, g in enumerate(new):
@@ -432,7 +448,7 @@ class PythonEngine:
                 else:
                     outputs = self._call_cpp(node, inputs)
             outputs = self._validate(node, outputs)
-        post = hooks.post_hooks.get(node)
+        post = (*hooks.post_hooks.get(node, ()), *hooks.cpp_node_hooks(node, pre=False))
         if post:
             for hook in post:
                 new = hook(tuple(outputs), tuple(inputs))

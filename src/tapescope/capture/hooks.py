@@ -22,9 +22,12 @@ Hooks. C++ keeps backward hooks where Python cannot list them, and our engine ca
 where the C++ engine's hook calls do not happen. So while the step runs, the Python entry points
 that register hooks (`Tensor.register_hook`, `Tensor.retain_grad`, a custom Function node's
 `register_hook` / `register_prehook`) also file the hook here. Leaf tensors keep theirs in
-`_backward_hooks` / `_post_accumulate_grad_hooks`, which the engine reads directly. Hooks added from
-C++, or with `register_hook` on a C++ node, are not seen (module backward hooks use the custom
-Function path, which is).
+`_backward_hooks` / `_post_accumulate_grad_hooks`, which the engine reads directly. A hook filed on
+a C++ node (`node.register_prehook`: torch.distributed.pipelining's split backward captures
+gradients so) goes through no Python method of the node, but torch files it by calling the Python
+`Function._register_hook(dict, hook)` with the node's own dict of hooks: once the step has filed
+one, the engine reads a C++ node's hooks by filing a probe on it and reading the dict torch hands
+over (`cpp_node_hooks`). Hooks added from C++ code are not seen.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch.utils.checkpoint
 from torch.autograd.function import BackwardCFunction
 
 from ..errors import user_error
-from ..torch_compat import (mark_internal_saved_tensors_hooks, node_sequence_nr,
+from ..torch_compat import (mark_internal_saved_tensors_hooks, node_hook_registrar, node_sequence_nr,
                             pop_saved_tensors_hooks, push_saved_tensors_hooks, sequence_nr,
                             storage_key)
 from .tape import _VALUE_ATTR, Tape
@@ -298,6 +301,10 @@ def _modified_message(t: torch.Tensor, saved_version: int, output_nr: int, owner
             f"version {t._version}; expected version {saved_version} instead.{hint}")
 
 
+def _probe_hook(*_):
+    """Filed and removed at once by `HookRegistry.cpp_node_hooks`; never called."""
+
+
 class HookRegistry:
     """Backward hooks registered while the step runs, by (node, output_nr) or node."""
 
@@ -306,6 +313,24 @@ class HookRegistry:
         self.retained: dict = {}        # (node, output_nr) -> weakref to the tensor to fill .grad
         self.pre_hooks: dict = {}       # node -> [fn(grad_outputs)]
         self.post_hooks: dict = {}      # node -> [fn(grad_inputs, grad_outputs)]
+        self.on_cpp_nodes = False       # a hook was filed on a C++ node: read them (cpp_node_hooks)
+        self._custom_node_filing = 0    # inside a custom Function node's register_(pre)hook
+        self._probe: list | None = None  # the dict torch hands over while a probe is filed
+
+    def cpp_node_hooks(self, node, pre: bool) -> list:
+        """The Python hooks filed on C++ node `node` (pre-hooks, or post-hooks), read as torch
+        keeps them: file a probe, note the dict torch passes to `_register_hook` (the node's
+        dict, or None when it has none), remove the probe. [] unless the step filed a hook on a
+        C++ node, or for a custom Function's node (filed in `pre_hooks` / `post_hooks`)."""
+        if not self.on_cpp_nodes or isinstance(node, BackwardCFunction):
+            return []
+        self._probe = found = []
+        try:
+            handle = (node.register_prehook if pre else node.register_hook)(_probe_hook)
+        finally:
+            self._probe = None
+        handle.remove()
+        return [h for h in found[0].values()] if found and found[0] else []
 
     @contextmanager
     def recording(self):
@@ -330,11 +355,29 @@ class HookRegistry:
 
         def node_hook(node, fn):
             reg.post_hooks.setdefault(node, []).append(fn)
-            return orig_node_hook(node, fn)
+            reg._custom_node_filing += 1
+            try:
+                return orig_node_hook(node, fn)
+            finally:
+                reg._custom_node_filing -= 1
 
         def node_prehook(node, fn):
             reg.pre_hooks.setdefault(node, []).append(fn)
-            return orig_node_prehook(node, fn)
+            reg._custom_node_filing += 1
+            try:
+                return orig_node_prehook(node, fn)
+            finally:
+                reg._custom_node_filing -= 1
+
+        registrar, registrar_name = node_hook_registrar()
+        orig_filing = registrar.__dict__[registrar_name]
+
+        def file_hook(hooks_dict, hook):
+            if reg._probe is not None:
+                reg._probe.append(hooks_dict)
+            elif not reg._custom_node_filing:
+                reg.on_cpp_nodes = True
+            return orig_filing.__func__(hooks_dict, hook)
 
         orig_apply = torch.autograd.Function.__dict__["apply"]
 
@@ -347,10 +390,12 @@ class HookRegistry:
         torch.Tensor.retain_grad = retain_grad
         BackwardCFunction.register_hook = node_hook
         BackwardCFunction.register_prehook = node_prehook
+        setattr(registrar, registrar_name, staticmethod(file_hook))
         torch.autograd.Function.apply = classmethod(apply)
         try:
             yield self
         finally:
+            setattr(registrar, registrar_name, orig_filing)
             torch.Tensor.register_hook = orig_register_hook
             torch.Tensor.retain_grad = orig_retain_grad
             BackwardCFunction.register_hook = orig_node_hook

@@ -194,7 +194,9 @@ def state_tensors(state) -> list:
 @contextmanager
 def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
     """While the block runs, mark its phases as the module docstring says (OTHER outside the
-    others), and route torch.autograd.backward / grad to the runtime's engine."""
+    others), and route torch.autograd.backward / grad to the runtime's engine. Yields
+    `backward_phase()`, a context manager making its block one BACKWARD phase however many
+    backwards run in it (a pipeline's weight backward: one autograd.grad per parameter group)."""
     ours = {id(m) for m in model.modules()}
     names: list[str] = []
     opened: list = []
@@ -237,6 +239,19 @@ def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
         if names[-1] == OPTIMIZER:
             leave()
 
+    @contextmanager
+    def backward_phase():
+        """One BACKWARD phase around the block; inside one already (a program marking a whole
+        action that calls autograd several times), no new one."""
+        nested = names[-1] == BACKWARD
+        if not nested:
+            enter(BACKWARD)
+        try:
+            yield
+        finally:
+            if not nested:
+                leave()
+
     torch_backward, torch_grad = torch.autograd.backward, torch.autograd.grad
 
     @passes_user_calls
@@ -248,14 +263,11 @@ def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
             raise TapescopeError("a backward with create_graph=True or inputs=... is not "
                                  "supported in a traced step yet (tapescope's engine runs the "
                                  "backward)")
-        enter(BACKWARD)
-        try:
+        with backward_phase():
             if runtime.backward is None:
                 torch_backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
             else:
                 runtime.backward(tensors, grad_tensors, retain_graph)
-        finally:
-            leave()
 
     @passes_user_calls
     def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
@@ -264,14 +276,11 @@ def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
         if runtime.grad is not None and (create_graph or is_grads_batched or materialize_grads):
             raise TapescopeError("torch.autograd.grad with create_graph=True, is_grads_batched "
                                  "or materialize_grads is not supported in a traced step yet")
-        enter(BACKWARD)
-        try:
+        with backward_phase():
             if runtime.grad is None:
                 return torch_grad(outputs, inputs, grad_outputs, retain_graph, create_graph,
                                   only_inputs, allow_unused, is_grads_batched, materialize_grads)
             return runtime.grad(outputs, inputs, grad_outputs, retain_graph, bool(allow_unused))
-        finally:
-            leave()
 
     from torch.nn.modules.module import (register_module_forward_hook,
                                          register_module_forward_pre_hook)
@@ -283,7 +292,7 @@ def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
     torch.autograd.backward, torch.autograd.grad = backward, grad
     enter(OTHER)
     try:
-        yield
+        yield backward_phase
     finally:
         torch.autograd.backward, torch.autograd.grad = torch_backward, torch_grad
         for h in handles:

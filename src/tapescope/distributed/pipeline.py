@@ -28,14 +28,18 @@ What tapescope supplies and why:
   rank's traced forward and backward segments.
 (distributed/fidelity.py makes point-to-point Works hold their tensors as real backends do.)
 
-Not modelled: the zero-bubble schedules (values/pipeline.py refuses them). Their split backward
-(`stage_backward_input`) captures gradients with pre-hooks on autograd's C++ nodes
-(`Node.register_prehook`), which tapescope's Python engine cannot see.
+The zero-bubble schedules (interleaved zero bubble, ZBV, DualPipeV) split each backward into an
+input backward and a weight backward: `stage_backward_input` files pre-hooks on autograd's C++
+nodes to capture the gradients the weight backward starts from, and `stage_backward_weight`
+runs `torch.autograd.grad` from GradientEdges. tapescope's engine reads C++ nodes' hooks back
+(capture/hooks.py) and takes GradientEdges; each backward action is marked as one phase
+(`_backward_actions_as_phases`) so that the step-time simulation times each action.
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,16 +302,17 @@ class PipelineStep(StepProgram):
         schedule = cls(stages if self.spec.kind.multi else stages[0], self.microbatches,
                        loss_fn=pipeline_loss(self.loss_fn), scale_grads=True)
         self.order = compute_order(schedule)
-        return schedule, make_optimizer(self.optimizer, params, device)
+        return schedule, make_optimizer(self.optimizer, params, device), stages
 
     def run(self, model, args, kwargs, state, step, runtime):
-        schedule, optimizer = state
+        schedule, optimizer, stages = state
         if kwargs:
             raise TapescopeError("a pipelined step takes positional inputs (the first stage's "
                                  "inputs, then the target); give them positionally")
         inputs, target = tuple(args[:-1]), args[-1] if args else None
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
-        with phase_marks(model, step, runtime):
+        with phase_marks(model, step, runtime) as backward_phase, \
+                _backward_actions_as_phases(stages, backward_phase):
             # torchtitan's call: the last stage keeps the losses, not the merged outputs
             losses: list | None = [] if last else None
             if last:
@@ -321,6 +326,33 @@ class PipelineStep(StepProgram):
         with runtime.phase(step, ZERO_GRAD):
             if optimizer is not None:
                 optimizer.zero_grad()
+
+
+@contextmanager
+def _backward_actions_as_phases(stages: list, backward_phase):
+    """Each backward action of the schedule - a full backward, an input backward, a zero-bubble
+    schedule's weight backward (one autograd.grad per parameter group, then the gradients'
+    accumulation) - is one backward phase of the trace, even one that runs no autograd (the
+    first stage's input backward: its inputs need no gradient), so that each action is one
+    phase segment (`action_seconds` times the actions by them). The stages are tapescope's own
+    (made in setup); the methods are set on each for the block and removed after."""
+
+    def as_one_phase(method):
+        def run(*args, **kwargs):
+            with backward_phase():
+                return method(*args, **kwargs)
+        return run
+
+    names = ("backward_one_chunk", "backward_weight_one_chunk")
+    for stage in stages:
+        for name in names:
+            setattr(stage, name, as_one_phase(getattr(stage, name)))
+    try:
+        yield
+    finally:
+        for stage in stages:
+            for name in names:
+                delattr(stage, name)
 
 
 # ---- the schedule's time ---------------------------------------------------------------------------
@@ -339,9 +371,17 @@ def compute_order(schedule) -> dict | None:
     order = getattr(schedule, "pipeline_order", None)
     if not isinstance(schedule, PipelineScheduleMulti) or not order:
         return None
-    return {rank: [(a.stage_index, a.computation_type.value, a.microbatch_index)
-                   for a in actions if a is not None and a.computation_type.value in COMPUTE]
-            for rank, actions in order.items()}
+    def compute(actions):
+        for a in actions:
+            if a is None:
+                continue
+            # DualPipeV's overlapped forward + backward: torch's runtime performs its
+            # sub-actions one after the other (_PipelineScheduleRuntime._step_microbatches)
+            for sub in getattr(a, "sub_actions", None) or (a,):
+                if sub.computation_type.value in COMPUTE:
+                    yield sub.stage_index, sub.computation_type.value, sub.microbatch_index
+
+    return {rank: list(compute(actions)) for rank, actions in order.items()}
 
 
 def traced_order(stage: int, kinds: list) -> list:

@@ -38,12 +38,16 @@ class RealRank:
         wait returns; when the program dropped its own reference first, the free happens there,
         late and unseen by the profiler. A step with late frees can peak higher than the program
         alone would; a step without them is the program's deterministic peak.
+    unstepped: how many of the rank's parameters the optimizer never updated (no state after the
+        last step: no step gave them a gradient). A truth whose real run left parameters without
+        gradients is no truth of a training step.
     """
 
     rank: int
     peaks: dict = field(default_factory=dict)
     allocator_peaks: dict = field(default_factory=dict)
     late_frees: dict = field(default_factory=dict)  # step -> bytes freed out of the program's sight
+    unstepped: int = 0
 
 
 @dataclass
@@ -103,7 +107,7 @@ def run_real_jobs(jobs: list, threads: int = 1) -> list[list[RealRank]]:
                 with open(os.path.join(tmp, f"job{j}-rank{rank}.json")) as f:
                     d = json.load(f)
                 ranks.append(RealRank(rank, _steps(d["peaks"]), _steps(d["allocator_peaks"]),
-                                      _steps(d["late_frees"])))
+                                      _steps(d["late_frees"]), d["unstepped"]))
             out.append(ranks)
     return out
 
@@ -188,8 +192,11 @@ def _run_job(job: RealJob) -> dict:
                     program.run(model, args, kwargs, state, s, StepRuntime(phase=phase))
     own = _read_allocations(prof, device, program_only=True)
     allocator = _read_allocations(prof, device)
+    optimizer = opt if plan is None else state[1]
+    unstepped = sum(1 for group in optimizer.param_groups for p in group["params"]
+                    if not optimizer.state.get(p))
     return {"peaks": own.peaks, "allocator_peaks": allocator.peaks,
-            "late_frees": own.late_frees}
+            "late_frees": own.late_frees, "unstepped": unstepped}
 
 
 def _parallelised_shapes(job: RealJob, plan) -> list:

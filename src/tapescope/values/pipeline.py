@@ -107,12 +107,6 @@ def pipeline_spec(value) -> PipelineSpec | None:
         raise TapescopeError(f"unknown pipeline schedule {spec.schedule!r}; choose one of "
                              f"{', '.join(SCHEDULES)}")
     kind = SCHEDULES[name]
-    if kind.zero_bubble:
-        raise TapescopeError(
-            f"schedule {name} is not modelled yet: its split backward (torch.distributed."
-            "pipelining's stage_backward_input) captures gradients with pre-hooks on autograd's "
-            "C++ nodes (Node.register_prehook), which tapescope's Python engine cannot see; "
-            "profile gpipe, 1f1b, interleaved-1f1b or looped-bfs")
     for field_name in ("microbatches", "stages_per_rank"):
         v = getattr(spec, field_name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
