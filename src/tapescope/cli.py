@@ -268,7 +268,8 @@ QuietOpt = typer.Option(False, "--quiet", "-q",
 
 PpOpt = typer.Option(1, "--pp", help="Pipeline parallel over N ranks (torch.distributed.pipelining), outermost.")
 PpScheduleOpt = typer.Option(None, "--pp-schedule",
-                             help="With --pp: gpipe, 1f1b (default), interleaved-1f1b, looped-bfs.")
+                             help="With --pp: gpipe, 1f1b (default), interleaved-1f1b, looped-bfs, "
+                                  "interleaved-zb, zbv, dualpipev.")
 MicrobatchesOpt = typer.Option(None, "--microbatches",
                                help="With --pp: micro-batches per step (default: one per sample).")
 PpSplitOpt = typer.Option(None, "--pp-split",
