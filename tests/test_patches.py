@@ -208,7 +208,10 @@ def test_a_profile_leaves_every_patched_attribute_as_it_was(kind):
     _run(kind)  # first: the imports a profile makes (distributed, inductor) are done before
     catalogue, code = catalogued(), everything()
     SEEN.before, SEEN.during = code, []
+    excepthook = sys.excepthook
     _run(kind)
+    # init_process_group wraps sys.excepthook (a "[rank<r>]: " prefix) and never unwraps it
+    assert sys.excepthook is excepthook, f"the {kind} profile left sys.excepthook wrapped"
     after = catalogued()
     moved = sorted(f"{owner}.{name}" for (owner, name), (how, v) in catalogue.items()
                    if after[(owner, name)][0] != how or after[(owner, name)][1] is not v)

@@ -253,3 +253,20 @@ def test_cli_micro_batches_above_a_zoo_model_s_default_batch_take_one_sample_eac
     assert r.exit_code == 0, r.output
     assert "batch 8 (one sample per micro-batch" in r.output   # said, on stderr
     assert "8x32" in r.output and "Pipeline 1f1b, 4 stages on 4 ranks, 8 micro-batches" in r.output
+
+
+def test_a_zero_bubble_schedule_s_cuda_memory_replays_its_steps_on_cuda_without_a_gpu():
+    """ZBV keeps each stage's last outputs until the next step starts (in the real CPU runs as
+    in the trace: the steady peaks above are equal), so the steady step frees what the step
+    before it left. The caching-allocator replay runs the steady step twice; the second must
+    free the first's leftovers, and (the steady state repeating) peak as the first did. By
+    hand: max_memory_allocated is the trace's peak plus sm90's 32 MiB cuBLAS workspace, with
+    each block rounded up to 512 bytes (at most 511 bytes a block more)."""
+    p = tapescope.profile(dm.pipeline_llama, *dm.PIPELINE_INPUTS, mesh={"pp": 2},
+                          pipeline=_pipeline("zbv"), device="cuda", gpu="h100")
+    for prof in p.distributed.profiles.values():
+        cm = prof.cuda_memory
+        assert not cm.oom
+        assert cm.steady_allocated == cm.max_allocated
+        blocks = max(1, len(prof.trace.storages))
+        assert 0 <= cm.max_allocated - (32 << 20) - prof.peak_bytes <= 511 * blocks

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..capture.records import Trace
 from ..devices.gpus import cuda_context_bytes
 from .allocator import AllocatorConfig, simulate
-from .events import device_events
+from .events import device_events, live_after
 from .op_classes import MATMUL
 from .steps import step_views
 
@@ -69,6 +69,7 @@ def _events(trace: Trace, gpu=None):
     if gpu is not None:  # the first matmul on the stream allocates cuBLAS's workspace
         workspace_at = next((i for i in views[1].ops
                              if trace.ops[i].func.overloadpacket in MATMUL), None)
+    successors = _successors(trace, views[1], steady) if steady is not views[1] else {}
     for run, view in (("step1", views[1]), ("step2", steady), ("step3", steady)):
         live_keys = {}
         for e, _, sid, delta in device_events(trace, view):
@@ -79,6 +80,9 @@ def _events(trace: Trace, gpu=None):
                 out.append((key, storages[sid].nbytes))
             else:
                 key = live_keys.pop(sid, None)
+                if key is None and run == "step3" and sid in successors:
+                    # what step 1 left and step 2 freed: step 3 frees what step 2 left instead
+                    key = ("step2", successors[sid])
                 if key is None:  # alive before this step: setup, or a previous step's state
                     key = _previous_key(out, sid)
                 out.append((key, None))
@@ -88,6 +92,27 @@ def _events(trace: Trace, gpu=None):
                 labels.append("cuBLAS workspace")
                 workspace_at = None
     return out, labels
+
+
+def _successors(trace: Trace, first, steady) -> dict:
+    """What the steady step frees of what the first step left alive, each mapped to what the
+    steady step leaves alive in its place: the same device and size, in the order made. The
+    replayed third step is the steady step again, so where it frees a storage of step 1 it frees
+    step 2's counterpart. (A zero-bubble pipeline schedule keeps its stages' last outputs until
+    the next step starts.)"""
+    storages = {s.id: s for s in trace.storages}
+    end1 = live_after(trace, first)
+    end2 = live_after(trace, steady)
+    freed = [sid for sid in sorted(end1 - first.initial) if sid not in end2]
+    left: dict = {}
+    for sid in sorted(end2 - steady.initial):
+        left.setdefault((storages[sid].device, storages[sid].nbytes), []).append(sid)
+    out = {}
+    for sid in freed:
+        same = left.get((storages[sid].device, storages[sid].nbytes))
+        if same:
+            out[sid] = same.pop(0)
+    return out
 
 
 def _previous_key(events, sid):

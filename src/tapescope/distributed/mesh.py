@@ -14,8 +14,8 @@ has a process group (a real job) is refused rather than disturbed.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
-
 
 from ..errors import TapescopeError
 from ..values.mesh import MeshSpec, mesh_spec
@@ -38,8 +38,13 @@ def fake_world(spec: MeshSpec, rank: int, device_type: str):
             "a process group is already initialised in this process; tapescope simulates the ranks "
             "of a distributed job with torch's fake process group and needs a process without one "
             "(run it outside the training job)")
+    # init_process_group wraps sys.excepthook to prefix tracebacks with "[rank<r>]: " and
+    # destroy_process_group leaves the wrapper: restored here, or every traced rank would add one
+    # more prefix to every later traceback of the user's process
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=spec.world_size)
     try:
         yield init_device_mesh(device_type, spec.sizes, mesh_dim_names=spec.names)
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
