@@ -550,14 +550,9 @@ NOT_EXPRESSIBLE = [
     ("Korthikanti et al. 2022, Table 5 / Figure 1", "175B and up need pipeline parallelism "
      "(interleaved); 22B TP 8 with Megatron's sequence parallelism and fused fp16 kernels is "
      "expressible with a TP plan for GPT but not done yet; Figure 1 is computed, not measured"),
-    ("torchtune + optimizer in backward (23.1 GiB), + activation offloading (21.8 GiB)",
-     "optimizer_in_bwd is a user step (step=, one AdamW per parameter in post-accumulate-grad "
-     "hooks) on top of the compiled, checkpointed layers; with step= and 2 or more compiled "
-     "layers inside CheckpointWrapper the recompute in the backward runs a layer eagerly (not "
-     "compiled), so torch.utils.checkpoint refuses the recomputed tensors' metadata (the "
-     "built-in step recomputes compiled: a tapescope bug, not fixed yet). Offloading "
-     "(OffloadActivations, use_streams) also needs its own CUDA stream, events and pinned host "
-     "copies in a single-device GPU-less step; not built yet"),
+    ("torchtune + activation offloading (21.8 GiB)", "OffloadActivations (use_streams) needs "
+     "its own CUDA stream, events and pinned host copies in a single-device GPU-less step; not "
+     "built yet"),
     ("torchtune + 8-bit AdamW (17.6 GiB)", "bitsandbytes' PagedAdamW8bit: its own CUDA kernels "
      "and paged (unified) memory"),
     ("torchtune tokens/s after + packed (8998, 9174, 7210, 7309, 7301, 6960)", "every later row "
