@@ -22,8 +22,10 @@ what runs, the innermost naming an op:
   weights, a scheduler's step, offloading hooks' copies outside the backward).
 
 Not seen: a backward reached without `torch.autograd.backward` / `.grad` (`from torch.autograd
-import backward` bound before the step; `torch._C._EngineBase.run_backward`), and a forward
-called as `module.forward(x)` (no module hooks run): those ops are OTHER.
+import backward` bound before the step; `torch._C._EngineBase.run_backward`), a forward
+called as `module.forward(x)` (no module hooks run), and a module compiled with `.compile()`
+that the step calls directly (its hooks run inside the compiled code, where they do nothing):
+those ops are OTHER. A compiled module inside the model's forward is in FORWARD as usual.
 """
 
 from __future__ import annotations
