@@ -365,6 +365,35 @@ def tune_llama(compile: bool = False, chunked_ce: bool = False, ac: bool = False
     return for_config
 
 
+def tune_optim_in_bwd(model):
+    """full_finetune_single_device's `_setup_optimizer(optimizer_in_bwd=True)` (torchtune 0.5.0):
+    one optimizer per parameter (`config.instantiate(cfg_optimizer, [p])`), stepped by
+    `training.register_optim_in_bwd_hooks`: a post-accumulate-grad hook on every parameter that
+    requires grad runs `optim_dict[param].step()` then `.zero_grad()` (set_to_none), so each
+    gradient is freed as soon as its parameter is updated. AdamW as the earlier rows run it:
+    torch's default for CUDA parameters, foreach (fake parameters would make torch pick the
+    single-tensor loop, so it is said explicitly)."""
+    optim_dict = {p: torch.optim.AdamW([p], lr=2e-5, foreach=True) for p in model.parameters()}
+
+    def optim_step(param) -> None:
+        optim_dict[param].step()
+        optim_dict[param].zero_grad()
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(optim_step)
+    return optim_dict
+
+
+def tune_train_step(model, batch, optimizers):
+    """The recipe's `train` loop body with optimizer_in_bwd (no optimizer.step, no clipping: the
+    hooks step): the loss times the step's unmasked tokens, then backward."""
+    tokens, labels = batch
+    current_num_tokens = (labels != -100).sum()
+    current_loss = model(tokens, labels) * current_num_tokens
+    current_loss.backward()
+
+
 def fms_parallelize(ac_every: float):
     """fms-fsdp's FSDP: each block its own unit, bf16 parameters and bf16 gradient reduction
     (policies/mixed_precision.py bfSixteen), non-reentrant checkpointing on the fraction
@@ -474,7 +503,14 @@ _TUNE_STEPS = (
     ("packed-compile-chunkedce-ac", "+ activation checkpointing", 24.9,
      {"compile": True, "chunked_ce": True, "ac": True},
      "as above, every (compiled) layer in a non-reentrant CheckpointWrapper"),
+    ("packed-compile-chunkedce-ac-optinbwd", "+ optimizer in backward", 23.1,
+     {"compile": True, "chunked_ce": True, "ac": True},
+     "as above, the recipe's own step (step=): one AdamW per parameter stepped in its "
+     "post-accumulate-grad hook (optimizer_in_bwd)"),
 )
+
+
+_OPT_IN_BWD = {"step": tune_train_step, "setup": tune_optim_in_bwd}
 
 
 def _torchtune_rows():
@@ -482,7 +518,8 @@ def _torchtune_rows():
     for suffix, technique, published, opts, note in _TUNE_STEPS:
         rows.append(Row(f"torchtune-3b-{suffix}", _TUNE + technique, "GiB active", published,
                         "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28, build=tune_llama(**opts),
-                        options={"compile": True} if opts.get("compile") else {},
+                        options={**({"compile": True} if opts.get("compile") else {}),
+                                 **(_OPT_IN_BWD if suffix.endswith("optinbwd") else {})},
                         note=f"{_TUNE_NOTE}; {note}"))
         if suffix == "packed":
             rows.append(Row("torchtune-3b-packed-speed", _TUNE + technique, "tokens/s/GPU", 7075,
@@ -513,14 +550,9 @@ NOT_EXPRESSIBLE = [
     ("Korthikanti et al. 2022, Table 5 / Figure 1", "175B and up need pipeline parallelism "
      "(interleaved); 22B TP 8 with Megatron's sequence parallelism and fused fp16 kernels is "
      "expressible with a TP plan for GPT but not done yet; Figure 1 is computed, not measured"),
-    ("torchtune + optimizer in backward (23.1 GiB), + activation offloading (21.8 GiB)",
-     "optimizer_in_bwd is a user step (step=, one AdamW per parameter in post-accumulate-grad "
-     "hooks) on top of the compiled, checkpointed layers; with step= and 2 or more compiled "
-     "layers inside CheckpointWrapper the recompute in the backward runs a layer eagerly (not "
-     "compiled), so torch.utils.checkpoint refuses the recomputed tensors' metadata (the "
-     "built-in step recomputes compiled: a tapescope bug, not fixed yet). Offloading "
-     "(OffloadActivations, use_streams) also needs its own CUDA stream, events and pinned host "
-     "copies in a single-device GPU-less step; not built yet"),
+    ("torchtune + activation offloading (21.8 GiB)", "OffloadActivations (use_streams) needs "
+     "its own CUDA stream, events and pinned host copies in a single-device GPU-less step; not "
+     "built yet"),
     ("torchtune + 8-bit AdamW (17.6 GiB)", "bitsandbytes' PagedAdamW8bit: its own CUDA kernels "
      "and paged (unified) memory"),
     ("torchtune tokens/s after + packed (8998, 9174, 7210, 7309, 7301, 6960)", "every later row "

@@ -126,3 +126,40 @@ def test_cli_profile_compiled_with_checkpointing(tmp_path):
     assert d["compiled"]["regions"] == 1 and not d["compiled"]["graph_breaks"]
     bad = CliRunner().invoke(app, args + ["--checkpoint", "layers.9"])
     assert bad.exit_code == 1 and "no module 'layers.9'" in bad.output
+
+
+def _self_compiled_checkpointed_blocks():
+    """torchtune's order: the model's code compiles each layer (`compile_model`), then wraps each
+    in a non-reentrant CheckpointWrapper (`set_activation_checkpointing`)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing)
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from .test_compile import MLPBlock
+
+    m = mlp_blocks(3)
+    for block in m:
+        block.compile()
+    apply_activation_checkpointing(m, auto_wrap_policy=ModuleWrapPolicy({MLPBlock}))
+    return m
+
+
+def test_a_user_step_recomputes_self_compiled_checkpointed_layers_compiled():
+    """Truth: the same step and setup (AdamW in the backward) run for real on the model as built.
+    Before: the user step's phase hooks were traced into each compiled layer, so dynamo guarded on
+    which layer ran and recompiled per layer until its recompile limit (8) sent a layer, its
+    recomputation in the backward included, to eager; torch.utils.checkpoint then refused the
+    recomputed tensors (CheckpointError). With 3 layers: 2 graphs per step (the first layer's
+    input does not require grad), not 8."""
+    from .test_compile import _adamw_in_backward, _backward_only
+
+    inputs = (tapescope.spec((4, 32, 128)),)
+    real = run_real_steps(_self_compiled_checkpointed_blocks, inputs, step=_backward_only,
+                          setup=_adamw_in_backward)
+    p = tapescope.profile(_self_compiled_checkpointed_blocks, *inputs, compile=True,
+                          step=_backward_only, setup=_adamw_in_backward)
+    assert p.compiled.regions <= 4 and not p.compiled.graph_breaks
+    assert {lab for lab, _, _ in p.trace.compiled_calls} >= {"forward 0", "backward 0"}
+    # 12 bytes: scalar tensors a CPU kernel makes for Python numbers (as in tests/test_compile.py)
+    assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 12
+    assert abs(p.peak_bytes - real.peaks[2]) <= 12

@@ -35,6 +35,7 @@ def test_a_throughput_row_and_an_oom_row():
 def test_torchtune_rows_are_built_as_the_recipe_builds_them():
     """Construction, not predictions: the + compile / + chunked CE / + AC models have
     torchtune's module structure (checked against torchtune 0.4/0.5's recipe and modules):
+    + optimizer in backward steps each parameter in its own hook (the recipe's step, run),
     every TransformerSelfAttentionLayer compiled, the plain CrossEntropyLoss not (the recipe
     drops compile_loss's return value), CEWithChunkedOutputLoss's compute_cross_entropy
     compiled, 8 bf16 logit chunks, and each compiled layer inside a CheckpointWrapper."""
@@ -62,3 +63,14 @@ def test_torchtune_rows_are_built_as_the_recipe_builds_them():
     chunks = bench.TuneLlama(cfg, num_output_chunks=8)
     chunks.load_state_dict(eager.state_dict())
     assert torch.allclose(eager(tokens, tokens), chunks(tokens, tokens), rtol=1e-2)
+    # + optimizer in backward: the row runs the recipe's step; run for real, every parameter
+    # is stepped by its own AdamW inside the backward and no gradient outlives it
+    row = next(r for r in bench.ROWS if r.name.endswith("optinbwd"))
+    assert row.options["step"] is bench.tune_train_step
+    optims = row.options["setup"](chunks)
+    assert len(optims) == len(list(chunks.parameters()))
+    assert all(len(o.param_groups[0]["params"]) == 1 for o in optims.values())
+    row.options["step"](chunks, (tokens, tokens), optims)
+    assert all(p.grad is None for p in chunks.parameters())
+    # (lr 2e-5 moves a bf16 weight by less than its resolution: the state says it stepped)
+    assert all(int(o.state[p]["step"]) == 1 for p, o in optims.items())

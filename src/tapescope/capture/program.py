@@ -22,8 +22,10 @@ what runs, the innermost naming an op:
   weights, a scheduler's step, offloading hooks' copies outside the backward).
 
 Not seen: a backward reached without `torch.autograd.backward` / `.grad` (`from torch.autograd
-import backward` bound before the step; `torch._C._EngineBase.run_backward`), and a forward
-called as `module.forward(x)` (no module hooks run): those ops are OTHER.
+import backward` bound before the step; `torch._C._EngineBase.run_backward`), a forward
+called as `module.forward(x)` (no module hooks run), and a module compiled with `.compile()`
+that the step calls directly (its hooks run inside the compiled code, where they do nothing):
+those ops are OTHER. A compiled module inside the model's forward is in FORWARD as usual.
 """
 
 from __future__ import annotations
@@ -212,9 +214,15 @@ def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
         names.pop()
         opened.pop().__exit__(None, None, None)
 
+    # Where dynamo traces a module call (a module the model's code compiled), the hooks are traced
+    # with it and have nothing to mark: the ops run later inside a compiled graph. Traced, they
+    # would make dynamo guard on which module runs (`id(module) in ours`) and on `depth`, and
+    # recompile a layer per layer until dynamo's recompile limit (8) sends the rest, a
+    # checkpoint's recomputation included, to eager. `is_compiling()` is a constant to dynamo,
+    # so nothing below it is traced (as in capture/modules.py).
     def pre(module, args):
         nonlocal depth
-        if id(module) not in ours:
+        if torch.compiler.is_compiling() or id(module) not in ours:
             return
         if depth == 0:
             if names[-1] != OTHER:  # a recomputation in the backward, a module in an optimizer
@@ -224,7 +232,7 @@ def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
 
     def post(module, args, out):
         nonlocal depth
-        if id(module) not in ours or depth == 0:
+        if torch.compiler.is_compiling() or id(module) not in ours or depth == 0:
             return
         depth -= 1
         if depth == 0 and names[-1] == FORWARD:
