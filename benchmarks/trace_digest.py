@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 
 import torch.nn as nn
@@ -31,6 +32,9 @@ from tapescope.zoo import resolve
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+# source lines in tapescope's own files (the zoo's models) name the tree they ran from: two trees
+# compared must print the same
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(tapescope.__file__))) + os.sep
 
 
 def digest(p) -> list[str]:
@@ -56,7 +60,7 @@ def trace_lines(p) -> list[str]:
         # a process group's ScriptObject prints its address, which differs between runs
         lines.append(_ADDRESS.sub(" at 0x", f"op {r.index} {r.name} {r.phase} {r.step} {r.args!r} "
                                   f"{r.kwargs!r} {r.outputs!r} {r.module} {seq} {r.owns_node} "
-                                  f"{r.grad_fn} {r.frame} {r.recompute}"))
+                                  f"{r.grad_fn} {r.frame} {r.recompute}").replace(_PACKAGE, "SRC/"))
     for s in t.storages:
         lines.append(f"storage {s!r}")
     lines.append(f"events {t.events!r}")
@@ -65,7 +69,7 @@ def trace_lines(p) -> list[str]:
     for op in p.ops:
         lines.append(f"row {op.index} {op.name} {op.phase} {op.module} {op.seq_nr} {op.forward_op} "
                      f"{op.autograd_node} {op.flops} {op.bytes_read} {op.bytes_written} {op.saved} "
-                     f"{op.source}")
+                     f"{op.source}".replace(_PACKAGE, "SRC/"))
     return lines
 
 
