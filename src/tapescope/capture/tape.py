@@ -50,6 +50,9 @@ _PRIM_DEVICE = torch.ops.prim.device.default
 _META = torch.device("meta")
 _NOT_OPS = {_PRIM_DEVICE, torch.ops.prim.layout.default}
 _NOT_OP_NAMESPACES = ("prim", "profiler")  # metadata queries and record_function markers
+# an op whose tensor types are all among these is FakeTensorMode's (else a subclass handles it);
+# a set test, not a generator over `types`: it runs for every op (classes hash by identity)
+_PLAIN_TYPES = frozenset((FakeTensor, torch.Tensor))
 _DETACH = torch.ops.aten.detach.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 # phases whose ops may record autograd nodes: each op gets the sequence number, module and line
@@ -454,7 +457,7 @@ class Tape(FakeTensorMode):
             self._refuse_unbuilt_devices(func, args, kwargs)
         if (self._tape_depth or not self._tape_recording or func in _NOT_OPS
                 or func.namespace in _NOT_OP_NAMESPACES
-                or any(t is not FakeTensor and t is not torch.Tensor for t in types)):
+                or not _PLAIN_TYPES.issuperset(types)):
             return self._declined(func, types, args, kwargs)
         # (inline: _issued_by_another_mode counts the frames above this one)
         if func is _DETACH and (self.in_pack_hook or not adinplaceorview_excluded()
@@ -490,7 +493,7 @@ class Tape(FakeTensorMode):
         if (self._tape_front_unrecorded and not self._tape_depth and not self._tape_recording
                 and func not in _NOT_OPS and func.namespace not in _NOT_OP_NAMESPACES
                 and func.namespace != "c10d" and func not in self.rules.kernels
-                and all(t is FakeTensor or t is torch.Tensor for t in types)
+                and _PLAIN_TYPES.issuperset(types)
                 and not (args and type(args[0]) is FakeTensor and args[0].constant is not None)):
             return self._front(func, types, args, kwargs)
         return self._fake_dispatch(func, types, args, kwargs)
