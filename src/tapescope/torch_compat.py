@@ -589,6 +589,11 @@ PRIVATE_NAMES = (
     "torch._subclasses.fake_tensor.FakeTensorMode.cache_bypasses",
     "torch._subclasses.fake_tensor.in_kernel_invocation_manager",
     "torch._subclasses.fake_tensor.unset_fake_temporarily",
+    # FakeTensorFactory (it falls back to FakeTensor's constructor without them; named here so
+    # that a torch which moves one says so)
+    "torch._subclasses.fake_tensor.FakeTensorConfig.debug", "torch.Tensor._make_subclass",
+    "torch._C._set_throw_on_mutable_data_ptr", "torch._C._set_warn_deprecated_on_mutable_data_ptr",
+    "torch._C._dispatch_keys",
     "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols",
     "torch.fx.experimental.symbolic_shapes.ShapeEnv.set_real_tensor_prop_unbacked_vals",
     "torch.utils._foreach_utils._get_foreach_kernels_supported_devices",
