@@ -104,7 +104,8 @@ def instrument():
     for n, v in list(vars(amem.MemoryReport).items()):
         if isinstance(v, cached_property):
             patch(amem.MemoryReport, n, "lazy")
-    patch(rconsole, "module_rollup", "lazy")
+    if "module_rollup" in vars(rconsole):  # the console summary imported it before 2026-11-24
+        patch(rconsole, "module_rollup", "lazy")
     patch(rconsole, "render_summary", "report")
     return undo
 

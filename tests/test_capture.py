@@ -186,3 +186,30 @@ def test_tensor_literal_fake_is_the_one_fake_tensor_mode_makes(value, dtype):
     with mode:
         ours_next, theirs_next = ours.add_(1), theirs.add_(1)  # constants propagate alike
     assert torch.equal(ours_next.constant, theirs_next.constant)
+
+
+class _ReshapedBuffer(nn.Module):
+    """Changes a buffer's shape with `.data =` (no op is dispatched for it) between two uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("b", torch.ones(8))
+
+    def forward(self, x):
+        y = self.lin(x) + self.b
+        self.b.data = self.b.data.view(2, 4)  # same tensor, same storage, a new shape
+        z = y.detach().view(-1, 2, 4) * self.b
+        self.b.data = self.b.data.view(8)
+        return z.sum() + y.sum()
+
+
+def test_a_shape_changed_without_an_op_is_recorded_as_it_is():
+    """The recorder reuses an input's TensorRef while its value and storage are the same; a
+    `.data =` swap changes the shape without either, and the record must follow the tensor."""
+    p = tapescope.profile(_ReshapedBuffer, tapescope.spec((2, 8)), loss_fn=lambda out, *_: out)
+    add, mul = (next(r for r in p.trace.ops if r.name == n and r.step == 1)
+                for n in ("aten.add.Tensor", "aten.mul.Tensor"))
+    assert add.inputs[1].shape == (8,)
+    assert mul.inputs[0].shape == (2, 2, 4) and mul.inputs[1].shape == (2, 4)
+    assert add.inputs[1].value == mul.inputs[1].value  # the same tensor, no op between

@@ -133,3 +133,44 @@ def test_shape_env_internals_answer():
     assert bool(s > 2)  # places a guard, located through the hook
     guards, replacements, ranges = compat.shape_env_facts(env, {"n": s.node.expr})
     assert seen and guards and ranges["n"][0] is not None
+
+
+def _data_ptr_raises(t) -> bool:
+    """Does reading a fake tensor's data pointer raise (else it warns, once per process)?"""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            t.data_ptr()
+        except RuntimeError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("device,requires_grad,unsafe_data_ptr",
+                         [("cpu", False, False), ("cpu", True, True), ("cuda", True, False)])
+def test_fake_tensor_factory_makes_what_the_constructor_makes(device, requires_grad,
+                                                              unsafe_data_ptr):
+    """The replay front's shortcut around FakeTensor.__new__ (torch's constructor is the truth):
+    the same attributes, dispatch keys (a fake CUDA tensor carries CUDA's), device, autograd flag,
+    data-pointer guard, and the same results when ops run on it."""
+    from torch._functorch import config
+
+    with config.patch(fake_tensor_allow_unsafe_data_ptr_access=unsafe_data_ptr):
+        mode = compat.FakeTensorMode()
+    factory = compat.FakeTensorFactory(mode)
+    assert factory.exact
+    meta = torch.empty((4, 6), device="meta", requires_grad=requires_grad)
+    real = compat.FakeTensor(mode, meta, torch.device(device))
+    mine = factory.make(meta.detach().requires_grad_(requires_grad), real.fake_device)
+    assert type(mine) is compat.FakeTensor
+    assert list(mine.__dict__.items()) == list(real.__dict__.items())
+    assert torch._C._dispatch_keys(mine) == torch._C._dispatch_keys(real)
+    assert (mine.device, mine.requires_grad, mine.shape, mine.stride()) == (
+        real.device, real.requires_grad, real.shape, real.stride())
+    assert _data_ptr_raises(mine) == _data_ptr_raises(real) == (not unsafe_data_ptr)
+    with mode:
+        a, b = (t.t() @ t for t in (real, mine))
+    assert (type(b), b.device, b.shape, b.requires_grad) == (type(a), a.device, a.shape,
+                                                             a.requires_grad)

@@ -10,7 +10,8 @@ arguments as they are, and the default dtype and device.
 Only what FakeTensorMode itself found cacheable is replayed (its bypass counter did not move while
 it ran the op): constants, symbolic sizes, data-dependent and metadata-mutating ops all go through
 it every time. A hit rebuilds the outputs the way FakeTensorMode rebuilds a cache hit (an empty
-meta tensor wrapped as a FakeTensor, sharing the input's storage for a view); an in-place op just
+meta tensor wrapped as a FakeTensor, sharing the input's storage for a view; the wrapping by
+torch_compat.FakeTensorFactory, which makes what FakeTensor's constructor makes without its Python); an in-place op just
 returns the argument it mutates. If replaying ever fails (a torch version whose internals differ),
 the front switches itself off and every op goes through FakeTensorMode.
 """
@@ -18,7 +19,8 @@ the front switches itself off and every op goes through FakeTensorMode.
 from __future__ import annotations
 
 import torch
-from ..torch_compat import (FakeTensor, FakeTensorMode, default_device, disable_current_modes,
+from ..torch_compat import (FakeTensor, FakeTensorFactory, FakeTensorMode, default_device,
+                            disable_current_modes,
                             disable_torch_dispatch, fake_cache_bypasses,
                             in_kernel_invocation_manager, no_dispatch, untyped_storage_key)
 
@@ -112,6 +114,7 @@ class DispatchReplay:
         self.mode = mode
         self.entries: dict = {}
         self.enabled = True
+        self._fakes = FakeTensorFactory(mode)
 
     def key(self, func, args, kwargs):
         if not self.enabled:
@@ -198,8 +201,8 @@ class DispatchReplay:
                 # kernel invocation; only no mode below ours may see it
                 with disable_torch_dispatch():
                     metas = [self._meta(info, args) for info in infos]
-            outs = [None if t is None else FakeTensor(self.mode, t, info[3])
-                    for t, info in zip(metas, infos)]
+            make = self._fakes.make
+            outs = [None if t is None else make(t, info[3]) for t, info in zip(metas, infos)]
         except Exception:  # noqa: BLE001 - internals moved: stop replaying, use FakeTensorMode
             self.enabled = False
             raise LookupError from None
@@ -260,8 +263,10 @@ class DispatchReplay:
                 if st in seen:  # two fresh outputs sharing memory: leave it to FakeTensorMode
                     return None
                 seen.add(st)
-            infos.append((tuple(o.shape), tuple(o.stride()), o.dtype, o.device, o.storage_offset(),
-                          o.requires_grad, view_of, _symbolic_storage_numel(o, view_of)))
+            # the device as the output's FakeTensor normalised it (what FakeTensorFactory.make takes)
+            infos.append((tuple(o.shape), tuple(o.stride()), o.dtype, o.fake_device,
+                          o.storage_offset(), o.requires_grad, view_of,
+                          _symbolic_storage_numel(o, view_of)))
         # fresh outputs on concrete sizes need no kernel invocation to be rebuilt (replay)
         in_kernel = any(i is not None and (i[6] is not None or i[7] is not None) for i in infos)
         if isinstance(out, FakeTensor):

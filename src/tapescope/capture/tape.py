@@ -50,6 +50,9 @@ _PRIM_DEVICE = torch.ops.prim.device.default
 _META = torch.device("meta")
 _NOT_OPS = {_PRIM_DEVICE, torch.ops.prim.layout.default}
 _NOT_OP_NAMESPACES = ("prim", "profiler")  # metadata queries and record_function markers
+# an op whose tensor types are all among these is FakeTensorMode's (else a subclass handles it);
+# a set test, not a generator over `types`: it runs for every op (classes hash by identity)
+_PLAIN_TYPES = frozenset((FakeTensor, torch.Tensor))
 _DETACH = torch.ops.aten.detach.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 # phases whose ops may record autograd nodes: each op gets the sequence number, module and line
@@ -125,6 +128,9 @@ class Tape(FakeTensorMode):
         self._tape_last_seq = self.trace.seq_base = sequence_nr()
         self._tape_next_value = 0
         self._tape_frames: dict = {}
+        # (value, storage id) -> the TensorRef last recorded for it: a tensor is an input to
+        # several ops after the op that made it, and its ref is the same each time (see _in_ref)
+        self._tape_refs: dict = {}
         self._tape_internal_code: dict = {}  # code object -> not the user's (torch's, ours)
         self._generated: str | None = None  # inductor's generated code, once a compiled graph ran
         self._tape_replay = DispatchReplay(self)
@@ -358,21 +364,37 @@ class Tape(FakeTensorMode):
             # dispatcher and lifts it (aten.lift_fresh). The real run allocates only the lifted
             # result, so this one is not device memory: storage -1.
             return TensorRef(tuple(t.shape), t.dtype, -1, self._new_value())
-        sid, _ = self._storage_of(t, None)
+        # _storage_of's lookup, inline: an op's inputs are almost always storages already known
+        try:
+            entry = self._tape_live.get(untyped_storage_key(t.untyped_storage()))
+        except NotImplementedError:  # sparse, nested, quantized ...: no storage to follow
+            raise self._layout_error(t) from None
+        sid = entry[0] if entry is not None else self._storage_of(t, None)[0]
         v = getattr(t, _VALUE_ATTR, None)
         if v is None:  # a tensor made before recording began and never registered
             v = self._new_value()
             setattr(t, _VALUE_ATTR, v)
             self.trace.external_values[v] = "tensor"
-        return TensorRef(tuple(t.shape), t.dtype, sid, v)
+        # The ref recorded for this value in this storage, where the tensor still has its shape
+        # and dtype (`param.data = x` changes them without an op). Symbolic sizes are compared
+        # never: comparing SymInts would add guards.
+        refs = self._tape_refs
+        ref = refs.get((v, sid))
+        if ref is not None and ref.dtype is t.dtype and self.shape_env is None \
+                and ref.shape == t.shape:
+            return ref
+        ref = refs[v, sid] = TensorRef(tuple(t.shape), t.dtype, sid, v)
+        return ref
 
     def _out_ref(self, t: torch.Tensor, index: int) -> TensorRef:
         sid, new = self._storage_of(t, index)
         if new:
             self.trace.events.append((index, sid, 1))
-        v = self._new_value()
+        v = self._tape_next_value
+        self._tape_next_value = v + 1
         setattr(t, _VALUE_ATTR, v)
-        return TensorRef(tuple(t.shape), t.dtype, sid, v)
+        ref = self._tape_refs[v, sid] = TensorRef(tuple(t.shape), t.dtype, sid, v)
+        return ref
 
     def value_of(self, t: torch.Tensor) -> int | None:
         return getattr(t, _VALUE_ATTR, None)
@@ -435,7 +457,7 @@ class Tape(FakeTensorMode):
             self._refuse_unbuilt_devices(func, args, kwargs)
         if (self._tape_depth or not self._tape_recording or func in _NOT_OPS
                 or func.namespace in _NOT_OP_NAMESPACES
-                or any(t is not FakeTensor and t is not torch.Tensor for t in types)):
+                or not _PLAIN_TYPES.issuperset(types)):
             return self._declined(func, types, args, kwargs)
         # (inline: _issued_by_another_mode counts the frames above this one)
         if func is _DETACH and (self.in_pack_hook or not adinplaceorview_excluded()
@@ -471,7 +493,7 @@ class Tape(FakeTensorMode):
         if (self._tape_front_unrecorded and not self._tape_depth and not self._tape_recording
                 and func not in _NOT_OPS and func.namespace not in _NOT_OP_NAMESPACES
                 and func.namespace != "c10d" and func not in self.rules.kernels
-                and all(t is FakeTensor or t is torch.Tensor for t in types)
+                and _PLAIN_TYPES.issuperset(types)
                 and not (args and type(args[0]) is FakeTensor and args[0].constant is not None)):
             return self._front(func, types, args, kwargs)
         return self._fake_dispatch(func, types, args, kwargs)
@@ -713,7 +735,15 @@ class Tape(FakeTensorMode):
         trace = self.trace
         index = len(trace.ops)
         tensors: list = []
-        rec_args = tuple(self._convert(a, tensors) for a in args)
+        rec_args = []  # _convert, with its commonest case (a tensor) inline
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                a = self._in_ref(a)
+                tensors.append(a)
+            elif type(a) in (list, tuple) and a:
+                a = self._convert(a, tensors)
+            rec_args.append(a)
+        rec_args = tuple(rec_args)
         rec_kwargs = {k: self._convert(v, tensors) for k, v in kwargs.items()} if kwargs else {}
 
         if isinstance(out, torch.Tensor):
