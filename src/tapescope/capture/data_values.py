@@ -42,6 +42,7 @@ elements.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -442,7 +443,7 @@ class DataValues:
         if "pin_memory" in rkwargs:
             rkwargs["pin_memory"] = False
         try:
-            with unset_fake_temporarily(), torch.no_grad():
+            with unset_fake_temporarily(), torch.no_grad(), _one_thread():
                 return func(*rargs, **rkwargs), frozenset(sources)
         except Exception:  # noqa: BLE001 - an op the values cannot run: no value, the trace goes on
             return None, sources
@@ -669,3 +670,23 @@ def _symbol_name(func, frame) -> str:
         return op
     stem = os.path.splitext(os.path.basename(frame.filename))[0]
     return f"{op}_{stem}_{frame.lineno}"
+
+
+@contextmanager
+def _one_thread():
+    """Values are small (at most VALUE_LIMIT elements) and computed one op at a time between
+    fake ops: on torch's intra-op thread pool each op wakes the pool's other threads, which then
+    spin waiting for more work (OpenMP's wait policy) while the capture goes on in Python. On a
+    2-core machine that spinning was two thirds of the CPU a 70B distributed rank's capture
+    burnt on a rope's values (6 s of 19 s). One thread computes the same values (the same
+    kernels; a reduction over a value's few elements is ordered the same way at these sizes)
+    without waking the pool; the caller's setting is restored at once."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
