@@ -676,11 +676,12 @@ def _symbol_name(func, frame) -> str:
 def _one_thread():
     """Values are small (at most VALUE_LIMIT elements) and computed one op at a time between
     fake ops: on torch's intra-op thread pool each op wakes the pool's other threads, which then
-    spin waiting for more work (OpenMP's wait policy) while the capture goes on in Python. On a
-    2-core machine that spinning was two thirds of the CPU a 70B distributed rank's capture
-    burnt on a rope's values (6 s of 19 s). One thread computes the same values (the same
-    kernels; a reduction over a value's few elements is ordered the same way at these sizes)
-    without waking the pool; the caller's setting is restored at once."""
+    spin waiting for more work (OpenMP's wait policy) while the capture goes on in Python. In a
+    distributed capture (a DTensor mask's literal turns values on) that spinning was 5 s of the
+    18.5 s CPU of a 70B rank, on a rope's positions alone. One thread computes the same integer
+    and boolean values (what code branches on); a float reduction over more than one grain of
+    elements may round differently, as it does between machines with other thread counts. The
+    caller's setting is restored at once."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield
