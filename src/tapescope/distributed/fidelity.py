@@ -41,12 +41,12 @@
    capture its result is kept per (mesh, per-element schema, strategies, options) and reused for
    equal elements. Both are pure functions of those arguments; the memo ends with the capture.
    Torch 2.14's single-dimension strategies expand a foreach op element by element too
-   (`expanded_foreach_strategy`: each element's schema is translated, its strategy prepared
-   and expanded, ~2.5 ms an element, 13 s of a 32-layer 70B step's optimizer): an element's
-   strategy is a function of its own children of the op's list arguments, its output's
-   metadata and the op's other arguments alone (the translation picks `children[i]`), so the
-   op is expanded over one representative of each distinct element, and equal elements get
-   that element's strategy (the objects are shared, as the memo above already shares them).
+   (`expanded_foreach_strategy`: each element's schema translated, its strategy prepared and
+   expanded, ~0.2 ms an element; a 70B rank's two AdamW steps have 10,122 elements of 7 kinds).
+   An element's strategy is a function of its own children of the op's list arguments, its
+   output's metadata and the op's other arguments alone (the translation picks `children[i]`),
+   so the op is expanded over one representative of each distinct element, and equal elements
+   get that element's strategy (the objects are shared, as the memo above already shares them).
 """
 
 from __future__ import annotations
