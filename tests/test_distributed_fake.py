@@ -298,3 +298,36 @@ def test_fsdp_streams_wait_on_the_events_fsdp2_makes_them_wait_on():
         first = [r for r in ops if r.stream == 3 and r.index < rs.index][-1]  # its output
         (mark,) = first.waits
         assert at[mark].name == "fsdp.chunk_cat.default" and at[mark].stream == 0
+
+
+def test_foreach_ops_expanded_once_per_distinct_element_trace_as_dtensor_expands_each(monkeypatch):
+    """AdamW's foreach ops over FSDP2 + TP DTensors: with tapescope expanding each op's sharding
+    strategy once per distinct list element (distributed/fidelity.py point 5), the rank's trace
+    is op for op, shape for shape, the trace with DTensor's own expansion of every element (the
+    truth: the same profile with that shortcut switched off). A wrong strategy for an element
+    shows as redistributions the step does not make."""
+    from tapescope.distributed import fidelity
+    from tapescope.distributed.presets import Layout, preset_parallelize
+    from tapescope.zoo import resolve
+
+    m, layout = resolve("zoo:llama", batch=1, seq=64), Layout(fsdp=2, tp=2)
+
+    def ops():
+        p = tapescope.profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+                              device="cuda", gpu="h100", mesh=layout.mesh,
+                              parallelize=preset_parallelize(layout, torch.bfloat16))
+        return [(str(o.func), tuple(None if r is None else tuple(r.shape) for r in o.outputs))
+                for o in p.trace.ops]
+
+    expand, reduced = fidelity._distinct_elements, []
+
+    def seen(*args):
+        out = expand(*args)
+        reduced.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fidelity, "_distinct_elements", seen)
+    distinct = ops()
+    assert any(reduced)  # the shortcut was taken
+    monkeypatch.setattr(fidelity, "_distinct_elements", lambda *args: None)
+    assert distinct == ops()

@@ -90,6 +90,7 @@ __all__ = [
     "graph_task_queries", "accelerator_query", "fake_store", "replicate_with_fsdp",
     "checkpoint_wrapper_api", "TRACING_CHECK_MODULES", "dtensor_tracing_checks",
     "dtensor_meta_propagation", "strided_shard_flag_propagation", "mesh_strategy_expansion",
+    "foreach_strategy_expansion",
     "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED",
 ]
 
@@ -550,6 +551,21 @@ def mesh_strategy_expansion():
     return (utils, name) if hasattr(utils, name) else None
 
 
+def foreach_strategy_expansion():
+    """(module, name, TupleStrategy, OpSchema) of `_expand_single_dim_strategy_to_mesh(mesh,
+    op_schema, strategy_info, output_tensor_meta)` as the sharding propagator calls it (bound
+    in its module by import), or None where this torch has none."""
+    try:
+        from torch.distributed.tensor import _sharding_prop
+        from torch.distributed.tensor._op_schema import OpSchema, TupleStrategy
+    except ImportError:
+        return None
+    name = "_expand_single_dim_strategy_to_mesh"
+    if not hasattr(_sharding_prop, name):
+        return None
+    return _sharding_prop, name, TupleStrategy, OpSchema
+
+
 # DeviceMesh methods that compute on the mesh's rank tensor (torch 2.14); absent ones are skipped
 _MESH_TENSOR_METHODS = ("__init__", "mesh", "_compute_coordinates_from_mesh",
                         "_get_mesh_tensor_from_full_mesh", "_init_one_process_group",
@@ -668,6 +684,9 @@ PRIVATE_NAMES = (
     "torch.distributed.tensor.placement_types._StridedShard",
     "torch.distributed.tensor._sharding_prop._propagate_use_strided_shard_flag",
     "torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy",
+    "torch.distributed.tensor._sharding_prop._expand_single_dim_strategy_to_mesh",
+    "torch.distributed.tensor._op_schema.TupleStrategy",
+    "torch.distributed.tensor._op_schema.OpSchema",
     "torch.distributed._composable.replicate_with_fsdp.replicate",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointImpl",
@@ -970,6 +989,8 @@ PATCHED = (
             "distributed/fidelity.py", "once per op, not per list element (speed)"),
     Patched("torch.distributed.tensor._ops.utils", ("expand_to_full_mesh_op_strategy",),
             "distributed/fidelity.py", "memoised for the capture (speed)"),
+    Patched("torch.distributed.tensor._sharding_prop", ("_expand_single_dim_strategy_to_mesh",),
+            "distributed/fidelity.py", "a foreach op's equal elements expanded once (speed)"),
     Patched("torch.distributed.device_mesh.DeviceMesh", _MESH_TENSOR_METHODS,
             "distributed/fidelity.py", "the mesh's rank tensor is computed on for real"),
     Patched("torch.distributed._mesh_layout._MeshLayout", ("remap_to_tensor",),

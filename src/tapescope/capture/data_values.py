@@ -42,6 +42,7 @@ elements.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -442,7 +443,7 @@ class DataValues:
         if "pin_memory" in rkwargs:
             rkwargs["pin_memory"] = False
         try:
-            with unset_fake_temporarily(), torch.no_grad():
+            with unset_fake_temporarily(), torch.no_grad(), _one_thread():
                 return func(*rargs, **rkwargs), frozenset(sources)
         except Exception:  # noqa: BLE001 - an op the values cannot run: no value, the trace goes on
             return None, sources
@@ -669,3 +670,24 @@ def _symbol_name(func, frame) -> str:
         return op
     stem = os.path.splitext(os.path.basename(frame.filename))[0]
     return f"{op}_{stem}_{frame.lineno}"
+
+
+@contextmanager
+def _one_thread():
+    """Values are small (at most VALUE_LIMIT elements) and computed one op at a time between
+    fake ops: on torch's intra-op thread pool each op wakes the pool's other threads, which then
+    spin waiting for more work (OpenMP's wait policy) while the capture goes on in Python. In a
+    distributed capture (a DTensor mask's literal turns values on) that spinning was 5 s of the
+    18.5 s CPU of a 70B rank, on a rope's positions alone. One thread computes the same integer
+    and boolean values (what code branches on); a float reduction over more than one grain of
+    elements may round differently, as it does between machines with other thread counts. The
+    caller's setting is restored at once."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

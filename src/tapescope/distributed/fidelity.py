@@ -40,6 +40,13 @@
    expensive"), though the elements of an optimizer's lists repeat a handful of layouts: within a
    capture its result is kept per (mesh, per-element schema, strategies, options) and reused for
    equal elements. Both are pure functions of those arguments; the memo ends with the capture.
+   Torch 2.14's single-dimension strategies expand a foreach op element by element too
+   (`expanded_foreach_strategy`: each element's schema translated, its strategy prepared and
+   expanded, ~0.2 ms an element; a 70B rank's two AdamW steps have 10,122 elements of 7 kinds).
+   An element's strategy is a function of its own children of the op's list arguments, its
+   output's metadata and the op's other arguments alone (the translation picks `children[i]`),
+   so the op is expanded over one representative of each distinct element, and equal elements
+   get that element's strategy (the objects are shared, as the memo above already shares them).
 """
 
 from __future__ import annotations
@@ -135,6 +142,73 @@ def _expansions_memoised():
         memo.clear()
 
     return restore
+
+
+def _foreach_elements_once():
+    """Expand a foreach op's distinct elements only (see point 5); returns the undo."""
+    from ..torch_compat import foreach_strategy_expansion
+
+    site = foreach_strategy_expansion()
+    if site is None:
+        return lambda: None
+    module, name, tuple_strategy, op_schema_type = site
+    original = getattr(module, name)
+
+    def expand(mesh, op_schema, strategy_info, output_tensor_meta):
+        reduced = _distinct_elements(op_schema, output_tensor_meta, tuple_strategy,
+                                     op_schema_type)
+        if reduced is None:
+            return original(mesh, op_schema, strategy_info, output_tensor_meta)
+        schema, meta, position = reduced
+        inner = original(mesh, schema, strategy_info, meta)
+
+        def expanded(op, args_schema, kwargs_schema):
+            children = inner(op, schema.args_meta, schema.kwargs_meta).children
+            return tuple_strategy(children=[children[i] for i in position])
+
+        return expanded
+
+    setattr(module, name, expand)
+    return lambda: setattr(module, name, original)
+
+
+def _distinct_elements(op_schema, output_tensor_meta, tuple_strategy, op_schema_type):
+    """(schema over one element of each distinct kind, its output metadata, element ->
+    position in it), or None where the op is no foreach op or has no repeated element."""
+    args = op_schema.args_schema
+    lists = [i for i, a in enumerate(args) if isinstance(a, tuple_strategy)]
+    if not lists or not op_schema.op.name().startswith(
+            ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")):
+        return None
+    if any(isinstance(v, tuple_strategy) for v in op_schema.kwargs_schema.values()):
+        return None  # DTensor translates only the positional lists' children
+    n = len(args[lists[0]].children)
+    if any(len(args[i].children) != n for i in lists):
+        return None  # DTensor's own check raises on it
+    if output_tensor_meta is not None and (type(output_tensor_meta) not in (list, tuple)
+                                           or len(output_tensor_meta) != n):
+        return None  # not one metadata per element: leave it to DTensor
+    seen: dict = {}
+    firsts, position = [], []
+    try:
+        for e in range(n):
+            key = (tuple(args[i].children[e] for i in lists),
+                   None if output_tensor_meta is None else output_tensor_meta[e])
+            k = seen.setdefault(key, len(seen))
+            if k == len(firsts):
+                firsts.append(e)
+            position.append(k)
+    except TypeError:  # unhashable (symbolic sizes): every element its own
+        return None
+    if len(firsts) == n:
+        return None
+    new_args = tuple(tuple_strategy(children=[a.children[e] for e in firsts])
+                     if isinstance(a, tuple_strategy) else a for a in args)
+    schema = op_schema_type(op_schema.op, args_schema=new_args,
+                            kwargs_schema=op_schema.kwargs_schema)
+    meta = None if output_tensor_meta is None else \
+        type(output_tensor_meta)(output_tensor_meta[e] for e in firsts)
+    return schema, meta, position
 
 
 def _clear_dtensor_caches() -> None:
@@ -318,6 +392,7 @@ def eager_distributed():
     setattr(propagator, propagate_name, propagate_unrecorded)
     restore_mesh = _mesh_bookkeeping_on_real_tensors()
     restore_flag = _strided_flag_once_per_op()
+    restore_foreach = _foreach_elements_once()
     restore_p2p = _p2p_works_hold_their_tensors()
     _clear_dtensor_caches()
     try:
@@ -325,6 +400,7 @@ def eager_distributed():
     finally:
         _clear_dtensor_caches()
         restore_p2p()
+        restore_foreach()
         restore_flag()
         restore_mesh()
         setattr(propagator, propagate_name, propagate)
