@@ -97,7 +97,9 @@ def pipeline_section(pl) -> Section:
     for r in pl.ranks:
         rows.append((str(r.pp_rank), ", ".join(map(str, r.stages)), fmt_bytes(r.peak_bytes),
                      "-" if r.in_flight is None else
-                     f"{r.in_flight} micro-batch{'es' if r.in_flight != 1 else ''}",
+                     f"{r.in_flight} micro-batch{'es' if r.in_flight != 1 else ''}"
+                     # several stages a rank (interleaved, V): a micro-batch counts once a stage
+                     + (f" in {len(r.stages)} stages" if len(r.stages) > 1 else ""),
                      fmt_bytes(r.at_peak.get("saved activations", 0)),
                      fmt_bytes(r.at_peak.get("parameters", 0)
                                + r.at_peak.get("sharded parameters", 0)),
