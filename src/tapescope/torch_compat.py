@@ -76,7 +76,8 @@ __all__ = [
     "pop_saved_tensors_hooks",
     "mark_internal_saved_tensors_hooks", "set_graph_task_id", "forward_ad_level",
     "adinplaceorview_excluded", "default_device",
-    "foreach_devices", "fake_cache_bypasses", "fake_mode_handles_directly", "FakeTensorFactory",
+    "foreach_devices", "fake_cache_bypasses", "fake_mode_handles_directly",
+    "functional_collective_ops", "FakeTensorFactory",
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
@@ -223,6 +224,17 @@ def fake_mode_handles_directly(func) -> bool:
     """Whether FakeTensorMode.dispatch answers `func` before it looks at the argument types (its
     metadata handlers and the ops it runs as they are, fake_tensor.py `dispatch`)."""
     return func in _FAKE_META_HANDLERS or func in _FAKE_HANDLE_DIRECTLY
+
+
+def functional_collective_ops(names) -> frozenset:
+    """The `_c10d_functional` ops of these names (their default overloads) that this torch has."""
+    ops = set()
+    for name in names:
+        try:
+            ops.add(getattr(torch.ops._c10d_functional, name).default)
+        except (AttributeError, RuntimeError):  # a torch without torch.distributed, or the op
+            pass
+    return frozenset(ops)
 
 
 def fake_cache_bypasses() -> dict:
