@@ -188,6 +188,45 @@ def test_tensor_literal_fake_is_the_one_fake_tensor_mode_makes(value, dtype):
     assert torch.equal(ours_next.constant, theirs_next.constant)
 
 
+@pytest.mark.parametrize("layout", [((8, 6, 4), (24, 4, 1), torch.bfloat16),
+                                    ((8, 6, 4), (24, 1, 6), torch.float32),
+                                    ((16, 3), (1, 16), torch.float32)])
+def test_functional_collectives_replayed_as_fake_tensor_mode_makes_them(layout):
+    """The replay front learns the functional collectives FakeTensorMode refuses to cache only
+    for being custom ops; what it replays for a second input of the same layout is what
+    FakeTensorMode makes for it (a fresh tensor of the same size, strides, dtype, device)."""
+    pytest.importorskip("torch.distributed")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import DispatchReplay
+    from tapescope.torch_compat import fake_cache_bypasses, untyped_storage_key
+
+    shape, stride, dtype = layout
+    f = torch.ops._c10d_functional
+    mode = FakeTensorMode()
+    replay = DispatchReplay(mode)
+    with mode:
+        first, second = (torch.empty_strided(shape, stride, dtype=dtype) for _ in range(2))
+    for op, rest in ((f.all_gather_into_tensor.default, (4, "0")),
+                     (f.reduce_scatter_tensor.default, ("sum", 4, "0")),
+                     (f._wrap_tensor_autograd.default, ())):
+        before = dict(fake_cache_bypasses())
+        with mode:
+            learned = op(first, *rest)
+        moved = {k for k, v in fake_cache_bypasses().items() if v != before.get(k, 0)}
+        assert moved == {"non-builtin"}  # refused for being custom, and for nothing else
+        replay.learn(replay.key(op, (first, *rest), {}), op, (first, *rest), learned)
+        key = replay.key(op, (second, *rest), {})
+        ours = replay.replay(replay.entries[key], (second, *rest))
+        with mode:
+            theirs = op(second, *rest)
+        assert (ours.shape, ours.stride(), ours.dtype, ours.device, ours.storage_offset()) == (
+            theirs.shape, theirs.stride(), theirs.dtype, theirs.device, theirs.storage_offset())
+        assert ours.untyped_storage().nbytes() == theirs.untyped_storage().nbytes()
+        assert untyped_storage_key(ours.untyped_storage()) != untyped_storage_key(
+            second.untyped_storage())  # fresh
+
+
 class _ReshapedBuffer(nn.Module):
     """Changes a buffer's shape with `.data =` (no op is dispatched for it) between two uses."""
 

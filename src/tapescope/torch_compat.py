@@ -43,6 +43,8 @@ from torch._subclasses.fake_tensor import (  # noqa: F401 - re-exported
     in_kernel_invocation_manager,
     unset_fake_temporarily,
 )
+from torch._subclasses.fake_tensor import _DISPATCH_HANDLE_DIRECTLY as _FAKE_HANDLE_DIRECTLY
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS as _FAKE_META_HANDLERS
 
 # ---- symbolic shapes (torch/fx/experimental/symbolic_shapes.py, torch/_guards.py) ----------------
 from torch.fx.experimental.symbolic_shapes import (  # noqa: F401 - re-exported
@@ -74,7 +76,8 @@ __all__ = [
     "pop_saved_tensors_hooks",
     "mark_internal_saved_tensors_hooks", "set_graph_task_id", "forward_ad_level",
     "adinplaceorview_excluded", "default_device",
-    "foreach_devices", "fake_cache_bypasses", "FakeTensorFactory",
+    "foreach_devices", "fake_cache_bypasses", "fake_mode_handles_directly",
+    "functional_collective_ops", "FakeTensorFactory",
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
@@ -215,6 +218,23 @@ def foreach_devices() -> list:
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
     return _get_foreach_kernels_supported_devices()
+
+
+def fake_mode_handles_directly(func) -> bool:
+    """Whether FakeTensorMode.dispatch answers `func` before it looks at the argument types (its
+    metadata handlers and the ops it runs as they are, fake_tensor.py `dispatch`)."""
+    return func in _FAKE_META_HANDLERS or func in _FAKE_HANDLE_DIRECTLY
+
+
+def functional_collective_ops(names) -> frozenset:
+    """The `_c10d_functional` ops of these names (their default overloads) that this torch has."""
+    ops = set()
+    for name in names:
+        try:
+            ops.add(getattr(torch.ops._c10d_functional, name).default)
+        except (AttributeError, RuntimeError):  # a torch without torch.distributed, or the op
+            pass
+    return frozenset(ops)
 
 
 def fake_cache_bypasses() -> dict:
@@ -616,6 +636,8 @@ PRIVATE_NAMES = (
     "torch._subclasses.fake_tensor.FakeTensorMode.cache_bypasses",
     "torch._subclasses.fake_tensor.in_kernel_invocation_manager",
     "torch._subclasses.fake_tensor.unset_fake_temporarily",
+    "torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS",
+    "torch._subclasses.fake_tensor._DISPATCH_HANDLE_DIRECTLY",
     # FakeTensorFactory (it falls back to FakeTensor's constructor without them; named here so
     # that a torch which moves one says so)
     "torch._subclasses.fake_tensor.FakeTensorConfig.debug", "torch.Tensor._make_subclass",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from ..torch_compat import (FakeTensor, FakeTensorFactory, FakeTensorMode, default_device,
                             disable_current_modes,
-                            disable_torch_dispatch, fake_cache_bypasses,
+                            disable_torch_dispatch, fake_cache_bypasses, functional_collective_ops,
                             in_kernel_invocation_manager, no_dispatch, untyped_storage_key)
 
 # 0-d literals of these dtypes get an `.item()` memo from FakeTensorMode (fake_tensor.py)
@@ -109,12 +109,22 @@ def _symbolic_storage_numel(t, view_of):
     return numel
 
 
+# Custom ops FakeTensorMode never caches only because they are not aten's ("non-builtin"), whose
+# fake kernels make a fresh tensor from the arguments' metadata and plain values alone: the
+# functional collectives of tensor parallelism and FSDP2 (C++ meta kernels of
+# torch/csrc/distributed/c10d/Functional.cpp: the input's size with dim 0 times / divided by the
+# group size; `_wrap_tensor_autograd`'s registered fake is `empty_like(input)`), ~300 us each
+# through FakeTensorMode, several per layer and micro-batch of a pipelined TP step.
+_PURE_CUSTOM_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "_wrap_tensor_autograd")
+
+
 class DispatchReplay:
     def __init__(self, mode: FakeTensorMode):
         self.mode = mode
         self.entries: dict = {}
         self.enabled = True
         self._fakes = FakeTensorFactory(mode)
+        self._pure_custom = functional_collective_ops(_PURE_CUSTOM_OPS)
 
     def key(self, func, args, kwargs):
         if not self.enabled:
@@ -174,13 +184,16 @@ class DispatchReplay:
             out = func(*consts, **kwargs)
         return True, (args[0] if inplace else out)
 
-    @staticmethod
-    def bypasses() -> int:
+    def bypasses(self, func) -> int:
         """How many ops FakeTensorMode refused to cache, less `_unsafe_view`: it refuses that one
         only because the schema hides that the output aliases the input, which `_entry` sees from
-        the storages (every linear on a 3-d input ends in one)."""
+        the storages (every linear on a 3-d input ends in one); less the "non-builtin" refusals
+        when `func` is one of _PURE_CUSTOM_OPS."""
         counts = fake_cache_bypasses()
-        return sum(counts.values()) - counts.get("unsafe view", 0)
+        n = sum(counts.values()) - counts.get("unsafe view", 0)
+        if func in self._pure_custom:
+            n -= counts.get("non-builtin", 0)
+        return n
 
     def replay(self, entry, args):
         """Outputs for a cache hit, or raises LookupError to fall back."""

@@ -32,7 +32,8 @@ from ..losses import choose_default_loss, default_loss, sum_of
 from ..options import check_device_build, unbuilt_device_types
 from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
                             c10d_collective_result, current_autograd_node,
-                            disable_torch_function, is_wrapper_subclass,
+                            disable_torch_function, fake_mode_handles_directly,
+                            is_wrapper_subclass,
                             node_sequence_nr, sequence_nr, storage_key, untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
@@ -53,6 +54,15 @@ _NOT_OP_NAMESPACES = ("prim", "profiler")  # metadata queries and record_functio
 # an op whose tensor types are all among these is FakeTensorMode's (else a subclass handles it);
 # a set test, not a generator over `types`: it runs for every op (classes hash by identity)
 _PLAIN_TYPES = frozenset((FakeTensor, torch.Tensor))
+
+
+def _foreign_subclass(t: type) -> bool:
+    """Whether an argument of type `t` makes FakeTensorMode decline an op: fake_tensor.py's
+    `_check_for_subclass_arg`, on the type (it reads nothing else of the argument)."""
+    if issubclass(t, FakeTensor) or not issubclass(t, torch.Tensor) or t is torch.Tensor:
+        return False
+    return not (issubclass(t, torch.nn.Parameter)
+                and t.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
 _DETACH = torch.ops.aten.detach.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 # phases whose ops may record autograd nodes: each op gets the sequence number, module and line
@@ -496,6 +506,14 @@ class Tape(FakeTensorMode):
                 and _PLAIN_TYPES.issuperset(types)
                 and not (args and type(args[0]) is FakeTensor and args[0].constant is not None)):
             return self._front(func, types, args, kwargs)
+        if func not in self.rules.kernels and any(map(_foreign_subclass, types)) \
+                and not fake_mode_handles_directly(func):
+            # FakeTensorMode's own answer for an argument of another tensor subclass (a DTensor:
+            # every op of a parallelised step comes here first), without the ~30 us it spends
+            # reaching it (a cache key attempted and refused, the arguments flattened):
+            # `_dispatch_impl` returns NotImplemented for any argument `_check_for_subclass_arg`
+            # names, and `types` holds the argument types the dispatcher found overloaded
+            return NotImplemented
         return self._fake_dispatch(func, types, args, kwargs)
 
     def _impl_copy(self, func, types, args, kwargs):
@@ -714,9 +732,9 @@ class Tape(FakeTensorMode):
                     return replay.replay(entry, args)
                 except LookupError:
                     pass
-            bypassed = replay.bypasses()
+            bypassed = replay.bypasses(func)
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if key is not None and replay.bypasses() == bypassed:
+        if key is not None and replay.bypasses(func) == bypassed:
             replay.learn(key, func, args, out)
         return out
 
