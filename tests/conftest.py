@@ -12,6 +12,21 @@ TINY_GPT2 = "zoo:gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=128,block_size=64"
 TINY_LLAMA = "zoo:llama:dim=64,n_layers=2,n_heads=4,n_kv_heads=2,ffn_dim=160,vocab_size=128"
 
 
+def optimizer_in_backward(model, make_optimizer):
+    """torchtune's optimizer_in_bwd: one optimizer per parameter (`make_optimizer([p])`), stepped
+    by the parameter's post-accumulate-grad hook as soon as its gradient is accumulated, the
+    gradient freed right after. Returns the optimizers (what a step's setup keeps)."""
+    optimizers = {p: make_optimizer([p]) for p in model.parameters()}
+
+    def step(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    return optimizers
+
+
 def tiny(spec, batch=2, seq=32):
     return resolve(spec, batch=batch, seq=seq)
 

@@ -19,7 +19,7 @@ from tapescope.options import CompileOptions
 from tapescope.errors import TapescopeError
 from tapescope.validate.real import run_real_steps
 
-from .conftest import TINY_GPT2, tiny
+from .conftest import TINY_GPT2, optimizer_in_backward, tiny
 
 
 class MLPBlock(nn.Module):
@@ -228,17 +228,7 @@ def test_modules_the_model_compiled_are_what_is_compiled():
 
 
 def _adamw_in_backward(model):
-    """torchtune's optimizer_in_bwd: one AdamW per parameter, stepped by a post-accumulate-grad
-    hook, its gradient freed right after."""
-    optimizers = {p: torch.optim.AdamW([p]) for p in model.parameters()}
-
-    def step(p):
-        optimizers[p].step()
-        optimizers[p].zero_grad(set_to_none=True)
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(step)
-    return optimizers
+    return optimizer_in_backward(model, torch.optim.AdamW)
 
 
 def _backward_only(model, batch, optimizers):

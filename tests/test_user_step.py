@@ -18,6 +18,8 @@ from tapescope.errors import TapescopeError
 from tapescope.validate.harness import same_ops
 from tapescope.validate.real import run_real_steps
 
+from .conftest import optimizer_in_backward
+
 BATCH = (tapescope.spec((32, 64)), tapescope.spec((32,), dtype=torch.long))
 
 
@@ -149,17 +151,7 @@ def test_two_optimizers_step_matches_a_real_run():
 # ---- the optimizer inside the backward (torchtune's low-memory recipes) -------------------------
 
 def _in_backward_setup(model):
-    """One optimizer per parameter, stepped as soon as its gradient is accumulated; the gradient
-    is freed right after (torchtune: optimizer_in_bwd)."""
-    optimizers = {p: _sgd([p]) for p in model.parameters()}
-
-    def step(p):
-        optimizers[p].step()
-        optimizers[p].zero_grad(set_to_none=True)
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(step)
-    return optimizers
+    return optimizer_in_backward(model, _sgd)
 
 
 def _backward_only_step(model, batch, optimizers):

@@ -63,6 +63,8 @@ def _foreign_subclass(t: type) -> bool:
         return False
     return not (issubclass(t, torch.nn.Parameter)
                 and t.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
 _DETACH = torch.ops.aten.detach.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 # phases whose ops may record autograd nodes: each op gets the sequence number, module and line
