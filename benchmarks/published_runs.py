@@ -17,6 +17,8 @@ foreach AdamW step at 28), so extrapolating the peak from two small depths is wr
     python benchmarks/published_runs.py                 # every row (a few minutes), cached
     python benchmarks/published_runs.py --rows fms-7b-a100,litgpt-7b-lora-mb1 --no-cache
     python benchmarks/published_runs.py --write-doc     # the table into docs/validation.md
+    (--no-cache re-predicts the rows asked for; --write-doc always writes every row, the rows
+    not asked for from the cache, so `--rows X --no-cache --write-doc` refreshes one row.)
 
 Calibration: the A100 rows of IBM fms-fsdp are the calibration rows of the step-time model (no
 constant was fitted to them: devices/efficiency.py's constants come from published
@@ -719,14 +721,14 @@ def main(argv=None):
         wanted = args.rows.split(",")
         rows = [r for r in ROWS if any(r.name.startswith(w) for w in wanted)]
     cache = {}
-    if not args.no_cache and os.path.exists(CACHE):
+    if os.path.exists(CACHE):
         with open(CACHE) as f:
             cache = json.load(f)
     for r in rows:
         if args.check_linear:
             print(f"{r.name}: 4 blocks off the 2-3 line by {check_linear(r):+.4%}", flush=True)
             continue
-        if r.name not in cache:
+        if args.no_cache or r.name not in cache:
             cache[r.name] = predict(r)
             os.makedirs(os.path.dirname(CACHE), exist_ok=True)
             with open(CACHE, "w") as f:
@@ -734,9 +736,15 @@ def main(argv=None):
         print(f"{r.name}: published {r.published}, predicted {cache[r.name]['value']}", flush=True)
     if args.check_linear:
         return
-    text = table(rows, cache) + "\n\n" + summary(rows, cache)
-    print(text)
+    print(table(rows, cache) + "\n\n" + summary(rows, cache))
     if args.write_doc:
+        # The doc's table is every row: rows not asked for this time come from the cache, so
+        # re-running one row never drops the others from the doc.
+        missing = [r.name for r in ROWS if r.name not in cache]
+        if missing:
+            sys.exit(f"--write-doc needs every row predicted; not in the cache: {', '.join(missing)} "
+                     f"(run without --rows first)")
+        text = table(ROWS, cache) + "\n\n" + summary(ROWS, cache)
         doc = open(DOC).read()
         block = f"{BEGIN}\n{text}\n\nRows not expressed yet:\n\n{not_expressible()}\n{END}"
         if BEGIN in doc:
