@@ -601,8 +601,9 @@ def _trace(row, layers: int) -> dict:
             ic = Interconnect(base.intra_node, base.intra_kind, row.network_bps / base.gpus_per_node,
                               f"{row.network_bps * 8 / 1e9:.0f} Gb/s per node", base.gpus_per_node,
                               row.source)
-        comm = {c.op: c.seconds for c in collectives(p.ops, p.facts, gpu, ic)} if row.mesh else None
-        t = estimate_step_time(p.ops, p.trace, gpu, comm)
+        items = collectives(p.ops, p.facts, gpu, ic) if row.mesh else []
+        comm = {c.op: c.seconds for c in items} or None
+        t = estimate_step_time(p.ops, p.trace, gpu, comm, {c.op: c.stream for c in items})
         out.update(seconds=t.seconds, exposed_comm=t.exposed_comm, comm=t.comm)
     else:
         m = p.cuda_memory

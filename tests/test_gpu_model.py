@@ -246,3 +246,33 @@ def test_a_collective_on_a_side_stream_holds_that_stream_until_it_ends():
     assert estimate_step_time([gather, after], trace, gpu, {0: c}).seconds == \
         pytest.approx(HOST_OP_S + c)          # it ran beside the collective
     assert 2 * HOST_OP_S + t1 < HOST_OP_S + c
+
+
+def test_collectives_of_different_process_groups_run_side_by_side():
+    """ProcessGroupNCCL gives each process group its own NCCL stream: two collectives issued back
+    to back on different groups (FSDP's all-gather, TP's) overlap, each starting when the host
+    issues it; on one group the second starts when the first ends. Schedule by hand, from the
+    host's per-op issue cost and each collective's seconds."""
+    gpu = get_gpu("h100")
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    ops = [_elementwise(0, gather, 0, (1,), (2,), 1 << 20),
+           _elementwise(1, gather, 0, (3,), (4,), 1 << 20)]
+    trace = SimpleNamespace(storages={})
+    c0, c1 = 0.01, 0.004
+    one = estimate_step_time(ops, trace, gpu, {0: c0, 1: c1}, {0: "fsdp", 1: "fsdp"})
+    assert one.seconds == pytest.approx(HOST_OP_S + c0 + c1)
+    two = estimate_step_time(ops, trace, gpu, {0: c0, 1: c1}, {0: "fsdp", 1: "tp"})
+    assert two.seconds == pytest.approx(max(HOST_OP_S + c0, 2 * HOST_OP_S + c1))
+    assert two.comm == pytest.approx(c0 + c1)
+    # without streams named, every collective shares one (as before groups were known)
+    assert estimate_step_time(ops, trace, gpu, {0: c0, 1: c1}).seconds == one.seconds
+
+
+def test_collective_spans_merge_where_they_overlap():
+    from tapescope.analysis.timing import _occupy
+
+    spans = [(0.0, 1.0), (2.0, 3.0)]
+    assert _occupy(spans, 3.0, 4.0) == 2 and spans == [(0.0, 1.0), (2.0, 3.0), (3.0, 4.0)]
+    assert _occupy(spans, 1.5, 1.8) == 1 and spans[1] == (1.5, 1.8)
+    assert _occupy(spans, 0.5, 2.5) == 0 and spans == [(0.0, 3.0), (3.0, 4.0)]
+    assert _occupy(spans, -1.0, 5.0) == 0 and spans == [(-1.0, 5.0)]

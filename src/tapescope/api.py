@@ -150,7 +150,8 @@ class Profile:
         if self.compiled is not None and self.compiled.options.get("backend") == "inductor":
             return None
         comm = {c.op: c.seconds for c in self.collectives} if self.collectives else None
-        return estimate_step_time(self.ops, self.trace, self.gpu, comm)
+        streams = {c.op: c.stream for c in self.collectives} if self.collectives else None
+        return estimate_step_time(self.ops, self.trace, self.gpu, comm, streams)
 
     @cached_property
     def collectives(self) -> list:

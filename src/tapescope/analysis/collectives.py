@@ -90,6 +90,11 @@ class Collective:
     module: str | None
     inter_node: bool   # its group spans nodes
     seconds: float     # on the interconnect, alone
+    # the NCCL stream it runs on: its process group's name. ProcessGroupNCCL takes a stream
+    # from the pool for each communicator it makes and keeps it per process group
+    # (initNCCLComm: ncclStreams_.emplace(deviceKey, getStreamFromPool(...))), so collectives
+    # of different groups (FSDP's and TP's) run side by side, those of one group in order
+    stream: str = ""
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,7 @@ def collectives(ops: list, facts: dict, gpu=None, ic=None) -> list[Collective]:
         seconds, inter = collective_seconds(kind, nbytes, ranks, ic) if ic is not None \
             else (0.0, False)
         out.append(Collective(op.index, kind, g.get("label", "?"), size, nbytes, op.phase,
-                              op.module, inter, seconds))
+                              op.module, inter, seconds, str(by_op.get(rec.index, ""))))
     return out
 
 

@@ -18,9 +18,9 @@ on the host (`.item()`) waits for the GPU. The step takes until both are done, s
 small ops is host-bound, as real eager steps are.
 
 Collectives of a distributed step (`comm`: op -> seconds on the interconnect, from
-analysis.collectives) run on a communication stream of their own, as NCCL kernels do on the
-streams FSDP2 and c10d give them: a collective starts when the host has issued it, the stream is
-free and the ops that wrote its inputs are done; an op that reads what a collective wrote waits
+analysis.collectives) run on their process group's NCCL stream (ProcessGroupNCCL keeps one per
+group: FSDP's and TP's collectives run side by side, one group's in order): a collective starts
+when the host has issued it, its group's stream is free and the ops that wrote its inputs are done; an op that reads what a collective wrote waits
 for it. Ops issued on another CUDA stream (the trace records each op's stream: FSDP2 casts the
 parameters to their compute dtype and copies them in for the all-gather on its all-gather
 copy-in stream, and copies gradients in for the reduce-scatter and casts / accumulates the
@@ -43,6 +43,7 @@ communication hidden behind compute.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -136,12 +137,18 @@ class StepTime:
         return d
 
 
-def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -> StepTime:
+def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
+                       comm_streams: dict | None = None) -> StepTime:
     """Wall time of a step's ops (analysis.ops.Op, in order) on `gpu` (a devices.gpus.GPU).
 
-    comm: op index (in the step) -> seconds of that collective on the interconnect."""
+    comm: op index (in the step) -> seconds of that collective on the interconnect.
+    comm_streams: op index -> the NCCL stream it runs on (its process group,
+    analysis.collectives.Collective.stream); collectives of one stream run in order, those of
+    different streams side by side. Without it, every collective shares one stream."""
     comm = comm or {}
-    comm_t = comm_total = exposed = 0.0
+    comm_streams = comm_streams or {}
+    comm_at: dict = {}    # NCCL stream -> when its last collective ends
+    comm_total = exposed = 0.0
     side_t: dict = {}     # stream (other than the default) -> when its last op is done
     dataflow = bool(comm) or any(op.record.stream or op.record.waits for op in ops)
     end: dict = {}        # trace op index -> when its stream had done it (what events mark)
@@ -149,7 +156,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
     held: dict = {}       # stream -> the waits of its ops that launched nothing, not yet applied
     ready: dict = {}     # storage -> when the collective that last wrote it is done
     written: dict = {}   # storage -> when the op that last wrote it is done
-    intervals: list = []   # (start, end) of the collectives, in stream order
+    intervals: list = []   # (start, end) when some collective runs: ordered, disjoint
     first = 0              # the first of them not over before the compute stream's time
     host = gpu_t = busy = recompute = 0.0
     calibrated = True
@@ -167,7 +174,9 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
     model_dtype = None
     total_flops = 0
     storages = trace.storages
-    slow = NCCL_SMS / gpu.sms if comm else 0.0   # share of the SMs a running collective holds
+    # share of the SMs a running collective holds; while two groups' collectives run at once,
+    # compute is slowed as by one (their spans are merged: a lower bound on the slowdown)
+    slow = NCCL_SMS / gpu.sms if comm else 0.0
     for op in ops:
         func = op.record.func
         kernel = launches_kernel(func)
@@ -185,10 +194,13 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
         after = max((end.get(w, 0.0) for w in marks), default=0.0)
         c = comm.get(op.index)
         if c is not None:
-            start = max(comm_t, host, after, side_t.get(stream, 0.0) if stream else 0.0,
-                        *(written.get(r.storage, 0.0) for r in op.inputs))
-            comm_t = start + c
-            intervals.append((start, comm_t))
+            nccl = comm_streams.get(op.index, "")
+            start = max(comm_at.get(nccl, 0.0), host, after,
+                        side_t.get(stream, 0.0) if stream else 0.0,
+                        *(written.get(r.storage, 0.0) for r in op.inputs),
+                        *(ready.get(r.storage, 0.0) for r in op.inputs))   # another group's
+            comm_t = comm_at[nccl] = start + c
+            first = min(first, _occupy(intervals, start, comm_t))
             comm_total += c
             for r in op.outputs:
                 ready[r.storage] = comm_t
@@ -248,7 +260,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
             host = max(host, gpu_t)  # .item() waits for the GPU
         op_seconds.append(t)
         phase_end[op.phase] = span(op.phase, max(gpu_t, host))
-    total = max(gpu_t, host, comm_t, *side_t.values())
+    total = max(gpu_t, host, *comm_at.values(), *side_t.values())
     by_phase, start = {}, 0.0
     if "other" not in phase_end:
         for phase in ("forward", "backward", "optimizer"):
@@ -262,6 +274,22 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None) -
     # host-bound: the GPU waits for launches more than half the step
     return StepTime(total, busy, host, by_phase, op_seconds, mfu, calibrated,
                     "gpu" if busy >= total / 2 else "host", recompute, comm_total, exposed)
+
+
+def _occupy(intervals: list, a: float, b: float) -> int:
+    """Add a collective's run (a, b) to `intervals` (ordered, disjoint (start, end) spans when
+    some collective runs), merging the spans it overlaps; the index of the span that holds it.
+    Collectives of one stream come in order and never overlap, so this appends; those of another
+    stream (TP's beside FSDP's) can start before or during earlier ones."""
+    if not intervals or a >= intervals[-1][1]:
+        intervals.append((a, b))
+        return len(intervals) - 1
+    i = bisect.bisect_right(intervals, a, key=lambda span: span[1])    # first ending after a
+    j = bisect.bisect_left(intervals, b, key=lambda span: span[0])     # first starting at b or later
+    if i < j:
+        a, b = min(a, intervals[i][0]), max(b, intervals[j - 1][1])
+    intervals[i:j] = [(a, b)]
+    return i
 
 
 def _stretched(start: float, t: float, intervals: list, slow: float, first: int = 0) -> float:
