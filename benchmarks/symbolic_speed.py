@@ -1,6 +1,7 @@
 """Cost of a symbolic profile against a concrete one, and of evaluating its formulas.
 
-In one process, alternating, medians of --repeat runs:
+In one process, alternating, medians of --repeat runs, in CPU seconds (time.process_time: the
+machine this was measured on is shared, and wall time there moves by 2x with the load):
   bare       FakeTensorMode with a ShapeEnv, batch and seq symbolic: forward + backward + AdamW step
              of the same model, nothing recorded (what any symbolic fake trace pays)
   concrete   tapescope.profile at one batch and sequence length
@@ -33,9 +34,9 @@ def bare_symbolic(meta_model, m) -> float:
         sizes, _ = _symbols(shape_env, ("batch", "seq"), m.inputs)
         args, kwargs = fake_inputs((m.inputs, m.input_kwargs), torch.device("cpu"), None, sizes)
         opt = torch.optim.AdamW(model.parameters())
-        t = time.perf_counter()
+        t = time.process_time()
         train_step(model, args, kwargs, m.loss_fn, opt)
-        return time.perf_counter() - t
+        return time.process_time() - t
 
 
 def main():
@@ -50,14 +51,14 @@ def main():
         meta = build_on_meta(m.build)
 
         def concrete():
-            t = time.perf_counter()
+            t = time.process_time()
             tapescope.profile(meta, *m.inputs, loss_fn=m.loss_fn)
-            return time.perf_counter() - t
+            return time.process_time() - t
 
         def symbolic():
-            t = time.perf_counter()
+            t = time.process_time()
             p = tapescope.profile(meta, *m.inputs, loss_fn=m.loss_fn, symbolic=("batch", "seq"))
-            return time.perf_counter() - t, p
+            return time.process_time() - t, p
 
         concrete()
         symbolic()
@@ -69,10 +70,10 @@ def main():
             dt, p = symbolic()
             s.append(dt)
         hi = p.symbolic.ranges["seq"][1] or 4096
-        t = time.perf_counter()
+        t = time.process_time()
         for i in range(1000):
             p.at(batch=2 + i % 100, seq=2 + (37 * i) % (hi - 1))
-        evals = time.perf_counter() - t
+        evals = time.process_time() - t
         mb, mc, ms = statistics.median(b), statistics.median(c), statistics.median(s)
         print(f"| {spec} ({batch} x {seq}) | {mb:.2f} s | {mc:.2f} s | {ms:.2f} s | {ms / mc:.2f}x "
               f"| {ms / mb:.2f}x | {evals * 1e3:.0f} ms |")

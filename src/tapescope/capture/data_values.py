@@ -244,7 +244,10 @@ class DataValues:
             self._set(args[1], real, frozenset(sources) | {i})
         elif func in _FILLS and outs and _small_factory(func, outs):
             fill = _FILLS[func](args, kwargs)  # ones_like(x): x's values do not matter
-            with unset_fake_temporarily():
+            # on one thread, as every value (_one_thread): a fill of more than one grain (32,768
+            # elements) wakes the intra-op pool, ~3.6 ms CPU a fill on the 2-core machine, where
+            # a symbolic llama profile fills 69 optimizer states (0.25 s)
+            with unset_fake_temporarily(), _one_thread():
                 real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=outs[0].dtype)
             self._set(outs[0], real, frozenset())
             self._active = True
