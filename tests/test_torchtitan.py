@@ -49,14 +49,15 @@ def _parallel_dims(fsdp=WORLD, tp=1, spmd_backend="spmd_types"):
     return parallelism, dims
 
 
-def _parallelize_llama(model, parallelism, dims):
-    """parallelize_llama with torchtitan's default selective AC."""
+def _parallelize_llama(model, parallelism, dims, compile_config=None):
+    """parallelize_llama with torchtitan's default selective AC (and compile config)."""
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
     return parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
-                             parallelism=parallelism, compile_config=CompileConfig(),
+                             parallelism=parallelism,
+                             compile_config=compile_config or CompileConfig(),
                              ac_config=SelectiveAC.Config(), dump_folder="/tmp")
 
 
@@ -94,18 +95,10 @@ def test_torchtitan_llama3_fsdp_selective_ac_on_cuda_without_a_gpu():
 def _parallelize_compiled(model, mesh):
     """As `_parallelize`, with torchtitan's `--compile.enable` for the model: apply_compile calls
     `block.compile(fullgraph=True)` on every TransformerBlock after AC and before FSDP2."""
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-    from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.config import CompileConfig
 
-    parallelism = ParallelismConfig(data_parallel_shard_degree=WORLD)
-    dims = ParallelDims.from_config(parallelism, world_size=WORLD)
-    dims.build_mesh()
-    return parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
-                             parallelism=parallelism,
-                             compile_config=CompileConfig(enable=True, components=["model"]),
-                             ac_config=SelectiveAC.Config(), dump_folder="/tmp")
+    return _parallelize_llama(model, *_parallel_dims(),
+                              compile_config=CompileConfig(enable=True, components=["model"]))
 
 
 def test_torchtitan_llama3_compiled_fsdp_selective_ac_on_cuda_without_a_gpu():
@@ -145,7 +138,7 @@ def test_torchtitan_llama3_fsdp_tp_sequence_parallel_on_both_spmd_backends(monke
     run that same program (spmd_types with explicit collectives, partial_dtensor through DTensor),
     so both give these collectives, the same backward, and the same peak."""
     from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed import spmd_types as spmd_meshes, utils as dist_utils
 
     batch, seq, fsdp, tp = 2, 128, 2, 2
     cfg = _config()
@@ -156,6 +149,8 @@ def test_torchtitan_llama3_fsdp_tp_sequence_parallel_on_both_spmd_backends(monke
 
     def profile(backend):
         monkeypatch.setattr(dist_utils, "_spmd_backend", backend)  # set_spmd_backend, undone
+        for registered in ("dense_mesh", "sparse_mesh"):  # what train_context registers, undone
+            monkeypatch.setattr(spmd_meshes._MESH_TLS, registered, None, raising=False)
         train_context = contextlib.ExitStack()  # the traced rank's, open while it is traced
 
         def parallelize(model, mesh):
