@@ -38,6 +38,7 @@ CASES = {
     # name: (torchtitan config, FSDP degree, TP degree, per-rank batch, sequence)
     "8b-fsdp8": ("8B", 8, 1, 2, 8192),
     "8b-fsdp128": ("8B", 128, 1, 2, 8192),
+    "8b-fsdp4-tp2": ("8B", 4, 2, 2, 8192),
     "70b-fsdp32-tp8": ("70B", 32, 8, 2, 8192),
 }
 
