@@ -16,8 +16,10 @@ the trainer's `train_context` (`get_spmd_context(parallel_dims=...)`, which regi
 meshes: under spmd_types a module's input and output redistributions - sequence parallelism's
 all-gathers and reduce-scatters - are skipped when no mesh is registered, silently), and its
 cross-entropy (sum over tokens, loss-parallel over the vocabulary under TP) over the tokens.
-`--spmd-backend` picks torchtitan's backend: spmd_types (its default) or partial_dtensor (DTensor
-for the model-parallel axes); both run the same program, so their profiles must agree.
+`--spmd-backend` picks torchtitan's backend: spmd_types (its default), partial_dtensor (DTensor
+for the model-parallel axes) or full_dtensor (DTensor on every axis: the trainer's
+`parallelize_inputs` makes the tokens DTensors, here in a forward pre-hook and in the loss); all
+three run the same program, so their profiles must agree.
 `--layers N` keeps the first N layers (reduced size).
 
     python benchmarks/torchtitan_scale.py [--case 8b-fsdp8] [--spmd-backend partial_dtensor]
@@ -47,7 +49,7 @@ import contextlib, json, resource, sys, time
 import torch, tapescope
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed import full_dtensor, utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -65,6 +67,7 @@ for layer in cfg.layers:
 set_llama3_sharding_config(cfg, enable_sp=True)
 # the trainer's train_context of the rank being traced, open while tapescope traces its step
 train_context = contextlib.ExitStack()
+traced = {}  # the ParallelDims of the rank being traced
 
 
 def parallelize(model, mesh):
@@ -77,12 +80,20 @@ def parallelize(model, mesh):
                               ac_config=SelectiveAC.Config(), dump_folder="/tmp")
     train_context.close()  # the previous traced rank's
     train_context.enter_context(dist_utils.get_spmd_context(parallel_dims=dims)())
+    traced["dims"] = dims
+    if backend == "full_dtensor":  # the trainer's parallelize_inputs: the tokens as DTensors
+        model.register_forward_pre_hook(lambda module, args: (as_dtensor(args[0]), *args[1:]))
     return model
+
+
+def as_dtensor(tokens):
+    return full_dtensor.parallelize_inputs(traced["dims"], tokens, tokens, {})[0]
 
 
 def loss(logits, tokens):
     # torchtitan's CrossEntropyLoss: a sum, divided by the tokens (global_valid_tokens)
-    return cross_entropy_loss(logits, tokens, global_vocab_size=cfg.vocab_size) / tokens.numel()
+    labels = as_dtensor(tokens) if backend == "full_dtensor" else tokens
+    return cross_entropy_loss(logits, labels, global_vocab_size=cfg.vocab_size) / tokens.numel()
 
 
 wall, cpu = time.perf_counter(), time.process_time()
@@ -106,7 +117,7 @@ print(json.dumps({"wall": wall, "cpu": cpu, "ranks": d.mesh.world_size,
 """
 
 
-BACKENDS = ("spmd_types", "partial_dtensor")  # full_dtensor takes DTensor inputs: not built
+BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 
 
 def run(name: str, backend: str = "spmd_types", layers: int | None = None) -> dict:
