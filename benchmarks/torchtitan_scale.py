@@ -8,10 +8,22 @@ torchtitan's `llama3_configs[size]` with each layer given torchtitan's SDPA wrap
 models otherwise take flex attention, compiled, or varlen attention fed by its data loader), as
 tests/test_torchtitan.py does at reduced size. Reported: wall and CPU time of the whole profile
 (CPU time is what other load on a shared machine inflates least), the rank classes traced, the
-peak resident memory, ops per rank, and what tapescope predicts (peak reserved per rank, step
-time, tokens/s per GPU).
+peak resident memory, ops per rank, the tensor-parallel collectives per rank, and what tapescope
+predicts (peak reserved per rank, step time, tokens/s per GPU).
 
-    python benchmarks/torchtitan_scale.py [--case 8b-fsdp8] [--json]
+The step is torchtitan's trainer's: `set_spmd_backend` first, forward, loss and backward inside
+the trainer's `train_context` (`get_spmd_context(parallel_dims=...)`, which registers the SPMD
+meshes: under spmd_types a module's input and output redistributions - sequence parallelism's
+all-gathers and reduce-scatters - are skipped when no mesh is registered, silently), and its
+cross-entropy (sum over tokens, loss-parallel over the vocabulary under TP) over the tokens.
+`--spmd-backend` picks torchtitan's backend: spmd_types (its default), partial_dtensor (DTensor
+for the model-parallel axes) or full_dtensor (DTensor on every axis: the trainer's
+`parallelize_inputs` makes the tokens DTensors, here in a forward pre-hook and in the loss); all
+three run the same program, so their profiles must agree.
+`--layers N` keeps the first N layers (reduced size).
+
+    python benchmarks/torchtitan_scale.py [--case 8b-fsdp8] [--spmd-backend partial_dtensor]
+        [--layers 8] [--json]
 
 Needs torchtitan 0.3.0: `pip install --no-deps torchtitan==0.3.0 spmd_types tyro einops
 docstring_parser typeguard`.
@@ -28,13 +40,16 @@ CASES = {
     # name: (torchtitan config, FSDP degree, TP degree, per-rank batch, sequence)
     "8b-fsdp8": ("8B", 8, 1, 2, 8192),
     "8b-fsdp128": ("8B", 128, 1, 2, 8192),
+    "8b-fsdp4-tp2": ("8B", 4, 2, 2, 8192),
     "70b-fsdp32-tp8": ("70B", 32, 8, 2, 8192),
 }
 
 _CHILD = r"""
-import json, resource, sys, time
+import contextlib, json, resource, sys, time
 import torch, tapescope
+from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import full_dtensor, utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -42,36 +57,59 @@ from torchtitan.models.llama3 import llama3_configs
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-size, fsdp, tp, batch, seq = json.loads(sys.argv[1])
+(size, fsdp, tp, batch, seq), backend, layers = json.loads(sys.argv[1])
 world = fsdp * tp
+dist_utils.set_spmd_backend(backend)  # the trainer's first step: torchtitan reads it per call
 cfg = llama3_configs[size](attn_backend="varlen")
+cfg.layers = cfg.layers[:layers or None]
 for layer in cfg.layers:
     layer.attention.inner_attention = ScaledDotProductAttention.Config()
 set_llama3_sharding_config(cfg, enable_sp=True)
+# the trainer's train_context of the rank being traced, open while tapescope traces its step
+train_context = contextlib.ExitStack()
+traced = {}  # the ParallelDims of the rank being traced
 
 
 def parallelize(model, mesh):
-    parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp)
+    parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp,
+                                    spmd_backend=backend)
     dims = ParallelDims.from_config(parallelism, world_size=world)
     dims.build_mesh()
-    return parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
-                             parallelism=parallelism, compile_config=CompileConfig(),
-                             ac_config=SelectiveAC.Config(), dump_folder="/tmp")
+    model = parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
+                              parallelism=parallelism, compile_config=CompileConfig(),
+                              ac_config=SelectiveAC.Config(), dump_folder="/tmp")
+    train_context.close()  # the previous traced rank's
+    train_context.enter_context(dist_utils.get_spmd_context(parallel_dims=dims)())
+    traced["dims"] = dims
+    if backend == "full_dtensor":  # the trainer's parallelize_inputs: the tokens as DTensors
+        model.register_forward_pre_hook(lambda module, args: (as_dtensor(args[0]), *args[1:]))
+    return model
+
+
+def as_dtensor(tokens):
+    return full_dtensor.parallelize_inputs(traced["dims"], tokens, tokens, {})[0]
 
 
 def loss(logits, tokens):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+    # torchtitan's CrossEntropyLoss: a sum, divided by the tokens (global_valid_tokens)
+    labels = as_dtensor(tokens) if backend == "full_dtensor" else tokens
+    return cross_entropy_loss(logits, labels, global_vocab_size=cfg.vocab_size) / tokens.numel()
 
 
 wall, cpu = time.perf_counter(), time.process_time()
-p = tapescope.profile(cfg.build, tapescope.spec((batch, seq), dtype=torch.long), loss_fn=loss,
-                      mesh={"fsdp": fsdp, "tp": tp} if tp > 1 else {"fsdp": fsdp}, parallelize=parallelize, device="cuda", gpu="h100")
+with train_context:
+    p = tapescope.profile(cfg.build, tapescope.spec((batch, seq), dtype=torch.long),
+                          loss_fn=loss, mesh={"fsdp": fsdp, "tp": tp} if tp > 1 else {"fsdp": fsdp},
+                          parallelize=parallelize, device="cuda", gpu="h100")
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
 d = p.distributed
+tp_collectives = [r for r in p.collective_table if r.group == "tp"]
 print(json.dumps({"wall": wall, "cpu": cpu, "ranks": d.mesh.world_size,
                   "traced": len(d.profiles), "classes": [len(c) for c in d.classes.members],
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "ops": len(p.ops), "peak_allocated": p.peak_bytes,
+                  "tp_collectives": sum(r.count for r in tp_collectives),
+                  "tp_bytes": sum(r.count * r.nbytes for r in tp_collectives),
                   "peak_reserved": p.cuda_memory.max_reserved,
                   "step_s": p.time.seconds,
                   # TP ranks share their batch: each TP group of tp GPUs processes batch x seq
@@ -79,8 +117,12 @@ print(json.dumps({"wall": wall, "cpu": cpu, "ranks": d.mesh.world_size,
 """
 
 
-def run(name: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CASES[name])],
+BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
+
+
+def run(name: str, backend: str = "spmd_types", layers: int | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD,
+                          json.dumps([CASES[name], backend, layers])],
                          capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
@@ -91,19 +133,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", action="append", choices=sorted(CASES),
                     help="run only these cases (repeatable); default: all")
+    ap.add_argument("--spmd-backend", choices=BACKENDS, default="spmd_types",
+                    help="torchtitan's parallelism.spmd_backend (default: spmd_types, its own)")
+    ap.add_argument("--layers", type=int, help="keep only the model's first N layers")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
-    results = {name: run(name) for name in args.case or CASES}
+    results = {name: run(name, args.spmd_backend, args.layers) for name in args.case or CASES}
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print("| case | ranks | traced | wall | CPU | resident | ops/rank | peak allocated | "
-          "peak reserved | step | tokens/s/GPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"spmd_backend={args.spmd_backend}" + (f", {args.layers} layers" if args.layers else ""))
+    print("| case | ranks | traced | wall | CPU | resident | ops/rank | TP collectives | "
+          "peak allocated | peak reserved | step | tokens/s/GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     gib = 2 ** 30
     for name, r in results.items():
         print(f"| {name} | {r['ranks']} | {r['traced']} | {r['wall']:.1f} s | {r['cpu']:.1f} s | "
-              f"{r['rss'] / gib:.2f} GiB | {r['ops']:,} | {r['peak_allocated'] / gib:.2f} GiB | "
+              f"{r['rss'] / gib:.2f} GiB | {r['ops']:,} | {r['tp_collectives']} | "
+              f"{r['peak_allocated'] / gib:.2f} GiB | "
               f"{r['peak_reserved'] / gib:.2f} GiB | {r['step_s']:.2f} s | "
               f"{r['tokens_per_s_per_gpu']:,.0f} |")
 

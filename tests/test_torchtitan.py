@@ -10,6 +10,8 @@ document metadata from its data loader); the test gives each layer torchtitan's 
 which runs `sdpa_kernel([cuDNN, flash, math], set_priority=True)` around a causal SDPA.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -34,20 +36,35 @@ def _config():
     return cfg
 
 
-def _parallelize(model, mesh):
-    """torchtitan's trainer, as written: ParallelDims builds its own mesh (names "fsdp",
-    "batch", "loss_mesh", ...), then parallelize_llama with its default selective AC."""
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+def _parallel_dims(fsdp=WORLD, tp=1, spmd_backend="spmd_types"):
+    """torchtitan's trainer, as written: its ParallelismConfig, and ParallelDims building its
+    own meshes (names "fsdp", "batch", "loss_mesh", ...)."""
+    from torchtitan.config import ParallelismConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
+
+    parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp,
+                                    spmd_backend=spmd_backend)
+    dims = ParallelDims.from_config(parallelism, world_size=fsdp * tp)
+    dims.build_mesh()
+    return parallelism, dims
+
+
+def _parallelize_llama(model, parallelism, dims, compile_config=None):
+    """parallelize_llama with torchtitan's default selective AC (and compile config)."""
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
-    parallelism = ParallelismConfig(data_parallel_shard_degree=WORLD)
-    dims = ParallelDims.from_config(parallelism, world_size=WORLD)
-    dims.build_mesh()
     return parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
-                             parallelism=parallelism, compile_config=CompileConfig(),
+                             parallelism=parallelism,
+                             compile_config=compile_config or CompileConfig(),
                              ac_config=SelectiveAC.Config(), dump_folder="/tmp")
+
+
+def _parallelize(model, mesh):
+    """torchtitan's trainer, as written: ParallelDims builds its own mesh, then
+    parallelize_llama with its default selective AC."""
+    return _parallelize_llama(model, *_parallel_dims())
 
 
 def _loss(logits, tokens):
@@ -78,18 +95,10 @@ def test_torchtitan_llama3_fsdp_selective_ac_on_cuda_without_a_gpu():
 def _parallelize_compiled(model, mesh):
     """As `_parallelize`, with torchtitan's `--compile.enable` for the model: apply_compile calls
     `block.compile(fullgraph=True)` on every TransformerBlock after AC and before FSDP2."""
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-    from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.config import CompileConfig
 
-    parallelism = ParallelismConfig(data_parallel_shard_degree=WORLD)
-    dims = ParallelDims.from_config(parallelism, world_size=WORLD)
-    dims.build_mesh()
-    return parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
-                             parallelism=parallelism,
-                             compile_config=CompileConfig(enable=True, components=["model"]),
-                             ac_config=SelectiveAC.Config(), dump_folder="/tmp")
+    return _parallelize_llama(model, *_parallel_dims(),
+                              compile_config=CompileConfig(enable=True, components=["model"]))
 
 
 def test_torchtitan_llama3_compiled_fsdp_selective_ac_on_cuda_without_a_gpu():
@@ -112,3 +121,58 @@ def test_torchtitan_llama3_compiled_fsdp_selective_ac_on_cuda_without_a_gpu():
     assert "aten._scaled_dot_product_cudnn_attention.default" in ops
     assert "aten._scaled_dot_product_cudnn_attention_backward.default" in ops
     assert p.eager is not None and p.eager.ranks[0].peak_bytes > 0
+
+
+def test_torchtitan_llama3_fsdp_tp_sequence_parallel_on_both_spmd_backends(monkeypatch):
+    """FSDP 2 x TP 2 with sequence parallelism, torchtitan's trainer step as written: its
+    spmd_backend set first (the trainer's set_spmd_backend), forward, loss and backward inside its
+    train_context (which registers the SPMD meshes: without them spmd_types skips every module's
+    redistribution, and the trace has no TP collective), its cross-entropy.
+
+    By hand, per rank, forward (B x S tokens, width D, bf16 activations): the vocabulary-parallel
+    embedding reduce-scatters its output into sequence shards; each layer all-gathers the sequence
+    before attention and before the feed-forward and reduce-scatters after wo and after w2; the
+    final norm's output is all-gathered for the vocabulary-parallel output projection: each a
+    B x S x D bf16 tensor. torchtitan's loss-parallel cross-entropy then all-reduces three fp32
+    values per token (max, sum of exponentials, the target's logit). torchtitan's two backends
+    run that same program (spmd_types with explicit collectives, partial_dtensor through DTensor),
+    so both give these collectives, the same backward, and the same peak."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed import spmd_types as spmd_meshes, utils as dist_utils
+
+    batch, seq, fsdp, tp = 2, 128, 2, 2
+    cfg = _config()
+    dim, layers = cfg.dim, len(cfg.layers)
+
+    def loss(logits, tokens):  # torchtitan's CrossEntropyLoss: a sum over the tokens
+        return cross_entropy_loss(logits, tokens, global_vocab_size=cfg.vocab_size) / tokens.numel()
+
+    def profile(backend):
+        monkeypatch.setattr(dist_utils, "_spmd_backend", backend)  # set_spmd_backend, undone
+        for registered in ("dense_mesh", "sparse_mesh"):  # what train_context registers, undone
+            monkeypatch.setattr(spmd_meshes._MESH_TLS, registered, None, raising=False)
+        train_context = contextlib.ExitStack()  # the traced rank's, open while it is traced
+
+        def parallelize(model, mesh):
+            parallelism, dims = _parallel_dims(fsdp, tp, backend)
+            model = _parallelize_llama(model, parallelism, dims)
+            train_context.close()
+            train_context.enter_context(dist_utils.get_spmd_context(parallel_dims=dims)())
+            return model
+
+        with train_context:
+            return tapescope.profile(cfg.build, tapescope.spec((batch, seq), dtype=torch.long),
+                                     loss_fn=loss, mesh={"fsdp": fsdp, "tp": tp},
+                                     parallelize=parallelize, device="cuda", gpu="h100")
+
+    activation, per_token = batch * seq * dim * 2, batch * seq * 4
+    forward = ([("reduce_scatter", activation)]
+               + [("all_gather", activation), ("reduce_scatter", activation)] * 2 * layers
+               + [("all_gather", activation)] + [("all_reduce", per_token)] * 3)
+    runs = {b: profile(b) for b in ("spmd_types", "partial_dtensor")}
+    tp_collectives = {b: [(c.kind, c.nbytes, c.phase) for c in p.collectives if c.group == "tp"]
+                      for b, p in runs.items()}
+    for backend, seen in tp_collectives.items():
+        assert [(k, n) for k, n, phase in seen if phase == "forward"] == forward, backend
+    assert tp_collectives["spmd_types"] == tp_collectives["partial_dtensor"]
+    assert runs["spmd_types"].peak_bytes == runs["partial_dtensor"].peak_bytes
