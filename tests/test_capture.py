@@ -215,9 +215,9 @@ def test_functional_collectives_replayed_as_fake_tensor_mode_makes_them(layout):
             learned = op(first, *rest)
         moved = {k for k, v in fake_cache_bypasses().items() if v != before.get(k, 0)}
         assert moved == {"non-builtin"}  # refused for being custom, and for nothing else
-        replay.learn(replay.key(op, (first, *rest), {}), op, (first, *rest), learned)
-        key = replay.key(op, (second, *rest), {})
-        ours = replay.replay(replay.entries[key], (second, *rest))
+        replay.learn(replay.find(op, (first, *rest), {})[0], op, (first, *rest), learned)
+        _, entry = replay.find(op, (second, *rest), {})
+        ours = replay.replay(entry, (second, *rest))
         with mode:
             theirs = op(second, *rest)
         assert (ours.shape, ours.stride(), ours.dtype, ours.device, ours.storage_offset()) == (

@@ -59,7 +59,7 @@ def _tensor_key_symbolic(t):
 
 def _key(func, args, kwargs):
     """The key of an op on concrete sizes: every argument as it is, tensors by `_tensor_key`.
-    None where an argument has no key (a constant, a sparse tensor, an unhashable value)."""
+    None where a tensor argument has no key (a constant, a sparse tensor); may be unhashable."""
     key = [func, torch.get_default_dtype(), default_device()]
     append = key.append
     try:
@@ -72,10 +72,10 @@ def _key(func, args, kwargs):
                 append(a)
         for name, a in kwargs.items():
             append((name, _tensor_key(a) if isinstance(a, torch.Tensor) else a))
-        key = tuple(key)
-        hash(key)
-        return key
-    except (_NoKey, TypeError):
+        # not hashed here: `find` looks it up, and an unhashable argument fails there (a key is
+        # hashed once an op, ~0.5 us for three tensors)
+        return tuple(key)
+    except _NoKey:
         return None
 
 
@@ -126,10 +126,18 @@ class DispatchReplay:
         self._fakes = FakeTensorFactory(mode)
         self._pure_custom = functional_collective_ops(_PURE_CUSTOM_OPS)
 
-    def key(self, func, args, kwargs):
+    def find(self, func, args, kwargs) -> tuple:
+        """(key, entry): the op's key (None where it has none: then entry is None too) and the
+        entry learned for it (None if none yet)."""
         if not self.enabled:
-            return None
-        return (_key if self.mode.shape_env is None else _key_symbolic)(func, args, kwargs)
+            return None, None
+        key = (_key if self.mode.shape_env is None else _key_symbolic)(func, args, kwargs)
+        if key is None:
+            return None, None
+        try:
+            return key, self.entries.get(key)
+        except TypeError:  # an unhashable argument: no key
+            return None, None
 
     def literal(self, real):
         """The fake of a tensor literal (`torch.tensor(0.)`, lifted by aten.lift_fresh), as
