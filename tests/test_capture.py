@@ -1,6 +1,7 @@
 """Capture: the user's model is untouched, any batch size works, profiles are independent,
 and what is recorded (storage identity, saved tensors, seq_nr) matches autograd's own view."""
 
+import gc
 import time
 
 import pytest
@@ -70,6 +71,25 @@ def test_two_profiles_are_independent():
     profile_spec(tiny(TINY_GPT2, batch=4))
     b = profile_spec(m).to_dict(with_ops=False)
     assert a == b
+
+
+def test_a_dropped_profile_leaves_nothing_alive():
+    """Once a profile is dropped, the collector frees everything its capture made: the Tape (and
+    with it the trace) must not stay reachable from torch's C++ side. A fidelity context that kept
+    the backward's last autograd node (an AccumulateGrad, which holds its parameter) did that: each
+    profile of a sweep kept its whole trace alive."""
+    from tapescope.capture.tape import Tape
+
+    def tapes():
+        gc.collect()
+        return sum(type(o) is Tape for o in gc.get_objects())
+
+    before = tapes()
+    for engine in ("python", "torch"):
+        p = profile_spec(tiny(TINY_GPT2), engine=engine)
+        assert p.ops  # something was profiled
+        del p
+        assert tapes() == before, engine
 
 
 def test_views_share_storage_and_are_not_double_counted():

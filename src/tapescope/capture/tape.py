@@ -579,8 +579,15 @@ class Tape(FakeTensorMode):
         # the rules' tables are consulted before calling them: this runs for every op of the step
         if backward:
             ctx.node = self._backward_node()
-            if rules.rewrites_any_backward or traits.backward_rule:
-                return rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
+            try:
+                if rules.rewrites_any_backward or traits.backward_rule:
+                    return rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
+            finally:
+                # only the rules read it, while they run. Kept, it held the backward's last node,
+                # an AccumulateGrad, which holds its parameter from C++, whose fake tensor holds
+                # this tape: a cycle the collector cannot see, which kept every profile's trace
+                # alive after the profile
+                ctx.node = None
         elif rules.rewrites_any_forward or traits.forward_rule:
             return rules.rewrite(FORWARD_OP, ctx, func, args, kwargs)
         return func, args, kwargs
