@@ -126,7 +126,6 @@ def test_saved_tensors_come_from_autograd():
     p = tapescope.profile(Net, tapescope.spec((8, 32), requires_grad=True), optimizer=None, steps=1)
     saved = {op.name for op in p.ops if op.saved}
     assert saved == {"aten.relu.default"}  # x and w are inputs/parameters, relu's output is an op's
-    cats = p.trace.storages
     relu = next(op for op in p.ops if op.name == "aten.relu.default")
     from tapescope.analysis.memory import storage_categories
     assert storage_categories(p.trace)[relu.outputs[0].storage] == SAVED
