@@ -90,7 +90,7 @@ def instrument():
         undo.append((owner, name, raw))
 
     patch(FakeTensorMode, "__torch_dispatch__", "fake")
-    for n in ("key", "replay", "learn", "literal", "constant_op"):
+    for n in ("find", "replay", "learn", "literal", "constant_op"):
         patch(DispatchReplay, n, "replay")
     patch(Tape, "__torch_dispatch__", "tape")
     for n in ("_record", "_record_workspace", "_record_tensor_literal"):

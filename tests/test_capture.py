@@ -1,6 +1,7 @@
 """Capture: the user's model is untouched, any batch size works, profiles are independent,
 and what is recorded (storage identity, saved tensors, seq_nr) matches autograd's own view."""
 
+import gc
 import time
 
 import pytest
@@ -72,6 +73,25 @@ def test_two_profiles_are_independent():
     assert a == b
 
 
+def test_a_dropped_profile_leaves_nothing_alive():
+    """Once a profile is dropped, the collector frees everything its capture made: the Tape (and
+    with it the trace) must not stay reachable from torch's C++ side. A fidelity context that kept
+    the backward's last autograd node (an AccumulateGrad, which holds its parameter) did that: each
+    profile of a sweep kept its whole trace alive."""
+    from tapescope.capture.tape import Tape
+
+    def tapes():
+        gc.collect()
+        return sum(type(o) is Tape for o in gc.get_objects())
+
+    before = tapes()
+    for engine in ("python", "torch"):
+        p = profile_spec(tiny(TINY_GPT2), engine=engine)
+        assert p.ops  # something was profiled
+        del p
+        assert tapes() == before, engine
+
+
 def test_views_share_storage_and_are_not_double_counted():
     class Views(nn.Module):
         def __init__(self):
@@ -106,7 +126,6 @@ def test_saved_tensors_come_from_autograd():
     p = tapescope.profile(Net, tapescope.spec((8, 32), requires_grad=True), optimizer=None, steps=1)
     saved = {op.name for op in p.ops if op.saved}
     assert saved == {"aten.relu.default"}  # x and w are inputs/parameters, relu's output is an op's
-    cats = p.trace.storages
     relu = next(op for op in p.ops if op.name == "aten.relu.default")
     from tapescope.analysis.memory import storage_categories
     assert storage_categories(p.trace)[relu.outputs[0].storage] == SAVED
@@ -215,9 +234,9 @@ def test_functional_collectives_replayed_as_fake_tensor_mode_makes_them(layout):
             learned = op(first, *rest)
         moved = {k for k, v in fake_cache_bypasses().items() if v != before.get(k, 0)}
         assert moved == {"non-builtin"}  # refused for being custom, and for nothing else
-        replay.learn(replay.key(op, (first, *rest), {}), op, (first, *rest), learned)
-        key = replay.key(op, (second, *rest), {})
-        ours = replay.replay(replay.entries[key], (second, *rest))
+        replay.learn(replay.find(op, (first, *rest), {})[0], op, (first, *rest), learned)
+        _, entry = replay.find(op, (second, *rest), {})
+        ours = replay.replay(entry, (second, *rest))
         with mode:
             theirs = op(second, *rest)
         assert (ours.shape, ours.stride(), ours.dtype, ours.device, ours.storage_offset()) == (

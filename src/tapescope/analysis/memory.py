@@ -237,17 +237,26 @@ def _module_memory(trace, view, ops, timeline, categories) -> list[ModuleMemory]
     storages = trace.storages
     peak: dict[str, int] = {}
     local = {t: k for k, t in enumerate(view.ops)}
+    lineage: dict[str, tuple] = {}  # module -> its ancestors (a step has few modules, many ops)
+
+    def ancestors_of(module: str) -> tuple:
+        found = lineage.get(module)
+        if found is None:
+            found = lineage[module] = tuple(ancestors(module))
+        return found
+
     for op in ops:
         if op.module is None:
             continue
-        for m in ancestors(op.module):
-            if m not in peak or timeline[op.index] > peak[m]:
-                peak[m] = timeline[op.index]
+        live = timeline[op.index]
+        for m in ancestors_of(op.module):
+            if m not in peak or live > peak[m]:
+                peak[m] = live
     owners: dict[int, tuple] = {}  # a saved storage made in this step -> its op's modules
     for s in storages:
         k = local.get(s.created_by)
         if k is not None and categories[s.id] == SAVED and ops[k].module is not None:
-            owners[s.id] = tuple(ancestors(ops[k].module))
+            owners[s.id] = ancestors_of(ops[k].module)
     alive: dict[str, int] = {}
     saved: dict[str, int] = {}
     for _, _, sid, delta in device_events(trace, view):

@@ -127,10 +127,21 @@ class OpCosts:
         if kind is TensorRef:
             size = -1 if x.storage < 0 else self.trace.storages[x.storage].nbytes
             return (x.shape, x.dtype, size)
-        if kind is tuple:
-            return tuple(self._content(y) for y in x)
-        if kind is list:  # a list is not equal to the tuple of its items; its key must not be
-            return (list, tuple(self._content(y) for y in x))
+        if kind is tuple or kind is list:
+            # a record's arguments and outputs: tensors and ints, the common items, inline
+            storages = self.trace.storages
+            items = []
+            for y in x:
+                k = type(y)
+                if k is TensorRef:
+                    items.append((y.shape, y.dtype,
+                                  -1 if y.storage < 0 else storages[y.storage].nbytes))
+                elif k is int or y is None:
+                    items.append(y)
+                else:
+                    items.append(self._content(y))
+            # a list is not equal to the tuple of its items; its key must not be either
+            return tuple(items) if kind is tuple else (list, tuple(items))
         if kind is float:  # 2.0 == 2 and -0.0 == 0.0 in Python; the bits tell them apart
             return (float, x.hex())
         if kind is bool:  # True == 1
@@ -167,11 +178,11 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
     saved = trace.saved_values
     storage_owner = trace.storage_owner
 
-    def owner_module(r) -> str | None:
+    def owner_module(r, outputs: tuple) -> str | None:
         """The module whose parameters (or their gradients / optimizer state) an op touches; None
         for ops over many modules' parameters at once (foreach and fused optimizers)."""
         found = None
-        for t in (*r.tensor_outputs(), *r.tensor_inputs()):
+        for t in (*outputs, *r.tensor_inputs()):
             fqn = storage_owner.get(t.storage)
             if fqn is not None:
                 m = param_module(fqn)
@@ -189,6 +200,7 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
     runs_of = {i: runs for first, end, runs in trace.repeated for i in range(first, end)}
     ops = []
     for k, r in enumerate(records):
+        outputs = r.tensor_outputs()
         fwd = None
         node = r.grad_fn
         module = r.module
@@ -196,14 +208,13 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
             if r.owns_node:
                 node = trace.node_names.get(r.seq_nr)
             if module is None and r.phase == OTHER:  # a step's own code over parameters (an EMA)
-                module = owner_module(r)
+                module = owner_module(r, outputs)
         elif r.phase == BACKWARD:
             if r.seq_nr is not None and r.seq_nr != _NO_NODE:
                 fwd = owner.get(r.seq_nr)
-            module = records[fwd].module if fwd is not None else owner_module(r)
+            module = records[fwd].module if fwd is not None else owner_module(r, outputs)
         else:
-            module = owner_module(r)
-        outputs = r.tensor_outputs()
+            module = owner_module(r, outputs)
         flops, read, written = costs(r.index)
         ops.append(Op(
             index=k, name=r.name, phase=r.phase, module=module,

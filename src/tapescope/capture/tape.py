@@ -24,6 +24,7 @@ import os
 import sys
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -67,6 +68,33 @@ def _foreign_subclass(t: type) -> bool:
 
 _DETACH = torch.ops.aten.detach.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+@dataclass(frozen=True, slots=True)
+class _OpTraits:
+    """What the dispatch stages ask about an op, answered once per distinct op of a tape: each
+    `func in table` hashes the OpOverload in Python (~0.1 us) and `func.namespace` is a Python
+    property, ~10 of them an op before; one dict lookup now."""
+
+    not_op: bool         # a metadata query or marker (_NOT_OPS, _NOT_OP_NAMESPACES)
+    c10d: bool           # a collective (distributed/)
+    kernel: bool         # the capture has its own fake kernel (KERNEL rules)
+    forward_rule: bool   # FORWARD_OP rules name it
+    backward_rule: bool  # BACKWARD_OP rules name it
+    check: bool          # CHECK rules
+    output: bool         # OUTPUT rules
+    workspace: bool      # WORKSPACE rules
+    router: bool         # data_values.py assumes its selections (DataValues.routers)
+
+    @classmethod
+    def of(cls, func, rules: RuleSet, values) -> "_OpTraits":
+        ns = func.namespace
+        return cls(not_op=func in _NOT_OPS or ns in _NOT_OP_NAMESPACES, c10d=ns == "c10d",
+                   kernel=func in rules.kernels, forward_rule=func in rules.forward_targets,
+                   backward_rule=func in rules.backward_targets,
+                   check=func in rules.check_targets, output=func in rules.output_targets,
+                   workspace=func in rules.workspace_targets,
+                   router=values is not None and func in values.routers)
 # phases whose ops may record autograd nodes: each op gets the sequence number, module and line
 # (a user's step computes its loss in its own code, phase OTHER)
 _BUILDS_GRAPH = (FORWARD, OTHER)
@@ -146,6 +174,8 @@ class Tape(FakeTensorMode):
         self._tape_internal_code: dict = {}  # code object -> not the user's (torch's, ours)
         self._generated: str | None = None  # inductor's generated code, once a compiled graph ran
         self._tape_replay = DispatchReplay(self)
+        # op -> _OpTraits (the rules and the data values are the capture's: fixed for its life)
+        self._tape_traits: dict = {}
         self._tape_unbuilt = unbuilt_device_types()  # empty on a CUDA build: no check at all
         # which CUDA stream is current (distributed.cuda_standin.StreamLog, or None: every op on
         # the default stream)
@@ -467,10 +497,10 @@ class Tape(FakeTensorMode):
         what is recorded of it."""
         if self._tape_unbuilt:
             self._refuse_unbuilt_devices(func, args, kwargs)
-        if (self._tape_depth or not self._tape_recording or func in _NOT_OPS
-                or func.namespace in _NOT_OP_NAMESPACES
+        traits = self._tape_traits.get(func) or self._traits(func)
+        if (self._tape_depth or not self._tape_recording or traits.not_op
                 or not _PLAIN_TYPES.issuperset(types)):
-            return self._declined(func, types, args, kwargs)
+            return self._declined(func, types, args, kwargs, traits)
         # (inline: _issued_by_another_mode counts the frames above this one)
         if func is _DETACH and (self.in_pack_hook or not adinplaceorview_excluded()
                                 or self._issued_by_another_mode()):
@@ -482,7 +512,9 @@ class Tape(FakeTensorMode):
                                        self._record, func, args, kwargs)
             if out is not None:
                 return out
-        func, args, kwargs = self._rewritten(func, args, kwargs, backward)
+        rewritten, args, kwargs = self._rewritten(func, args, kwargs, backward, traits)
+        if rewritten is not func:
+            func, traits = rewritten, self._tape_traits.get(rewritten) or self._traits(rewritten)
         values = self.fidelity.values  # data-dependent sizes: values an assumption gives
         if values is not None and values.live:
             try:
@@ -493,22 +525,25 @@ class Tape(FakeTensorMode):
             if done:  # an `.item()` of a tensor whose values the assumption decided
                 self._record(func, args, kwargs, result)
                 return result
-        out = self._kernel(func, types, args, kwargs)
-        self._recorded(func, args, kwargs, out, backward)
+        out = self._kernel(func, types, args, kwargs, traits)
+        self._recorded(func, args, kwargs, out, backward, traits)
         return out
 
-    def _declined(self, func, types, args, kwargs):
+    def _traits(self, func) -> _OpTraits:
+        traits = self._tape_traits[func] = _OpTraits.of(func, self.rules, self.fidelity.values)
+        return traits
+
+    def _declined(self, func, types, args, kwargs, traits: _OpTraits):
         """An op that is not the program's (inside another op, outside recording, not an op),
         or one with a tensor subclass among its arguments (a DTensor, say: FakeTensorMode
         declines, the subclass runs the op on the tensors it wraps, and those come back here).
         Run unrecorded; through the replay front where it can answer."""
         if (self._tape_front_unrecorded and not self._tape_depth and not self._tape_recording
-                and func not in _NOT_OPS and func.namespace not in _NOT_OP_NAMESPACES
-                and func.namespace != "c10d" and func not in self.rules.kernels
+                and not (traits.not_op or traits.c10d or traits.kernel)
                 and _PLAIN_TYPES.issuperset(types)
                 and not (args and type(args[0]) is FakeTensor and args[0].constant is not None)):
             return self._front(func, types, args, kwargs)
-        if func not in self.rules.kernels and any(map(_foreign_subclass, types)) \
+        if not traits.kernel and any(map(_foreign_subclass, types)) \
                 and not fake_mode_handles_directly(func):
             # FakeTensorMode's own answer for an argument of another tensor subclass (a DTensor:
             # every op of a parallelised step comes here first), without the ~30 us it spends
@@ -516,7 +551,7 @@ class Tape(FakeTensorMode):
             # `_dispatch_impl` returns NotImplemented for any argument `_check_for_subclass_arg`
             # names, and `types` holds the argument types the dispatcher found overloaded
             return NotImplemented
-        return self._fake_dispatch(func, types, args, kwargs)
+        return self._fake_dispatch(func, types, args, kwargs, traits)
 
     def _impl_copy(self, func, types, args, kwargs):
         """A `detach` that is not an op of the program: C++ autograd copied a TensorImpl (saving
@@ -538,29 +573,36 @@ class Tape(FakeTensorMode):
             self.fidelity.values.alias(args[0], out)  # a saved tensor keeps its values
         return out
 
-    def _rewritten(self, func, args, kwargs, backward: bool):
+    def _rewritten(self, func, args, kwargs, backward: bool, traits: _OpTraits):
         """(func, args, kwargs) as the device's FORWARD_OP / BACKWARD_OP rules rewrite them."""
         ctx, rules = self.fidelity, self.rules
         # the rules' tables are consulted before calling them: this runs for every op of the step
         if backward:
             ctx.node = self._backward_node()
-            if rules.rewrites_any_backward or func in rules.backward_targets:
-                return rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
-        elif rules.rewrites_any_forward or func in rules.forward_targets:
+            try:
+                if rules.rewrites_any_backward or traits.backward_rule:
+                    return rules.rewrite(BACKWARD_OP, ctx, func, args, kwargs)
+            finally:
+                # only the rules read it, while they run. Kept, it held the backward's last node,
+                # an AccumulateGrad, which holds its parameter from C++, whose fake tensor holds
+                # this tape: a cycle the collector cannot see, which kept every profile's trace
+                # alive after the profile
+                ctx.node = None
+        elif rules.rewrites_any_forward or traits.forward_rule:
             return rules.rewrite(FORWARD_OP, ctx, func, args, kwargs)
         return func, args, kwargs
 
-    def _kernel(self, func, types, args, kwargs):
+    def _kernel(self, func, types, args, kwargs, traits: _OpTraits):
         """The op's output: what the real kernel refuses refused (CHECK rules), the fake kernel
         run, and its output laid out as the real kernel lays it (OUTPUT rules). An error names
         the op."""
         ctx, rules = self.fidelity, self.rules
         self._tape_depth += 1
         try:
-            if func in rules.check_targets:
+            if traits.check:
                 rules.check(ctx, func, args, kwargs)
-            out = self._run(func, types, args, kwargs)
-            if func in rules.output_targets:
+            out = self._run(func, types, args, kwargs, traits)
+            if traits.output:
                 out = rules.output(ctx, func, args, out)
         except Exception as e:
             self._annotate(e, func)
@@ -569,7 +611,7 @@ class Tape(FakeTensorMode):
             self._tape_depth -= 1
         return out
 
-    def _recorded(self, func, args, kwargs, out, backward: bool) -> None:
+    def _recorded(self, func, args, kwargs, out, backward: bool, traits: _OpTraits) -> None:
         """What the trace keeps of an op that ran: a tensor literal, or the op with its
         storages, the values it decides (data_values.py), its kernel workspace (WORKSPACE
         rules) and the views it makes (view_replay.py)."""
@@ -581,17 +623,16 @@ class Tape(FakeTensorMode):
             return
         first_event = len(self.trace.events)
         self._record(func, args, kwargs, out)
-        if values is not None and (values.live or func in values.routers):
+        if values is not None and (values.live or traits.router):
             try:
                 values.after(func, args, kwargs, out, self._op_frame)
             except Exception as e:
                 self._annotate(e, func)
                 raise
-        rules = self.rules
-        if func in rules.workspace_targets:
+        if traits.workspace:
             self._tape_depth += 1  # a rule reads metadata; what it ran is not the program's
             try:
-                workspace = rules.workspace(self.fidelity, func, args, kwargs, out)
+                workspace = self.rules.workspace(self.fidelity, func, args, kwargs, out)
             finally:
                 self._tape_depth -= 1
             if workspace:
@@ -675,7 +716,9 @@ class Tape(FakeTensorMode):
         events.extend((index, sid, -1) for sid in reversed(live.values()))
         trace.events.extend(events)
 
-    def _fake_dispatch(self, func, types, args, kwargs):
+    def _fake_dispatch(self, func, types, args, kwargs, traits: _OpTraits | None = None):
+        if traits is not None and not traits.kernel:
+            return super().__torch_dispatch__(func, types, args, kwargs)
         kernel = self.rules.kernels.get(func)
         if kernel is None:
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -705,8 +748,10 @@ class Tape(FakeTensorMode):
             self._record(torch.ops.aten.detach_.default, (out,), {}, out)
 
     @passes_user_calls
-    def _run(self, func, types, args, kwargs):
-        if func.namespace == "c10d":
+    def _run(self, func, types, args, kwargs, traits: _OpTraits | None = None):
+        if traits is None:
+            traits = self._tape_traits.get(func) or self._traits(func)
+        if traits.c10d:
             out = c10d_collective_result(func, args)
             if out is not None:
                 return out
@@ -718,7 +763,7 @@ class Tape(FakeTensorMode):
             done, out = self._tape_replay.constant_op(func, args, kwargs)
             if done:
                 return out
-        if func in self.rules.kernels:
+        if traits.kernel:
             return self._fake_dispatch(func, types, args, kwargs)  # not FakeTensorMode's cache
         return self._front(func, types, args, kwargs)
 
@@ -726,9 +771,8 @@ class Tape(FakeTensorMode):
     def _front(self, func, types, args, kwargs):
         """FakeTensorMode's result, from the replay front when it has the op (replay.py)."""
         replay = self._tape_replay
-        key = replay.key(func, args, kwargs)
+        key, entry = replay.find(func, args, kwargs)
         if key is not None:
-            entry = replay.entries.get(key)
             if entry is not None:
                 try:
                     return replay.replay(entry, args)
