@@ -16,9 +16,10 @@ cuda_standin.py.
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -164,7 +165,8 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
 
     def trace_timed(rank: int):
         start, start_cpu = time.perf_counter(), time.process_time()
-        profiles[rank], layouts, group_maps[rank] = trace_rank(rank)
+        with _earlier_objects_frozen():
+            profiles[rank], layouts, group_maps[rank] = trace_rank(rank)
         seconds[rank], cpu[rank] = time.perf_counter() - start, time.process_time() - start_cpu
         return layouts
 
@@ -204,6 +206,26 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     if pipelined is not None:
         facts.pipeline = pipelined.report(ranks, profiles, orders)
     return profiles[top], ranks, facts
+
+
+@contextmanager
+def _earlier_objects_frozen():
+    """The objects made before a rank's trace (torch's modules, the earlier ranks' profiles:
+    millions, none garbage the trace's memory can depend on) out of the cyclic collector's reach
+    while the rank is traced (`gc.freeze`), so that its collections walk only what the rank
+    makes: full collections over the earlier ranks' traces took 0.6 s each, 18 s of the 70B
+    pipelined profile's 68 s. The rank's own garbage cycles (FSDP2's, which capture collects
+    after prepare so that their frees are recorded) are young and collected as before. Left as
+    it is when the caller has frozen objects of its own (one unfreeze would release theirs too).
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 _DDP_NOTE = (
