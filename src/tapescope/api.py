@@ -338,7 +338,7 @@ def _profile_compiled(workload: Workload, options: Options, progress=None) -> Pr
         p.eager = eager
         return p
     trace, facts = capture(workload, options, progress)
-    with collector_paused():
+    with _gc_paused():
         p = analyse(trace, facts, model=workload.display_name, options=options,
                     inputs=[_describe_input(x) for x in workload.args])
         _add_compiled_report(p)
@@ -380,7 +380,7 @@ def _analyse_captured(trace: Trace, facts: dict, workload: Workload, options: Op
     data decides) evaluated at their values."""
     inputs = [_describe_input(x) for x in workload.args]
     sp = None
-    with collector_paused():  # analysis makes many small objects and no cycles: no collection needed
+    with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
         from .analysis.data_sizes import data_size_report
 
         if trace.symbols:
@@ -438,9 +438,7 @@ def _resize(x, sizes: dict):
 
 
 @contextmanager
-def collector_paused():
-    """Python's cyclic collector off for a block that makes many objects and no cycles that
-    matter (analysis, reports): a full collection there walks every record of the trace."""
+def _gc_paused():
     was = gc.isenabled()
     gc.disable()
     try:

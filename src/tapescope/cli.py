@@ -399,7 +399,6 @@ def profile_cmd(
                          step=step, setup=setup, checkpointing=_checkpointing(checkpoint),
                          quiet=quiet, pipeline=_pipeline(pp_schedule, microbatches, pp_split))
         elapsed = time.perf_counter() - t0
-        from .api import collector_paused
         from .report.console import render_compiled, render_summary
 
         gpu_name = gpu or (p.gpu.key if p.gpu is not None else None)
@@ -407,15 +406,12 @@ def profile_cmd(
         invocation = None if p.distributed is not None else _invocation(
             "profile", spec, batch, seq, input, loss, dtype, amp, optimizer, gpu=gpu_name,
             param_dtype=p.facts.get("param_dtype"))
-        # (the reports make many small objects: a full collection there walked every record of
-        # every traced rank, 2.8 s of the 70B pipelined profile)
-        with collector_paused():
-            render_summary(p, out, top=top, invocation=invocation)
-            if p.compiled is not None:
-                render_compiled(p, out, top=top)
-            out.print(Text(f"{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never "
-                           "allocated the model.", style="dim"))
-            _write_json(json_file, p.to_dict())
+        render_summary(p, out, top=top, invocation=invocation)
+        if p.compiled is not None:
+            render_compiled(p, out, top=top)
+        out.print(Text(f"{len(p.ops)} ops traced in {elapsed:.2f} s; tapescope never allocated "
+                       "the model.", style="dim"))
+        _write_json(json_file, p.to_dict())
         if graph_file:
             from .report.files import write_text
             from .report.graph_file import graph_file_text
