@@ -2,6 +2,7 @@
 counts and sizes derived by hand from FSDP2's and tensor parallelism's rules; the CUDA route on a
 machine without a GPU; profiles that leave no trace in the process; the CLI presets."""
 
+import gc
 import json
 
 import pytest
@@ -48,14 +49,24 @@ def test_tensor_parallel_collectives_by_hand():
 
 def test_cuda_without_a_gpu_and_nothing_left_behind():
     """device='cuda' on this GPU-less machine: FSDP2 + TP trace, streams and events stood in for;
-    afterwards torch.cuda and torch.distributed are as they were, and a second profile gives the
-    same numbers."""
+    afterwards torch.cuda, torch.distributed and Python's collector (its thresholds, nothing left
+    frozen, a caller's frozen objects still frozen) are as they were, and a second profile gives
+    the same numbers."""
     before = (torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.current_device)
+    collector = (gc.get_threshold(), gc.get_freeze_count())
     kw = dict(mesh={"dp": 2, "tp": 2}, parallelize=dm.fsdp_tp, device="cuda", gpu="h100")
     a = tapescope.profile(dm.build, dm.INPUT, **kw)
-    b = tapescope.profile(dm.build, dm.INPUT, **kw)
+    assert (gc.get_threshold(), gc.get_freeze_count()) == collector
+    # a caller that froze objects of its own: they stay frozen (and the numbers do not move)
+    gc.freeze()
+    try:
+        b = tapescope.profile(dm.build, dm.INPUT, **kw)
+        assert gc.get_freeze_count() > 0   # (an unfreeze leaves none; a frozen object may die)
+    finally:
+        gc.unfreeze()
     assert (torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.current_device) == before
     assert not dist.is_initialized()
+    assert (gc.get_threshold(), gc.get_freeze_count()) == collector
     assert [r.peak_bytes for r in a.ranks] == [r.peak_bytes for r in b.ranks]
     assert len(a.ranks) == 4 and a.time.comm > 0 and a.ranks[0].step_seconds == a.time.seconds
 
