@@ -36,7 +36,9 @@ with one value: one name, "peak = f(that count)"), evaluated at the assumed valu
 Why our own propagation rather than FakeTensorMode(propagate_real_tensors=True): that mode runs
 every op for real when its inputs have real values, factory functions included, which would
 allocate the model. Here only the routing's descendants carry values, each at most VALUE_LIMIT
-elements.
+elements, and a pure op's values are computed only when something reads them (`_defer`): most
+never are (a rope's positions once a DTensor mask's literal turns values on), and computed at once
+they held 1 GiB of a 405B rank's capture.
 """
 
 from __future__ import annotations
