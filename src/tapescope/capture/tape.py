@@ -731,7 +731,7 @@ class Tape(FakeTensorMode):
             entry = replay.entries.get(key)
             if entry is not None:
                 try:
-                    return replay.replay(entry, args)
+                    return replay.replay(entry, args, func, kwargs)
                 except LookupError:
                     pass
             bypassed = replay.bypasses(func)
