@@ -246,6 +246,37 @@ def test_functional_collectives_replayed_as_fake_tensor_mode_makes_them(layout):
             second.untyped_storage())  # fresh
 
 
+
+@pytest.mark.parametrize("op,rest", [(torch.ops.aten.split.Tensor, (3, 0)),   # 11, the last short
+                                     (torch.ops.aten.split.Tensor, (2, 1)),
+                                     (torch.ops.aten.unbind.int, (0,))])
+def test_many_views_replayed_as_fake_tensor_mode_makes_them(op, rest):
+    """A split into many views (FSDP2's chunk of a parameter into one per rank) is replayed by
+    running the op's meta kernel once; each view is what FakeTensorMode makes for a second input
+    of the same layout: size, strides, offset, and the input's storage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import DispatchReplay
+    from tapescope.torch_compat import untyped_storage_key
+
+    mode = FakeTensorMode()
+    replay = DispatchReplay(mode)
+    with mode:
+        first, second = (torch.empty(32, 16)[1:] for _ in range(2))   # storage offset 16
+        learned = op(first, *rest)
+    replay.learn(replay.key(op, (first, *rest), {}), op, (first, *rest), learned)
+    entry = replay.entries[replay.key(op, (second, *rest), {})]
+    assert entry[-1]  # taken as many views of one argument
+    ours = replay.replay(entry, (second, *rest), op, {})
+    with mode:
+        theirs = op(second, *rest)
+    assert len(ours) == len(theirs) >= 8
+    for o, t in zip(ours, theirs):
+        assert (o.shape, o.stride(), o.storage_offset(), o.dtype, o.device) == (
+            t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+        assert untyped_storage_key(o.untyped_storage()) == untyped_storage_key(
+            second.untyped_storage())
+
 class _ReshapedBuffer(nn.Module):
     """Changes a buffer's shape with `.data =` (no op is dispatched for it) between two uses."""
 

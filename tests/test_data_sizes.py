@@ -284,6 +284,29 @@ def test_integer_inputs_given_as_tensors_keep_their_values():
         tapescope.profile(_LabelCheck, tapescope.spec((T, D)), tapescope.spec((T,), torch.int64))
 
 
+
+class _ReadAfterWrite(nn.Module):
+    """Reads a value computed from a tensor that the step then writes in place: the value is the
+    one from before the write (capture/data_values.py defers pure ops on values until a read, and
+    runs them before a write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, lengths):
+        kept = lengths.clone()
+        rows = kept * 2          # 2 x (3 + 5) = 16 rows
+        kept.mul_(kept)          # after this, 2 x kept would be 2 x (9 + 25) = 68 (all 64 rows)
+        return self.lin(x[:int(rows.sum())]).pow(2).sum()
+
+
+def test_a_value_read_after_a_write_to_its_input_is_the_one_from_before_the_write():
+    lengths = torch.tensor([3, 5])
+    p = tapescope.profile(_ReadAfterWrite, tapescope.spec((T, D)), lengths)
+    (mm,) = {tuple(op.inputs[1].shape) for op in p.ops if op.name == "aten.addmm.default"}
+    assert mm == (16, D)   # as a real forward reads it (hand-derived above); 64 if read after
+
 class _LayerDrop(nn.Module):
     def __init__(self):
         super().__init__()

@@ -36,12 +36,15 @@ with one value: one name, "peak = f(that count)"), evaluated at the assumed valu
 Why our own propagation rather than FakeTensorMode(propagate_real_tensors=True): that mode runs
 every op for real when its inputs have real values, factory functions included, which would
 allocate the model. Here only the routing's descendants carry values, each at most VALUE_LIMIT
-elements.
+elements, and a pure op's values are computed only when something reads them (`_defer`): most
+never are (a rope's positions once a DTensor mask's literal turns values on), and computed at once
+they held 1 GiB of a 405B rank's capture.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -148,6 +151,7 @@ class DataValues:
     _groups: dict = field(default_factory=dict)            # (op, where, value) -> name
     _taken: set = field(default_factory=set)
     _active: bool = False                                  # some tensor has values
+    _deferred: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # _Deferred not yet run
     routers = None   # the ops whose selections are routings (set below the class)
 
     @property
@@ -157,9 +161,19 @@ class DataValues:
 
     # ---- values on fake tensors --------------------------------------------------------------
 
-    @staticmethod
-    def value(t):
-        return getattr(t, _ATTR, None)
+    def value(self, t):
+        """(real tensor, sources) of a fake tensor the capture knows the values of, else None.
+        A value whose op was deferred (`_defer`) is computed now, once."""
+        v = getattr(t, _ATTR, None)
+        if v is None or not isinstance(v[0], _Lazy):
+            return v
+        real = v[0].real()
+        if real is None:  # the op refused these values: no value, as if it had run at once
+            delattr(t, _ATTR)
+            return None
+        v = (real, v[1])
+        setattr(t, _ATTR, v)
+        return v
 
     def read(self, t, how: str = "tolist"):
         """The values of a fake tensor the capture knows, read as `t.tolist()` / `t.numpy()`
@@ -228,8 +242,13 @@ class DataValues:
                 if o.numel() <= RANDOM_LIMIT:
                     setattr(o, _UNKNOWN, unknown)
         fresh = self._fresh_symbols(outs)
-        valued = [self.value(t) for t in tensors]
-        if tensors and all(v is not None for v in valued):
+        valued = [_held(t) for t in tensors]
+        if tensors and all(v is not None for v in valued) and not fresh \
+                and not func._schema.is_mutable:
+            self._defer(func, args, kwargs, outs, valued)
+        elif tensors and all(v is not None for v in valued):
+            if func._schema.is_mutable:
+                self._run_deferred()  # what was deferred reads the values before this write
             real, sources = self._run_real(func, args, kwargs)
             if real is not None:
                 self._attach(outs, [r for r in tree_flatten(real)[0]
@@ -421,7 +440,7 @@ class DataValues:
 
         def real(x):
             if isinstance(x, torch.Tensor):
-                v = self.value(x)
+                v = self.value(x)  # (a deferred value is computed here)
                 if v is None:
                     missing.append(x)
                     return x
@@ -450,6 +469,56 @@ class DataValues:
                 return func(*rargs, **rkwargs), frozenset(sources)
         except Exception:  # noqa: BLE001 - an op the values cannot run: no value, the trace goes on
             return None, sources
+
+    def _defer(self, func, args, kwargs, outs, valued) -> None:
+        """Give the outputs of a pure op on valued tensors values computed when first read.
+
+        Most values are never read: a rope's positions, cosines and sines (12 ops, 8192 x 64
+        elements each, per layer of a 405B model) only reach ops on fake activations, and
+        computed at once they held 1 GiB of a 126-layer rank's capture. An op is deferred only
+        when nothing needs its real outputs now: it makes no new data-dependent size (those are
+        named from the real shapes at once) and writes no argument. A write to a valued tensor
+        first runs every op still deferred (`_run_deferred`), so each reads its inputs as they
+        were when the step ran it: the values are the ones running each op at once gives."""
+        if not outs:
+            return  # a pure op that makes no tensor: nothing to give a value
+
+        def held(x):
+            if isinstance(x, torch.Tensor):
+                return _held(x)[0]
+            if isinstance(x, torch.device):
+                return torch.device("cpu")
+            if isinstance(x, torch.SymInt):
+                c = self._int(x)
+                if c is None:
+                    raise LookupError
+                return c
+            return x
+
+        try:
+            dargs, dkwargs = tree_map(held, (args, kwargs))
+        except LookupError:  # a size the values cannot give: no value, as _run_real decides
+            return
+        if "device" in dkwargs:
+            dkwargs["device"] = torch.device("cpu")
+        if "pin_memory" in dkwargs:
+            dkwargs["pin_memory"] = False
+        depth = 1 + max((x.op.depth for x in tree_flatten((dargs, dkwargs))[0]
+                         if isinstance(x, _Lazy)), default=0)
+        op = _Deferred(func, dargs, dkwargs, tuple(o.dim() for o in outs), depth)
+        sources = frozenset().union(*(v[1] for v in valued))
+        for i, o in enumerate(outs):
+            self._set(o, _Lazy(op, i), sources)
+        if depth >= _MAX_DEPTH:
+            op.run()  # computing a value walks its deferred inputs: keep that walk short
+        else:
+            self._deferred.add(op)
+
+    def _run_deferred(self) -> None:
+        """Run every op still deferred (before a write to a value: see `_defer`)."""
+        for op in list(self._deferred):
+            op.run()
+        self._deferred.clear()
 
     def _attach(self, outs, reals, sources, func, where) -> None:
         if len(outs) != len(reals):
@@ -540,6 +609,65 @@ class Unknown:
 
     kind: str      # "random" or "meta"
     source: str
+
+
+_MAX_DEPTH = 64  # deferred ops in a chain before one is run (see _defer)
+
+
+def _held(t):
+    """A fake tensor's (value, sources) as held: the value may be a _Lazy (not computed)."""
+    return getattr(t, _ATTR, None)
+
+
+class _Deferred:
+    """A pure op on values, run when one of its outputs' values is read (DataValues._defer).
+    Its arguments hold the values of its tensor arguments (real tensors, or _Lazy)."""
+
+    __slots__ = ("func", "args", "kwargs", "dims", "depth", "reals", "__weakref__")
+
+    def __init__(self, func, args, kwargs, dims, depth):
+        self.func, self.args, self.kwargs, self.dims, self.depth = func, args, kwargs, dims, depth
+        self.reals = None
+
+    def run(self) -> list:
+        """The real outputs (None for one the values cannot give), computed once, as
+        DataValues._run_real and _attach would have at the op."""
+        if self.reals is not None:
+            return self.reals
+        self.reals = [None] * len(self.dims)
+
+        def real(x):
+            if isinstance(x, _Lazy):
+                x = x.real()
+                if x is None:
+                    raise LookupError
+            if isinstance(x, torch.Tensor) and x.numel() > VALUE_LIMIT:
+                raise LookupError
+            return x
+
+        try:
+            rargs, rkwargs = tree_map(real, (self.args, self.kwargs))
+            with unset_fake_temporarily(), torch.no_grad(), _one_thread():
+                out = self.func(*rargs, **rkwargs)
+        except Exception:  # noqa: BLE001 - an op the values cannot run: no value (_run_real)
+            out = None
+        reals = [r for r in tree_flatten(out)[0] if isinstance(r, torch.Tensor)]
+        if len(reals) == len(self.dims):
+            self.reals = [r if r.dim() == d else None for r, d in zip(reals, self.dims)]
+        self.func = self.args = self.kwargs = None  # its inputs' values may go
+        return self.reals
+
+
+class _Lazy:
+    """Output `index` of a deferred op: the value of a fake tensor, computed when read."""
+
+    __slots__ = ("op", "index")
+
+    def __init__(self, op: _Deferred, index: int):
+        self.op, self.index = op, index
+
+    def real(self):
+        return self.op.run()[self.index]
 
 
 # ---- random draws taken at their median -----------------------------------------------------------

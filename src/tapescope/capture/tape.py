@@ -775,7 +775,7 @@ class Tape(FakeTensorMode):
         if key is not None:
             if entry is not None:
                 try:
-                    return replay.replay(entry, args)
+                    return replay.replay(entry, args, func, kwargs)
                 except LookupError:
                     pass
             bypassed = replay.bypasses(func)
