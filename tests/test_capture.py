@@ -264,8 +264,8 @@ def test_many_views_replayed_as_fake_tensor_mode_makes_them(op, rest):
     with mode:
         first, second = (torch.empty(32, 16)[1:] for _ in range(2))   # storage offset 16
         learned = op(first, *rest)
-    replay.learn(replay.key(op, (first, *rest), {}), op, (first, *rest), learned)
-    entry = replay.entries[replay.key(op, (second, *rest), {})]
+    replay.learn(replay.find(op, (first, *rest), {})[0], op, (first, *rest), learned)
+    entry = replay.find(op, (second, *rest), {})[1]
     assert entry[-1]  # taken as many views of one argument
     ours = replay.replay(entry, (second, *rest), op, {})
     with mode:
@@ -276,6 +276,7 @@ def test_many_views_replayed_as_fake_tensor_mode_makes_them(op, rest):
             t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
         assert untyped_storage_key(o.untyped_storage()) == untyped_storage_key(
             second.untyped_storage())
+
 
 class _ReshapedBuffer(nn.Module):
     """Changes a buffer's shape with `.data =` (no op is dispatched for it) between two uses."""
