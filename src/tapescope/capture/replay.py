@@ -8,8 +8,8 @@ the op, each tensor argument's (shape, stride, dtype, device, offset, requires_g
 arguments as they are, and the default dtype and device.
 
 Only what FakeTensorMode itself found cacheable is replayed (its bypass counter did not move while
-it ran the op): constants, symbolic sizes, data-dependent and metadata-mutating ops all go through
-it every time. A hit rebuilds the outputs the way FakeTensorMode rebuilds a cache hit (an empty
+it ran the op, less the refusals of ops it ran inside it: `_IGNORED_BYPASSES`): constants,
+symbolic sizes, data-dependent and metadata-mutating ops all go through it every time. A hit rebuilds the outputs the way FakeTensorMode rebuilds a cache hit (an empty
 meta tensor wrapped as a FakeTensor, sharing the input's storage for a view; the wrapping by
 torch_compat.FakeTensorFactory, which makes what FakeTensor's constructor makes without its Python); an in-place op just
 returns the argument it mutates. If replaying ever fails (a torch version whose internals differ),
@@ -19,10 +19,10 @@ the front switches itself off and every op goes through FakeTensorMode.
 from __future__ import annotations
 
 import torch
-from ..torch_compat import (FakeTensor, FakeTensorFactory, FakeTensorMode, OpOverload, default_device,
-                            disable_torch_dispatch, fake_cache_bypasses, functional_collective_ops,
-                            has_composite_implicit_kernel, in_kernel_invocation_manager,
-                            no_dispatch, untyped_storage_key)
+from ..torch_compat import (FakeTensor, FakeTensorFactory, FakeTensorMode, OpOverload,
+                            default_device, disable_torch_dispatch, fake_cache_bypasses,
+                            functional_collective_ops, has_composite_implicit_kernel,
+                            in_kernel_invocation_manager, no_dispatch, untyped_storage_key)
 
 # 0-d literals of these dtypes get an `.item()` memo from FakeTensorMode (fake_tensor.py)
 _ITEM_MEMO_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.float64)
@@ -133,9 +133,9 @@ _IGNORED_BYPASSES = {
     # raised (fake_tensor.py, `_validate_cache_key`) only for a view op with a
     # CompositeImplicitAutograd kernel. For any other `func` it came from an op inside it (the
     # decompositions of addmm, gelu_backward, native_layer_norm_backward, _log_softmax ... cast
-    # with `aten.to.dtype`, such a view) while FakeTensorMode cached `func` itself: the second
-    # call would be its cache hit, which the front learns; this learns the same output a call
-    # earlier
+    # with `aten.to.dtype`, such a view); a refusal of `func` itself moves another reason. So
+    # FakeTensorMode cached `func`: its second call would be FakeTensorMode's cache hit, which
+    # the front learns; this learns the same output a call earlier
     "CompositeImplicitAutograd": lambda func, pure_custom: isinstance(func, OpOverload) and not (
         func.is_view and has_composite_implicit_kernel(func)),
 }
