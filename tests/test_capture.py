@@ -278,6 +278,86 @@ def test_many_views_replayed_as_fake_tensor_mode_makes_them(op, rest):
             second.untyped_storage())
 
 
+def _inner_refusal_cases(e, n):
+    """(op, args, kwargs) of ops whose decomposition FakeTensorMode refuses to cache a cast
+    inside (`aten.to.dtype`, a CompositeImplicitAutograd view) while it caches the op itself;
+    `e(*size, dtype=...)` makes a fake tensor, `n` is the first size (a SymInt or an int)."""
+    aten = torch.ops.aten
+    x, g = e(n, 13), e(n, 13)
+    return [
+        (aten.addmm.default, (e(11), x, e(13, 11)), {}),  # GPT-2's Conv1D, every linear's bias
+        (aten.addmm.default, (e(11), x, e(11, 13).t()), {"beta": 1, "alpha": 1}),
+        (aten.gelu_backward.default, (g, x), {"approximate": "tanh"}),
+        (aten.silu_backward.default, (g, x), {}),
+        (aten.native_layer_norm_backward.default,
+         (g, x, [13], e(n, 1), e(n, 1), e(13), e(13), [True, True, True]), {}),
+        (aten._log_softmax.default, (x, 1, False), {}),
+        (aten._log_softmax_backward_data.default, (g, x, 1, torch.float32), {}),
+        (aten.nll_loss_forward.default, (x, e(n, dtype=torch.int64), None, 1, -100), {}),
+    ]
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_ops_refused_only_inside_are_replayed_as_fake_tensor_mode_makes_them(symbolic):
+    """An op that FakeTensorMode caches although an op inside its decomposition was refused
+    (the bypass counter moved, for "CompositeImplicitAutograd" only) is learned by the replay
+    front on its first call; what it replays for other inputs of the same layouts is what
+    FakeTensorMode makes for them: sizes, strides, dtype, device, storage offset and size, and
+    a storage of its own (no output aliases an input)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import DispatchReplay
+    from tapescope.torch_compat import (DimDynamic, ShapeEnv, constant_source,
+                                        fake_cache_bypasses, untyped_storage_key)
+
+    shape_env = ShapeEnv() if symbolic else None
+    n = 6
+    if symbolic:
+        n = shape_env.create_symintnode(shape_env.create_symbol(
+            6, constant_source("n"), dynamic_dim=DimDynamic.DYNAMIC), hint=6)
+    mode = FakeTensorMode(shape_env=shape_env)
+    FakeTensorMode.cache_clear()  # each op's first call must be FakeTensorMode's own miss
+
+    def e(*size, dtype=torch.float32):
+        with mode:
+            return torch.empty(size, dtype=dtype)
+
+    first, second = _inner_refusal_cases(e, n), _inner_refusal_cases(e, n)
+    for (op, args, kwargs), (_, args2, kwargs2) in zip(first, second):
+        replay = DispatchReplay(mode)
+        key, _ = replay.find(op, args, kwargs)
+        assert key is not None
+        before, counts = replay.bypasses(op), dict(fake_cache_bypasses())
+        with mode:
+            learned = op(*args, **kwargs)
+        moved = {k for k, v in fake_cache_bypasses().items() if v != counts.get(k, 0)}
+        assert moved == {"CompositeImplicitAutograd"}, op  # the case under test: refused inside
+        assert replay.bypasses(op) == before, op
+        replay.learn(key, op, args, learned)
+        _, entry = replay.find(op, args2, kwargs2)
+        assert entry is not None, op
+        ours = replay.replay(entry, args2)
+        with mode:
+            theirs = op(*args2, **kwargs2)
+        ours, theirs = ((t,) if isinstance(t, torch.Tensor) else t for t in (ours, theirs))
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), op
+        inputs = {untyped_storage_key(a.untyped_storage())
+                  for a in (*args2, *kwargs2.values()) if isinstance(a, torch.Tensor)}
+        for o, t in zip(ours, theirs):
+            assert (o.shape, o.stride(), o.dtype, o.device, o.storage_offset(), o.requires_grad) \
+                == (t.shape, t.stride(), t.dtype, t.device, t.storage_offset(), t.requires_grad), op
+            assert o.untyped_storage().nbytes() == t.untyped_storage().nbytes(), op
+            assert untyped_storage_key(t.untyped_storage()) not in inputs, op
+            assert untyped_storage_key(o.untyped_storage()) not in inputs, op
+    # a CompositeImplicitAutograd view op itself (may alias, FakeTensorMode cannot tell) is
+    # refused for what it is: the front does not learn it
+    to, replay = torch.ops.aten.to.dtype, DispatchReplay(mode)
+    before, x = replay.bypasses(to), e(n, 13)
+    # as a decomposition meets it (a plain call decomposes before any mode sees it)
+    mode.__torch_dispatch__(to, (type(x),), (x, torch.float32), {})
+    assert replay.bypasses(to) > before
+
+
 class _ReshapedBuffer(nn.Module):
     """Changes a buffer's shape with `.data =` (no op is dispatched for it) between two uses."""
 

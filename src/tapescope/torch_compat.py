@@ -76,7 +76,8 @@ __all__ = [
     "pop_saved_tensors_hooks",
     "mark_internal_saved_tensors_hooks", "set_graph_task_id", "forward_ad_level",
     "adinplaceorview_excluded", "default_device",
-    "foreach_devices", "fake_cache_bypasses", "fake_mode_handles_directly",
+    "foreach_devices", "fake_cache_bypasses", "has_composite_implicit_kernel",
+    "fake_mode_handles_directly",
     "functional_collective_ops", "FakeTensorFactory",
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
@@ -240,6 +241,13 @@ def functional_collective_ops(names) -> frozenset:
 def fake_cache_bypasses() -> dict:
     """FakeTensorMode's counter of ops it refused to cache, by reason (class-level)."""
     return FakeTensorMode.cache_bypasses
+
+
+def has_composite_implicit_kernel(func) -> bool:
+    """Whether `func` has a CompositeImplicitAutograd kernel: FakeTensorMode refuses to cache a
+    view op that has one (fake_tensor.py, `_validate_cache_key`, by this same test)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 class FakeTensorFactory:
@@ -634,6 +642,8 @@ PRIVATE_NAMES = (
     "torch._C._get_overrideable_sdp_enabled", "torch._C._nn.linear",
     "torch._C._nn.scaled_dot_product_attention", "torch.autograd.forward_ad._current_level",
     "torch._subclasses.fake_tensor.FakeTensorMode.cache_bypasses",
+    "torch._C._dispatch_has_kernel_for_dispatch_key",
+    "torch._C.DispatchKey.CompositeImplicitAutograd",
     "torch._subclasses.fake_tensor.in_kernel_invocation_manager",
     "torch._subclasses.fake_tensor.unset_fake_temporarily",
     "torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS",

@@ -8,8 +8,8 @@ the op, each tensor argument's (shape, stride, dtype, device, offset, requires_g
 arguments as they are, and the default dtype and device.
 
 Only what FakeTensorMode itself found cacheable is replayed (its bypass counter did not move while
-it ran the op): constants, symbolic sizes, data-dependent and metadata-mutating ops all go through
-it every time. A hit rebuilds the outputs the way FakeTensorMode rebuilds a cache hit (an empty
+it ran the op, less the refusals of ops it ran inside it: `_IGNORED_BYPASSES`): constants,
+symbolic sizes, data-dependent and metadata-mutating ops all go through it every time. A hit rebuilds the outputs the way FakeTensorMode rebuilds a cache hit (an empty
 meta tensor wrapped as a FakeTensor, sharing the input's storage for a view; the wrapping by
 torch_compat.FakeTensorFactory, which makes what FakeTensor's constructor makes without its Python); an in-place op just
 returns the argument it mutates. If replaying ever fails (a torch version whose internals differ),
@@ -19,8 +19,9 @@ the front switches itself off and every op goes through FakeTensorMode.
 from __future__ import annotations
 
 import torch
-from ..torch_compat import (FakeTensor, FakeTensorFactory, FakeTensorMode, default_device,
-                            disable_torch_dispatch, fake_cache_bypasses, functional_collective_ops,
+from ..torch_compat import (FakeTensor, FakeTensorFactory, FakeTensorMode, OpOverload,
+                            default_device, disable_torch_dispatch, fake_cache_bypasses,
+                            functional_collective_ops, has_composite_implicit_kernel,
                             in_kernel_invocation_manager, no_dispatch, untyped_storage_key)
 
 # 0-d literals of these dtypes get an `.item()` memo from FakeTensorMode (fake_tensor.py)
@@ -119,6 +120,34 @@ def _symbolic_storage_numel(t, view_of):
 _PURE_CUSTOM_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "_wrap_tensor_autograd")
 
 
+# FakeTensorMode's reasons for refusing to cache an op (its `cache_bypasses` counter, by reason)
+# that do not stop the front from learning `func`: rule(func, pure_custom) -> True where the
+# reason, moving while `func` ran, says nothing about `func` itself. A reason no rule names always
+# stops it. The counter also moves for the ops FakeTensorMode runs inside `func` (a decomposition's
+# own ops), and those refusals are theirs, not `func`'s.
+_IGNORED_BYPASSES = {
+    # FakeTensorMode refuses `_unsafe_view` only because the schema hides that the output aliases
+    # the input, which `_entry` sees from the storages (every linear on a 3-d input ends in one)
+    "unsafe view": lambda func, pure_custom: True,
+    # refused for not being aten's: _PURE_CUSTOM_OPS are pure functions of metadata all the same
+    "non-builtin": lambda func, pure_custom: func in pure_custom,
+    # raised (fake_tensor.py, `_validate_cache_key`) only for a view op with a
+    # CompositeImplicitAutograd kernel. For any other `func` it came from an op inside it (the
+    # decompositions of addmm, gelu_backward, native_layer_norm_backward, _log_softmax ... cast
+    # with `aten.to.dtype`, such a view); a refusal of `func` itself moves another reason. So
+    # FakeTensorMode cached `func`: its second call would be FakeTensorMode's cache hit, which
+    # the front learns; this learns the same output a call earlier
+    "CompositeImplicitAutograd": lambda func, pure_custom: isinstance(func, OpOverload) and not (
+        func.is_view and has_composite_implicit_kernel(func)),
+}
+
+
+def _ignored_bypasses(func, pure_custom) -> tuple:
+    """The reasons of _IGNORED_BYPASSES that do not stop the front from learning `func`."""
+    return tuple(reason for reason, ignores in _IGNORED_BYPASSES.items()
+                 if ignores(func, pure_custom))
+
+
 def _constant_kind(func) -> str:
     """How `DispatchReplay.constant_op` may answer `func` on constants: _INPLACE (it mutates its
     first argument), _SCALAR (it returns one number) or _NOT_CONSTANT, from its tags and schema."""
@@ -138,6 +167,7 @@ class DispatchReplay:
         self.mode = mode
         self.entries: dict = {}
         self._constant_kinds: dict = {}  # op -> _constant_kind(op)
+        self._ignored: dict = {}  # op -> _ignored_bypasses(op)
         self.enabled = True
         self._fakes = FakeTensorFactory(mode)
         self._pure_custom = functional_collective_ops(_PURE_CUSTOM_OPS)
@@ -207,15 +237,14 @@ class DispatchReplay:
         return True, (args[0] if kind is _INPLACE else out)
 
     def bypasses(self, func) -> int:
-        """How many ops FakeTensorMode refused to cache, less `_unsafe_view`: it refuses that one
-        only because the schema hides that the output aliases the input, which `_entry` sees from
-        the storages (every linear on a 3-d input ends in one); less the "non-builtin" refusals
-        when `func` is one of _PURE_CUSTOM_OPS."""
+        """How many ops FakeTensorMode refused to cache, less the refusals that do not stop the
+        front from learning `func` (_IGNORED_BYPASSES). `func` is learned when this count does not
+        move while FakeTensorMode runs it."""
+        ignored = self._ignored.get(func)
+        if ignored is None:
+            ignored = self._ignored[func] = _ignored_bypasses(func, self._pure_custom)
         counts = fake_cache_bypasses()
-        n = sum(counts.values()) - counts.get("unsafe view", 0)
-        if func in self._pure_custom:
-            n -= counts.get("non-builtin", 0)
-        return n
+        return sum(counts.values()) - sum(counts.get(reason, 0) for reason in ignored)
 
     def replay(self, entry, args, func=None, kwargs=None):
         """Outputs for a cache hit, or raises LookupError to fall back."""
