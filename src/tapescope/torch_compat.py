@@ -95,6 +95,7 @@ __all__ = [
     "dtensor_meta_propagation", "strided_shard_flag_propagation", "mesh_strategy_expansion",
     "foreach_strategy_expansion",
     "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED", "engine_grad_mode",
+    "dynamo_disable_is_a_call", "disable_dynamo",
 ]
 
 
@@ -423,6 +424,24 @@ class engine_grad_mode:
     def __exit__(self, *exc) -> None:
         with disable_torch_function():
             torch._C._set_grad_enabled(self.prev)
+
+
+# torch wraps each dispatch mode's __torch_dispatch__ in this (utils/_python_dispatch.py,
+# TorchDispatchMode.__init_subclass__, unless the class's _should_skip_dynamo says False)
+disable_dynamo = torch._disable_dynamo
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+def dynamo_disable_is_a_call() -> bool:
+    """Would torch._disable_dynamo's wrapper (torch/_dynamo/eval_frame.py, `_fn`) do nothing but
+    call the function it wraps? Yes while no dynamo frame callback is set (no compiled region
+    runs) and torch.compiler's stance installs none for disabled code (only
+    "eager_on_recompile" does). Exporting changes nothing for a __torch_dispatch__."""
+    if _eval_frame_callback() is not None:
+        return False
+    import torch._dynamo.eval_frame as eval_frame  # imported once the first mode dispatched
+
+    return eval_frame._stance.stance == "default" or eval_frame._callback_from_stance(None) is None
 
 
 # The operator objects (torch.ops.aten.mm, aten.mm.default, higher-order ops): immutable handles
