@@ -99,9 +99,14 @@ def test_a_compiler_stance_that_hooks_frames_takes_torchs_dynamo_wrapper(monkeyp
     code). The same step traces to the same ops, storages and events either way."""
     import tapescope.capture.tape as tape
 
-    taken = []
+    taken = []  # what each dispatch asked: True, the unwrapped call
     plain = tape.dynamo_disable_is_a_call
-    monkeypatch.setattr(tape, "dynamo_disable_is_a_call", lambda: taken.append(plain()) or taken[-1])
+
+    def asked() -> bool:
+        taken.append(plain())
+        return taken[-1]
+
+    monkeypatch.setattr(tape, "dynamo_disable_is_a_call", asked)
 
     def trace(p):
         return ([(r.name, r.args, r.outputs, r.frame) for r in p.trace.ops],
