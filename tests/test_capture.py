@@ -92,6 +92,36 @@ def test_a_dropped_profile_leaves_nothing_alive():
         assert tapes() == before, engine
 
 
+def test_a_compiler_stance_that_hooks_frames_takes_torchs_dynamo_wrapper(monkeypatch):
+    """The Tape calls its dispatch without torch._disable_dynamo's wrapper where that wrapper
+    would only call it, and through it where dynamo would otherwise see the frames: under
+    torch.compiler's "eager_on_recompile" stance (which installs a frame callback for disabled
+    code). The same step traces to the same ops, storages and events either way."""
+    import tapescope.capture.tape as tape
+
+    taken = []  # what each dispatch asked: True, the unwrapped call
+    plain = tape.dynamo_disable_is_a_call
+
+    def asked() -> bool:
+        taken.append(plain())
+        return taken[-1]
+
+    monkeypatch.setattr(tape, "dynamo_disable_is_a_call", asked)
+
+    def trace(p):
+        return ([(r.name, r.args, r.outputs, r.frame) for r in p.trace.ops],
+                [repr(s) for s in p.trace.storages], p.trace.events)
+
+    m, x = MLP(), torch.randn(8, 16)
+    plain_trace = trace(tapescope.profile(m, x))
+    assert taken and all(taken)
+    taken.clear()
+    with torch.compiler.set_stance("eager_on_recompile"):
+        hooked_trace = trace(tapescope.profile(m, x))
+    assert taken and not any(taken)
+    assert hooked_trace == plain_trace
+
+
 def test_views_share_storage_and_are_not_double_counted():
     class Views(nn.Module):
         def __init__(self):

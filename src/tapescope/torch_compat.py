@@ -95,7 +95,8 @@ __all__ = [
     "checkpoint_wrapper_api", "TRACING_CHECK_MODULES", "dtensor_tracing_checks",
     "dtensor_meta_propagation", "strided_shard_flag_propagation", "mesh_strategy_expansion",
     "foreach_strategy_expansion",
-    "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED",
+    "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED", "engine_grad_mode",
+    "dynamo_disable_is_a_call", "disable_dynamo",
 ]
 
 
@@ -409,6 +410,46 @@ def without_torch_function(fn):
         with disable_torch_function():
             return fn(*args, **kwargs)
     return run
+
+
+class engine_grad_mode:
+    """`with engine_grad_mode(False):` is `with torch.no_grad():` as the C++ engine's GradMode
+    guard sets it: unseen by torch function modes. torch.set_grad_enabled calls
+    torch._C._set_grad_enabled, which passes through every function mode (the capture's
+    FunctionRulesMode: ~2 us a switch, two a backward node, ~1,000 a GPT-2 backward); in a real
+    step the engine switches in C++, where no mode sees it."""
+
+    __slots__ = ("mode", "prev")
+
+    def __init__(self, mode: bool):
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        with disable_torch_function():
+            torch._C._set_grad_enabled(self.mode)
+
+    def __exit__(self, *exc) -> None:
+        with disable_torch_function():
+            torch._C._set_grad_enabled(self.prev)
+
+
+# torch wraps each dispatch mode's __torch_dispatch__ in this (utils/_python_dispatch.py,
+# TorchDispatchMode.__init_subclass__, unless the class's _should_skip_dynamo says False)
+disable_dynamo = torch._disable_dynamo
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+def dynamo_disable_is_a_call() -> bool:
+    """Would torch._disable_dynamo's wrapper (torch/_dynamo/eval_frame.py, `_fn`) do nothing but
+    call the function it wraps? Yes while no dynamo frame callback is set (no compiled region
+    runs) and torch.compiler's stance installs none for disabled code (only
+    "eager_on_recompile" does). Exporting changes nothing for a __torch_dispatch__."""
+    if _eval_frame_callback() is not None:
+        return False
+    import torch._dynamo.eval_frame as eval_frame  # imported once the first mode dispatched
+
+    return eval_frame._stance.stance == "default" or eval_frame._callback_from_stance(None) is None
 
 
 # The operator objects (torch.ops.aten.mm, aten.mm.default, higher-order ops): immutable handles

@@ -116,10 +116,14 @@ def _n(x):
 def storage_categories(trace: Trace) -> list[str]:
     """Category of every storage (index = storage id)."""
     saved_storages = set()
-    if trace.saved_values:
-        for op in trace.ops:
-            for t in (*op.tensor_outputs(), *op.tensor_inputs()):
-                if t.value in trace.saved_values:
+    saved = trace.saved_values
+    if saved:
+        for op in trace.ops:  # (each op's refs read in place: no tuple made per op)
+            for t in op.outputs:
+                if t is not None and t.value in saved:
+                    saved_storages.add(t.storage)
+            for t in op.inputs:
+                if t.value in saved:
                     saved_storages.add(t.storage)
     cats = []
     for s in trace.storages:
@@ -180,16 +184,17 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
             timeline[pos] = total  # the highest level while the op ran
             for c in names:
                 timeline_cat[c][pos] = by_cat[c]
-    # ops that allocated and freed nothing carry the level of the op before them
-    last, last_cat = initial_bytes, initial_cat
-    for p in range(n_ops):
-        if timeline[p] is None:
-            timeline[p] = last
-            for c in names:
-                timeline_cat[c][p] = last_cat[c]
-        else:
-            last = timeline[p]
-            last_cat = {c: timeline_cat[c][p] for c in names}
+    # ops that allocated and freed nothing carry the level of the op before them (a level is
+    # never None, and an op's categories are set together with its total: each column is
+    # filled on its own)
+    for column, last in ((timeline, initial_bytes),
+                         *((timeline_cat[c], initial_cat[c]) for c in names)):
+        for p in range(n_ops):
+            level = column[p]
+            if level is None:
+                column[p] = last
+            else:
+                last = level
 
     live_at_peak = live_after(trace, view, peak_event)
     at_peak = dict.fromkeys(names, 0)

@@ -34,10 +34,10 @@ from collections import defaultdict
 
 import torch
 
-from ..torch_compat import (graph_task_keep_graph_query, is_zerotensor, node_input_metadata,
-                            node_sequence_nr, post_accumulate_grad_hooks, set_graph_task_id,
-                            statically_known_true, storage_use_count, tensor_backward_hooks,
-                            use_count, without_torch_function)
+from ..torch_compat import (engine_grad_mode, graph_task_keep_graph_query, is_zerotensor,
+                            node_input_metadata, node_sequence_nr, post_accumulate_grad_hooks,
+                            set_graph_task_id, statically_known_true, storage_use_count,
+                            tensor_backward_hooks, use_count, without_torch_function)
 from .graph_task import GraphTask, standing_in
 from .hooks import VARIABLE_INPUTS, HookRegistry, SavedTensors
 from .view_replay import ViewRegeneration, as_strided_backward, emulable
@@ -302,7 +302,8 @@ class PythonEngine:
                     ready.push(_Task(node, buf, depth))
                 else:
                     not_ready[node] = buf
-            with torch.no_grad():  # the graph task's grad mode (create_graph=False), hooks too
+            # the graph task's grad mode (create_graph=False), hooks too
+            with engine_grad_mode(False):
                 while graph.outstanding:
                     task = ready.pop()
                     node, inputs = task.node, task.inputs
@@ -431,7 +432,7 @@ class PythonEngine:
                     self._hold(g)
                     self._drop(inputs[i])
                     inputs[i] = g
-        with torch.no_grad():
+        with engine_grad_mode(False):
             if type(node).__name__ == "AccumulateGrad":
                 self._accumulate_grad(node, inputs)
                 outputs = []

@@ -32,9 +32,9 @@ from ..errors import passes_user_calls, source_dirs
 from ..losses import choose_default_loss, default_loss, sum_of
 from ..options import check_device_build, unbuilt_device_types
 from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
-                            c10d_collective_result, current_autograd_node,
-                            disable_torch_function, fake_mode_handles_directly,
-                            is_wrapper_subclass,
+                            c10d_collective_result, current_autograd_node, disable_dynamo,
+                            disable_torch_function, dynamo_disable_is_a_call,
+                            fake_mode_handles_directly, is_wrapper_subclass,
                             node_sequence_nr, sequence_nr, storage_key, untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
@@ -475,8 +475,21 @@ class Tape(FakeTensorMode):
 
     # ---- dispatch ---------------------------------------------------------------------------
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch would wrap __torch_dispatch__ in torch._disable_dynamo (~0.4 us an op, two more
+        # frames under every op's source-line walk) to do nothing unless a compiled region runs
+        # or a compiler stance says so: __torch_dispatch__ takes that wrapper itself, only then
+        return False
+
     @passes_user_calls
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if dynamo_disable_is_a_call():
+            return self._torch_dispatch(func, types, args, kwargs)
+        return _TORCH_DISPATCH_DYNAMO_DISABLED(self, func, types, args, kwargs)
+
+    @passes_user_calls
+    def _torch_dispatch(self, func, types, args, kwargs):
         # Below the dispatcher no torch function mode sees anything in a real step: the calls
         # FakeTensorMode's kernels and our recording make (tensor attributes, strides, storages:
         # ~25,000 per GPT-2 profile) would otherwise each pass through the capture's
@@ -640,10 +653,14 @@ class Tape(FakeTensorMode):
         if not backward and args:
             self.views.after_op(func, args)
 
-    def _issued_by_another_mode(self, depth: int = 8) -> bool:
+    def _issued_by_another_mode(self, depth: int = 6) -> bool:
         """Is a TorchDispatchMode other than this one handling an op further up the Python stack
-        (so that the op now dispatched is one it issued, inside the op it handles)?"""
-        f = sys._getframe(3)  # above _dispatch and this op's own __torch_dispatch__
+        (so that the op now dispatched is one it issued, inside the op it handles)? `depth`
+        frames above this op's own __torch_dispatch__ are looked at."""
+        f = sys._getframe(2)  # _dispatch's caller, below this op's own __torch_dispatch__
+        while f is not None and f.f_code is not _TORCH_DISPATCH_CODE:
+            f = f.f_back  # (torch's dynamo wrapper between them on the compiled path)
+        f = f.f_back if f is not None else None
         for _ in range(depth):
             if f is None:
                 return False
@@ -867,6 +884,11 @@ class Tape(FakeTensorMode):
             if type(a[0]) in (list, tuple):  # a list of tensor lists (c10d's scatter_, say):
                 return tuple(self._convert(x, tensors) for x in a)  # the trace keeps no tensor
         return a
+
+
+# torch's wrapper, taken where it does more than call (Tape._should_skip_dynamo)
+_TORCH_DISPATCH_DYNAMO_DISABLED = disable_dynamo(Tape._torch_dispatch, recursive=True)
+_TORCH_DISPATCH_CODE = Tape.__torch_dispatch__.__code__
 
 
 def _wrapped(t: torch.Tensor) -> list | None:
