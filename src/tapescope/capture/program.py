@@ -46,7 +46,7 @@ from .optimizers import make_optimizer
 from .records import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from .step import train_step
 
-__all__ = ["StepProgram", "StepRuntime", "BuiltinStep", "UserStep", "phase_marks",
+__all__ = ["StepProgram", "StepRuntime", "BuiltinStep", "UserStep", "phase_marks", "steps_of",
            "optimizers_in", "state_tensors", "step_program"]
 
 
@@ -73,6 +73,8 @@ class StepRuntime:
     on_optimizer: Callable = field(default=lambda optimizer: None)
     on_default_loss: Callable = field(default=lambda what: None)
     micro_batch_done: Callable = field(default=lambda i, n: False)
+    #: the global hooks phase_marks uses, when registered once for every step (steps_of)
+    hooks: Any = None
 
 
 class StepProgram(ABC):
@@ -290,23 +292,85 @@ def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
                                   only_inputs, allow_unused, is_grads_batched, materialize_grads)
             return runtime.grad(outputs, inputs, grad_outputs, retain_graph, bool(allow_unused))
 
-    from torch.nn.modules.module import (register_module_forward_hook,
-                                         register_module_forward_pre_hook)
-
-    handles = [register_module_forward_pre_hook(pre),
-               register_module_forward_hook(post, always_call=True),
-               register_optimizer_step_pre_hook(step_pre),
-               register_optimizer_step_post_hook(step_post)]
+    hooks = runtime.hooks
+    own = hooks is None
+    if own:
+        hooks = _PhaseHooks().__enter__()
+    hooks.marks = (pre, post, step_pre, step_post)
     torch.autograd.backward, torch.autograd.grad = backward, grad
     enter(OTHER)
     try:
         yield backward_phase
     finally:
         torch.autograd.backward, torch.autograd.grad = torch_backward, torch_grad
-        for h in handles:
-            h.remove()
+        hooks.marks = None
+        if own:
+            hooks.__exit__(None, None, None)
         while opened:  # an error left phases open (an optimizer step raised, say)
             leave()
+
+
+class _PhaseHooks:
+    """The global module-call and optimizer-step hooks phase_marks marks phases with,
+    registered once for all the steps of a run (`steps_of`) and passing each call to the
+    current step's marks (none between steps).
+
+    Why once: dynamo guards a compiled region on the keys of torch's global hook dicts
+    (`list(dict.keys(_global_forward_hooks))[1] == 55`), so hooks registered anew each step made
+    every compiled region recompile each step - compile time paid twice, and a code object with
+    more than 4 graphs a step reaching dynamo's recompile limit (8) in step 2, sending the rest
+    to eager where the user's own run (no hooks, no recompile) stays compiled."""
+
+    def __init__(self):
+        self.marks = None   # (pre, post, step_pre, step_post) of the step running
+        self._handles: list = []
+
+    def __enter__(self):
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
+
+        self._handles = [register_module_forward_pre_hook(self._pre),
+                         register_module_forward_hook(self._post, always_call=True),
+                         register_optimizer_step_pre_hook(self._step_pre),
+                         register_optimizer_step_post_hook(self._step_post)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # each returns at once under dynamo (a constant to it: nothing after it is traced)
+    def _pre(self, module, args):
+        if not torch.compiler.is_compiling() and self.marks is not None:
+            self.marks[0](module, args)
+
+    def _post(self, module, args, out):
+        if not torch.compiler.is_compiling() and self.marks is not None:
+            self.marks[1](module, args, out)
+
+    def _step_pre(self, optimizer, args, kwargs):
+        if self.marks is not None:
+            self.marks[2](optimizer, args, kwargs)
+
+    def _step_post(self, optimizer, args, kwargs):
+        if self.marks is not None:
+            self.marks[3](optimizer, args, kwargs)
+
+
+@contextmanager
+def steps_of(program: StepProgram, runtime: StepRuntime):
+    """Around all the steps a caller runs of `program` with `runtime`: a user's step gets its
+    phase hooks registered once for all of them (_PhaseHooks says why)."""
+    if not isinstance(program, UserStep) or runtime.hooks is not None:
+        yield
+        return
+    with _PhaseHooks() as hooks:
+        runtime.hooks = hooks
+        try:
+            yield
+        finally:
+            runtime.hooks = None
 
 
 def step_program(options) -> StepProgram:

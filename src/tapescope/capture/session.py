@@ -45,7 +45,7 @@ from .isolation import Isolation
 from .rng_state import track_rng_states
 from .model import Spec, fake_inputs, fake_tensor_like, model_of
 from .modules import module_names, track_modules
-from .program import StepRuntime, optimizers_in, state_tensors, step_program
+from .program import StepRuntime, optimizers_in, state_tensors, step_program, steps_of
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
                       OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, ZERO_GRAD, GuardRecord,
                       Trace)
@@ -525,9 +525,10 @@ class CaptureSession:
         runtime = StepRuntime(phase=self._user_phase, backward=self._run_backward,
                               grad=self._run_grad, on_optimizer=self._saw_optimizer,
                               forward_context=forward_context)
-        for step in range(1, self.options.steps + 1):
-            program.run(self.step_model, self.fargs, self.fkwargs, self.state, step, runtime)
-            self._mark_grads_and_state()
+        with steps_of(program, runtime):
+            for step in range(1, self.options.steps + 1):
+                program.run(self.step_model, self.fargs, self.fkwargs, self.state, step, runtime)
+                self._mark_grads_and_state()
         self.trace.step2 = "traced" if self.options.steps == 2 else None
 
     @contextmanager

@@ -25,7 +25,7 @@ from ..native_logs import quiet_native_logs
 from ..analysis.dispatch import decomposes_above_autograd
 from ..capture.model import real_inputs
 from ..options import resolve_dtype
-from ..capture.program import BuiltinStep, StepRuntime, UserStep
+from ..capture.program import BuiltinStep, StepRuntime, UserStep, steps_of
 
 __all__ = ["RealStep", "Allocation", "run_real_steps"]
 
@@ -149,7 +149,7 @@ def _profiled_steps(program, model, inputs, input_kwargs, device, dtype, forward
 
         runtime = StepRuntime(phase=phase, **(
             {"forward_context": forward_context} if forward_context else {}))
-        with _compile_config(compile):
+        with _compile_config(compile), steps_of(program, runtime):
             for s in range(1, steps + 1):
                 with record_function(f"tapescope::step{s}"):
                     # zero_grad included: the phase "zero_grad", where the loss dies
