@@ -743,8 +743,8 @@ def main(argv=None):
         # re-running one row never drops the others from the doc.
         missing = [r.name for r in ROWS if r.name not in cache]
         if missing:
-            sys.exit(f"--write-doc needs every row predicted; not in the cache: {', '.join(missing)} "
-                     f"(run without --rows first)")
+            sys.exit(f"--write-doc needs every row predicted; not in the cache: "
+                     f"{', '.join(missing)} (run without --rows first)")
         text = table(ROWS, cache) + "\n\n" + summary(ROWS, cache)
         doc = open(DOC).read()
         block = f"{BEGIN}\n{text}\n\nRows not expressed yet:\n\n{not_expressible()}\n{END}"

@@ -20,8 +20,8 @@ small ops is host-bound, as real eager steps are.
 Collectives of a distributed step (`comm`: op -> seconds on the interconnect, from
 analysis.collectives) run on their process group's NCCL stream (ProcessGroupNCCL keeps one per
 group: FSDP's and TP's collectives run side by side, one group's in order): a collective starts
-when the host has issued it, its group's stream is free and the ops that wrote its inputs are done; an op that reads what a collective wrote waits
-for it. Ops issued on another CUDA stream (the trace records each op's stream: FSDP2 casts the
+when the host has issued it, its group's stream is free and the ops that wrote its inputs are
+done; an op that reads what a collective wrote waits for it. Ops issued on another CUDA stream (the trace records each op's stream: FSDP2 casts the
 parameters to their compute dtype and copies them in for the all-gather on its all-gather
 copy-in stream, and copies gradients in for the reduce-scatter and casts / accumulates the
 reduced shards on its reduce-scatter stream) run in that stream's own queue, not behind the
@@ -285,7 +285,7 @@ def _occupy(intervals: list, a: float, b: float) -> int:
         intervals.append((a, b))
         return len(intervals) - 1
     i = bisect.bisect_right(intervals, a, key=lambda span: span[1])    # first ending after a
-    j = bisect.bisect_left(intervals, b, key=lambda span: span[0])     # first starting at b or later
+    j = bisect.bisect_left(intervals, b, key=lambda span: span[0])     # first starting >= b
     if i < j:
         a, b = min(a, intervals[i][0]), max(b, intervals[j - 1][1])
     intervals[i:j] = [(a, b)]
