@@ -9,11 +9,14 @@ arguments as they are, and the default dtype and device.
 
 Only what FakeTensorMode itself found cacheable is replayed (its bypass counter did not move while
 it ran the op, less the refusals of ops it ran inside it: `_IGNORED_BYPASSES`): constants,
-symbolic sizes, data-dependent and metadata-mutating ops all go through it every time. A hit rebuilds the outputs the way FakeTensorMode rebuilds a cache hit (an empty
-meta tensor wrapped as a FakeTensor, sharing the input's storage for a view; the wrapping by
-torch_compat.FakeTensorFactory, which makes what FakeTensor's constructor makes without its Python); an in-place op just
-returns the argument it mutates. If replaying ever fails (a torch version whose internals differ),
-the front switches itself off and every op goes through FakeTensorMode.
+symbolic sizes, data-dependent and metadata-mutating ops all go through it every time. A hit
+rebuilds the outputs the way FakeTensorMode rebuilds a cache hit (an empty meta tensor wrapped as
+a FakeTensor, sharing the input's storage for a view; the wrapping by
+torch_compat.FakeTensorFactory, which makes what FakeTensor's constructor makes without its
+Python); many plain views of one argument (FSDP2's chunk of a parameter) are made by one call of
+the op's meta kernel and checked against what FakeTensorMode made; an in-place op just returns
+the argument it mutates. If replaying ever fails (a torch version whose internals differ), the
+front switches itself off and every op goes through FakeTensorMode.
 """
 
 from __future__ import annotations
