@@ -307,6 +307,37 @@ def test_a_value_read_after_a_write_to_its_input_is_the_one_from_before_the_writ
     (mm,) = {tuple(op.inputs[1].shape) for op in p.ops if op.name == "aten.addmm.default"}
     assert mm == (16, D)   # as a real forward reads it (hand-derived above); 64 if read after
 
+class _DeferredThenWritten(nn.Module):
+    """Values through ops deferred (pure: arange on the input's device, mul, add, sum) and ops
+    run at once (a write: add_, which first runs what is deferred), then a size read from both."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, lengths):
+        pos = torch.arange(lengths.numel(), device=x.device)
+        weighted = lengths * (pos + 1)      # deferred: [3, 10]
+        kept = weighted.clone()
+        kept.add_(pos)                      # a write, run at once: [3, 11]
+        rows = int(weighted.sum() + kept.max())
+        return self.lin(x[:rows]).pow(2).sum()
+
+
+def test_deferred_and_immediate_values_give_the_real_forwards_size():
+    """Deferred ops and ops run at once map their arguments alike (data_values.py `_as_values`:
+    the device made the CPU, each SymInt by its value). Truth: the rows the real forward feeds
+    its Linear, counted by a forward pre-hook."""
+    lengths = torch.tensor([3, 5])
+    model = _DeferredThenWritten()
+    seen = []
+    model.lin.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    model(torch.randn(T, D), lengths)
+    p = tapescope.profile(_DeferredThenWritten, tapescope.spec((T, D)), lengths)
+    (rows,) = {op.inputs[1].shape[0] for op in p.ops if op.name == "aten.addmm.default"}
+    assert rows == seen[0] == 24   # 13 + 11, by hand
+
+
 class _LayerDrop(nn.Module):
     def __init__(self):
         super().__init__()

@@ -59,6 +59,7 @@ from .build_values import build_value
 __all__ = ["Sizes", "DataValues", "DataSize", "Assumption", "UnknownValueRead", "expert_counts",
            "routing_indices", "ROUTINGS", "CONSTANT_LIMIT"]
 
+_CPU = torch.device("cpu")  # where the values live
 VALUE_LIMIT = 1 << 22     # elements: larger tensors are not given values (then no assumption holds)
 FACTORY_LIMIT = 1 << 16   # factory outputs (arange(E), a causal mask) get values up to this size
 
@@ -436,34 +437,18 @@ class DataValues:
         """func on the values (CPU tensors) of its tensor arguments: (result, sources), or
         (None, ...) if an argument has no concrete value or the op refuses."""
         sources: set = set()
-        missing = []
 
         def real(x):
-            if isinstance(x, torch.Tensor):
-                v = self.value(x)  # (a deferred value is computed here)
-                if v is None:
-                    missing.append(x)
-                    return x
-                if v[0].numel() > VALUE_LIMIT:
-                    missing.append(x)
-                sources.update(v[1])
-                return v[0]
-            if isinstance(x, torch.device):
-                return torch.device("cpu")
-            if isinstance(x, torch.SymInt):
-                c = self._int(x)
-                if c is None:
-                    missing.append(x)
-                return c
-            return x
+            v = self.value(x)  # (a deferred value is computed here)
+            if v is None or v[0].numel() > VALUE_LIMIT:
+                raise LookupError
+            sources.update(v[1])
+            return v[0]
 
-        rargs, rkwargs = tree_map(real, (args, kwargs))
-        if missing:
+        try:
+            rargs, rkwargs = _as_values(args, kwargs, real, self._int)
+        except LookupError:  # an argument without a value: the op has none either
             return None, sources
-        if "device" in rkwargs:
-            rkwargs["device"] = torch.device("cpu")
-        if "pin_memory" in rkwargs:
-            rkwargs["pin_memory"] = False
         try:
             with unset_fake_temporarily(), torch.no_grad(), _one_thread():
                 return func(*rargs, **rkwargs), frozenset(sources)
@@ -482,27 +467,10 @@ class DataValues:
         were when the step ran it: the values are the ones running each op at once gives."""
         if not outs:
             return  # a pure op that makes no tensor: nothing to give a value
-
-        def held(x):
-            if isinstance(x, torch.Tensor):
-                return _held(x)[0]
-            if isinstance(x, torch.device):
-                return torch.device("cpu")
-            if isinstance(x, torch.SymInt):
-                c = self._int(x)
-                if c is None:
-                    raise LookupError
-                return c
-            return x
-
         try:
-            dargs, dkwargs = tree_map(held, (args, kwargs))
+            dargs, dkwargs = _as_values(args, kwargs, lambda t: _held(t)[0], self._int)
         except LookupError:  # a size the values cannot give: no value, as _run_real decides
             return
-        if "device" in dkwargs:
-            dkwargs["device"] = torch.device("cpu")
-        if "pin_memory" in dkwargs:
-            dkwargs["pin_memory"] = False
         depth = 1 + max((x.op.depth for x in tree_flatten((dargs, dkwargs))[0]
                          if isinstance(x, _Lazy)), default=0)
         op = _Deferred(func, dargs, dkwargs, tuple(o.dim() for o in outs), depth)
@@ -612,6 +580,32 @@ class Unknown:
 
 
 _MAX_DEPTH = 64  # deferred ops in a chain before one is run (see _defer)
+
+
+def _as_values(args, kwargs, value, size):
+    """An op's arguments as its values run it: each tensor by `value(t)`, each SymInt by
+    `size(s)`, devices the CPU and memory not pinned (the values are CPU tensors). Raises
+    LookupError where `value` does or `size` gives None. Shared by the ops run at once
+    (`DataValues._run_real`) and the deferred ones (`DataValues._defer`), so that both run an op
+    on the same arguments."""
+    def convert(x):
+        if isinstance(x, torch.Tensor):
+            return value(x)
+        if isinstance(x, torch.device):
+            return _CPU
+        if isinstance(x, torch.SymInt):
+            c = size(x)
+            if c is None:
+                raise LookupError
+            return c
+        return x
+
+    vargs, vkwargs = tree_map(convert, (args, kwargs))
+    if "device" in vkwargs:
+        vkwargs["device"] = _CPU
+    if "pin_memory" in vkwargs:
+        vkwargs["pin_memory"] = False
+    return vargs, vkwargs
 
 
 def _held(t):
