@@ -342,3 +342,45 @@ def test_foreach_ops_expanded_once_per_distinct_element_trace_as_dtensor_expands
     assert any(reduced)  # the shortcut was taken
     monkeypatch.setattr(fidelity, "_distinct_elements", lambda *args: None)
     assert distinct == ops()
+
+
+def test_a_second_rank_class_takes_the_first_ones_sharding_decisions_rebound(monkeypatch):
+    """A small Llama, FSDP 4 x TP 2, its 1,004-row vocabulary split 502 per TP rank and then 126
+    rows per FSDP rank, 124 on the last: ranks 6 and 7 are a second class. Their capture takes
+    the first class's DTensor sharding decisions, re-bound to their own meshes
+    (distributed/fidelity.py point 4), and their traces are op for op, shape for shape, and their
+    peaks byte for byte, what they are when each rank makes its own decisions as each process of
+    a real job does (the truth: the same profile with the sharing switched off). A decision left
+    with rank 0's meshes sends rank 6's vocabulary-parallel reduce-scatter to rank 0's process
+    group, which rank 6's world does not have."""
+    from contextlib import nullcontext
+
+    from tapescope.distributed import fidelity, profile
+    from tapescope.distributed.presets import Layout, preset_parallelize
+    from tapescope.zoo import resolve
+
+    m = resolve("zoo:llama:dim=64,n_layers=1,n_heads=4,n_kv_heads=4,ffn_dim=128,vocab_size=1004",
+                batch=1, seq=16)
+    layout = Layout(fsdp=4, tp=2)
+
+    def traced():
+        p = tapescope.profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+                              device="cuda", gpu="h100", mesh=layout.mesh,
+                              parallelize=preset_parallelize(layout, torch.bfloat16))
+        assert p.distributed.classes.members == ((0, 1, 2, 3, 4, 5), (6, 7))
+        ops = {r: [(str(o.func), tuple(None if t is None else tuple(t.shape)
+                                       for t in o.outputs)) for o in q.trace.ops]
+               for r, q in p.distributed.profiles.items()}
+        return ops, [(r.peak_bytes, r.first_step_peak_bytes, r.step_seconds) for r in p.ranks]
+
+    rebound, taken = fidelity.SharedDecisions._rebound, []
+
+    def spy(self, *args):
+        taken.append(True)
+        return rebound(self, *args)
+
+    monkeypatch.setattr(fidelity.SharedDecisions, "_rebound", spy)
+    shared = traced()
+    assert taken  # rank 6 took rank 0's decisions
+    monkeypatch.setattr(profile, "decisions_shared_by_ranks", nullcontext)
+    assert shared == traced()

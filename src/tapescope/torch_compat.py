@@ -93,7 +93,8 @@ __all__ = [
     "SETUP_ONCE_CACHES", "INDUCTOR_KERNEL_COMPILERS",
     "graph_task_queries", "accelerator_query", "fake_store", "replicate_with_fsdp",
     "checkpoint_wrapper_api", "TRACING_CHECK_MODULES", "dtensor_tracing_checks",
-    "dtensor_meta_propagation", "strided_shard_flag_propagation", "mesh_strategy_expansion",
+    "dtensor_meta_propagation", "sharding_decisions", "strided_shard_flag_propagation",
+    "mesh_strategy_expansion",
     "foreach_strategy_expansion",
     "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED", "engine_grad_mode",
     "dynamo_disable_is_a_call", "disable_dynamo",
@@ -598,6 +599,18 @@ def dtensor_meta_propagation():
     return ShardingPropagator, "_propagate_tensor_meta_non_cached"
 
 
+def sharding_decisions():
+    """(ShardingPropagator, the name of its method that makes a sharding decision with no cache,
+    DTensorSpec, OpSchema, OutputSharding). DTensor's C++ fast path calls that method on a miss
+    of its own cache (`_propagate_op_sharding_dispatch_slow_path`, with `try_cache` False)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    return (ShardingPropagator, "propagate_op_sharding_non_cached", DTensorSpec, OpSchema,
+            OutputSharding)
+
+
 def strided_shard_flag_propagation():
     """(module, name) of `_propagate_use_strided_shard_flag(op_strategy, op_schema)`, or None where
     this torch has none."""
@@ -1058,6 +1071,9 @@ PATCHED = (
     Patched("torch.distributed.tensor._sharding_prop.ShardingPropagator",
             ("_propagate_tensor_meta_non_cached",), "distributed/fidelity.py",
             "its metadata ops run unrecorded"),
+    Patched("torch.distributed.tensor._sharding_prop.ShardingPropagator",
+            ("propagate_op_sharding_non_cached",), "distributed/fidelity.py",
+            "an earlier rank's decision re-bound to this rank's meshes (speed)"),
     Patched("torch.distributed.tensor._sharding_prop", ("_propagate_use_strided_shard_flag",),
             "distributed/fidelity.py", "once per op, not per list element (speed)"),
     Patched("torch.distributed.tensor._ops.utils", ("expand_to_full_mesh_op_strategy",),

@@ -28,7 +28,7 @@ from ..capture.session import capture
 from ..errors import TapescopeError
 from ..options import Options, Workload
 from .categories import assign_roles
-from .fidelity import eager_distributed
+from .fidelity import decisions_shared_by_ranks, eager_distributed
 from .groups import collective_groups, process_groups
 from .mesh import MeshSpec, fake_world
 from .pipeline import pipeline_plan
@@ -136,7 +136,7 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
             from .cuda_standin import cuda_without_gpu
 
             standin = cuda_without_gpu(options.gpu.compute_capability)
-        with standin as streams, eager_distributed(), \
+        with standin as streams, eager_distributed(decisions), \
                 fake_world(spec, rank, options.device.type) as device_mesh:
             if pipelined is not None:
                 program = pipelined.program(rank, device_mesh, options.loss_fn,
@@ -160,8 +160,9 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         orders[rank] = seen.get("order")
         return analyse(trace, facts), seen["layouts"], groups
 
-    # (what each trace makes is frozen before the next; all of it released on return)
-    with _collector_kept_to_each_rank() as rank_starts:
+    # (what each trace makes is frozen before the next; all of it released on return; DTensor's
+    # sharding decisions are the same for every rank, made once: fidelity.py, point 4)
+    with _collector_kept_to_each_rank() as rank_starts, decisions_shared_by_ranks() as decisions:
         seconds, cpu = {}, {}
         profiles, group_maps, orders = {}, {}, {}
 
