@@ -31,8 +31,9 @@ import torch
 from ..errors import passes_user_calls, source_dirs
 from ..losses import choose_default_loss, default_loss, sum_of
 from ..options import check_device_build, unbuilt_device_types
-from ..torch_compat import (FakeTensor, FakeTensorMode, adinplaceorview_excluded,
-                            c10d_collective_result, current_autograd_node, disable_dynamo,
+from ..torch_compat import (FakeTensor, SizeFreeCacheCheck,
+                            adinplaceorview_excluded, c10d_collective_result,
+                            current_autograd_node, disable_dynamo,
                             disable_torch_function, dynamo_disable_is_a_call,
                             fake_mode_handles_directly, is_wrapper_subclass,
                             node_sequence_nr, sequence_nr, storage_key, untyped_storage_key)
@@ -140,7 +141,7 @@ class ModuleStack(list):
             self.pop()
 
 
-class Tape(FakeTensorMode):
+class Tape(SizeFreeCacheCheck):
     """Fake execution that records a Trace. Use one Tape per profile; nothing is shared.
 
     Collaborators, given by the capture session: `rules` (the fidelity rules of the traced
