@@ -565,7 +565,23 @@ class Tape(SizeFreeCacheCheck):
             # `_dispatch_impl` returns NotImplemented for any argument `_check_for_subclass_arg`
             # names, and `types` holds the argument types the dispatcher found overloaded
             return NotImplemented
+        if self._tape_depth and self.shape_env is not None and self.cache_enabled:
+            return self._uncached(func, types, args, kwargs, traits)
         return self._fake_dispatch(func, types, args, kwargs, traits)
+
+    def _uncached(self, func, types, args, kwargs, traits: _OpTraits):
+        """An op run inside another (a decomposition's, a fake kernel's), under a ShapeEnv: not
+        through FakeTensorMode's cache. That cache then lives on this capture's ShapeEnv alone,
+        and the replay front answers the repeated outer ops, so an inner op's entry is rarely
+        met again (llama: ~200 hits), while making it (the key, the check) on symbolic sizes
+        costs more than running the op (0.03-0.05 s of a 0.7 s llama profile). The outer op is
+        cached as before; its entry, and the refusals the front reads (`DispatchReplay.bypasses`),
+        are FakeTensorMode's for that op alone, which decide whether FakeTensorMode caches it."""
+        self.cache_enabled = False
+        try:
+            return self._fake_dispatch(func, types, args, kwargs, traits)
+        finally:
+            self.cache_enabled = True
 
     def _impl_copy(self, func, types, args, kwargs):
         """A `detach` that is not an op of the program: C++ autograd copied a TensorImpl (saving
