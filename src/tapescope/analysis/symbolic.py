@@ -294,16 +294,25 @@ def instantiate(trace: Trace, conv: _Converter, sizes: dict) -> Trace:
     twice."""
     subs = {s: int(sizes[n]) for n, s in zip(conv.names, conv.symbols)}
     memo: dict = {}
+    of_symint: dict = {}  # id -> value: the captured trace holds each SymInt, alive, many times
+
+    def evaluate(e):
+        if isinstance(e, sympy.Expr):
+            v = memo.get(e)
+            if v is None:
+                v = memo[e] = int(e.xreplace(subs))
+            return v
+        return e
 
     def val(x):
         if hasattr(x, "node"):
-            x = conv.expr(x)
-        if isinstance(x, sympy.Expr):
-            v = memo.get(x)
-            if v is None:
-                v = memo[x] = int(x.xreplace(subs))
-            return v
-        return x
+            key = id(x)
+            try:
+                return of_symint[key]
+            except KeyError:
+                v = of_symint[key] = evaluate(conv.expr(x))
+                return v
+        return evaluate(x)
 
     def ref(r):
         if type(r) is TensorRef:
@@ -377,6 +386,7 @@ def _pieces(trace: Trace, nbytes: list, view: StepView, conv: _Converter, catego
         _add(total_s, ps, 1)
         _add(by_cat.setdefault(categories[sid], {}), p, 1)  # + a rank's distributed ones
     pieces = [(dict(total_s), Piece(dict(total), 0, {c: dict(v) for c, v in by_cat.items()}))]
+    last = None  # the shifted bytes of the piece that bounded the last allocation
     for _, pos, sid, delta in device_events(trace, view):
         p, ps = polys(sid)
         _add(total, p, delta)
@@ -384,7 +394,11 @@ def _pieces(trace: Trace, nbytes: list, view: StepView, conv: _Converter, catego
         _add(by_cat.setdefault(categories[sid], {}), p, delta)
         if delta < 0:
             continue
-        if any(_covers(qs, total_s) for qs, _ in pieces):
+        # the piece that bounded the last allocation mostly bounds this one too: asked first
+        if last is not None and _covers(last, total_s):
+            continue
+        last = next((qs for qs, _ in pieces if _covers(qs, total_s)), None)
+        if last is not None:
             continue
         pieces = [(qs, q) for qs, q in pieces if not _covers(total_s, qs)]
         pieces.append((dict(total_s),
