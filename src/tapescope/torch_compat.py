@@ -320,15 +320,17 @@ class SizeFreeCacheCheck(FakeTensorMode):
     when it is made, from its device, inference mode and the conj / neg bits (FakeTensor's
     `_make_subclass` swaps the backend key for the fake device's), and only an unbacked symbol,
     having no hint, can raise a data-dependent error. There the rebuild is FakeTensorMode's own
-    code on the same metadata with every size 0 and unit strides; elsewhere it is FakeTensorMode's
-    rebuild unchanged. What is cached, and what a cache hit returns, are unchanged.
+    code on the same metadata with every size 0 and unit strides; elsewhere (and on concrete
+    sizes, no ShapeEnv) it is FakeTensorMode's rebuild unchanged. What is cached, and what a
+    cache hit returns, are unchanged.
     """
 
     _size_free_rebuild = False  # set for the one rebuild of a check (an instance attribute then)
 
     def _get_output_info_for_cache_entry(self, state, key, func, args, kwargs, output):
-        if isinstance(output, FakeTensor) and not free_unbacked_symbols(
-                (output, output.untyped_storage().nbytes())):
+        # (concrete sizes: the rebuild is cheap, and left as FakeTensorMode's)
+        if self.shape_env is not None and isinstance(output, FakeTensor) \
+                and not free_unbacked_symbols((output, output.untyped_storage().nbytes())):
             self._size_free_rebuild = True
         try:
             return super()._get_output_info_for_cache_entry(state, key, func, args, kwargs, output)
