@@ -2,7 +2,6 @@
 equal a concrete trace at that size, byte for byte and FLOP for FLOP."""
 
 import pytest
-import torch
 import torch.nn as nn
 
 import tapescope
