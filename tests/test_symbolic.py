@@ -2,7 +2,6 @@
 equal a concrete trace at that size, byte for byte and FLOP for FLOP."""
 
 import pytest
-import torch
 import torch.nn as nn
 
 import tapescope
@@ -88,3 +87,46 @@ def test_fit_finds_the_largest_batch_that_fits():
     over = _concrete(TINY_GPT2, r.value + 1, 32)
     assert max(fits.peak_bytes, fits.first_step_peak_bytes) <= budget
     assert max(over.peak_bytes, over.first_step_peak_bytes) > budget
+
+
+def test_ops_inside_another_op_skip_fake_tensor_modes_cache_and_change_nothing(monkeypatch):
+    """Under a ShapeEnv the ops FakeTensorMode runs inside another op (a decomposition's) do not
+    go through its cache (`Tape._uncached`), while the ops of the program still do: the trace,
+    every size expression and storage size, and the guards are those of a capture that caches
+    them all, and the formulas still equal concrete traces (test above)."""
+    import sympy
+
+    from tapescope.analysis.symbolic import sympify_trace
+    from tapescope.capture.tape import Tape
+
+    seen = set()
+    fake_dispatch = Tape._fake_dispatch
+
+    def spy(self, func, types, args, kwargs, traits=None):
+        seen.add((self._tape_depth > 0, self.cache_enabled))
+        return fake_dispatch(self, func, types, args, kwargs, traits)
+
+    def describe(p):  # sizes as expressions in batch and seq
+        t, _ = sympify_trace(p._sym_trace)
+        return ([(r.name, str(r.args), str(r.outputs)) for r in t.ops],
+                # expanded: a storage that FakeTensorMode's cache rebuilt has its size as
+                # `empty_strided` sums it, 4*seq*(batch - 1) + 4*seq for 4*batch*seq
+                [str(sympy.expand(s.nbytes)) for s in t.storages],
+                [str(g) for g in p.symbolic.guards])
+
+    import tapescope.api as api
+
+    analyse = api._analyse_captured
+
+    def keep(trace, *a):  # the captured trace, its sizes still SymInts' expressions
+        p = analyse(trace, *a)
+        p._sym_trace = trace
+        return p
+
+    monkeypatch.setattr(api, "_analyse_captured", keep)
+    monkeypatch.setattr(Tape, "_fake_dispatch", spy)
+    m = tiny(TINY_LLAMA, batch=4, seq=16)
+    ours = describe(profile_spec(m, symbolic=("batch", "seq")))
+    assert (True, False) in seen and (True, True) not in seen  # inside: never cached
+    monkeypatch.setattr(Tape, "_uncached", lambda self, *a: fake_dispatch(self, *a))
+    assert describe(profile_spec(m, symbolic=("batch", "seq"))) == ours

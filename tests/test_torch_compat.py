@@ -177,3 +177,70 @@ def test_fake_tensor_factory_makes_what_the_constructor_makes(device, requires_g
         a, b = (t.t() @ t for t in (real, mine))
     assert (type(b), b.device, b.shape, b.requires_grad) == (type(a), a.device, a.shape,
                                                              a.requires_grad)
+
+
+def _cache_size(shape_env) -> int:
+    """Entries in FakeTensorMode's caches: its class-level one and a ShapeEnv's."""
+    return len(compat.FakeTensorMode.cache) + (
+        0 if shape_env is None else len(shape_env.fake_tensor_cache))
+
+
+def _cache_verdicts(mode_type, symbolic: bool) -> list:
+    """Each op of a small list run once on a fresh mode of `mode_type`: the reasons
+    FakeTensorMode's bypass counter moved for, whether the op's entry was cached, and the
+    output's metadata. `symbolic`: sizes are SymInts of a ShapeEnv (the cache then lives on
+    it), else ints and no ShapeEnv, as in a concrete capture."""
+    from tapescope.torch_compat import DimDynamic, ShapeEnv, constant_source
+
+    out = []
+    ops = [
+        lambda x, y, c: x + 1, lambda x, y, c: x * y[0], lambda x, y, c: x.t(),
+        lambda x, y, c: x.view(-1), lambda x, y, c: x.sum(1), lambda x, y, c: x @ y.t(),
+        lambda x, y, c: torch.softmax(x, -1), lambda x, y, c: x[1:].unsqueeze(0),
+        lambda x, y, c: torch.ops.aten.native_layer_norm(x, [x.shape[1]], None, None, 1e-5),
+        lambda x, y, c: c.conj(), lambda x, y, c: torch.ops.aten._neg_view(c),
+        lambda x, y, c: x.expand(2, *x.shape), lambda x, y, c: x.requires_grad_() * 2,
+    ]
+    for op in ops:
+        shape_env = ShapeEnv(duck_shape=False) if symbolic else None
+        with mode_type(shape_env=shape_env):
+            sizes = [3, 5]
+            if symbolic:
+                sizes = [shape_env.create_symintnode(
+                    shape_env.create_symbol(n, constant_source(f"d{n}"),
+                                            dynamic_dim=DimDynamic.DYNAMIC),
+                    hint=n, source=constant_source(f"d{n}")) for n in sizes]
+            x, y = torch.empty(*sizes), torch.empty(*sizes)
+            c = torch.empty(*sizes, dtype=torch.complex64)
+            before = dict(compat.fake_cache_bypasses())
+            cached = _cache_size(shape_env)
+            r = op(x, y, c)
+            moved = {k for k, v in compat.fake_cache_bypasses().items() if v != before.get(k, 0)}
+            cached = _cache_size(shape_env) - cached
+            rs = r if isinstance(r, tuple) else (r,)
+            out.append((moved, cached, [(str(t.shape), str(t.stride()), t.dtype,
+                                         str(t.storage_offset()), t.is_conj(), t.is_neg(),
+                                         torch._C._dispatch_keys(t)) for t in rs]))
+    return out
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_size_free_cache_check_caches_what_fake_tensor_mode_caches(symbolic):
+    """SizeFreeCacheCheck rebuilds a new cache entry's output at sizes 0 (no unbacked symbol):
+    the same ops are cached or refused for the same reasons as by FakeTensorMode itself, and
+    their outputs are the same; its size-free rebuild did run (else this proves nothing)."""
+    rebuilds = []
+
+    class Spy(compat.SizeFreeCacheCheck):
+        def _output_from_cache_entry(self, state, entry, key, func, args):
+            rebuilds.append(self._size_free_rebuild)
+            return super()._output_from_cache_entry(state, entry, key, func, args)
+
+    compat.FakeTensorMode.cache.clear()
+    theirs = _cache_verdicts(compat.FakeTensorMode, symbolic)
+    compat.FakeTensorMode.cache.clear()
+    ours = _cache_verdicts(Spy, symbolic)
+    assert ours == theirs
+    assert sum(c for _, c, _ in ours) >= 10  # most of them are cached
+    # on symbolic sizes the check's rebuilds were size-free; on concrete ones, FakeTensorMode's
+    assert sum(rebuilds) >= 10 if symbolic else not any(rebuilds)

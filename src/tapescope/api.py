@@ -387,9 +387,9 @@ def _analyse_captured(trace: Trace, facts: dict, workload: Workload, options: Op
         if trace.symbols:
             from .analysis.symbolic import instantiate, symbolic_profile
 
-            sp, sym_trace, conv = symbolic_profile(trace)
+            sp, conv = symbolic_profile(trace)
             data_sizes = data_size_report(trace, sp)
-            trace = instantiate(sym_trace, conv, trace.hints)
+            trace = instantiate(trace, conv, trace.hints)
             inputs = [_describe_input(x, trace_hints=sp.hints) for x in workload.args]
         else:
             data_sizes = data_size_report(trace, None)

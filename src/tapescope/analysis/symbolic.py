@@ -270,33 +270,49 @@ def _ref(conv: _Converter, r):
     return conv.expr(r) if hasattr(r, "node") else r
 
 
+def _sympify_op(conv: _Converter, r):
+    """A copy of one OpRecord whose sizes are sympy expressions in the dimension names."""
+    return replace(r, args=tuple(_ref(conv, a) for a in r.args),
+                   kwargs={k: _ref(conv, v) for k, v in r.kwargs.items()},
+                   outputs=tuple(None if o is None else _ref(conv, o) for o in r.outputs),
+                   inputs=tuple(_ref(conv, t) for t in r.inputs))
+
+
 def sympify_trace(trace: Trace) -> tuple[Trace, _Converter]:
     """A copy of the trace whose sizes are sympy expressions in the dimension names."""
     conv = _Converter(trace)
-    ops = []
-    for r in trace.ops:
-        ops.append(replace(r, args=tuple(_ref(conv, a) for a in r.args),
-                           kwargs={k: _ref(conv, v) for k, v in r.kwargs.items()},
-                           outputs=tuple(None if o is None else _ref(conv, o) for o in r.outputs),
-                           inputs=tuple(_ref(conv, t) for t in r.inputs)))
     storages = [StorageRecord(s.id, conv.expr(s.nbytes), s.device, s.created_by, s.roles)
                 for s in trace.storages]
-    t = replace(trace, ops=ops, storages=storages)
+    t = replace(trace, ops=[_sympify_op(conv, r) for r in trace.ops], storages=storages)
     return t, conv
 
 
-def instantiate(sym_trace: Trace, conv: _Converter, sizes: dict) -> Trace:
-    """The trace at concrete sizes: every expression evaluated (exact: polynomials in integers)."""
+def instantiate(trace: Trace, conv: _Converter, sizes: dict) -> Trace:
+    """The trace at concrete sizes: every size expression evaluated (exact: polynomials in
+    integers). `trace` is the captured one (SymInts) or `sympify_trace`'s copy: a SymInt is read
+    as its expression first, so both give the same trace, and the captured one is not copied
+    twice."""
     subs = {s: int(sizes[n]) for n, s in zip(conv.names, conv.symbols)}
     memo: dict = {}
+    of_symint: dict = {}  # id -> value: the captured trace holds each SymInt, alive, many times
+
+    def evaluate(e):
+        if isinstance(e, sympy.Expr):
+            v = memo.get(e)
+            if v is None:
+                v = memo[e] = int(e.xreplace(subs))
+            return v
+        return e
 
     def val(x):
-        if isinstance(x, sympy.Expr):
-            v = memo.get(x)
-            if v is None:
-                v = memo[x] = int(x.xreplace(subs))
-            return v
-        return x
+        if hasattr(x, "node"):
+            key = id(x)
+            try:
+                return of_symint[key]
+            except KeyError:
+                v = of_symint[key] = evaluate(conv.expr(x))
+                return v
+        return evaluate(x)
 
     def ref(r):
         if type(r) is TensorRef:
@@ -308,10 +324,10 @@ def instantiate(sym_trace: Trace, conv: _Converter, sizes: dict) -> Trace:
     ops = [replace(r, args=tuple(ref(a) for a in r.args),
                    kwargs={k: ref(v) for k, v in r.kwargs.items()},
                    outputs=tuple(None if o is None else ref(o) for o in r.outputs),
-                   inputs=tuple(ref(t) for t in r.inputs)) for r in sym_trace.ops]
+                   inputs=tuple(ref(t) for t in r.inputs)) for r in trace.ops]
     storages = [StorageRecord(s.id, val(s.nbytes), s.device, s.created_by, s.roles)
-                for s in sym_trace.storages]
-    return replace(sym_trace, ops=ops, storages=storages, symbols={}, hints={}, guards=[],
+                for s in trace.storages]
+    return replace(trace, ops=ops, storages=storages, symbols={}, hints={}, guards=[],
                    replacements={}, ranges={})
 
 
@@ -349,12 +365,13 @@ def _add(total: dict, poly: dict, sign: int) -> None:
             total.pop(k, None)
 
 
-def _pieces(trace: Trace, view: StepView, conv: _Converter, categories, lows) -> list[Piece]:
-    storages = trace.storages
+def _pieces(trace: Trace, nbytes: list, view: StepView, conv: _Converter, categories,
+            lows) -> list[Piece]:
+    """`nbytes`: each storage's size as an expression."""
     shifted_of: dict = {}
 
     def polys(sid):
-        p = conv.poly(storages[sid].nbytes)
+        p = conv.poly(nbytes[sid])
         key = id(p)
         sp = shifted_of.get(key)
         if sp is None:
@@ -369,6 +386,7 @@ def _pieces(trace: Trace, view: StepView, conv: _Converter, categories, lows) ->
         _add(total_s, ps, 1)
         _add(by_cat.setdefault(categories[sid], {}), p, 1)  # + a rank's distributed ones
     pieces = [(dict(total_s), Piece(dict(total), 0, {c: dict(v) for c, v in by_cat.items()}))]
+    last = None  # the shifted bytes of the piece that bounded the last allocation
     for _, pos, sid, delta in device_events(trace, view):
         p, ps = polys(sid)
         _add(total, p, delta)
@@ -376,7 +394,11 @@ def _pieces(trace: Trace, view: StepView, conv: _Converter, categories, lows) ->
         _add(by_cat.setdefault(categories[sid], {}), p, delta)
         if delta < 0:
             continue
-        if any(_covers(qs, total_s) for qs, _ in pieces):
+        # the piece that bounded the last allocation mostly bounds this one too: asked first
+        if last is not None and _covers(last, total_s):
+            continue
+        last = next((qs for qs, _ in pieces if _covers(qs, total_s)), None)
+        if last is not None:
             continue
         pieces = [(qs, q) for qs, q in pieces if not _covers(total_s, qs)]
         pieces.append((dict(total_s),
@@ -405,19 +427,23 @@ def _guards(trace: Trace, conv: _Converter):
     return out, specialized, ranges
 
 
-def symbolic_profile(trace: Trace) -> tuple[SymbolicProfile, Trace, _Converter]:
-    """Formulas from a symbolic trace, plus the sympy-sized trace to instantiate later."""
-    sym_trace, conv = sympify_trace(trace)
+def symbolic_profile(trace: Trace) -> tuple[SymbolicProfile, _Converter]:
+    """Formulas from a symbolic trace, and the converter that `instantiate` evaluates it with.
+    Only what the formulas read is turned into sympy: every storage's size, and the ops of the
+    steady step (their FLOPs)."""
+    conv = _Converter(trace)
     guards, specialized, ranges = _guards(trace, conv)
     lows = tuple(max(ranges[n][0], 1) for n in conv.names)
-    views = step_views(sym_trace)
-    categories = storage_categories(sym_trace)
+    # step views and categories read no size: the captured trace's serve
+    views = step_views(trace)
+    categories = storage_categories(trace)
     main = views[max(views)]
-    pieces = _pieces(sym_trace, main, conv, categories, lows)
-    first = pieces if main.step == 1 else _pieces(sym_trace, views[1], conv, categories, lows)
+    nbytes = [conv.expr(s.nbytes) for s in trace.storages]
+    pieces = _pieces(trace, nbytes, main, conv, categories, lows)
+    first = pieces if main.step == 1 else _pieces(trace, nbytes, views[1], conv, categories, lows)
     flops: dict = {"forward": {}, "backward": {}, "optimizer": {}}
     for i in main.ops:
-        r = sym_trace.ops[i]
+        r = _sympify_op(conv, trace.ops[i])
         f = op_flops(r)
         if f:
             _add(flops[r.phase], conv.poly(sympy.expand(f) if isinstance(f, sympy.Expr) else int(f)), 1)
@@ -427,6 +453,5 @@ def symbolic_profile(trace: Trace) -> tuple[SymbolicProfile, Trace, _Converter]:
     flops["total"] = total
     return (SymbolicProfile(conv.names, conv.symbols, dict(trace.hints), ranges, guards,
                             specialized, pieces, first, flops,
-                            [sym_trace.ops[i].name for i in main.ops]),
-            sym_trace, conv)
-
+                            [trace.ops[i].name for i in main.ops]),
+            conv)
