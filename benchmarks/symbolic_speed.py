@@ -1,7 +1,8 @@
 """Cost of a symbolic profile against a concrete one, and of evaluating its formulas.
 
 In one process, alternating, medians of --repeat runs, in CPU seconds (time.process_time: the
-machine this was measured on is shared, and wall time there moves by 2x with the load):
+machine this was measured on is shared, and wall time there moves by 2x with the load), garbage
+collected before each run:
   bare       FakeTensorMode with a ShapeEnv, batch and seq symbolic: forward + backward + AdamW step
              of the same model, nothing recorded (what any symbolic fake trace pays)
   concrete   tapescope.profile at one batch and sequence length
@@ -13,6 +14,7 @@ Prints a Markdown table (docs/benchmarks.md keeps the last one).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -65,8 +67,13 @@ def main():
         bare_symbolic(meta, m)
         b, c, s = [], [], []
         for _ in range(args.repeat):
+            # garbage collected before each run: a full collection (0.25-0.3 s here) otherwise
+            # lands in whichever run crosses the collector's threshold, whatever made the garbage
+            gc.collect()
             b.append(bare_symbolic(meta, m))
+            gc.collect()
             c.append(concrete())
+            gc.collect()
             dt, p = symbolic()
             s.append(dt)
         hi = p.symbolic.ranges["seq"][1] or 4096
