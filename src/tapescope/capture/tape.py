@@ -484,6 +484,12 @@ class Tape(FakeTensorMode):
 
     @passes_user_calls
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and not self._tape_unbuilt and len(args) == 1 \
+                and type(args[0]) is FakeTensor:
+            # `t.device` asked from C++ (~2,300 times a GPT-2 profile): FakeTensorMode's own answer
+            # (fake_tensor.py, _device_handler), without the ~3 us of its dispatch; never recorded,
+            # no side effect, so answered before the question of torch's dynamo wrapper
+            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         if dynamo_disable_is_a_call():
             return self._torch_dispatch(func, types, args, kwargs)
         return _TORCH_DISPATCH_DYNAMO_DISABLED(self, func, types, args, kwargs)
@@ -494,11 +500,6 @@ class Tape(FakeTensorMode):
         # FakeTensorMode's kernels and our recording make (tensor attributes, strides, storages:
         # ~25,000 per GPT-2 profile) would otherwise each pass through the capture's
         # FunctionRulesMode, which is for the user's calls (10-14% of a profile's time).
-        if func is _PRIM_DEVICE and not self._tape_unbuilt and len(args) == 1 \
-                and type(args[0]) is FakeTensor:
-            # `t.device` asked from C++ (~2,300 times a GPT-2 profile): FakeTensorMode's own answer
-            # (fake_tensor.py, _device_handler), without the ~3 us of its dispatch; never recorded
-            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         with disable_torch_function():
             return self._dispatch(func, types, args, kwargs or {})
 
