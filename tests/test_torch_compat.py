@@ -177,3 +177,38 @@ def test_fake_tensor_factory_makes_what_the_constructor_makes(device, requires_g
         a, b = (t.t() @ t for t in (real, mine))
     assert (type(b), b.device, b.shape, b.requires_grad) == (type(a), a.device, a.shape,
                                                              a.requires_grad)
+
+
+def _kernel_state(mode) -> tuple:
+    """What in_kernel_invocation_manager sets: the mode's flag, the meta key in TLS, Python
+    dispatch disabled (a mode pushed outside sees nothing inside)."""
+    return (mode.in_kernel_invocation, torch._C._meta_in_tls_dispatch_include(),
+            torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_kernel_invocation_sets_and_restores_what_torchs_manager_does(nested):
+    from torch._subclasses.fake_tensor import FakeTensorMode, in_kernel_invocation_manager
+
+    mode = FakeTensorMode()
+    with mode:
+        t = torch.empty(3, 4)
+
+    def states(guard) -> list:
+        seen = [_kernel_state(mode)]
+        with guard(mode):
+            seen.append(_kernel_state(mode))
+            if nested:
+                with guard(mode):
+                    seen.append(_kernel_state(mode))
+                seen.append(_kernel_state(mode))
+            # inside, a fake tensor is its meta tensor to the kernels
+            seen.append((t.device.type, torch.ops.aten.view.default(t, [12]).device.type))
+        seen.append(_kernel_state(mode))
+        with pytest.raises(ZeroDivisionError):
+            with guard(mode):
+                1 / 0
+        seen.append(_kernel_state(mode))
+        return seen
+
+    assert states(compat.kernel_invocation) == states(in_kernel_invocation_manager)
