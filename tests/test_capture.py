@@ -413,3 +413,41 @@ def test_a_shape_changed_without_an_op_is_recorded_as_it_is():
     assert add.inputs[1].shape == (8,)
     assert mul.inputs[0].shape == (2, 2, 4) and mul.inputs[1].shape == (2, 4)
     assert add.inputs[1].value == mul.inputs[1].value  # the same tensor, no op between
+
+
+_SCALE_SOURCE = "def scale(x):\n    return x * 2\n"
+
+
+class _TwoEqualHelpers(nn.Module):
+    """Calls two functions of the same code from two files: torch's copy, then the user's."""
+
+    def __init__(self, helpers):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.helpers = helpers
+
+    def forward(self, x):
+        y = self.helpers["torch"](self.lin(x))
+        return self.helpers["user"](y)
+
+
+def test_a_users_function_equal_in_code_to_torchs_keeps_its_own_line(tmp_path):
+    """Code objects compare equal by content, not by file: the op line walk must tell a user's
+    function from torch's copy of the same code (it classifies frames by code object)."""
+    import os
+
+    helpers = {}
+    for who, path in (("torch", os.path.join(os.path.dirname(torch.__file__), "_ts_test.py")),
+                      ("user", str(tmp_path / "helpers.py"))):
+        ns: dict = {}
+        exec(compile(_SCALE_SOURCE, path, "exec"), ns)
+        helpers[who] = ns["scale"]
+    assert helpers["torch"].__code__ == helpers["user"].__code__  # what the walk must not trust
+    p = tapescope.profile(lambda: _TwoEqualHelpers(helpers), tapescope.spec((2, 4)),
+                          loss_fn=lambda out, *_: out.sum())
+    muls = [r for r in p.trace.ops if r.name == "aten.mul.Tensor" and r.step == 1
+            and r.phase == "forward"]
+    # torch's copy is skipped to the forward's line; the user's copy is the line itself
+    assert [(os.path.basename(r.frame.filename), r.frame.lineno) for r in muls] == [
+        ("test_capture.py", _TwoEqualHelpers.forward.__code__.co_firstlineno + 1),
+        ("helpers.py", 2)]
