@@ -63,6 +63,7 @@ except ImportError:  # pragma: no cover - older torch
 
 # ---- pytrees, dispatch-mode utilities -------------------------------------------------------------
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map  # noqa: F401 - re-exported
+from torch.utils._pytree import SUPPORTED_NODES as pytree_node_types  # type -> its flattening
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
 from torch.utils._mode_utils import no_dispatch  # noqa: F401
 
@@ -71,7 +72,7 @@ __all__ = [
     "DataDependentOutputException",
     "DynamicOutputShapeException", "UnsupportedOperatorException", "GuardOnDataDependentSymNode",
     "ShapeEnv", "DimDynamic", "statically_known_true", "tree_leaves", "tree_map",
-    "tree_flatten", "free_unbacked_symbols", "unset_fake_temporarily",
+    "tree_flatten", "pytree_node_types", "free_unbacked_symbols", "unset_fake_temporarily",
     "disable_current_modes", "no_dispatch", "disable_torch_dispatch",
     "sequence_nr", "node_sequence_nr", "current_autograd_node", "use_count", "storage_use_count",
     "storage_key", "untyped_storage_key", "is_zerotensor", "node_input_metadata", "tensor_backward_hooks",
@@ -745,6 +746,7 @@ PRIVATE_NAMES = (
     "torch.fx.experimental.symbolic_shapes.ShapeEnv.set_real_tensor_prop_unbacked_vals",
     "torch.utils._foreach_utils._get_foreach_kernels_supported_devices",
     "torch._dynamo.source.ConstantSource", "torch._guards.SLoc", "torch._C._profiler._EventType",
+    "torch.utils._pytree.SUPPORTED_NODES",
     "torch.utils._python_dispatch._disable_current_modes", "torch.utils._mode_utils.no_dispatch",
     "torch.fx.experimental.symbolic_shapes.ShapeEnv._get_sloc",
     "torch.Tensor._use_count", "torch.Tensor._is_zerotensor", "torch.Tensor._backward_hooks",
