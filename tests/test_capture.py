@@ -451,3 +451,31 @@ def test_a_users_function_equal_in_code_to_torchs_keeps_its_own_line(tmp_path):
     assert [(os.path.basename(r.frame.filename), r.frame.lineno) for r in muls] == [
         ("test_capture.py", _TwoEqualHelpers.forward.__code__.co_firstlineno + 1),
         ("helpers.py", 2)]
+
+
+@pytest.mark.parametrize("state", [
+    {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)},
+    {"momentum_buffer": None}, {"step": 3, "nested": [torch.zeros(1), 2]},
+    {"pair": (torch.zeros(1), torch.ones(1))}, {}, [torch.zeros(2), {"x": torch.ones(1)}]])
+def test_optimizer_state_leaves_are_pytrees_leaves(state):
+    """The optimizer state marked as such is every tensor pytree finds in it, in its order."""
+    from torch.utils._pytree import tree_leaves
+
+    from tapescope.capture.session import _state_leaves
+
+    got, want = _state_leaves(state), tree_leaves(state)
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+
+
+def test_a_fake_tensor_left_in_the_users_model_is_named_by_its_path():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.isolation import Isolation
+
+    with FakeTensorMode():
+        fake = torch.empty(2)
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].cache = {"k": [1, fake]}
+    assert Isolation(lambda t: t, lambda t: t).leaks(model) == [
+        "model._modules['0'].cache['k'][] holds a fake tensor after the trace: tapescope could "
+        "not isolate it"]
