@@ -358,28 +358,26 @@ class Isolation:
 
         found, seen = [], set()
 
-        # `where` is a path (parent path, format, key), written out only for a fake tensor found:
-        # the walk visits every attribute of every module, and finds none in a clean run
         def walk(x, where, depth=0):
             if depth > 8 or isinstance(x, _ATOMS) or id(x) in seen:
                 return
             seen.add(id(x))
             if isinstance(x, FakeTensor):
-                found.append(_path(where))
+                found.append(where)
             elif isinstance(x, torch.Tensor):
                 return
             elif isinstance(x, dict):
                 for k, v in list(x.items()):
-                    walk(v, (where, "{}[{!r}]", k), depth + 1)
+                    walk(v, f"{where}[{k!r}]", depth + 1)
             elif isinstance(x, (list, tuple, set, frozenset, collections.deque)):
                 for v in list(x):
-                    walk(v, (where, "{}[]", None), depth + 1)
+                    walk(v, f"{where}[]", depth + 1)
             elif isinstance(x, nn.Module):
                 for k, v in vars(x).items():
-                    walk(v, (where, "{}.{}", k), depth + 1)
+                    walk(v, f"{where}.{k}", depth + 1)
             elif hasattr(x, "__dict__") and not isinstance(x, (types.FunctionType, type)):
                 for k, v in list(vars(x).items()):
-                    walk(v, (where, "{}.{}", k), depth + 1)
+                    walk(v, f"{where}.{k}", depth + 1)
 
         walk(model, "model")
         for ns, name, _ in self._swaps:
@@ -393,14 +391,6 @@ class Isolation:
 
 
 _EMPTY = object()
-
-
-def _path(where) -> str:
-    """A path `Isolation.leaks` built, written out: "model.h[0].attn" from nested tuples."""
-    if isinstance(where, str):
-        return where
-    parent, fmt, key = where
-    return fmt.format(_path(parent), key)
 
 
 def _shallow_copy(m: nn.Module) -> nn.Module:
