@@ -411,11 +411,11 @@ _meta_in_tls, _set_meta_in_tls = (torch._C._meta_in_tls_dispatch_include,
 
 
 class kernel_invocation:
-    """`with kernel_invocation(mode):` is `with in_kernel_invocation_manager(mode):` (fake_tensor.py)
-    as a class: the same guards entered in the same order (no torch dispatch, the fake mode's
-    in-kernel flag, the meta key included in TLS under a key-set guard), restored in reverse, in
-    ~0.95 us where torch's generator context takes ~1.55 us (the replay front enters one for each
-    replayed op that views an argument: ~2,900 a GPT-2 profile).
+    """`with kernel_invocation(mode):` is `with in_kernel_invocation_manager(mode):`
+    (fake_tensor.py) as a class: the same guards entered in the same order (no torch dispatch,
+    the fake mode's in-kernel flag, the meta key included in TLS under a key-set guard),
+    restored in reverse, in ~0.95 us where torch's generator context takes ~1.55 us (the replay
+    front enters one for each replayed op that views an argument: ~1,200 a GPT-2 profile).
     tests/test_torch_compat.py compares the state inside and after with torch's."""
 
     __slots__ = ("mode", "prev", "no_dispatch", "keys")
@@ -490,7 +490,7 @@ def dynamo_disable_is_a_call() -> bool:
     if _eval_frame_callback() is not None:
         return False
     # imported once the first mode dispatched (torch's own wrapper imports it); read from
-    # sys.modules: an import statement costs ~0.15 us a call, ~7,500 calls a GPT-2 profile
+    # sys.modules: an import statement costs ~0.15 us a call, ~5,200 calls a GPT-2 profile
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:
         import torch._dynamo.eval_frame as eval_frame

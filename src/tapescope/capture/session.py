@@ -745,7 +745,8 @@ _PLAIN_LEAVES = (int, float, bool, str, type(None))
 def _state_leaves(state) -> list:
     """tree_leaves(state), in its order: a parameter's optimizer state is most often a flat dict
     of tensors and numbers (Adam's step, exp_avg, exp_avg_sq), whose leaves are its values in
-    insertion order, without pytree's walk (~1.4 us; every parameter, three times a step)."""
+    insertion order, without pytree's walk (~1.4 us; each state each time it is marked: ~300 a
+    GPT-2 profile)."""
     if type(state) is not dict:
         return tree_leaves(state)
     values = list(state.values())
