@@ -413,3 +413,69 @@ def test_a_shape_changed_without_an_op_is_recorded_as_it_is():
     assert add.inputs[1].shape == (8,)
     assert mul.inputs[0].shape == (2, 2, 4) and mul.inputs[1].shape == (2, 4)
     assert add.inputs[1].value == mul.inputs[1].value  # the same tensor, no op between
+
+
+_SCALE_SOURCE = "def scale(x):\n    return x * 2\n"
+
+
+class _TwoEqualHelpers(nn.Module):
+    """Calls two functions of the same code from two files: torch's copy, then the user's."""
+
+    def __init__(self, helpers):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.helpers = helpers
+
+    def forward(self, x):
+        y = self.helpers["torch"](self.lin(x))
+        return self.helpers["user"](y)
+
+
+def test_a_users_function_equal_in_code_to_torchs_keeps_its_own_line(tmp_path):
+    """Code objects compare equal by content, not by file: the op line walk must tell a user's
+    function from torch's copy of the same code (it classifies frames by code object)."""
+    import os
+
+    helpers = {}
+    for who, path in (("torch", os.path.join(os.path.dirname(torch.__file__), "_ts_test.py")),
+                      ("user", str(tmp_path / "helpers.py"))):
+        ns: dict = {}
+        exec(compile(_SCALE_SOURCE, path, "exec"), ns)
+        helpers[who] = ns["scale"]
+    assert helpers["torch"].__code__ == helpers["user"].__code__  # what the walk must not trust
+    p = tapescope.profile(lambda: _TwoEqualHelpers(helpers), tapescope.spec((2, 4)),
+                          loss_fn=lambda out, *_: out.sum())
+    muls = [r for r in p.trace.ops if r.name == "aten.mul.Tensor" and r.step == 1
+            and r.phase == "forward"]
+    # torch's copy is skipped to the forward's line; the user's copy is the line itself
+    assert [(os.path.basename(r.frame.filename), r.frame.lineno) for r in muls] == [
+        ("test_capture.py", _TwoEqualHelpers.forward.__code__.co_firstlineno + 1),
+        ("helpers.py", 2)]
+
+
+@pytest.mark.parametrize("state", [
+    {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)},
+    {"momentum_buffer": None}, {"step": 3, "nested": [torch.zeros(1), 2]},
+    {"pair": (torch.zeros(1), torch.ones(1))}, {}, [torch.zeros(2), {"x": torch.ones(1)}]])
+def test_optimizer_state_leaves_are_pytrees_leaves(state):
+    """The optimizer state marked as such is every tensor pytree finds in it, in its order."""
+    from torch.utils._pytree import tree_leaves
+
+    from tapescope.capture.session import _state_leaves
+
+    got, want = _state_leaves(state), tree_leaves(state)
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+
+
+def test_a_fake_tensor_left_in_the_users_model_is_named_by_its_path():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.isolation import Isolation
+
+    with FakeTensorMode():
+        fake = torch.empty(2)
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].cache = {"k": [1, fake]}
+    assert Isolation(lambda t: t, lambda t: t).leaks(model) == [
+        "model._modules['0'].cache['k'][] holds a fake tensor after the trace: tapescope could "
+        "not isolate it"]

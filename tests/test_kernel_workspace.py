@@ -170,6 +170,24 @@ def test_cpu_flash_attention_buffers(name):
     assert len(checked) == 2 and all(m == p for m, p in checked), checked
     assert p.first_step_peak_bytes == real.peaks[1]
 
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd viewed as bhsd", "size-1 heads", "size-1 seq",
+                                    "empty", "permuted", "expanded", "sliced"])
+def test_flash_backward_reads_grad_outs_contiguity_as_torch_does(layout):
+    """The rule's `transpose(1, 2).is_contiguous()` from sizes and strides, against torch's."""
+    from tapescope.capture.fidelity.cpu_attention import _transposed_is_contiguous
+
+    t = {"bhsd": lambda: torch.empty(2, 3, 5, 4),
+         "bshd viewed as bhsd": lambda: torch.empty(2, 5, 3, 4).transpose(1, 2),
+         "size-1 heads": lambda: torch.empty(2, 1, 5, 4),
+         "size-1 seq": lambda: torch.empty(2, 3, 1, 4).transpose(1, 2).transpose(1, 2),
+         "empty": lambda: torch.empty(2, 3, 0, 4).transpose(0, 3),
+         "permuted": lambda: torch.empty(4, 5, 2, 3).permute(2, 3, 1, 0),
+         "expanded": lambda: torch.empty(2, 1, 5, 4).expand(2, 3, 5, 4),
+         "sliced": lambda: torch.empty(2, 5, 3, 8).transpose(1, 2)[..., :4]}[layout]()
+    assert _transposed_is_contiguous(t) == t.transpose(1, 2).is_contiguous()
+
+
 class _SumOfLinear(torch.nn.Module):
     """`out.sum()` as the loss: the Linear's backward gets the expanded 1 as its gradient."""
 

@@ -244,3 +244,38 @@ def test_size_free_cache_check_caches_what_fake_tensor_mode_caches(symbolic):
     assert sum(c for _, c, _ in ours) >= 10  # most of them are cached
     # on symbolic sizes the check's rebuilds were size-free; on concrete ones, FakeTensorMode's
     assert sum(rebuilds) >= 10 if symbolic else not any(rebuilds)
+
+
+def _kernel_state(mode) -> tuple:
+    """What in_kernel_invocation_manager sets: the mode's flag, the meta key in TLS, Python
+    dispatch disabled (a mode pushed outside sees nothing inside)."""
+    return (mode.in_kernel_invocation, torch._C._meta_in_tls_dispatch_include(),
+            torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_kernel_invocation_sets_and_restores_what_torchs_manager_does(nested):
+    from torch._subclasses.fake_tensor import FakeTensorMode, in_kernel_invocation_manager
+
+    mode = FakeTensorMode()
+    with mode:
+        t = torch.empty(3, 4)
+
+    def states(guard) -> list:
+        seen = [_kernel_state(mode)]
+        with guard(mode):
+            seen.append(_kernel_state(mode))
+            if nested:
+                with guard(mode):
+                    seen.append(_kernel_state(mode))
+                seen.append(_kernel_state(mode))
+            # inside, a fake tensor is its meta tensor to the kernels
+            seen.append((t.device.type, torch.ops.aten.view.default(t, [12]).device.type))
+        seen.append(_kernel_state(mode))
+        with pytest.raises(ZeroDivisionError):
+            with guard(mode):
+                1 / 0
+        seen.append(_kernel_state(mode))
+        return seen
+
+    assert states(compat.kernel_invocation) == states(in_kernel_invocation_manager)

@@ -153,7 +153,11 @@ class OpRecord:
         return self.inputs
 
     def tensor_outputs(self) -> tuple:
-        return tuple(o for o in self.outputs if o is not None)
+        outputs = self.outputs
+        for o in outputs:  # most ops return only tensors: their outputs as they are
+            if o is None:
+                return tuple(o for o in outputs if o is not None)
+        return outputs
 
 
 _NAMES: dict = {}

@@ -25,7 +25,7 @@ import torch
 from ..torch_compat import (FakeTensor, FakeTensorFactory, FakeTensorMode, OpOverload,
                             default_device, disable_torch_dispatch, fake_cache_bypasses,
                             functional_collective_ops, has_composite_implicit_kernel,
-                            in_kernel_invocation_manager, no_dispatch, untyped_storage_key)
+                            kernel_invocation, no_dispatch, untyped_storage_key)
 
 # 0-d literals of these dtypes get an `.item()` memo from FakeTensorMode (fake_tensor.py)
 _ITEM_MEMO_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.float64)
@@ -35,6 +35,7 @@ __all__ = ["DispatchReplay"]
 _INPLACE, _NONE = "inplace", "none"
 _SCALAR, _NOT_CONSTANT = "scalar", "not constant"  # what constant_op may answer
 _MANY_VIEWS = 8  # outputs, all views of one argument: replayed by running the op (replay)
+_META = torch.device("meta")  # the string "meta" is parsed anew for each tensor (~0.3 us)
 
 
 class _NoKey(Exception):
@@ -262,7 +263,7 @@ class DispatchReplay:
                 # many views of one argument (FSDP2 chunks each parameter into one per rank):
                 # the op's own meta kernel makes them all in one call, ~0.4 us a view, where an
                 # as_strided from Python is ~2.5 us
-                with in_kernel_invocation_manager(self.mode):
+                with kernel_invocation(self.mode):
                     metas = func(*args, **kwargs)
                 if len(metas) != len(infos) or any(
                         m.shape != i[0] or m.stride() != i[1] or m.storage_offset() != i[4]
@@ -271,7 +272,7 @@ class DispatchReplay:
             elif in_kernel:
                 # a view of an argument (a FakeTensor) or symbolic sizes: the meta kernels must
                 # see the fake arguments as meta tensors, once for all outputs
-                with in_kernel_invocation_manager(self.mode):
+                with kernel_invocation(self.mode):
                     metas = [self._meta(info, args) for info in infos]
             else:
                 # only fresh outputs: an empty meta tensor touches no fake tensor, so it needs no
@@ -300,9 +301,9 @@ class DispatchReplay:
         if storage_numel is not None:
             # symbolic sizes: a flat storage of the size FakeTensorMode gave this output, then
             # as_strided; a third of the SymInt arithmetic of empty_strided
-            t = torch.empty((storage_numel,), dtype=dtype, device="meta")
+            t = torch.empty((storage_numel,), dtype=dtype, device=_META)
             return torch.ops.aten.as_strided.default(t, shape, stride, offset)
-        t = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=rg)
+        t = torch.empty_strided(shape, stride, dtype=dtype, device=_META, requires_grad=rg)
         if base is not None:
             t.set_(base.untyped_storage(), offset, shape, stride)
         return t

@@ -118,6 +118,10 @@ _STDLIB_HELPERS = ("contextlib.py", "functools.py")
 # to the user's call, as the rest of that step's do. A named loss's own line is shown.
 _STEP_LOSS_CODE = (default_loss.__code__, choose_default_loss.__code__, sum_of.__code__)
 _KEEP, _SKIP, _STOP = 0, 1, 2  # what the frame walk does at a frame
+# `_user_frame`'s depth, from `_record` called by `_recorded`, of the frame above
+# `_torch_dispatch` (the only caller of `_dispatch`, the only caller of `_recorded`): the three
+# frames below it are this file's, which the walk skips (~0.6 us an op, ~4,900 ops a GPT-2 profile)
+_ABOVE_TORCH_DISPATCH = 5
 
 
 def _generated_code_dir() -> str:
@@ -172,7 +176,12 @@ class Tape(SizeFreeCacheCheck):
         # (value, storage id) -> the TensorRef last recorded for it: a tensor is an input to
         # several ops after the op that made it, and its ref is the same each time (see _in_ref)
         self._tape_refs: dict = {}
-        self._tape_internal_code: dict = {}  # code object -> not the user's (torch's, ours)
+        # id(code object) -> what the frame walk does at its frames (_KEEP, _SKIP, _STOP). By id:
+        # a code object's hash is computed anew each time from its bytecode, constants and names
+        # (0.2-0.5 us; ~8 frames walked an op); its equality ignores the file it comes from. The
+        # code objects are kept alive in `_tape_codes`, so no id is reused while the tape lives
+        self._tape_internal_code: dict = {}
+        self._tape_codes: list = []
         self._generated: str | None = None  # inductor's generated code, once a compiled graph ran
         self._tape_replay = DispatchReplay(self)
         # op -> _OpTraits (the rules and the data values are the capture's: fixed for its life)
@@ -206,8 +215,9 @@ class Tape(SizeFreeCacheCheck):
     @contextmanager
     def unrecorded_through_front(self):
         """Unrecorded ops inside (the fake copy of the model: an `empty_strided` and, for a
-        Parameter, a `detach` per tensor) go through the replay front (replay.py) as recorded ops
-        do, not straight to FakeTensorMode: ~15 us an op instead of ~100 us. Only ops the front
+        Parameter, a `detach` per tensor; the `detach` of a saved output, hooks.py) go through
+        the replay front (replay.py) as recorded ops do, not straight to FakeTensorMode: ~15 us
+        an op instead of ~100 us. Only ops the front
         would replay while recording (plain fake tensors, no constants, no fake kernel of ours,
         not c10d), with FakeTensorMode's result and bypass rules unchanged."""
         was, self._tape_front_unrecorded = self._tape_front_unrecorded, True
@@ -453,25 +463,27 @@ class Tape(SizeFreeCacheCheck):
         frames, internal = self._tape_frames, self._tape_internal_code
         while f is not None:
             code = f.f_code
-            what = internal.get(code)
+            what = internal.get(id(code))
             if what is None:
+                self._tape_codes.append(code)
                 fn = code.co_filename
-                what = internal[code] = _STOP if fn.startswith(_ENTRY_POINTS) else _SKIP if (
+                what = internal[id(code)] = _STOP if fn.startswith(_ENTRY_POINTS) else _SKIP if (
                     (fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_OPTIM_DIR))
                     or fn.startswith(_CAPTURE_DIR) or fn in _OWN_FILES
                     or fn.startswith(_DISTRIBUTED_DIR)
                     or fn.endswith(_STDLIB_HELPERS) or code in _STEP_LOSS_CODE
                     or (self._generated is not None and fn.startswith(self._generated))) \
                     else _KEEP
+            if what == _SKIP:  # most frames walked (torch's, the capture's): tested first
+                f = f.f_back
+                continue
             if what == _STOP:
                 return None
-            if what == _KEEP:
-                key = (code.co_filename, f.f_lineno)
-                frame = frames.get(key)
-                if frame is None:
-                    frame = frames[key] = Frame(key[0], key[1], code.co_name)
-                return frame
-            f = f.f_back
+            key = (code.co_filename, f.f_lineno)
+            frame = frames.get(key)
+            if frame is None:
+                frame = frames[key] = Frame(key[0], key[1], code.co_name)
+            return frame
         return None
 
     # ---- dispatch ---------------------------------------------------------------------------
@@ -485,6 +497,12 @@ class Tape(SizeFreeCacheCheck):
 
     @passes_user_calls
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and not self._tape_unbuilt and len(args) == 1 \
+                and type(args[0]) is FakeTensor:
+            # `t.device` asked from C++ (~2,300 times a GPT-2 profile): FakeTensorMode's own answer
+            # (fake_tensor.py, _device_handler), without the ~3 us of its dispatch; never recorded,
+            # no side effect, so answered before the question of torch's dynamo wrapper
+            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         if dynamo_disable_is_a_call():
             return self._torch_dispatch(func, types, args, kwargs)
         return _TORCH_DISPATCH_DYNAMO_DISABLED(self, func, types, args, kwargs)
@@ -495,11 +513,6 @@ class Tape(SizeFreeCacheCheck):
         # FakeTensorMode's kernels and our recording make (tensor attributes, strides, storages:
         # ~25,000 per GPT-2 profile) would otherwise each pass through the capture's
         # FunctionRulesMode, which is for the user's calls (10-14% of a profile's time).
-        if func is _PRIM_DEVICE and not self._tape_unbuilt and len(args) == 1 \
-                and type(args[0]) is FakeTensor:
-            # `t.device` asked from C++ (~2,300 times a GPT-2 profile): FakeTensorMode's own answer
-            # (fake_tensor.py, _device_handler), without the ~3 us of its dispatch; never recorded
-            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         with disable_torch_function():
             return self._dispatch(func, types, args, kwargs or {})
 
@@ -652,7 +665,7 @@ class Tape(SizeFreeCacheCheck):
                 values.give_literal(out, args[0])
             return
         first_event = len(self.trace.events)
-        self._record(func, args, kwargs, out)
+        self._record(func, args, kwargs, out, _ABOVE_TORCH_DISPATCH)
         if values is not None and (values.live or traits.router):
             try:
                 values.after(func, args, kwargs, out, self._op_frame)
@@ -829,7 +842,9 @@ class Tape(SizeFreeCacheCheck):
             except AttributeError:  # exception types that refuse attributes
                 pass
 
-    def _record(self, func, args, kwargs, out) -> None:
+    def _record(self, func, args, kwargs, out, depth: int = 2) -> None:
+        """Append the op's OpRecord (its storages' allocations to the events). `depth`: where the
+        walk for the op's source line starts (`_user_frame`), 2 = the caller of this method."""
         trace = self.trace
         index = len(trace.ops)
         tensors: list = []
@@ -866,14 +881,14 @@ class Tape(SizeFreeCacheCheck):
             rec.owns_node = peek != self._tape_last_seq
             self._tape_last_seq = peek
             rec.module = self.modules[-1] if self.modules else None
-            rec.frame = self._user_frame()
+            rec.frame = self._user_frame(depth)
         elif self._tape_phase == BACKWARD:
             node = self._backward_node()
             if node is not None:
                 rec.seq_nr = node_sequence_nr(node)
                 rec.grad_fn = node.name()
         else:
-            rec.frame = self._user_frame()
+            rec.frame = self._user_frame(depth)
         trace.ops.append(rec)
 
     def _op_frame(self) -> Frame | None:

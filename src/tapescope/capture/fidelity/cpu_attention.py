@@ -48,6 +48,27 @@ def _symbolic(ctx, *sizes) -> bool:
     return True
 
 
+def _transposed_is_contiguous(t) -> bool | None:
+    """`t.transpose(1, 2).is_contiguous()` from t's sizes and strides, as c10 computes it
+    (c10/core/Contiguity.h, `_compute_contiguous`: no element is contiguous; else, from the last
+    dim, every dim of size != 1 has the product of the sizes after it as its stride), without
+    the transpose: an op on a fake tensor inside a rule goes through FakeTensorMode (~140 us,
+    once per attention layer). None for symbolic sizes, whose comparisons would add guards."""
+    shape, strides = list(t.shape), list(t.stride())
+    if any(type(x) is not int for x in (*shape, *strides)):
+        return None
+    shape[1], shape[2], strides[1], strides[2] = shape[2], shape[1], strides[2], strides[1]
+    if 0 in shape:
+        return True
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
 def _accum_bytes(dtype: torch.dtype) -> int:
     return 4 if dtype in _REDUCED else dtype.itemsize
 
@@ -84,7 +105,10 @@ def flash_attention_backward_buffers(ctx, func, args, kwargs, out):
     # the kernel sees (batch, seq, heads, head) views: contiguous() copies unless grad_out's
     # transpose(1, 2) is contiguous
     steps = []
-    if not grad_out.transpose(1, 2).is_contiguous():
+    contiguous = _transposed_is_contiguous(grad_out)
+    if contiguous is None:  # symbolic sizes: torch's answer, with the guards it adds
+        contiguous = grad_out.transpose(1, 2).is_contiguous()
+    if not contiguous:
         steps.append(Alloc("grad_out", grad_out.numel() * grad_out.dtype.itemsize))
     q_len, kv_len = q.shape[2], k.shape[2]
     if _symbolic(ctx, q_len, kv_len):
