@@ -809,3 +809,26 @@ def test_gpu_summary_explains_the_allocator_figures_and_where_it_runs_out():
     text = console.export_text()
     assert big.cuda_memory.oom and "does not fit" in text
     assert f"runs out of memory at {big.cuda_memory.oom_at}" in text
+
+
+def _keeping_hook():
+    """A forward hook keeping its module's last output in a dict of its own closure."""
+    kept: dict = {}
+
+    def hook(module, args, out):
+        kept["last"] = out.detach()
+
+    hook.kept = kept
+    return hook
+
+
+def test_two_closures_of_one_function_each_keep_their_own_state():
+    """Two hooks made by one factory share a code object but not their closures: the state in
+    each is copied for the trace (isolation.py scanned functions by code object, so the second
+    hook's dict received the trace's fake tensor)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    hooks = [_keeping_hook(), _keeping_hook()]
+    for layer, hook in zip(model, hooks):
+        layer.register_forward_hook(hook)
+    tapescope.profile(model, tapescope.spec((2, 4)))
+    assert [h.kept for h in hooks] == [{}, {}]   # as the user left them: nothing ran for real

@@ -276,13 +276,18 @@ class Isolation:
         for m in model.modules():
             for hooks in (m._forward_hooks, m._forward_pre_hooks):
                 work.extend((h, 0) for h in hooks.values() if isinstance(h, types.FunctionType))
-        seen_code, seen_ns = set(), set()
+        # a function is scanned once per (code, globals, closure cells): closures of one code
+        # object (hooks made by one factory) each hold their own state, and code objects compare
+        # equal across files (their equality ignores co_filename)
+        seen_functions, seen_ns = set(), set()
         while work:
             f, depth = work.pop()
-            if not isinstance(f, types.FunctionType) or f.__code__ in seen_code \
-                    or _is_library_code(f.__code__):
+            if not isinstance(f, types.FunctionType) or _is_library_code(f.__code__):
                 continue
-            seen_code.add(f.__code__)
+            key = (id(f.__code__), id(f.__globals__), tuple(map(id, f.__closure__ or ())))
+            if key in seen_functions:
+                continue
+            seen_functions.add(key)
             g = f.__globals__
             names = _global_names(f.__code__)
             for name in names:
