@@ -845,3 +845,74 @@ def test_one_dimensional_convolution_of_a_transposed_activation(seq):
     checked = _excess(ops, "aten.convolution_backward") + _excess(ops, "aten.convolution")
     assert len(checked) == 2 and all(m == p for m, p in checked), checked
     assert p.first_step_peak_bytes == real.peaks[1]
+
+
+class _NumberOp(torch.nn.Module):
+    """A Python number meets an activation: the step's peak is inside that op (the output next to
+    the activation, wider than anything the backward holds at once)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.lin, self.op = torch.nn.Linear(16, 16), op
+
+    def forward(self, x):
+        return self.op(self.lin(x)).float().sum()
+
+
+NUMBER_FORMS = {
+    "x / 2.0": lambda h: h / 2.0,               # div.Tensor: a double, cast to float
+    "x * 3": lambda h: h * 3,                   # an int64, cast to float
+    "x - 1.5 in place": lambda h: h.sub_(1.5),  # no output: the two temporaries alone
+    "2.0 - x": lambda h: 2.0 - h,               # rsub.Scalar: wrapped inside its kernel
+    "x > 0.5": lambda h: h * (h > 0.5),         # gt.Scalar
+    "x.mul(True)": lambda h: h.mul(True),       # a bool: 1 byte, cast to float
+    "x % 2": lambda h: h % 2,                   # remainder.Scalar
+    "floor division": lambda h: h.div(4, rounding_mode="floor"),
+    "bf16 * 2.0": lambda h: h.bfloat16() * 2.0,  # the double cast to bfloat16: 2 bytes
+    "x.double() / 2.0": lambda h: h.double() / 2.0,  # common dtype double: no cast
+    # operands of another dtype: copied into the common one (a bool mask, as floats)
+    "x * bool mask": lambda h: h * (h > 0),
+    "x + bf16": lambda h: h + h.bfloat16(),
+    "bf16 += x": lambda h: h.bfloat16().add_(h),   # the bf16 copied up, and a float result
+    "int64 * 2.0": lambda h: h * ((h > 0).long() * 2.0),  # the int64 copied to float, and 2.0
+    "where(bool, x, bf16)": lambda h: torch.where(h > 0, h, h.bfloat16()),
+    "addcmul(x, bf16, x)": lambda h: torch.addcmul(h, h.bfloat16(), h),
+}
+
+
+@pytest.mark.parametrize("form", NUMBER_FORMS)
+def test_cpu_operands_of_another_dtype_are_copied(form):
+    """A Python number where an op takes a Tensor is a 0-d tensor in the real run (8 bytes for an
+    int or a float, 1 for a bool); on CPU every operand whose dtype is not the op's common one
+    is copied into it, the number's tensor included (capture/fidelity/numbers.py). Truth: the allocator's peak of the real step, to the byte (it
+    is inside the op: 1,024 rows of 16 floats twice, against a backward that holds one)."""
+    op = NUMBER_FORMS[form]
+    p, real, ops = _measure(lambda: _NumberOp(op), (tapescope.spec((1024, 16)),),
+                            optimizer="sgd")
+    assert p.first_step_peak_bytes == real.peaks[1]
+    assert p.peak_bytes == real.peaks[2]
+
+
+def test_scalar_overloads_wrap_their_number_inside_the_kernel():
+    """The `.Scalar` overloads C++ calls (autograd formulas: `grad * 2` of a pow) wrap the number
+    inside their kernel: each op's own excess, allocator against trace, is equal."""
+    from tapescope.capture.fidelity.numbers import SCALAR_OVERLOADS
+
+    class Ops(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.lin(x)
+            with torch.no_grad():
+                for op in SCALAR_OVERLOADS:
+                    op(h.clone() if op._schema.is_mutable else h, 3)
+            return h.sum()
+
+    p, real, ops = _measure(Ops, (tapescope.spec((64, 16)),))
+    names = {f"aten.{op._schema.name.split('::')[1]}" for op in SCALAR_OVERLOADS}
+    checked = [(o.name, o.measured_excess, o.predicted_excess) for o in ops
+               if o.name in names and o.phase == "forward"]
+    assert len(checked) == len(SCALAR_OVERLOADS)
+    assert all(m == q for _, m, q in checked), checked
