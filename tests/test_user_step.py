@@ -33,8 +33,7 @@ class _Net(nn.Module):
 
 
 def _sgd(params):
-    # SGD with momentum: step 1 makes the buffers. (AdamW's update wraps Python numbers in
-    # 0-d tensors, 12 bytes tapescope does not model: docs/validation.md)
+    # SGD with momentum: step 1 makes the buffers
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
 
 
