@@ -916,3 +916,18 @@ def test_scalar_overloads_wrap_their_number_inside_the_kernel():
                if o.name in names and o.phase == "forward"]
     assert len(checked) == len(SCALAR_OVERLOADS)
     assert all(m == q for _, m, q in checked), checked
+
+
+def test_the_common_dtype_of_operands_is_torchs_result_type():
+    """numbers.py computes at::result_type in Python (a torch.result_type call on fake tensors
+    would dispatch an op per op); truth: torch.result_type on real tensors and numbers."""
+    from tapescope.capture.fidelity.numbers import _common_dtype, _wrapped_dtype
+
+    dtypes = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+              torch.float32, torch.float64, torch.complex64)
+    operands = [torch.ones(2, dtype=d) for d in dtypes] + \
+        [torch.ones((), dtype=d) for d in dtypes] + [True, 3, 2.5, 1j]
+    for a in operands[:len(dtypes) * 2]:
+        for b in operands:
+            wrapped = [None, _wrapped_dtype(b) if not isinstance(b, torch.Tensor) else None]
+            assert _common_dtype([a, b], wrapped) == torch.result_type(a, b), (a.dtype, a.dim(), b)

@@ -73,21 +73,43 @@ def _wrapped_dtype(x):
     return None
 
 
-def _common_dtype(operands: list):
-    """TensorIterator's common dtype of the operands (tensors and Python numbers), or None where
-    this does not know it: for two, torch.result_type (its priorities: tensors with dimensions,
-    then 0-d tensors, then numbers); for more, only tensors with dimensions."""
-    if len(operands) == 2:
-        a, b = operands
-        if not isinstance(a, torch.Tensor):
-            a, b = b, a
-        return torch.result_type(a, b) if isinstance(a, torch.Tensor) else None
-    if not all(isinstance(x, torch.Tensor) and x.dim() for x in operands):
-        return None
-    common = operands[0].dtype
-    for x in operands[1:]:
-        common = torch.promote_types(common, x.dtype)
-    return common
+def _combine(higher, lower):
+    """c10's `combine_categories` (ATen/native/TypeProperties.cpp): the dtype of a higher-priority
+    operand class (tensors with dimensions over 0-d tensors over wrapped numbers), raised to the
+    lower class's category only where that is higher. None: no operand in that class."""
+    if higher is None or lower is None:
+        return higher or lower
+    if higher.is_complex:
+        return higher
+    if lower.is_complex:  # a floating type keeps its width, as the matching complex one
+        return _TO_COMPLEX.get(higher, lower) if higher.is_floating_point else lower
+    if higher.is_floating_point:
+        return higher
+    if higher == torch.bool or lower.is_floating_point:
+        return torch.promote_types(higher, lower)
+    return higher
+
+
+_TO_COMPLEX = {torch.float16: torch.complex32, torch.float32: torch.complex64,
+               torch.float64: torch.complex128}
+if hasattr(torch, "bcomplex32"):  # c10's toComplexType(BFloat16), where this torch has one
+    _TO_COMPLEX[torch.bfloat16] = torch.bcomplex32
+
+
+def _common_dtype(operands: list, wrapped: list):
+    """TensorIterator's common dtype of the operands (tensors, and Python numbers with the dtype
+    `wrapped` names), as `at::result_type` computes it (update_result_type_state: a wrapped float
+    counts as the default dtype, a wrapped complex as the default complex one), in Python: a
+    rule calling torch.result_type on fake tensors would dispatch an op for every op it looks at."""
+    classes = [None, None, None]  # tensors with dimensions, 0-d tensors, wrapped numbers
+    for x, w in zip(operands, wrapped):
+        if w is not None:
+            cls, dtype = 2, (torch.get_default_dtype() if w.is_floating_point else
+                             _TO_COMPLEX[torch.get_default_dtype()] if w.is_complex else w)
+        else:
+            cls, dtype = (0 if x.dim() else 1), x.dtype
+        classes[cls] = dtype if classes[cls] is None else torch.promote_types(classes[cls], dtype)
+    return _combine(classes[0], _combine(classes[1], classes[2]))
 
 
 def promotion_temporaries(func, args) -> list | None:
@@ -104,9 +126,7 @@ def promotion_temporaries(func, args) -> list | None:
         return None  # the common case: one dtype, no number
     if any(d is None and not isinstance(x, torch.Tensor) for d, x in zip(wrapped, operands)):
         return None  # an argument neither a tensor nor a number this knows
-    common = _common_dtype(operands)
-    if common is None:
-        return None
+    common = _common_dtype(operands, wrapped)
     if func in _TRUE_DIVISIONS and not (common.is_floating_point or common.is_complex):
         common = torch.get_default_dtype()  # promote_integer_inputs_to_float
     steps = [d.itemsize for d in numbers]
