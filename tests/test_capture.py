@@ -277,6 +277,28 @@ def test_functional_collectives_replayed_as_fake_tensor_mode_makes_them(layout):
 
 
 
+def test_numbers_equal_in_value_promote_by_their_type_as_torch_does():
+    """True, 1, 1.0 and 1+0j are equal as dict keys, but a bool tensor plus each is bool, int64,
+    float32 and complex64 in torch: the replay front must not answer the later ones with the
+    first one's output (it did: every one came out bool)."""
+    numbers = (True, 1, 1.0, 1 + 0j)
+
+    class Adds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, mask):
+            return self.lin(x).sum() + sum(mask.add(n).real.sum() for n in numbers)
+
+    x, mask = torch.randn(2, 4), torch.arange(4) % 2 == 0
+    p = tapescope.profile(Adds(), x, mask, loss_fn=lambda out, *a: out)
+    adds = [op for op in p.ops if op.name == "aten.add.Tensor" and op.inputs
+            and op.inputs[0].dtype == torch.bool]
+    assert [op.outputs[0].dtype for op in adds] == [mask.add(n).dtype for n in numbers] == [
+        torch.bool, torch.int64, torch.float32, torch.complex64]
+
+
 @pytest.mark.parametrize("op,rest", [(torch.ops.aten.split.Tensor, (3, 0)),   # 11, the last short
                                      (torch.ops.aten.split.Tensor, (2, 1)),
                                      (torch.ops.aten.unbind.int, (0,))])

@@ -37,6 +37,12 @@ _SCALAR, _NOT_CONSTANT = "scalar", "not constant"  # what constant_op may answer
 _MANY_VIEWS = 8  # outputs, all views of one argument: replayed by running the op (replay)
 _META = torch.device("meta")  # the string "meta" is parsed anew for each tensor (~0.3 us)
 
+# Python numbers that compare and hash equal across types (1 == 1.0 == True == 1+0j) but promote
+# differently (an int64 tensor plus 1 stays int64, plus 1.0 is float32): keyed with their type, as
+# FakeTensorMode's own cache key does (`_prep_args_for_hash`). An int needs no mark: every other
+# number is marked, and no other argument type compares equal to an int
+_TYPED_NUMBERS = frozenset({float, bool, complex})
+
 
 class _NoKey(Exception):
     pass
@@ -52,8 +58,11 @@ def _tensor_key(t):
 
 
 def _sym(x):
-    """A size as a hashable key: SymInts by their expression (same expression, same size)."""
-    return x.node.expr if isinstance(x, torch.SymInt) else x
+    """A size as a hashable key: SymInts by their expression (same expression, same size), a number
+    other than an int with its type (_TYPED_NUMBERS)."""
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return (type(x), x) if type(x) in _TYPED_NUMBERS else x
 
 
 def _tensor_key_symbolic(t):
@@ -64,20 +73,24 @@ def _tensor_key_symbolic(t):
 
 
 def _key(func, args, kwargs):
-    """The key of an op on concrete sizes: every argument as it is, tensors by `_tensor_key`.
-    None where a tensor argument has no key (a constant, a sparse tensor); may be unhashable."""
+    """The key of an op on concrete sizes: every argument as it is (a number other than an int with
+    its type), tensors by `_tensor_key`. None where a tensor argument has no key (a constant, a
+    sparse tensor); may be unhashable."""
     key = [func, torch.get_default_dtype(), default_device()]
     append = key.append
+    typed = _TYPED_NUMBERS
     try:
         for a in args:
             if isinstance(a, torch.Tensor):
                 append(_tensor_key(a))
             elif isinstance(a, (list, tuple)):
-                append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor) else x for x in a))
+                append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor)
+                             else (type(x), x) if type(x) in typed else x for x in a))
             else:
-                append(a)
+                append((type(a), a) if type(a) in typed else a)
         for name, a in kwargs.items():
-            append((name, _tensor_key(a) if isinstance(a, torch.Tensor) else a))
+            append((name, _tensor_key(a) if isinstance(a, torch.Tensor)
+                    else (type(a), a) if type(a) in typed else a))
         # not hashed here: `find` looks it up, and an unhashable argument fails there (a key is
         # hashed once an op, ~0.5 us for three tensors)
         return tuple(key)
