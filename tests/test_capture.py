@@ -299,6 +299,70 @@ def test_numbers_equal_in_value_promote_by_their_type_as_torch_does():
         torch.bool, torch.int64, torch.float32, torch.complex64]
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_numbers_keyed_by_type_alone_replay_what_fake_tensor_mode_makes_for_each_value():
+    """The ops whose float, bool and complex numbers the replay front keys by their type alone
+    (an optimizer's bias corrections change with the step) are pointwise ops; for each tensor
+    dtype and number type, what the front replays for other values, learned from a first one, is
+    what FakeTensorMode makes for each (sizes, strides, dtype, storage), and where FakeTensorMode
+    refuses the first value it refuses the others with the same message (nothing to learn)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import _VALUE_FREE_NUMBERS, DispatchReplay
+
+    aten = torch.ops.aten
+    values = {float: (0.5, -3e38, float("nan")), bool: (True, False), complex: (1j, -2.5 + 1j)}
+    mode = FakeTensorMode()
+    meta = lambda t: (t.shape, t.stride(), t.dtype, t.device, t.storage_offset(),
+                      t.untyped_storage().nbytes())
+
+    def call(op, args, kwargs):
+        try:
+            with mode:
+                return op(*args, **kwargs), None
+        except Exception as e:  # noqa: BLE001 - the type of number decides, not its value
+            return None, f"{type(e).__name__}: {e}"
+
+    def cases(op, dtype, v):  # (args, kwargs) with the number `v` in each place it may go
+        with mode:
+            a, b = torch.ones(3, 4, dtype=dtype), torch.ones(4, dtype=dtype)
+        name = op.__name__.split(".")[0].rstrip("_")
+        if name in ("addcdiv", "addcmul"):
+            return [((a, b, b), {"value": v})]
+        if name == "lerp":
+            return [((a, b.expand(3, 4), v), {})]
+        out = [((a, v), {})]
+        if name in ("add", "sub") and op._overloadname == "Tensor":
+            out.append(((a, b), {"alpha": v}))
+        return out
+
+    checked = 0
+    for op in sorted(_VALUE_FREE_NUMBERS, key=str):
+        assert torch.Tag.pointwise in op.tags, op
+        for dtype in (torch.float32, torch.float16, torch.int64, torch.bool):
+            for kind, vs in values.items():
+                for i in range(len(cases(op, dtype, vs[0]))):
+                    replay = DispatchReplay(mode)
+                    args, kwargs = cases(op, dtype, vs[0])[i]
+                    learned, refused = call(op, args, kwargs)
+                    key, _ = replay.find(op, args, kwargs)
+                    if learned is not None:
+                        replay.learn(key, op, args, learned)
+                    for v in vs[1:]:
+                        args, kwargs = cases(op, dtype, v)[i]
+                        theirs, error = call(op, args, kwargs)
+                        assert error == refused, (op, dtype, v)
+                        key2, entry = replay.find(op, args, kwargs)
+                        assert key2 == key, (op, dtype, v)
+                        if theirs is None:
+                            continue
+                        ours = replay.replay(entry, args, op, kwargs)
+                        assert (ours is args[0]) == (theirs is args[0]), (op, dtype, v)
+                        assert meta(ours) == meta(theirs), (op, dtype, v)
+                        checked += 1
+    assert checked > 100
+
+
 @pytest.mark.parametrize("op,rest", [(torch.ops.aten.split.Tensor, (3, 0)),   # 11, the last short
                                      (torch.ops.aten.split.Tensor, (2, 1)),
                                      (torch.ops.aten.unbind.int, (0,))])

@@ -42,6 +42,28 @@ _META = torch.device("meta")  # the string "meta" is parsed anew for each tensor
 # FakeTensorMode's own cache key does (`_prep_args_for_hash`). An int needs no mark: every other
 # number is marked, and no other argument type compares equal to an int
 _TYPED_NUMBERS = frozenset({float, bool, complex})
+_BY_TYPE = {t: ("a number, by its type", t) for t in _TYPED_NUMBERS}  # see _VALUE_FREE_NUMBERS
+
+# Ops whose float, bool and complex numbers (a Scalar argument, or a number passed for a Tensor:
+# a wrapped number) enter their output's metadata and their checks by their type alone, so the
+# front keys those numbers by type (_BY_TYPE) and one entry serves every value. All are
+# TensorIterator's pointwise arithmetic: the C++ meta functions (BinaryOps.cpp `add`, `sub`,
+# `mul`, `div`: build_borrowing_binary_(float_)op and alpha_check, which asks only whether alpha is
+# integral, boolean or complex; PointwiseOps.cpp `addcmul`, `addcdiv`: build_ternary_op; Lerp.cpp
+# `lerp_Scalar`: a dtype check and build_binary_op) and FakeTensorMode's Python ones
+# (_meta_registrations.py `meta_binop_inplace(_alpha)`, elementwise_meta; fake_impls.py's fast
+# binary path) promote by the number's kind and never read its value. What it saves: an optimizer
+# step's bias corrections (`div` by the second one, `addcdiv_(value=-step_size)`) change with the
+# step, so step 2 missed the front once per parameter shape. Ints stay keyed by value (a dim, a
+# size): not needed, and cheaper. Not here, so keyed by value: `pow` (an integer tensor to a
+# negative integer power is an error), and anything else not read for this.
+_aten = torch.ops.aten
+_VALUE_FREE_NUMBERS = frozenset(
+    getattr(getattr(_aten, name), overload)
+    for name in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_")
+    for overload in ("Tensor", "Scalar")) | frozenset(
+    (_aten.addcdiv.default, _aten.addcdiv_.default, _aten.addcmul.default,
+     _aten.addcmul_.default, _aten.lerp.Scalar, _aten.lerp_.Scalar))
 
 
 class _NoKey(Exception):
@@ -72,9 +94,15 @@ def _tensor_key_symbolic(t):
             t.device, _sym(t.storage_offset()), t.requires_grad, t.is_conj(), t.is_neg())
 
 
+def _number(func, a):
+    """A float, bool or complex argument of `func` as a key: by its type where `func`'s output does
+    not depend on its value (_VALUE_FREE_NUMBERS), else with its type."""
+    return _BY_TYPE[type(a)] if func in _VALUE_FREE_NUMBERS else (type(a), a)
+
+
 def _key(func, args, kwargs):
     """The key of an op on concrete sizes: every argument as it is (a number other than an int with
-    its type), tensors by `_tensor_key`. None where a tensor argument has no key (a constant, a
+    its type, or by its type alone: `_number`), tensors by `_tensor_key`. None where a tensor argument has no key (a constant, a
     sparse tensor); may be unhashable."""
     key = [func, torch.get_default_dtype(), default_device()]
     append = key.append
@@ -87,10 +115,10 @@ def _key(func, args, kwargs):
                 append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor)
                              else (type(x), x) if type(x) in typed else x for x in a))
             else:
-                append((type(a), a) if type(a) in typed else a)
+                append(_number(func, a) if type(a) in typed else a)
         for name, a in kwargs.items():
             append((name, _tensor_key(a) if isinstance(a, torch.Tensor)
-                    else (type(a), a) if type(a) in typed else a))
+                    else _number(func, a) if type(a) in typed else a))
         # not hashed here: `find` looks it up, and an unhashable argument fails there (a key is
         # hashed once an op, ~0.5 us for three tensors)
         return tuple(key)
