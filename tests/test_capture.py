@@ -363,6 +363,31 @@ def test_numbers_keyed_by_type_alone_replay_what_fake_tensor_mode_makes_for_each
     assert checked > 100
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR is in beta
+def test_the_replay_front_keys_the_tensors_whose_layout_fake_tensor_says_is_strided():
+    """The front reads a FakeTensor's layout without FakeTensor's Python property; it keys
+    exactly the tensors whose `layout` the property says is strided. An mkldnn fake tensor's own
+    layout is strided (a meta tensor): only its dispatch keys tell, as the property reads them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import _NoKey, _tensor_key, _tensor_key_symbolic
+
+    mode = FakeTensorMode()
+    dense = torch.randn(2, 3)
+    tensors = [dense, dense.t(), dense.to_sparse(), dense.to_sparse_csr()]
+    if torch.backends.mkldnn.is_available():
+        tensors.append(dense.to_mkldnn())
+    for real in tensors:
+        fake = mode.from_tensor(real)
+        for key in (_tensor_key, _tensor_key_symbolic):
+            try:
+                key(fake)
+                keyed = True
+            except _NoKey:
+                keyed = False
+            assert keyed == (fake.layout is torch.strided), (real.layout, key)
+
+
 @pytest.mark.parametrize("op,rest", [(torch.ops.aten.split.Tensor, (3, 0)),   # 11, the last short
                                      (torch.ops.aten.split.Tensor, (2, 1)),
                                      (torch.ops.aten.unbind.int, (0,))])

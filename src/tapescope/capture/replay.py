@@ -71,8 +71,17 @@ class _NoKey(Exception):
     pass
 
 
+# FakeTensor.layout is a Python property (fake_tensor.py): mkldnn where the tensor's
+# `dispatch_keys` say so (set for an mkldnn tensor only), else the tensor's own layout. A key
+# takes the tensor's own layout where `dispatch_keys` is unset and leaves the rest to
+# FakeTensorMode: the same tensors keyed, without the property's two Python calls (~0.3 ->
+# ~0.12 us; ~6,300 tensor keys a GPT-2 profile)
+_OWN_LAYOUT, _STRIDED = torch.Tensor.layout.__get__, torch.strided
+
+
 def _tensor_key(t):
-    if type(t) is not FakeTensor or t.constant is not None or t.layout is not torch.strided:
+    if (type(t) is not FakeTensor or t.constant is not None or t.dispatch_keys is not None
+            or _OWN_LAYOUT(t) is not _STRIDED):
         raise _NoKey
     # `fake_device` is what `device` answers outside a kernel invocation (the front runs outside
     # one), without the property's Python call
@@ -89,7 +98,8 @@ def _sym(x):
 
 
 def _tensor_key_symbolic(t):
-    if type(t) is not FakeTensor or t.constant is not None or t.layout is not torch.strided:
+    if (type(t) is not FakeTensor or t.constant is not None or t.dispatch_keys is not None
+            or _OWN_LAYOUT(t) is not _STRIDED):
         raise _NoKey
     return (tuple(_sym(s) for s in t.shape), tuple(_sym(s) for s in t.stride()), t.dtype,
             t.device, _sym(t.storage_offset()), t.requires_grad, t.is_conj(), t.is_neg())
