@@ -310,7 +310,6 @@ def test_numbers_keyed_by_type_alone_replay_what_fake_tensor_mode_makes_for_each
 
     from tapescope.capture.replay import _VALUE_FREE_NUMBERS, DispatchReplay
 
-    aten = torch.ops.aten
     values = {float: (0.5, -3e38, float("nan")), bool: (True, False), complex: (1j, -2.5 + 1j)}
     mode = FakeTensorMode()
     meta = lambda t: (t.shape, t.stride(), t.dtype, t.device, t.storage_offset(),
