@@ -589,3 +589,31 @@ def test_a_fake_tensor_left_in_the_users_model_is_named_by_its_path():
     assert Isolation(lambda t: t, lambda t: t).leaks(model) == [
         "model._modules['0'].cache['k'][] holds a fake tensor after the trace: tapescope could "
         "not isolate it"]
+
+
+def test_record_function_markers_run_as_fake_tensor_mode_runs_them():
+    """torch.optim wraps each step in record_function, whose markers FakeTensorMode runs as the
+    ops themselves; the tape runs them so without FakeTensorMode's dispatch. A torch profiler
+    around the profile sees each of its two optimizer steps, as it sees a bare fake step's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def model():
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def steps(run) -> list:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run()
+        return [e.name for e in prof.events() if e.name.startswith("Optimizer.step#")]
+
+    x = torch.randn(4, 8)
+
+    def bare():
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            m, xs = model(), mode.from_tensor(x)
+            opt = torch.optim.AdamW(m.parameters())
+            for _ in range(2):
+                m(xs).sum().backward()
+                opt.step()
+
+    ours = steps(lambda: tapescope.profile(model(), x, loss_fn=lambda out, *a: out.sum()))
+    assert ours == steps(bare) == ["Optimizer.step#AdamW.step"] * 2

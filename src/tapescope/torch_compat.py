@@ -82,7 +82,7 @@ __all__ = [
     "mark_internal_saved_tensors_hooks", "set_graph_task_id", "forward_ad_level",
     "adinplaceorview_excluded", "default_device",
     "foreach_devices", "fake_cache_bypasses", "has_composite_implicit_kernel",
-    "fake_mode_handles_directly",
+    "fake_mode_handles_directly", "MARKERS_RUN_AS_THEY_ARE",
     "functional_collective_ops", "FakeTensorFactory", "SizeFreeCacheCheck",
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
@@ -232,6 +232,29 @@ def fake_mode_handles_directly(func) -> bool:
     """Whether FakeTensorMode.dispatch answers `func` before it looks at the argument types (its
     metadata handlers and the ops it runs as they are, fake_tensor.py `dispatch`)."""
     return func in _FAKE_META_HANDLERS or func in _FAKE_HANDLE_DIRECTLY
+
+
+def _markers_run_as_they_are() -> frozenset:
+    """The record_function markers (torch.optim wraps each step in one) that FakeTensorMode
+    answers by running the op itself inside a kernel invocation, and nothing else: the exit from
+    `_DISPATCH_HANDLE_DIRECTLY` (fake_tensor.py `dispatch`), the enter from its fake impl
+    (fake_impls.py `_record_function_enter_new`: `with in_kernel_invocation_manager(fake_mode):
+    return func(name, args)`), each only while torch still registers it so."""
+    from torch._subclasses.fake_impls import op_implementations_dict
+
+    profiler = torch.ops.profiler
+    found = set()
+    exit_ = getattr(getattr(profiler, "_record_function_exit", None), "_RecordFunction", None)
+    if exit_ is not None and exit_ in _FAKE_HANDLE_DIRECTLY:
+        found.add(exit_)
+    enter = getattr(getattr(profiler, "_record_function_enter_new", None), "default", None)
+    impl = op_implementations_dict.get(enter) if enter is not None else None
+    if impl is not None and impl.__name__ == "_record_function_enter_new":
+        found.add(enter)
+    return frozenset(found)
+
+
+MARKERS_RUN_AS_THEY_ARE = _markers_run_as_they_are()
 
 
 def functional_collective_ops(names) -> frozenset:
