@@ -617,3 +617,38 @@ def test_record_function_markers_run_as_fake_tensor_mode_runs_them():
 
     ours = steps(lambda: tapescope.profile(model(), x, loss_fn=lambda out, *a: out.sum()))
     assert ours == steps(bare) == ["Optimizer.step#AdamW.step"] * 2
+
+
+def test_a_lazy_conj_replayed_keeps_its_bit_and_its_copy_as_a_real_run():
+    """`conj()` of a complex tensor is a view with the conj bit set, and `resolve_conj` copies only
+    where the bit is set. The second of two such views on tensors of one layout was replayed
+    without the bit, so its copy (an allocation) was missing; the forward's ops are the real
+    run's, op for op (a dispatch mode over the real tensors)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Conj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, a, b):
+            u, v = a.conj().resolve_conj(), b.conj().resolve_conj()
+            return (u.real.sum() + v.real.sum()) * self.w.sum()
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    a, b = (torch.randn(4, 4, dtype=torch.complex64) for _ in range(2))
+    model = Conj()
+    with Ops() as real:
+        model(a, b)
+    p = tapescope.profile(Conj(), a, b, loss_fn=lambda out, *rest: out)
+    ours = [op.name for op in p.ops if op.phase == "forward"]
+    assert ours == real.names
+    assert ours.count("aten.clone.default") == 2

@@ -392,6 +392,11 @@ class DispatchReplay:
                 continue
             if any(o is a for a in args) or o.constant is not None or o.layout is not torch.strided:
                 return None
+            if o.is_conj() or o.is_neg():
+                # `_conj`, `_neg_view` (a complex model's conj() is lazy): an output's bits are not
+                # rebuilt (replay makes a plain meta tensor), and whether a later op resolves
+                # them into a copy follows them; such ops stay FakeTensorMode's
+                return None
             st = untyped_storage_key(o.untyped_storage())
             view_of = arg_storage.get(st)
             if view_of is None:
