@@ -387,6 +387,46 @@ def test_the_replay_front_keys_the_tensors_whose_layout_fake_tensor_says_is_stri
             assert keyed == (fake.layout is torch.strided), (real.layout, key)
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_aliases_replayed_as_fake_tensor_mode_makes_them(requires_grad):
+    """An op whose output is its argument's own layout in its storage (a detach: a saved tensor's,
+    a parameter's) is replayed as an alias of the argument made without an as_strided; it is what
+    FakeTensorMode makes for a second argument of the same layout: sizes, strides, offset, dtype,
+    device, requires_grad, dispatch keys, the argument's storage, and its version counter."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import DispatchReplay
+    from tapescope.torch_compat import untyped_storage_key
+
+    aten = torch.ops.aten
+    mode = FakeTensorMode()
+    for op, rest in ((aten.detach.default, ()), (aten.alias.default, ()),
+                     (aten.view.default, ([31, 16],))):
+        replay = DispatchReplay(mode)
+        with mode:
+            first, second = (torch.empty(32, 16, requires_grad=requires_grad)[1:]
+                             for _ in range(2))
+            learned = op(first, *rest)
+        if learned.requires_grad:  # FakeTensorMode made a tensor that requires grad: not an alias
+            continue
+        replay.learn(replay.find(op, (first, *rest), {})[0], op, (first, *rest), learned)
+        entry = replay.find(op, (second, *rest), {})[1]
+        assert entry[0] == "alias", op
+        ours = replay.replay(entry, (second, *rest), op, {})
+        with mode:
+            theirs = op(second, *rest)
+        assert type(ours) is type(theirs)
+        assert (ours.shape, ours.stride(), ours.storage_offset(), ours.dtype, ours.device,
+                ours.requires_grad, torch._C._dispatch_keys(ours)) == (
+            theirs.shape, theirs.stride(), theirs.storage_offset(), theirs.dtype, theirs.device,
+            theirs.requires_grad, torch._C._dispatch_keys(theirs)), op
+        assert untyped_storage_key(ours.untyped_storage()) == untyped_storage_key(
+            second.untyped_storage())
+        with mode, torch.no_grad():
+            second.add_(1)
+        assert ours._version == theirs._version == second._version, op
+
+
 @pytest.mark.parametrize("op,rest", [(torch.ops.aten.split.Tensor, (3, 0)),   # 11, the last short
                                      (torch.ops.aten.split.Tensor, (2, 1)),
                                      (torch.ops.aten.unbind.int, (0,))])

@@ -319,8 +319,21 @@ class FakeTensorFactory:
             return FakeTensor(self.mode, meta, device)
         return self._build(meta, device)
 
-    def _build(self, meta, device):
-        t = torch.Tensor._make_subclass(FakeTensor, meta, meta.requires_grad, dispatch_device=True,
+    def alias(self, base: FakeTensor, device: torch.device) -> FakeTensor:
+        """`make(base.as_strided(base's own sizes, strides and offset), device)` without requires_grad,
+        for `base` a fake tensor of this mode, inside a kernel invocation (a detach: ~520 a GPT-2
+        profile). `Tensor._make_subclass` detaches what it is given, so given `base` it makes the
+        same alias of base's storage (sharing its version counter) without the as_strided's own
+        alias: ~1 us instead of ~5."""
+        if not self.exact or FakeTensorConfig.debug or torch.compiler.is_exporting():
+            return self.make(base.as_strided(base.shape, base.stride(), base.storage_offset()),
+                             device)
+        return self._build(base, device, False)
+
+    def _build(self, meta, device, requires_grad=None):
+        if requires_grad is None:
+            requires_grad = meta.requires_grad
+        t = torch.Tensor._make_subclass(FakeTensor, meta, requires_grad, dispatch_device=True,
                                         device_for_backend_keys=device)
         if not self.mode._allow_unsafe_data_ptr_access:
             torch._C._set_throw_on_mutable_data_ptr(t)

@@ -33,7 +33,7 @@ _ITEM_MEMO_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.fl
 
 __all__ = ["DispatchReplay"]
 
-_INPLACE, _NONE = "inplace", "none"
+_INPLACE, _NONE, _ALIAS = "inplace", "none", "alias"
 _SCALAR, _NOT_CONSTANT = "scalar", "not constant"  # what constant_op may answer
 _MANY_VIEWS = 8  # outputs, all views of one argument: replayed by running the op (replay)
 _META = torch.device("meta")  # the string "meta" is parsed anew for each tensor (~0.3 us)
@@ -309,6 +309,16 @@ class DispatchReplay:
             return args[entry[1]]
         if kind == _NONE:
             return None
+        if kind == _ALIAS:
+            # an argument's own layout without requires_grad (a detach): its alias, made
+            # without an as_strided (FakeTensorFactory.alias)
+            _, arg, device = entry
+            try:
+                with kernel_invocation(self.mode), disable_torch_function():
+                    return self._fakes.alias(args[arg], device)
+            except Exception:  # noqa: BLE001 - internals moved: stop replaying, use FakeTensorMode
+                self.enabled = False
+                raise LookupError from None
         _, wrap, infos, in_kernel, views = entry
         try:
             if views and func is not None:
@@ -410,6 +420,13 @@ class DispatchReplay:
         # fresh outputs on concrete sizes need no kernel invocation to be rebuilt (replay)
         in_kernel = any(i is not None and (i[6] is not None or i[7] is not None) for i in infos)
         if isinstance(out, FakeTensor):
+            shape, stride, dtype, device, offset, rg, view_of, storage_numel = infos[0]
+            if view_of is not None and not rg and self.mode.shape_env is None:
+                base = args[view_of]
+                if (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype) == (
+                        shape, stride, offset, dtype) and not (base.is_conj() or base.is_neg()):
+                    # the argument's own layout (the key holds it): an alias of it
+                    return (_ALIAS, view_of, device)
             return ("tensor", None, tuple(infos), in_kernel, False)
         # many plain views of one argument (split, chunk, unbind): rebuilt by the op itself
         views = len(infos) >= _MANY_VIEWS and all(
