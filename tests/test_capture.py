@@ -277,6 +277,156 @@ def test_functional_collectives_replayed_as_fake_tensor_mode_makes_them(layout):
 
 
 
+def test_numbers_equal_in_value_promote_by_their_type_as_torch_does():
+    """True, 1, 1.0 and 1+0j are equal as dict keys, but a bool tensor plus each is bool, int64,
+    float32 and complex64 in torch: the replay front must not answer the later ones with the
+    first one's output (it did: every one came out bool)."""
+    numbers = (True, 1, 1.0, 1 + 0j)
+
+    class Adds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, mask):
+            return self.lin(x).sum() + sum(mask.add(n).real.sum() for n in numbers)
+
+    x, mask = torch.randn(2, 4), torch.arange(4) % 2 == 0
+    p = tapescope.profile(Adds(), x, mask, loss_fn=lambda out, *a: out)
+    adds = [op for op in p.ops if op.name == "aten.add.Tensor" and op.inputs
+            and op.inputs[0].dtype == torch.bool]
+    assert [op.outputs[0].dtype for op in adds] == [mask.add(n).dtype for n in numbers] == [
+        torch.bool, torch.int64, torch.float32, torch.complex64]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_numbers_keyed_by_type_alone_replay_what_fake_tensor_mode_makes_for_each_value():
+    """The ops whose float, bool and complex numbers the replay front keys by their type alone
+    (an optimizer's bias corrections change with the step) are pointwise ops; for each tensor
+    dtype and number type, what the front replays for other values, learned from a first one, is
+    what FakeTensorMode makes for each (sizes, strides, dtype, storage), and where FakeTensorMode
+    refuses the first value it refuses the others with the same message (nothing to learn)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import _VALUE_FREE_NUMBERS, DispatchReplay
+
+    values = {float: (0.5, -3e38, float("nan")), bool: (True, False), complex: (1j, -2.5 + 1j)}
+    mode = FakeTensorMode()
+    meta = lambda t: (t.shape, t.stride(), t.dtype, t.device, t.storage_offset(),
+                      t.untyped_storage().nbytes())
+
+    def call(op, args, kwargs):
+        try:
+            with mode:
+                return op(*args, **kwargs), None
+        except Exception as e:  # noqa: BLE001 - the type of number decides, not its value
+            return None, f"{type(e).__name__}: {e}"
+
+    def cases(op, dtype, v):  # (args, kwargs) with the number `v` in each place it may go
+        with mode:
+            a, b = torch.ones(3, 4, dtype=dtype), torch.ones(4, dtype=dtype)
+        name = op.__name__.split(".")[0].rstrip("_")
+        if name in ("addcdiv", "addcmul"):
+            return [((a, b, b), {"value": v})]
+        if name == "lerp":
+            return [((a, b.expand(3, 4), v), {})]
+        out = [((a, v), {})]
+        if name in ("add", "sub") and op._overloadname == "Tensor":
+            out.append(((a, b), {"alpha": v}))
+        return out
+
+    checked = 0
+    for op in sorted(_VALUE_FREE_NUMBERS, key=str):
+        assert torch.Tag.pointwise in op.tags, op
+        for dtype in (torch.float32, torch.float16, torch.int64, torch.bool):
+            for kind, vs in values.items():
+                for i in range(len(cases(op, dtype, vs[0]))):
+                    replay = DispatchReplay(mode)
+                    args, kwargs = cases(op, dtype, vs[0])[i]
+                    learned, refused = call(op, args, kwargs)
+                    key, _ = replay.find(op, args, kwargs)
+                    if learned is not None:
+                        replay.learn(key, op, args, learned)
+                    for v in vs[1:]:
+                        args, kwargs = cases(op, dtype, v)[i]
+                        theirs, error = call(op, args, kwargs)
+                        assert error == refused, (op, dtype, v)
+                        key2, entry = replay.find(op, args, kwargs)
+                        assert key2 == key, (op, dtype, v)
+                        if theirs is None:
+                            continue
+                        ours = replay.replay(entry, args, op, kwargs)
+                        assert (ours is args[0]) == (theirs is args[0]), (op, dtype, v)
+                        assert meta(ours) == meta(theirs), (op, dtype, v)
+                        checked += 1
+    assert checked > 100
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR is in beta
+def test_the_replay_front_keys_the_tensors_whose_layout_fake_tensor_says_is_strided():
+    """The front reads a FakeTensor's layout without FakeTensor's Python property; it keys
+    exactly the tensors whose `layout` the property says is strided. An mkldnn fake tensor's own
+    layout is strided (a meta tensor): only its dispatch keys tell, as the property reads them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import _NoKey, _tensor_key, _tensor_key_symbolic
+
+    mode = FakeTensorMode()
+    dense = torch.randn(2, 3)
+    tensors = [dense, dense.t(), dense.to_sparse(), dense.to_sparse_csr()]
+    if torch.backends.mkldnn.is_available():
+        tensors.append(dense.to_mkldnn())
+    for real in tensors:
+        fake = mode.from_tensor(real)
+        for key in (_tensor_key, _tensor_key_symbolic):
+            try:
+                key(fake)
+                keyed = True
+            except _NoKey:
+                keyed = False
+            assert keyed == (fake.layout is torch.strided), (real.layout, key)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_aliases_replayed_as_fake_tensor_mode_makes_them(requires_grad):
+    """An op whose output is its argument's own layout in its storage (a detach: a saved tensor's,
+    a parameter's) is replayed as an alias of the argument made without an as_strided; it is what
+    FakeTensorMode makes for a second argument of the same layout: sizes, strides, offset, dtype,
+    device, requires_grad, dispatch keys, the argument's storage, and its version counter."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import DispatchReplay
+    from tapescope.torch_compat import untyped_storage_key
+
+    aten = torch.ops.aten
+    mode = FakeTensorMode()
+    for op, rest in ((aten.detach.default, ()), (aten.alias.default, ()),
+                     (aten.view.default, ([31, 16],))):
+        replay = DispatchReplay(mode)
+        with mode:
+            first, second = (torch.empty(32, 16, requires_grad=requires_grad)[1:]
+                             for _ in range(2))
+            learned = op(first, *rest)
+        if learned.requires_grad:  # FakeTensorMode made a tensor that requires grad: not an alias
+            continue
+        replay.learn(replay.find(op, (first, *rest), {})[0], op, (first, *rest), learned)
+        entry = replay.find(op, (second, *rest), {})[1]
+        assert entry[0] == "alias", op
+        ours = replay.replay(entry, (second, *rest), op, {})
+        with mode:
+            theirs = op(second, *rest)
+        assert type(ours) is type(theirs)
+        assert (ours.shape, ours.stride(), ours.storage_offset(), ours.dtype, ours.device,
+                ours.requires_grad, torch._C._dispatch_keys(ours)) == (
+            theirs.shape, theirs.stride(), theirs.storage_offset(), theirs.dtype, theirs.device,
+            theirs.requires_grad, torch._C._dispatch_keys(theirs)), op
+        assert untyped_storage_key(ours.untyped_storage()) == untyped_storage_key(
+            second.untyped_storage())
+        with mode, torch.no_grad():
+            second.add_(1)
+        assert ours._version == theirs._version == second._version, op
+
+
 @pytest.mark.parametrize("op,rest", [(torch.ops.aten.split.Tensor, (3, 0)),   # 11, the last short
                                      (torch.ops.aten.split.Tensor, (2, 1)),
                                      (torch.ops.aten.unbind.int, (0,))])
@@ -479,3 +629,66 @@ def test_a_fake_tensor_left_in_the_users_model_is_named_by_its_path():
     assert Isolation(lambda t: t, lambda t: t).leaks(model) == [
         "model._modules['0'].cache['k'][] holds a fake tensor after the trace: tapescope could "
         "not isolate it"]
+
+
+def test_record_function_markers_run_as_fake_tensor_mode_runs_them():
+    """torch.optim wraps each step in record_function, whose markers FakeTensorMode runs as the
+    ops themselves; the tape runs them so without FakeTensorMode's dispatch. A torch profiler
+    around the profile sees each of its two optimizer steps, as it sees a bare fake step's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def model():
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def steps(run) -> list:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run()
+        return [e.name for e in prof.events() if e.name.startswith("Optimizer.step#")]
+
+    x = torch.randn(4, 8)
+
+    def bare():
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            m, xs = model(), mode.from_tensor(x)
+            opt = torch.optim.AdamW(m.parameters())
+            for _ in range(2):
+                m(xs).sum().backward()
+                opt.step()
+
+    ours = steps(lambda: tapescope.profile(model(), x, loss_fn=lambda out, *a: out.sum()))
+    assert ours == steps(bare) == ["Optimizer.step#AdamW.step"] * 2
+
+
+def test_a_lazy_conj_replayed_keeps_its_bit_and_its_copy_as_a_real_run():
+    """`conj()` of a complex tensor is a view with the conj bit set, and `resolve_conj` copies only
+    where the bit is set. The second of two such views on tensors of one layout was replayed
+    without the bit, so its copy (an allocation) was missing; the forward's ops are the real
+    run's, op for op (a dispatch mode over the real tensors)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Conj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, a, b):
+            u, v = a.conj().resolve_conj(), b.conj().resolve_conj()
+            return (u.real.sum() + v.real.sum()) * self.w.sum()
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    a, b = (torch.randn(4, 4, dtype=torch.complex64) for _ in range(2))
+    model = Conj()
+    with Ops() as real:
+        model(a, b)
+    p = tapescope.profile(Conj(), a, b, loss_fn=lambda out, *rest: out)
+    ours = [op.name for op in p.ops if op.phase == "forward"]
+    assert ours == real.names
+    assert ours.count("aten.clone.default") == 2

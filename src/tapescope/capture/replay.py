@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 from ..torch_compat import (FakeTensor, FakeTensorFactory, FakeTensorMode, OpOverload,
-                            default_device, disable_torch_dispatch, fake_cache_bypasses,
-                            functional_collective_ops, has_composite_implicit_kernel,
+                            default_device, disable_torch_dispatch, disable_torch_function,
+                            fake_cache_bypasses, functional_collective_ops,
+                            has_composite_implicit_kernel,
                             kernel_invocation, no_dispatch, untyped_storage_key)
 
 # 0-d literals of these dtypes get an `.item()` memo from FakeTensorMode (fake_tensor.py)
@@ -32,18 +33,55 @@ _ITEM_MEMO_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.fl
 
 __all__ = ["DispatchReplay"]
 
-_INPLACE, _NONE = "inplace", "none"
+_INPLACE, _NONE, _ALIAS = "inplace", "none", "alias"
 _SCALAR, _NOT_CONSTANT = "scalar", "not constant"  # what constant_op may answer
 _MANY_VIEWS = 8  # outputs, all views of one argument: replayed by running the op (replay)
 _META = torch.device("meta")  # the string "meta" is parsed anew for each tensor (~0.3 us)
+
+# Python numbers that compare and hash equal across types (1 == 1.0 == True == 1+0j) but promote
+# differently (an int64 tensor plus 1 stays int64, plus 1.0 is float32): keyed with their type, as
+# FakeTensorMode's own cache key does (`_prep_args_for_hash`). An int needs no mark: every other
+# number is marked, and no other argument type compares equal to an int
+_TYPED_NUMBERS = frozenset({float, bool, complex})
+_BY_TYPE = {t: ("a number, by its type", t) for t in _TYPED_NUMBERS}  # see _VALUE_FREE_NUMBERS
+
+# Ops whose float, bool and complex numbers (a Scalar argument, or a number passed for a Tensor:
+# a wrapped number) enter their output's metadata and their checks by their type alone, so the
+# front keys those numbers by type (_BY_TYPE) and one entry serves every value. All are
+# TensorIterator's pointwise arithmetic: the C++ meta functions (BinaryOps.cpp `add`, `sub`,
+# `mul`, `div`: build_borrowing_binary_(float_)op and alpha_check, which asks only whether alpha is
+# integral, boolean or complex; PointwiseOps.cpp `addcmul`, `addcdiv`: build_ternary_op; Lerp.cpp
+# `lerp_Scalar`: a dtype check and build_binary_op) and FakeTensorMode's Python ones
+# (_meta_registrations.py `meta_binop_inplace(_alpha)`, elementwise_meta; fake_impls.py's fast
+# binary path) promote by the number's kind and never read its value. What it saves: an optimizer
+# step's bias corrections (`div` by the second one, `addcdiv_(value=-step_size)`) change with the
+# step, so step 2 missed the front once per parameter shape. Ints stay keyed by value (a dim, a
+# size): not needed, and cheaper. Not here, so keyed by value: `pow` (an integer tensor to a
+# negative integer power is an error), and anything else not read for this.
+_aten = torch.ops.aten
+_VALUE_FREE_NUMBERS = frozenset(
+    getattr(getattr(_aten, name), overload)
+    for name in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_")
+    for overload in ("Tensor", "Scalar")) | frozenset(
+    (_aten.addcdiv.default, _aten.addcdiv_.default, _aten.addcmul.default,
+     _aten.addcmul_.default, _aten.lerp.Scalar, _aten.lerp_.Scalar))
 
 
 class _NoKey(Exception):
     pass
 
 
+# FakeTensor.layout is a Python property (fake_tensor.py): mkldnn where the tensor's
+# `dispatch_keys` say so (set for an mkldnn tensor only), else the tensor's own layout. A key
+# takes the tensor's own layout where `dispatch_keys` is unset and leaves the rest to
+# FakeTensorMode: the same tensors keyed, without the property's two Python calls (~0.3 ->
+# ~0.12 us; ~6,300 tensor keys a GPT-2 profile)
+_OWN_LAYOUT, _STRIDED = torch.Tensor.layout.__get__, torch.strided
+
+
 def _tensor_key(t):
-    if type(t) is not FakeTensor or t.constant is not None or t.layout is not torch.strided:
+    if (type(t) is not FakeTensor or t.constant is not None or t.dispatch_keys is not None
+            or _OWN_LAYOUT(t) is not _STRIDED):
         raise _NoKey
     # `fake_device` is what `device` answers outside a kernel invocation (the front runs outside
     # one), without the property's Python call
@@ -52,32 +90,46 @@ def _tensor_key(t):
 
 
 def _sym(x):
-    """A size as a hashable key: SymInts by their expression (same expression, same size)."""
-    return x.node.expr if isinstance(x, torch.SymInt) else x
+    """A size as a hashable key: SymInts by their expression (same expression, same size), a number
+    other than an int with its type (_TYPED_NUMBERS)."""
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return (type(x), x) if type(x) in _TYPED_NUMBERS else x
 
 
 def _tensor_key_symbolic(t):
-    if type(t) is not FakeTensor or t.constant is not None or t.layout is not torch.strided:
+    if (type(t) is not FakeTensor or t.constant is not None or t.dispatch_keys is not None
+            or _OWN_LAYOUT(t) is not _STRIDED):
         raise _NoKey
     return (tuple(_sym(s) for s in t.shape), tuple(_sym(s) for s in t.stride()), t.dtype,
             t.device, _sym(t.storage_offset()), t.requires_grad, t.is_conj(), t.is_neg())
 
 
+def _number(func, a):
+    """A float, bool or complex argument of `func` as a key: by its type where `func`'s output does
+    not depend on its value (_VALUE_FREE_NUMBERS), else with its type."""
+    return _BY_TYPE[type(a)] if func in _VALUE_FREE_NUMBERS else (type(a), a)
+
+
 def _key(func, args, kwargs):
-    """The key of an op on concrete sizes: every argument as it is, tensors by `_tensor_key`.
-    None where a tensor argument has no key (a constant, a sparse tensor); may be unhashable."""
+    """The key of an op on concrete sizes: every argument as it is (a number other than an int with
+    its type, or by its type alone: `_number`), tensors by `_tensor_key`. None where a tensor argument has no key (a constant, a
+    sparse tensor); may be unhashable."""
     key = [func, torch.get_default_dtype(), default_device()]
     append = key.append
+    typed = _TYPED_NUMBERS
     try:
         for a in args:
             if isinstance(a, torch.Tensor):
                 append(_tensor_key(a))
             elif isinstance(a, (list, tuple)):
-                append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor) else x for x in a))
+                append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor)
+                             else (type(x), x) if type(x) in typed else x for x in a))
             else:
-                append(a)
+                append(_number(func, a) if type(a) in typed else a)
         for name, a in kwargs.items():
-            append((name, _tensor_key(a) if isinstance(a, torch.Tensor) else a))
+            append((name, _tensor_key(a) if isinstance(a, torch.Tensor)
+                    else _number(func, a) if type(a) in typed else a))
         # not hashed here: `find` looks it up, and an unhashable argument fails there (a key is
         # hashed once an op, ~0.5 us for three tensors)
         return tuple(key)
@@ -257,6 +309,16 @@ class DispatchReplay:
             return args[entry[1]]
         if kind == _NONE:
             return None
+        if kind == _ALIAS:
+            # an argument's own layout without requires_grad (a detach): its alias, made
+            # without an as_strided (FakeTensorFactory.alias)
+            _, arg, device = entry
+            try:
+                with kernel_invocation(self.mode), disable_torch_function():
+                    return self._fakes.alias(args[arg], device)
+            except Exception:  # noqa: BLE001 - internals moved: stop replaying, use FakeTensorMode
+                self.enabled = False
+                raise LookupError from None
         _, wrap, infos, in_kernel, views = entry
         try:
             if views and func is not None:
@@ -296,8 +358,13 @@ class DispatchReplay:
         if base is not None and not rg and base.dtype == dtype and not (
                 base.is_conj() or base.is_neg()):
             # as_strided shares the storage without the size arithmetic that empty_strided
-            # + set_ do: with symbolic sizes that arithmetic is ~10x the cost of the view
-            return torch.ops.aten.as_strided.default(base, shape, stride, offset)
+            # + set_ do: with symbolic sizes that arithmetic is ~10x the cost of the view.
+            # Called as the Tensor method: the same op (aten::as_strided) through the generated
+            # binding, ~3.3 us where the OpOverload's schema-driven call is ~5.3 us (~1,150
+            # replayed views a GPT-2 profile), below every torch function mode as the dispatch
+            # it stands for is (the front runs inside __torch_dispatch__)
+            with disable_torch_function():
+                return base.as_strided(shape, stride, offset)
         if storage_numel is not None:
             # symbolic sizes: a flat storage of the size FakeTensorMode gave this output, then
             # as_strided; a third of the SymInt arithmetic of empty_strided
@@ -335,6 +402,11 @@ class DispatchReplay:
                 continue
             if any(o is a for a in args) or o.constant is not None or o.layout is not torch.strided:
                 return None
+            if o.is_conj() or o.is_neg():
+                # `_conj`, `_neg_view` (a complex model's conj() is lazy): an output's bits are not
+                # rebuilt (replay makes a plain meta tensor), and whether a later op resolves
+                # them into a copy follows them; such ops stay FakeTensorMode's
+                return None
             st = untyped_storage_key(o.untyped_storage())
             view_of = arg_storage.get(st)
             if view_of is None:
@@ -348,6 +420,13 @@ class DispatchReplay:
         # fresh outputs on concrete sizes need no kernel invocation to be rebuilt (replay)
         in_kernel = any(i is not None and (i[6] is not None or i[7] is not None) for i in infos)
         if isinstance(out, FakeTensor):
+            shape, stride, dtype, device, offset, rg, view_of, storage_numel = infos[0]
+            if view_of is not None and not rg and self.mode.shape_env is None:
+                base = args[view_of]
+                if (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype) == (
+                        shape, stride, offset, dtype) and not (base.is_conj() or base.is_neg()):
+                    # the argument's own layout (the key holds it): an alias of it
+                    return (_ALIAS, view_of, device)
             return ("tensor", None, tuple(infos), in_kernel, False)
         # many plain views of one argument (split, chunk, unbind): rebuilt by the op itself
         views = len(infos) >= _MANY_VIEWS and all(

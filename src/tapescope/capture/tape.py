@@ -31,11 +31,11 @@ import torch
 from ..errors import passes_user_calls, source_dirs
 from ..losses import choose_default_loss, default_loss, sum_of
 from ..options import check_device_build, unbuilt_device_types
-from ..torch_compat import (FakeTensor, SizeFreeCacheCheck,
+from ..torch_compat import (MARKERS_RUN_AS_THEY_ARE, FakeTensor, SizeFreeCacheCheck,
                             adinplaceorview_excluded, c10d_collective_result,
                             current_autograd_node, disable_dynamo,
                             disable_torch_function, dynamo_disable_is_a_call,
-                            fake_mode_handles_directly, is_wrapper_subclass,
+                            fake_mode_handles_directly, is_wrapper_subclass, kernel_invocation,
                             node_sequence_nr, sequence_nr, storage_key, untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
@@ -86,6 +86,7 @@ class _OpTraits:
     output: bool         # OUTPUT rules
     workspace: bool      # WORKSPACE rules
     router: bool         # data_values.py assumes its selections (DataValues.routers)
+    as_it_is: bool       # a marker FakeTensorMode runs as it is (MARKERS_RUN_AS_THEY_ARE)
 
     @classmethod
     def of(cls, func, rules: RuleSet, values) -> "_OpTraits":
@@ -95,7 +96,8 @@ class _OpTraits:
                    backward_rule=func in rules.backward_targets,
                    check=func in rules.check_targets, output=func in rules.output_targets,
                    workspace=func in rules.workspace_targets,
-                   router=values is not None and func in values.routers)
+                   router=values is not None and func in values.routers,
+                   as_it_is=func in MARKERS_RUN_AS_THEY_ARE)
 # phases whose ops may record autograd nodes: each op gets the sequence number, module and line
 # (a user's step computes its loss in its own code, phase OTHER)
 _BUILDS_GRAPH = (FORWARD, OTHER)
@@ -570,6 +572,12 @@ class Tape(SizeFreeCacheCheck):
                 and _PLAIN_TYPES.issuperset(types)
                 and not (args and type(args[0]) is FakeTensor and args[0].constant is not None)):
             return self._front(func, types, args, kwargs)
+        if traits.as_it_is:
+            # FakeTensorMode's own answer for the record_function markers around an optimizer's
+            # step, without its dispatch (~50-300 us each, ~6 a profile): the op itself, run
+            # inside a kernel invocation
+            with kernel_invocation(self):
+                return func(*args, **kwargs)
         if not traits.kernel and any(map(_foreign_subclass, types)) \
                 and not fake_mode_handles_directly(func):
             # FakeTensorMode's own answer for an argument of another tensor subclass (a DTensor:
