@@ -118,8 +118,9 @@ def _check(build, inputs, *, input_kwargs=None, loss_fn=None, no_kernel=(), opti
     p = tapescope.profile(build, *inputs, input_kwargs=input_kwargs, loss_fn=loss_fn,
                           optimizer=optimizer)
     real = run_real_steps(build, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer)
-    assert p.first_step_peak_bytes == real.peaks[1]   # peaks to the byte
-    assert p.peak_bytes == real.peaks[2]
+    # Peaks: exact up to the 8-12 byte scalars a CPU kernel makes for a Python number (README)
+    assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 12
+    assert abs(p.peak_bytes - real.peaks[2]) <= 12
     assert sorted(_aligned(_normalise_fake(p.ops), _real_ops(real, 2))) == sorted(no_kernel)
     assert any(op.recompute for op in p.ops)
     return p

@@ -10,8 +10,8 @@ float result (`result.to(kFloat)`, result-sized) and sums a float copy of the in
 makes neither copy.
 
 The mean's `div_(n)` wraps n in a 0-d int64 tensor (8 bytes) and casts it to the sum's dtype: those
-are modelled here too, since that divisor is made inside the kernel where no op sees it (a Python
-number an op is given is numbers.py's).
+are modelled here too (elsewhere the scalar temporaries of Python numbers are not,
+docs/validation.md).
 """
 
 from __future__ import annotations
