@@ -320,8 +320,8 @@ class FakeTensorFactory:
         return self._build(meta, device)
 
     def alias(self, base: FakeTensor, device: torch.device) -> FakeTensor:
-        """`make(base.as_strided(base's own sizes, strides and offset), device)` without requires_grad,
-        for `base` a fake tensor of this mode, inside a kernel invocation (a detach: ~520 a GPT-2
+        """`make(base.as_strided(base's own sizes, strides and offset), device)` without
+        requires_grad, for `base` a fake tensor of this mode, inside a kernel invocation (a detach: ~520 a GPT-2
         profile). `Tensor._make_subclass` detaches what it is given, so given `base` it makes the
         same alias of base's storage (sharing its version counter) without the as_strided's own
         alias: ~1 us instead of ~5."""

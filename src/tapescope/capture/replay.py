@@ -112,9 +112,9 @@ def _number(func, a):
 
 
 def _key(func, args, kwargs):
-    """The key of an op on concrete sizes: every argument as it is (a number other than an int with
-    its type, or by its type alone: `_number`), tensors by `_tensor_key`. None where a tensor argument has no key (a constant, a
-    sparse tensor); may be unhashable."""
+    """The key of an op on concrete sizes: every argument as it is (a number other than an int
+    with its type, or by its type alone: `_number`), tensors by `_tensor_key`. None where a tensor
+    argument has no key (a constant, a sparse tensor); may be unhashable."""
     key = [func, torch.get_default_dtype(), default_device()]
     append = key.append
     typed = _TYPED_NUMBERS
