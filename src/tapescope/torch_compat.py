@@ -321,10 +321,10 @@ class FakeTensorFactory:
 
     def alias(self, base: FakeTensor, device: torch.device) -> FakeTensor:
         """`make(base.as_strided(base's own sizes, strides and offset), device)` without
-        requires_grad, for `base` a fake tensor of this mode, inside a kernel invocation (a detach: ~520 a GPT-2
-        profile). `Tensor._make_subclass` detaches what it is given, so given `base` it makes the
-        same alias of base's storage (sharing its version counter) without the as_strided's own
-        alias: ~1 us instead of ~5."""
+        requires_grad, for `base` a fake tensor of this mode, inside a kernel invocation (a
+        detach: ~520 a GPT-2 profile). `Tensor._make_subclass` detaches what it is given, so given
+        `base` it makes the same alias of base's storage (sharing its version counter) without the
+        as_strided's own alias: ~1 us instead of ~5."""
         if not self.exact or FakeTensorConfig.debug or torch.compiler.is_exporting():
             return self.make(base.as_strided(base.shape, base.stride(), base.storage_offset()),
                              device)
