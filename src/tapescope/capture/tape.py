@@ -219,9 +219,9 @@ class Tape(SizeFreeCacheCheck):
         """Unrecorded ops inside (the fake copy of the model: an `empty_strided` and, for a
         Parameter, a `detach` per tensor; the `detach` of a saved output, hooks.py) go through
         the replay front (replay.py) as recorded ops do, not straight to FakeTensorMode: ~15 us
-        an op instead of ~100 us. Only ops the front
-        would replay while recording (plain fake tensors, no constants, no fake kernel of ours,
-        not c10d), with FakeTensorMode's result and bypass rules unchanged."""
+        an op instead of ~100 us. Only ops the front would replay while recording (plain fake
+        tensors, no constants, no fake kernel of ours, not c10d), with FakeTensorMode's result
+        and bypass rules unchanged."""
         was, self._tape_front_unrecorded = self._tape_front_unrecorded, True
         try:
             yield
