@@ -4,13 +4,14 @@ node, source line, recompute), every storage and alloc/free event, segments, the
 categories at the peak, FLOPs, and the op table (FLOPs, bytes, module, forward op per op).
 
     python benchmarks/trace_digest.py OUT.txt [--models zoo:gpt2:8,torchvision:vit_b_16:32,zoo:llama:2]
-        [--cases views,conv,symbolic,fsdp]
+        [--cases views,conv,symbolic,fsdp,cuda]
     cmp BEFORE.txt AFTER.txt          # identical files: identical results
 
 `--cases` adds profiles the models above do not exercise: `views` (a small net of views, slices,
 transposes and in-place ops), `conv` (torchvision resnet18, batch 8), `symbolic` (a small GPT-2
 with batch and seq symbolic: its trace, and its formulas evaluated at three sizes) and `fsdp`
-(FSDP2 over 4 fake ranks of a residual MLP with an uneven head: every traced rank's trace).
+(FSDP2 over 4 fake ranks of a residual MLP with an uneven head: every traced rank's trace) and
+`cuda` (a 2-layer GPT-2 and that FSDP2 case traced for CUDA: the foreach optimizer step).
 
 Each model is profiled twice in the same process (the second profile runs on warm caches, as a
 sweep would), and both are written. Autograd's sequence numbers are written relative to the
@@ -100,6 +101,7 @@ def _extra_cases(names):
         "conv": lambda: _model_lines("torchvision:resnet18", 8),
         "symbolic": _symbolic_lines,
         "fsdp": _fsdp_lines,
+        "cuda": _cuda_lines,
     }
     return [(n, cases[n]) for n in names]
 
@@ -123,7 +125,7 @@ def _symbolic_lines():
     return lines + trace_lines(p)
 
 
-def _fsdp_lines():
+def _fsdp_lines(device="cpu", gpu=None):
     from torch.distributed.fsdp import fully_shard
 
     def build():
@@ -139,7 +141,7 @@ def _fsdp_lines():
         return model
 
     p = tapescope.profile(build, tapescope.spec((4, 16, 64)), mesh={"dp": 4},
-                          parallelize=parallelize)
+                          parallelize=parallelize, device=device, gpu=gpu)
     lines = [f"peak {p.peak_bytes} classes {p.distributed.classes.members}"]
     for i, r in enumerate(p.ranks):
         lines.append(f"rank {i} traced_as {r.traced_as} peak {r.peak_bytes} "
@@ -150,11 +152,20 @@ def _fsdp_lines():
     return lines
 
 
+def _cuda_lines():
+    """Steps traced for CUDA without a GPU: a foreach AdamW (the optimizer's default there, not
+    on CPU), FSDP2 ranks included."""
+    m = resolve("zoo:gpt2:n_layer=2", batch=4, seq=128)
+    p = tapescope.profile(m.build, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+                          device="cuda", gpu="h100")
+    return digest(p) + _fsdp_lines("cuda", "h100")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--models", default="zoo:gpt2:8,torchvision:vit_b_16:32,zoo:llama:2")
-    ap.add_argument("--cases", default="", help="extra cases: views,conv,symbolic,fsdp")
+    ap.add_argument("--cases", default="", help="extra cases: views,conv,symbolic,fsdp,cuda")
     args = ap.parse_args()
     out = []
     for name, lines_of in _extra_cases([n for n in args.cases.split(",") if n]):

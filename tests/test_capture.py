@@ -308,7 +308,7 @@ def test_numbers_keyed_by_type_alone_replay_what_fake_tensor_mode_makes_for_each
     refuses the first value it refuses the others with the same message (nothing to learn)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tapescope.capture.replay import _VALUE_FREE_NUMBERS, DispatchReplay
+    from tapescope.capture.replay import _VALUE_FREE_POINTWISE, DispatchReplay
 
     values = {float: (0.5, -3e38, float("nan")), bool: (True, False), complex: (1j, -2.5 + 1j)}
     mode = FakeTensorMode()
@@ -336,7 +336,7 @@ def test_numbers_keyed_by_type_alone_replay_what_fake_tensor_mode_makes_for_each
         return out
 
     checked = 0
-    for op in sorted(_VALUE_FREE_NUMBERS, key=str):
+    for op in sorted(_VALUE_FREE_POINTWISE, key=str):
         assert torch.Tag.pointwise in op.tags, op
         for dtype in (torch.float32, torch.float16, torch.int64, torch.bool):
             for kind, vs in values.items():
@@ -360,6 +360,94 @@ def test_numbers_keyed_by_type_alone_replay_what_fake_tensor_mode_makes_for_each
                         assert meta(ours) == meta(theirs), (op, dtype, v)
                         checked += 1
     assert checked > 100
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_foreach_numbers_keyed_by_type_alone_replay_what_fake_tensor_mode_makes_for_each_value():
+    """The foreach forms of that arithmetic (a foreach Adam step's bias corrections are lists of
+    floats, new every step): for each op, tensor dtype and number type, a number or a list of
+    numbers, what the front replays for other values, learned from a first one, is what
+    FakeTensorMode makes for each (None for an in-place op; sizes, strides, dtype and storage
+    size of each output), and where FakeTensorMode refuses the first it refuses the others
+    with the same message. Learned as the capture learns: only where FakeTensorMode's refusals
+    are the ones the front ignores (a list output)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import _VALUE_FREE_FOREACH, DispatchReplay
+    from tapescope.torch_compat import untyped_storage_key
+
+    values = {float: (0.5, -3e38, float("nan")), bool: (True, False), complex: (1j, -2.5 + 1j)}
+    mode = FakeTensorMode()
+    meta = lambda t: (t.shape, t.stride(), t.dtype, t.device, t.storage_offset(),
+                      t.untyped_storage().nbytes())
+
+    def call(op, args):
+        try:
+            with mode:
+                return op(*args), None
+        except Exception as e:  # noqa: BLE001 - the type of number decides, not its value
+            return None, f"{type(e).__name__}: {e}"
+
+    def args_of(op, dtype, v):  # a fresh list of inputs each call: in-place ops mutate them
+        with mode:
+            xs = [torch.ones(3, 4, dtype=dtype), torch.ones(5, dtype=dtype)]
+            ys = [torch.ones(3, 4, dtype=dtype), torch.ones(5, dtype=dtype)]
+        number = [v, v] if op._overloadname == "ScalarList" else v
+        name = op.__name__.split(".")[0].removeprefix("_foreach_").rstrip("_")
+        if name in ("addcdiv", "addcmul"):
+            return (xs, ys, ys, number)
+        if name == "lerp":
+            return (xs, ys, number)
+        return (xs, number)
+
+    checked = learned_lists = 0
+    for op in sorted(_VALUE_FREE_FOREACH, key=str):
+        for dtype in (torch.float32, torch.float16, torch.int64, torch.bool):
+            for kind, vs in values.items():
+                replay = DispatchReplay(mode)
+                args = args_of(op, dtype, vs[0])
+                key, _ = replay.find(op, args, {})
+                before = replay.bypasses(op)
+                first, refused = call(op, args)
+                if refused is None:
+                    assert replay.bypasses(op) == before, (op, dtype, kind)
+                    replay.learn(key, op, args, first)
+                    learned_lists += isinstance(first, list)
+                for v in vs[1:]:
+                    args = args_of(op, dtype, v)
+                    theirs, error = call(op, args)
+                    assert error == refused, (op, dtype, v)
+                    key2, entry = replay.find(op, args, {})
+                    assert key2 == key, (op, dtype, v)
+                    if error is not None:
+                        continue
+                    assert entry is not None, (op, dtype, v)
+                    ours = replay.replay(entry, args, op, {})
+                    if theirs is None:
+                        assert ours is None, (op, dtype, v)
+                        continue
+                    assert [meta(o) for o in ours] == [meta(t) for t in theirs], (op, dtype, v)
+                    inputs = {untyped_storage_key(x.untyped_storage()) for x in args[0]}
+                    assert not inputs & {untyped_storage_key(o.untyped_storage()) for o in ours}
+                    checked += 1
+    assert checked > 100 and learned_lists > 20
+
+
+def test_a_list_output_in_a_list_argument_s_memory_is_not_learned():
+    """The front learns a list of outputs only where each is fresh or a view of an argument
+    itself: an output living in a tensor of a list argument is left to FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapescope.capture.replay import DispatchReplay
+
+    mode = FakeTensorMode()
+    with mode:
+        xs = [torch.ones(4), torch.ones(4)]
+        fresh = torch._foreach_sqrt(xs)
+    replay = DispatchReplay(mode)
+    op = torch.ops.aten._foreach_sqrt.default
+    assert replay._entry(op, (xs,), fresh) is not None
+    assert replay._entry(op, (xs,), [fresh[0], xs[1][1:]]) is None
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR is in beta

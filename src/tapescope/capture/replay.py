@@ -59,12 +59,30 @@ _BY_TYPE = {t: ("a number, by its type", t) for t in _TYPED_NUMBERS}  # see _VAL
 # size): not needed, and cheaper. Not here, so keyed by value: `pow` (an integer tensor to a
 # negative integer power is an error), and anything else not read for this.
 _aten = torch.ops.aten
-_VALUE_FREE_NUMBERS = frozenset(
+_VALUE_FREE_POINTWISE = frozenset(
     getattr(getattr(_aten, name), overload)
     for name in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_")
     for overload in ("Tensor", "Scalar")) | frozenset(
     (_aten.addcdiv.default, _aten.addcdiv_.default, _aten.addcmul.default,
      _aten.addcmul_.default, _aten.lerp.Scalar, _aten.lerp_.Scalar))
+
+# The same for the foreach forms of that arithmetic, their numbers and lists of numbers alike:
+# FakeTensorMode runs a foreach op's meta kernel (fake_impls.py,
+# `foreach_run_and_map_input_device`): the per-tensor loop over the ops above (ForeachOpsKernels.cpp,
+# the `_slow` kernels) or _meta_registrations.py's `meta__foreach_binop_*`, which check the lists'
+# lengths and make each output like its input: the numbers enter by their kind alone again.
+# What it saves: a foreach Adam step (the default on CUDA) passes its bias corrections as lists
+# of floats (`_foreach_div_(sqrts, bias_correction2_sqrt)`, `_foreach_addcdiv_(params, avgs,
+# denoms, step_size)`), new values every step, so step 2 missed the front for each of them.
+_VALUE_FREE_FOREACH = frozenset(
+    getattr(getattr(_aten, f"_foreach_{name}{inplace}"), overload)
+    for name, overloads in (("add", ("Scalar", "ScalarList")), ("sub", ("Scalar", "ScalarList")),
+                            ("mul", ("Scalar", "ScalarList")), ("div", ("Scalar", "ScalarList")),
+                            ("addcdiv", ("Scalar", "ScalarList")),
+                            ("addcmul", ("Scalar", "ScalarList")),
+                            ("lerp", ("Scalar", "ScalarList")))
+    for inplace in ("", "_") for overload in overloads)
+_VALUE_FREE_NUMBERS = _VALUE_FREE_POINTWISE | _VALUE_FREE_FOREACH
 
 
 class _NoKey(Exception):
@@ -124,7 +142,7 @@ def _key(func, args, kwargs):
                 append(_tensor_key(a))
             elif isinstance(a, (list, tuple)):
                 append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor)
-                             else (type(x), x) if type(x) in typed else x for x in a))
+                             else _number(func, x) if type(x) in typed else x for x in a))
             else:
                 append(_number(func, a) if type(a) in typed else a)
         for name, a in kwargs.items():
@@ -195,7 +213,21 @@ _IGNORED_BYPASSES = {
     # the front learns; this learns the same output a call earlier
     "CompositeImplicitAutograd": lambda func, pure_custom: isinstance(func, OpOverload) and not (
         func.is_view and has_composite_implicit_kernel(func)),
+    # raised (`_validate_output_for_cache_entry`) for an output that is not one FakeTensor or a
+    # tuple of them: FakeTensorMode's cache entry has no place for a list. For an op returning one
+    # `Tensor[]` (a foreach op's outputs, a split's views) that says nothing about the op:
+    # `_entry` learns the list only where every element is a plain FakeTensor, each fresh or a
+    # view of an argument itself (not of a list's element). A foreach Adam step's out-of-place
+    # ops (`_foreach_sqrt`, `_foreach_add`: a list of new tensors) ran through FakeTensorMode
+    # every step, ~4 ms each for GPT-2's 148 parameters
+    "non-FakeTensor output": lambda func, pure_custom: isinstance(func, OpOverload)
+    and _returns_a_list(func),
 }
+
+
+def _returns_a_list(func) -> bool:
+    returns = func._schema.returns
+    return len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
 
 
 def _ignored_bypasses(func, pure_custom) -> tuple:
@@ -394,7 +426,10 @@ class DispatchReplay:
         # which argument's storage each output lives in (a view), if any
         arg_storage = {untyped_storage_key(a.untyped_storage()): i for i, a in enumerate(args)
                        if isinstance(a, FakeTensor)}
-        seen = set()
+        # the storages of the tensors in list arguments (a foreach op's): an output in one of
+        # them is neither fresh nor a view `_meta` can rebuild
+        seen = {untyped_storage_key(x.untyped_storage()) for a in args
+                if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)}
         infos = []
         for o in outs:
             if o is None:
@@ -410,7 +445,8 @@ class DispatchReplay:
             st = untyped_storage_key(o.untyped_storage())
             view_of = arg_storage.get(st)
             if view_of is None:
-                if st in seen:  # two fresh outputs sharing memory: leave it to FakeTensorMode
+                if st in seen:  # sharing memory with another output or a list's tensor:
+                    # leave it to FakeTensorMode
                     return None
                 seen.add(st)
             # the device as the output's FakeTensor normalised it (what FakeTensorFactory.make takes)
