@@ -6,7 +6,9 @@ of a noisy machine hits both. Times are the worker's CPU time (time.process_time
 waiting does not count); ratios are medians of per-round ratios (after / before).
 
     git worktree add /tmp/before <old commit>
-    python benchmarks/compare_revisions.py /tmp/before/src src --repeat 8
+    python benchmarks/compare_revisions.py /tmp/before/src src --repeat 8 [--device cuda]
+
+`--device cuda` traces the steps for an H100 (no GPU needed): AdamW is then foreach, as on a GPU.
 """
 
 from __future__ import annotations
@@ -24,17 +26,19 @@ import tapescope
 from tapescope.capture.model import build_on_meta
 from tapescope.zoo import resolve
 models = {}
+device = json.loads(sys.argv[1])
 for line in sys.stdin:
     spec, batch, seq = json.loads(line)
     key = (spec, batch, seq)
     if key not in models:
         m = resolve(spec, batch=batch, seq=seq)
         models[key] = (m, build_on_meta(m.build))
-        tapescope.profile(models[key][1], *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn)
+        tapescope.profile(models[key][1], *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn,
+                          **device)
     m, meta = models[key]
     gc.collect()
     t = time.process_time()  # CPU time: what a loaded machine's waiting does not inflate
-    tapescope.profile(meta, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn)
+    tapescope.profile(meta, *m.inputs, input_kwargs=m.input_kwargs, loss_fn=m.loss_fn, **device)
     print(json.dumps(time.process_time() - t), flush=True)
 """
 
@@ -42,9 +46,10 @@ MODELS = (("zoo:gpt2", 8, 1024), ("torchvision:vit_b_16", 32, None))
 
 
 class Worker:
-    def __init__(self, src: str):
+    def __init__(self, src: str, device: dict):
         env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
-        self.p = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
+        self.p = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(device)],
+                                  stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env)
         self.src = src
 
@@ -63,8 +68,11 @@ def main():
     ap.add_argument("before", help="src folder of the old tree")
     ap.add_argument("after", help="src folder of the new tree")
     ap.add_argument("--repeat", type=int, default=8)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the steps traced for an H100 without a GPU (a foreach AdamW)")
     args = ap.parse_args()
-    workers = {"before": Worker(args.before), "after": Worker(args.after)}
+    device = {"device": "cuda", "gpu": "h100"} if args.device == "cuda" else {}
+    workers = {"before": Worker(args.before, device), "after": Worker(args.after, device)}
     print("| model | before | after | after / before |")
     print("|---|---|---|---|")
     try:
