@@ -11,7 +11,8 @@ categories at the peak, FLOPs, and the op table (FLOPs, bytes, module, forward o
 transposes and in-place ops), `conv` (torchvision resnet18, batch 8), `symbolic` (a small GPT-2
 with batch and seq symbolic: its trace, and its formulas evaluated at three sizes) and `fsdp`
 (FSDP2 over 4 fake ranks of a residual MLP with an uneven head: every traced rank's trace) and
-`cuda` (a 2-layer GPT-2 and that FSDP2 case traced for CUDA: the foreach optimizer step).
+`cuda` (a 2-layer GPT-2 and that FSDP2 case traced for CUDA: the foreach optimizer step; needs
+torch's CUDA build, no GPU).
 
 Each model is profiled twice in the same process (the second profile runs on warm caches, as a
 sweep would), and both are written. Autograd's sequence numbers are written relative to the

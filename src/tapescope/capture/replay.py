@@ -74,14 +74,12 @@ _VALUE_FREE_POINTWISE = frozenset(
 # What it saves: a foreach Adam step (the default on CUDA) passes its bias corrections as lists
 # of floats (`_foreach_div_(sqrts, bias_correction2_sqrt)`, `_foreach_addcdiv_(params, avgs,
 # denoms, step_size)`), new values every step, so step 2 missed the front for each of them.
+# (each overload where this torch has it: `lerp`'s ScalarList forms are recent)
 _VALUE_FREE_FOREACH = frozenset(
-    getattr(getattr(_aten, f"_foreach_{name}{inplace}"), overload)
-    for name, overloads in (("add", ("Scalar", "ScalarList")), ("sub", ("Scalar", "ScalarList")),
-                            ("mul", ("Scalar", "ScalarList")), ("div", ("Scalar", "ScalarList")),
-                            ("addcdiv", ("Scalar", "ScalarList")),
-                            ("addcmul", ("Scalar", "ScalarList")),
-                            ("lerp", ("Scalar", "ScalarList")))
-    for inplace in ("", "_") for overload in overloads)
+    getattr(packet, overload)
+    for name in ("add", "sub", "mul", "div", "addcdiv", "addcmul", "lerp")
+    for packet in (getattr(_aten, f"_foreach_{name}"), getattr(_aten, f"_foreach_{name}_"))
+    for overload in ("Scalar", "ScalarList") if overload in packet.overloads())
 _VALUE_FREE_NUMBERS = _VALUE_FREE_POINTWISE | _VALUE_FREE_FOREACH
 
 
