@@ -9,7 +9,7 @@ categories at the peak, FLOPs, and the op table (FLOPs, bytes, module, forward o
 
 `--cases` adds profiles the models above do not exercise: `views` (a small net of views, slices,
 transposes and in-place ops), `conv` (torchvision resnet18, batch 8), `symbolic` (a small GPT-2
-with batch and seq symbolic: its trace, and its formulas evaluated at three sizes) and `fsdp`
+with batch and seq symbolic: its trace, and its formulas evaluated at three sizes), `fsdp`
 (FSDP2 over 4 fake ranks of a residual MLP with an uneven head: every traced rank's trace) and
 `cuda` (a 2-layer GPT-2 and that FSDP2 case traced for CUDA: the foreach optimizer step; needs
 torch's CUDA build, no GPU).
