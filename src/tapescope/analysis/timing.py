@@ -1,15 +1,6 @@
-"""Step time on a named GPU: a roofline per op, and the host that launches the ops in eager mode.
+"""Step time on a named GPU: each kernel priced alone (analysis/kernel_cost.py), then scheduled on
+the host that launches them and on the GPU's streams.
 
-Each op that launches a kernel takes max(FLOPs / achieved FLOP/s, bytes moved / achieved
-bandwidth) plus a kernel overhead (devices/efficiency.py holds every constant and its source):
-- matmuls: the GPU's measured matmul ceiling (MAMF) times the share of the tile work that is
-  useful for the output's shape (tile and wave quantization over the GPU's SMs, at the best of
-  cuBLAS's tiles); fp32 matmuls run on CUDA cores (allow_tf32 is off by default);
-- fused attention: the share of peak the backend (flash, cuDNN, memory-efficient) reaches on the
-  architecture, forward and backward apart;
-- convolutions (TF32 for fp32: cudnn.allow_tf32 is on) and other ops: the class's prior;
-- memory-bound kernels move their bytes at ELEMENTWISE_BANDWIDTH of the DRAM peak.
-Small kernels cannot fill the GPU: their efficiency falls off below the class's saturation size.
 Views and metadata ops launch nothing.
 
 The host issues ops one after another (eager PyTorch) and the GPU runs them in order on one stream,
@@ -49,63 +40,19 @@ from dataclasses import dataclass, field
 import torch
 
 from ..capture.records import Trace
-from ..devices.efficiency import (ELEMENTWISE_BANDWIDTH, HOST_OP_S, HOST_VIEW_S,
-                                  KERNEL_OVERHEAD_S, NCCL_SMS, attention_efficiency,
-                                  efficiency_for, gemm_tile_utilization, matmul_ceiling)
+from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, NCCL_SMS
+from .kernel_cost import TENSOR_CORE, kernel_of, kernel_time
 from .op_classes import launches_kernel, op_class
 
 __all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
 
-_TENSOR_CORE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8",
-                torch.float8_e5m2: "fp8"}
 _ITEM = torch.ops.aten._local_scalar_dense
 
 
-def _peak(gpu, cls: str, dtype) -> float:
-    if cls != "other" and dtype in _TENSOR_CORE and gpu.peak(_TENSOR_CORE[dtype]):
-        return gpu.peak(_TENSOR_CORE[dtype])
-    if cls == "convolution" and dtype == torch.float32 and gpu.peak("tf32"):
-        return gpu.peak("tf32")
-    return gpu.peak("fp32")
-
-
-def _matmul_shape(op) -> tuple[int, int, int] | None:
-    """(batch, m, n) of a matmul's output."""
-    if not op.outputs:
-        return None
-    shape = tuple(op.outputs[0].shape)
-    if len(shape) < 2:
-        return None
-    batch = 1
-    for d in shape[:-2]:
-        batch *= int(d)
-    return batch, int(shape[-2]), int(shape[-1])
-
-
 def kernel_seconds(op, gpu) -> tuple[float, bool]:
-    """(seconds on the GPU, whether every constant used was measured on it) of one kernel."""
-    func = op.record.func
-    cls = op_class(func)
-    eff = efficiency_for(cls, gpu.key)
-    dtype = (op.inputs[0].dtype if op.inputs else
-             op.outputs[0].dtype if op.outputs else torch.float32)
-    flops = op.flops or 0
-    compute = 0.0
-    if flops:
-        peak = _peak(gpu, cls, dtype)
-        share = eff.compute
-        if cls == "matmul" and dtype in _TENSOR_CORE:
-            share = matmul_ceiling(gpu.key)
-            shape = _matmul_shape(op)
-            if shape is not None:
-                share *= gemm_tile_utilization(shape[1], shape[2], shape[0], gpu.sms)
-        elif cls == "attention":
-            share = attention_efficiency(op.name, gpu.arch) or share
-        fill = min(1.0, flops / eff.saturation_flops)
-        compute = flops / (peak * share * max(fill, 0.05))
-    bandwidth = ELEMENTWISE_BANDWIDTH if cls == "other" else eff.memory
-    memory = (op.bytes_read + op.bytes_written) / (gpu.memory_bandwidth * bandwidth)
-    return max(compute, memory) + KERNEL_OVERHEAD_S, eff.gpu is not None
+    """(seconds on the GPU, whether every constant used was measured on it) of one eager op's
+    kernel (analysis.kernel_cost prices it)."""
+    return kernel_time(kernel_of(op), gpu)
 
 
 @dataclass
@@ -269,7 +216,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
                 start = phase_end[phase]
     else:  # a user's step interleaves its phases: each phase's stretches, added up
         by_phase = phase_spans
-    peak = gpu.peak(_TENSOR_CORE.get(model_dtype, "fp32")) or gpu.peak("fp32")
+    peak = gpu.peak(TENSOR_CORE.get(model_dtype, "fp32")) or gpu.peak("fp32")
     mfu = (total_flops / total / peak) if total and peak else 0.0
     # host-bound: the GPU waits for launches more than half the step
     return StepTime(total, busy, host, by_phase, op_seconds, mfu, calibrated,
