@@ -151,7 +151,8 @@ class Profile:
             return None
         comm = {c.op: c.seconds for c in self.collectives} if self.collectives else None
         streams = {c.op: c.stream for c in self.collectives} if self.collectives else None
-        return estimate_step_time(self.ops, self.trace, self.gpu, comm, streams)
+        calibration = self.options.calibration if self.options is not None else None
+        return estimate_step_time(self.ops, self.trace, self.gpu, comm, streams, calibration)
 
     @cached_property
     def collectives(self) -> list:
@@ -219,7 +220,8 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
             name: str | None = None, engine: str = "python", symbolic=(), gpu=None,
             alloc_conf=None, checkpointing=(), sizes=None, threads: int | None = None,
             cpu_isa: str | None = None, progress=None, compile=None, mesh=None,
-            parallelize=None, step=None, setup=None, pipeline=None) -> Profile:
+            parallelize=None, step=None, setup=None, pipeline=None,
+            calibration=None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
@@ -290,13 +292,18 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
         stage's, then the target of the last stage's `loss_fn(output, target)`. `split(model,
         stage, num_stages) -> module` makes a stage; default: the model's block list split
         evenly, embeddings on the first stage, norm and output on the last.
+    calibration: a file `tapescope calibrate` wrote on a GPU of this kind (or its Calibration):
+        the step time is priced from its measurements (README "Calibrate on your own GPU");
+        default: the file TAPESCOPE_CALIBRATION names, for CUDA profiles. Given without gpu=
+        or device=, the profile is of the file's GPU.
     """
     options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, gpu=gpu,
                              dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
                              alloc_conf=alloc_conf, checkpointing=checkpointing, compile=compile,
                              threads=threads, cpu_isa=cpu_isa, mesh=mesh,
                              parallelize=parallelize, sizes=sizes, accumulate=accumulate,
-                             step=step, setup=setup, pipeline=pipeline)
+                             step=step, setup=setup, pipeline=pipeline,
+                             calibration=calibration)
     return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
                             options, progress)
 

@@ -191,6 +191,10 @@ class Options:
         stages when pipelined).
     pipeline: pipeline parallelism over the mesh's "pp" dimension (values.pipeline.PipelineSpec:
         schedule, micro-batches, split); None without one.
+    calibration: what `tapescope calibrate` measured on a GPU of the kind `gpu` names
+        (devices.calibration.Calibration): the step time is priced from it. Given as a file, or
+        read from TAPESCOPE_CALIBRATION for CUDA profiles; a given file with no GPU named makes
+        the profile one of the file's GPU.
     """
 
     loss_fn: Callable | None = None
@@ -213,17 +217,22 @@ class Options:
     step: Callable | None = None
     setup: Callable | None = None
     pipeline: Any = None
+    calibration: Any = None
 
     @classmethod
     def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
                amp=None, steps: int = 2, engine: str = "python", symbolic=(),
                alloc_conf=None, checkpointing=(), compile=None, threads: int | None = None,
                cpu_isa: str | None = None, mesh=None, parallelize=None, sizes=None,
-               accumulate: int = 1, step=None, setup=None, pipeline=None) -> "Options":
+               accumulate: int = 1, step=None, setup=None, pipeline=None,
+               calibration=None) -> "Options":
         """Check and resolve every option; a bad one raises a TapescopeError that says why."""
         from .losses import resolve_loss
 
         loss_fn = resolve_loss(loss_fn)
+        calibration, given = _resolve_calibration(calibration)
+        if given and gpu is None and device is None:
+            gpu = _calibrated_gpu_key(calibration, "--calibration (calibration=)")  # the file's
         dev = resolve_device(device, gpu)
         check_device_build(dev)
         gpu_entry = None
@@ -231,6 +240,7 @@ class Options:
             gpu_entry = _resolve_gpu(gpu or DEFAULT_GPU)
         elif gpu is not None:
             gpu_entry = _resolve_gpu(gpu)  # a budget or a name for the report, kernels of `dev`
+        calibration = _check_calibration(calibration, given, dev, gpu_entry)
         try:
             dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
         except ValueError as e:
@@ -297,7 +307,7 @@ class Options:
                    checkpointing=_resolve_checkpointing(checkpointing), compile=compile,
                    cpu=_resolve_cpu(cpu_isa, threads), mesh=mesh, parallelize=parallelize,
                    sizes=Sizes.create(sizes), accumulate=accumulate, step=step, setup=setup,
-                   pipeline=pipeline)
+                   pipeline=pipeline, calibration=calibration)
 
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""
@@ -407,6 +417,55 @@ def _resolve_cpu(isa, threads):
         return cpu_target(None if isa is None else str(isa).lower(), threads)
     except ValueError as e:
         raise TapescopeError(str(e)) from None
+
+
+def _resolve_calibration(calibration):
+    """(Calibration or None, whether the caller gave it): a Calibration, a file to read, or
+    None for the file TAPESCOPE_CALIBRATION names."""
+    from .devices.calibration import ENV_VAR, Calibration, load_calibration
+
+    if isinstance(calibration, Calibration):
+        return calibration, True
+    if calibration is not None:
+        return load_calibration(str(calibration)), True
+    path = os.environ.get(ENV_VAR)
+    return (load_calibration(path), False) if path else (None, False)
+
+
+def _calibrated_gpu_key(calibration, where: str) -> str:
+    """The catalogue key of the GPU a calibration file measured."""
+    from .devices.gpus import resolve_gpu_key
+
+    try:
+        return resolve_gpu_key(calibration.gpu_name)
+    except ValueError:
+        raise TapescopeError(f"{where} {calibration.source}: its GPU {calibration.gpu_name!r} is "
+                             "not in tapescope's GPU catalogue (devices/gpus.py), so no profile "
+                             "can follow its kernels") from None
+
+
+def _check_calibration(calibration, given: bool, device: torch.device, gpu):
+    """The calibration to price the step with: only on the GPU it was measured on. One given
+    for a profile that runs no GPU kernels is refused; one from the environment is not used."""
+    from .devices.calibration import ENV_VAR
+
+    if calibration is None:
+        return None
+    where = "--calibration (calibration=)" if given else ENV_VAR
+    if device.type != "cuda":
+        if not given:
+            return None
+        raise TapescopeError(f"{where} {calibration.source or ''} prices a GPU's kernels, and "
+                             f"a {device.type} profile runs none: profile with --device cuda "
+                             "(or no --device), or drop --calibration")
+    measured = _calibrated_gpu_key(calibration, where)
+    if measured != gpu.key:
+        raise TapescopeError(f"{where} {calibration.source} was measured on "
+                             f"{calibration.gpu_name} ({measured}), and this profile is of "
+                             f"{gpu.name} ({gpu.key}): profile with --gpu {measured}, or "
+                             f"calibrate on a {gpu.key}" +
+                             ("" if given else f", or unset {ENV_VAR}"))
+    return calibration
 
 
 def _resolve_alloc_conf(conf):

@@ -26,6 +26,7 @@ import torch
 
 from ..devices.efficiency import (ELEMENTWISE_BANDWIDTH, KERNEL_OVERHEAD_S, attention_efficiency,
                                   efficiency_for, gemm_tile_utilization, matmul_ceiling)
+from .calibrated_cost import calibrated_seconds
 from .op_classes import op_class
 
 __all__ = ["Kernel", "kernel_of", "kernel_from_aten", "kernel_time", "TENSOR_CORE"]
@@ -44,6 +45,8 @@ class Kernel:
     bytes: int                      # DRAM bytes read + written
     dtype: torch.dtype              # the dtype of its math (its first input's)
     gemm: tuple | None = None       # a matmul's output as (batch, m, n)
+    # a fused attention kernel's (batch x heads, query length, key length, head dim, causal)
+    attention: tuple | None = None
 
 
 def _gemm_shape(outputs) -> tuple[int, int, int] | None:
@@ -59,14 +62,33 @@ def _gemm_shape(outputs) -> tuple[int, int, int] | None:
     return batch, int(shape[-2]), int(shape[-1])
 
 
+def _attention_shape(name: str, inputs, flops: int) -> tuple | None:
+    """(batch x heads, query length, key length, head dim, causal) of a fused attention kernel.
+    The SDPA ops take (B, H, S, D), the _flash/_efficient_attention ones (B, S, H, D); a
+    backward's query and key follow its grad_out. Causal when its FLOPs (analysis/flops.py counts
+    the unmasked pairs) are fewer than every pair's."""
+    first = 1 if "backward" in name else 0
+    if len(inputs) < first + 3 or any(len(t.shape) != 4 for t in inputs[first:first + 3]):
+        return None
+    q, k, v = (tuple(int(d) for d in t.shape) for t in inputs[first:first + 3])
+    if "scaled_dot_product" in name:
+        (b, h, sq, dq), sk, dv = q, k[2], v[3]
+    else:
+        (b, sq, h, dq), sk, dv = q, k[1], v[3]
+    macs = 3 * dq + 2 * dv if first else dq + dv
+    return b * h, sq, sk, dq, flops < 2 * b * h * sq * sk * macs
+
+
 def kernel_from_aten(func, inputs, outputs, flops: int | None, nbytes: int) -> Kernel:
     """The Kernel of one aten op (an OpOverload) run as one kernel: `inputs` and `outputs` are
     anything with .shape and .dtype (TensorRefs, fake tensors, FX nodes' meta values)."""
     cls = op_class(func)
     dtype = (inputs[0].dtype if inputs else
              outputs[0].dtype if outputs and outputs[0] is not None else torch.float32)
-    return Kernel(str(func), cls, flops or 0, nbytes, dtype,
-                  _gemm_shape(outputs) if cls == "matmul" else None)
+    name = str(func)
+    return Kernel(name, cls, flops or 0, nbytes, dtype,
+                  _gemm_shape(outputs) if cls == "matmul" else None,
+                  _attention_shape(name, inputs, flops or 0) if cls == "attention" else None)
 
 
 def kernel_of(op) -> Kernel:
@@ -83,8 +105,14 @@ def _peak(gpu, cls: str, dtype) -> float:
     return gpu.peak("fp32")
 
 
-def kernel_time(kernel: Kernel, gpu) -> tuple[float, bool]:
-    """(seconds on the GPU, whether every constant used was measured on it) of one kernel."""
+def kernel_time(kernel: Kernel, gpu, calibration=None) -> tuple[float, bool]:
+    """(seconds on the GPU, whether every constant used was measured on it) of one kernel; with
+    a calibration (devices.calibration.Calibration of this GPU), from its nearest measurement
+    where it has one for the kernel (analysis/calibrated_cost.py)."""
+    if calibration is not None:
+        measured = calibrated_seconds(kernel, calibration)
+        if measured is not None:
+            return measured, True
     cls = kernel.op_class
     eff = efficiency_for(cls, gpu.key)
     compute = 0.0

@@ -49,10 +49,10 @@ __all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
 _ITEM = torch.ops.aten._local_scalar_dense
 
 
-def kernel_seconds(op, gpu) -> tuple[float, bool]:
+def kernel_seconds(op, gpu, calibration=None) -> tuple[float, bool]:
     """(seconds on the GPU, whether every constant used was measured on it) of one eager op's
-    kernel (analysis.kernel_cost prices it)."""
-    return kernel_time(kernel_of(op), gpu)
+    kernel (analysis.kernel_cost prices it, from the calibration file's figures where given)."""
+    return kernel_time(kernel_of(op), gpu, calibration)
 
 
 @dataclass
@@ -68,6 +68,7 @@ class StepTime:
     recompute: float = 0.0          # GPU seconds of ops recomputed by activation checkpointing
     comm: float = 0.0               # seconds of collectives on the interconnect
     exposed_comm: float = 0.0       # seconds compute waited for collectives
+    calibration: str | None = None  # the calibration file that priced it (Calibration.label)
 
     @property
     def comm_overlap(self) -> float:
@@ -78,6 +79,8 @@ class StepTime:
         d = {"seconds": self.seconds, "gpu_busy": self.gpu_busy, "host": self.host,
              "by_phase": self.by_phase, "mfu": self.mfu, "calibrated": self.calibrated,
              "bound": self.bound, "recompute": self.recompute}
+        if self.calibration:
+            d["calibration"] = self.calibration
         if self.comm:
             d.update(comm=self.comm, exposed_comm=self.exposed_comm,
                      comm_overlap=self.comm_overlap)
@@ -85,13 +88,15 @@ class StepTime:
 
 
 def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
-                       comm_streams: dict | None = None) -> StepTime:
+                       comm_streams: dict | None = None, calibration=None) -> StepTime:
     """Wall time of a step's ops (analysis.ops.Op, in order) on `gpu` (a devices.gpus.GPU).
 
     comm: op index (in the step) -> seconds of that collective on the interconnect.
     comm_streams: op index -> the NCCL stream it runs on (its process group,
     analysis.collectives.Collective.stream); collectives of one stream run in order, those of
-    different streams side by side. Without it, every collective shares one stream."""
+    different streams side by side. Without it, every collective shares one stream.
+    calibration: a devices.calibration.Calibration of `gpu`: kernels priced by its measurements
+    where it has them, and each kernel-launching op costs the host its measured time."""
     comm = comm or {}
     comm_streams = comm_streams or {}
     comm_at: dict = {}    # NCCL stream -> when its last collective ends
@@ -124,13 +129,14 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
     # share of the SMs a running collective holds; while two groups' collectives run at once,
     # compute is slowed as by one (their spans are merged: a lower bound on the slowdown)
     slow = NCCL_SMS / gpu.sms if comm else 0.0
+    host_op = calibration.host_op_s if calibration is not None else HOST_OP_S
     for op in ops:
         func = op.record.func
         kernel = launches_kernel(func)
         # an op of a repeated micro-batch runs op.runs times: counted back to back (the block's
         # own order of host and GPU work is not replayed op.runs times)
         runs = op.runs
-        host += (HOST_OP_S if kernel else HOST_VIEW_S) * runs
+        host += (host_op if kernel else HOST_VIEW_S) * runs
         t = 0.0
         total_flops += op.total_flops or 0
         rec = op.record
@@ -159,7 +165,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
             phase_end[op.phase] = span(op.phase, max(gpu_t, host, comm_t))
             continue
         if kernel:
-            t, measured = kernel_seconds(op, gpu)
+            t, measured = kernel_seconds(op, gpu, calibration)
             t *= runs
             calibrated &= measured
             if op_class(func) == "matmul" and model_dtype is None and op.inputs:
@@ -220,7 +226,8 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
     mfu = (total_flops / total / peak) if total and peak else 0.0
     # host-bound: the GPU waits for launches more than half the step
     return StepTime(total, busy, host, by_phase, op_seconds, mfu, calibrated,
-                    "gpu" if busy >= total / 2 else "host", recompute, comm_total, exposed)
+                    "gpu" if busy >= total / 2 else "host", recompute, comm_total, exposed,
+                    calibration.label if calibration is not None else None)
 
 
 def _occupy(intervals: list, a: float, b: float) -> int:
