@@ -1,6 +1,6 @@
 """A calibration file: what one real GPU measured, as a plain frozen record.
 
-`tapescope calibrate` (tapescope/calibrate/) writes it on a machine with the GPU; `--calibration
+`tapescope calibrate` (tapescope/calibration/) writes it on a machine with the GPU; `--calibration
 FILE` (or TAPESCOPE_CALIBRATION) applies it to GPU-less profiles of that GPU, where
 analysis/calibrated_cost.py prices each kernel from the nearest measurement instead of the priors
 of devices/efficiency.py.
