@@ -108,7 +108,8 @@ def _workload(spec, batch, seq, inputs):
 
 def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None,
              symbolic=(), compile=None, threads=None, cpu_isa=None, parallel=None, routing=None,
-             mask=None, accumulate=1, step=None, setup=None, pipeline=None, checkpointing=()):
+             mask=None, accumulate=1, step=None, setup=None, pipeline=None, checkpointing=(),
+             calibration=None):
     from .options import Options
 
     mesh = parallelize = None
@@ -124,7 +125,8 @@ def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, allo
                           alloc_conf=alloc_conf, symbolic=symbolic, compile=compile,
                           threads=threads, cpu_isa=cpu_isa, mesh=mesh, parallelize=parallelize,
                           sizes=_sizes(routing, mask), accumulate=accumulate, step=step,
-                          setup=setup, pipeline=pipeline, checkpointing=checkpointing)
+                          setup=setup, pipeline=pipeline, checkpointing=checkpointing,
+                          calibration=calibration)
 
 
 def _sizes(routing, mask):
@@ -143,7 +145,7 @@ def _sizes(routing, mask):
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
                  alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None,
                  parallel=None, routing=None, mask=None, accumulate=1, step=None, setup=None,
-                 checkpointing=(), quiet=False, pipeline=None):
+                 checkpointing=(), quiet=False, pipeline=None, calibration=None):
     from .api import profile_workload
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
@@ -160,7 +162,8 @@ def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=
     options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps, alloc_conf,
                        compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel,
                        routing=routing, mask=mask, accumulate=accumulate, step=step, setup=setup,
-                       pipeline=pipeline, checkpointing=checkpointing)
+                       pipeline=pipeline, checkpointing=checkpointing,
+                       calibration=calibration)
     what = "compiling and tracing" if compile else "tracing"
     with _progress(f"{what} {workload.name} on fake {options.device.type} tensors",
                    quiet) as progress:
@@ -315,6 +318,10 @@ MaskOpt = typer.Option(None, "--mask-fraction",
 AllocConfOpt = typer.Option(None, "--alloc-conf",
                             help="CUDA caching-allocator settings as PYTORCH_ALLOC_CONF writes them, "
                                  "e.g. expandable_segments:True (default: the environment's).")
+CalibrationOpt = typer.Option(
+    None, "--calibration",
+    help="A file `tapescope calibrate` wrote on a GPU of this kind: price the step time from its "
+         "measurements (default: $TAPESCOPE_CALIBRATION; without --gpu, the file's GPU).")
 CheckpointOpt = typer.Option(
     None, "--checkpoint",
     help="Checkpoint a module (repeat): MODULE (full), MODULE:selective:OP,OP (keep those aten "
@@ -378,6 +385,7 @@ def profile_cmd(
     dynamic: Optional[str] = DynamicOpt, activation_memory_budget: Optional[float] = BudgetOpt,
     compile_optimizer: bool = CompileOptimOpt, compile_backend: Optional[str] = BackendOpt,
     checkpoint: Optional[List[str]] = CheckpointOpt, quiet: bool = QuietOpt,
+    calibration: Optional[str] = CalibrationOpt,
 ):
     """Peak memory and what causes it, FLOPs by phase, top modules, uncounted ops; with --compile,
     the step as torch.compile runs it beside the eager one."""
@@ -398,7 +406,8 @@ def profile_cmd(
                                             pp),
                          routing=routing, mask=mask_fraction, accumulate=accumulate,
                          step=step, setup=setup, checkpointing=_checkpointing(checkpoint),
-                         quiet=quiet, pipeline=_pipeline(pp_schedule, microbatches, pp_split))
+                         quiet=quiet, pipeline=_pipeline(pp_schedule, microbatches, pp_split),
+                         calibration=calibration)
         elapsed = time.perf_counter() - t0
         from .report.console import render_compiled, render_summary
 
@@ -590,6 +599,7 @@ def fit_cmd(
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Compare the (FSDP, TP) layouts of this many GPUs of --gpu."),
     pp: Optional[str] = typer.Option(None, "--pp", help="With --gpus: pipeline degrees to try too, e.g. 1,2,4 (1F1B, one micro-batch per sample)."),
     json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
+    calibration: Optional[str] = CalibrationOpt,
 ):
     """The largest batch (or, with --batch, sequence length) whose step fits the memory budget.
 
@@ -608,7 +618,7 @@ def fit_cmd(
                                      "at one batch); drop --sweep, or run fit without --gpus")
             return _fit_layouts(spec, gpus, gpu, batch, seq, input, loss, dtype, amp, optimizer,
                                 json_file, parse_bytes(budget) if budget is not None else None,
-                                quiet, _pp_degrees(pp))
+                                quiet, _pp_degrees(pp), calibration)
         if pp is not None:
             raise TapescopeError("--pp goes with --gpus (the pipeline degrees to compare); to "
                                  "profile one pipelined layout, run profile --pp N")
@@ -616,7 +626,8 @@ def fit_cmd(
         sweep_range = parse_sweep(sweep) if sweep else None
         budget_bytes = parse_bytes(budget) if budget is not None else None
         workload, model_loss = _workload(spec, batch, seq, input)
-        options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp)
+        options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp,
+                           calibration=calibration)
         with _progress(f"tracing {workload.name} with a symbolic {dim}", quiet) as progress:
             r = fit_workload(workload, options, budget=budget_bytes, dim=dim, progress=progress)
         rows = sweep_sizes(r, *sweep_range) if sweep_range else None
@@ -642,7 +653,7 @@ def plan_cmd(
     max_traces: int = typer.Option(4, "--max-traces", help="Re-traces the search may spend correcting its estimate."),
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the plan as JSON (policies, peaks, costs, code)."),
     code_file: Optional[str] = typer.Option(None, "--code", help="Write the plan as Python (apply_checkpointing(model))."),
-    quiet: bool = QuietOpt,
+    quiet: bool = QuietOpt, calibration: Optional[str] = CalibrationOpt,
 ):
     """What to recompute (activation checkpointing) so that the step fits the budget; the plan's
     peak is the step re-traced with the plan applied.
@@ -654,7 +665,8 @@ def plan_cmd(
         from .report.console import render_plan
 
         workload, model_loss = _workload(spec, batch, seq, input)
-        options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp)
+        options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp,
+                           calibration=calibration)
         with _progress(f"planning checkpointing for {workload.name}", quiet) as progress:
             plan = plan_workload(workload, options, budget=budget, units=unit or None,
                                  max_traces=max_traces, pareto=pareto,
@@ -687,14 +699,16 @@ def _pp_degrees(text) -> tuple:
 
 
 def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimizer,
-                 json_file, budget=None, quiet=False, pp_degrees=(1,)) -> None:
+                 json_file, budget=None, quiet=False, pp_degrees=(1,),
+                 calibration=None) -> None:
     """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank; with a budget, a
     layout fits when its peak per rank is within it. Exits 1 when none fits."""
     from .layouts import best_layout, fit_layouts
     from .report.console import render_layouts
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
-    options = _options(model_loss, loss, optimizer, "cuda", gpu or "h100", dtype, amp)
+    options = _options(model_loss, loss, optimizer, "cuda", gpu, dtype, amp,
+                       calibration=calibration)
     with _progress(f"profiling the layouts of {gpus} GPUs for {workload.name}",
                    quiet) as progress:
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
@@ -706,6 +720,47 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
                             "best": None if best is None else str(best.layout)})
     if not any(r.fits for r in rows):
         raise typer.Exit(1)
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    spec: Optional[str] = typer.Argument(None, help="The model whose GEMM and attention shapes "
+                                         "to measure (as profile takes it); default: "
+                                         "transformer-sized shapes."),
+    batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt, dtype: Optional[str] = DtypeOpt,
+    amp: Optional[str] = AmpOpt, input: Optional[List[str]] = InputOpt,
+    loss: Optional[str] = LossOpt, optimizer: str = OptimOpt,
+    out_file: str = typer.Option("calibration.json", "--out", "--json",
+                                 help="The calibration file to write."),
+    deadline: float = typer.Option(540.0, "--deadline",
+                                   help="Seconds after which no new measurement starts."),
+    quiet: bool = QuietOpt,
+):
+    """Measure this machine's GPU (GEMMs at your step's shapes, attention, bandwidth, launch
+    overhead) and write a calibration file for --calibration on any machine. Needs a GPU."""
+    with _user_errors():
+        _check_outputs(out=out_file)
+        from .calibration import calibrate
+        from .calibration.measure import require_gpu
+
+        device = require_gpu()           # before any tracing: one line when there is none
+        profile = None
+        if spec is not None:
+            import torch
+
+            workload, model_loss = _workload(spec, batch, seq, input)
+            options = _options(model_loss, loss, optimizer, "cuda",
+                               torch.cuda.get_device_name(device), dtype, amp)
+            with _progress(f"tracing {workload.name} for its kernel shapes", quiet) as progress:
+                from .api import profile_workload
+
+                profile = profile_workload(workload, options, progress)
+        with _progress("measuring the GPU", quiet) as progress:
+            cal = calibrate(profile, out=out_file, deadline_s=deadline, progress=progress)
+        from .report.console import render_calibration
+
+        render_calibration(cal, out)
+        out.print(Text(f"wrote {out_file}"))
 
 
 @app.command("validate")

@@ -231,7 +231,7 @@ class Options:
 
         loss_fn = resolve_loss(loss_fn)
         calibration, given = _resolve_calibration(calibration)
-        if given and gpu is None and device is None:
+        if given and gpu is None and (device is None or str(device).startswith("cuda")):
             gpu = _calibrated_gpu_key(calibration, "--calibration (calibration=)")  # the file's
         dev = resolve_device(device, gpu)
         check_device_build(dev)
@@ -463,7 +463,7 @@ def _check_calibration(calibration, given: bool, device: torch.device, gpu):
         raise TapescopeError(f"{where} {calibration.source} was measured on "
                              f"{calibration.gpu_name} ({measured}), and this profile is of "
                              f"{gpu.name} ({gpu.key}): profile with --gpu {measured}, or "
-                             f"calibrate on a {gpu.key}" +
+                             "calibrate on that GPU" +
                              ("" if given else f", or unset {ENV_VAR}"))
     return calibration
 

@@ -38,7 +38,7 @@ def _matmul(kernel, cal: Calibration) -> float | None:
     k = max(1, kernel.flops // (2 * batch * m * n))
     p = nearest((g for g in cal.gemm if g.dtype == dtype),
                 lambda g: (g.batch, g.m, g.n, g.k), (batch, m, n, k))
-    return None if p is None else p.seconds * kernel.flops / p.flops
+    return None if p is None else p.seconds * (kernel.flops / p.flops)
 
 
 def _backend(name: str) -> str | None:
@@ -55,7 +55,7 @@ def _attention(kernel, cal: Calibration) -> float | None:
                  (backend, direction, dtype)),
                 lambda a: (a.batch_heads, a.seq_q, a.seq_k, a.head_dim, a.causal),
                 kernel.attention)
-    return None if p is None else p.seconds * kernel.flops / p.flops
+    return None if p is None else p.seconds * (kernel.flops / p.flops)
 
 
 def _memory_bound(kernel, cal: Calibration) -> float | None:
@@ -67,7 +67,7 @@ def _memory_bound(kernel, cal: Calibration) -> float | None:
                 (kernel.bytes,))
     if p is None:   # a file with only one kind: the other's bytes move at its rate
         p = nearest(cal.bandwidth, lambda b: (b.bytes,), (kernel.bytes,))
-    return None if p is None else p.seconds * kernel.bytes / p.bytes
+    return None if p is None else p.seconds * (kernel.bytes / p.bytes)
 
 
 RULES = {"matmul": _matmul, "attention": _attention, "other": _memory_bound}

@@ -18,7 +18,7 @@ from ..capture.records import ALL_CATEGORIES
 from .text import assumption_lines, fmt_bytes, fmt_count, fmt_flops, short_op
 
 __all__ = ["render_summary", "render_ops", "render_diff", "render_fit", "render_compiled",
-           "render_validation", "render_distributed", "render_layouts"]
+           "render_validation", "render_distributed", "render_layouts", "render_calibration"]
 
 
 def _mod(m) -> str:
@@ -231,8 +231,52 @@ def _render_cuda(p, console: Console, invocation=None) -> None:
         return
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())
     console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
-                        f"{t.mfu:.0%}", ("" if t.calibrated else
-                                         " (timing constants not yet calibrated on a GPU)", "dim")))
+                        f"{t.mfu:.0%}", (_calibration_note(t), "dim")))
+
+
+def _calibration_note(t) -> str:
+    """Where the step time's constants come from: a calibration file, or the priors."""
+    if t.calibration is None:
+        return "" if t.calibrated else " (timing constants not yet calibrated on a GPU)"
+    rest = "" if t.calibrated else "; kernels of kinds it did not measure on the priors"
+    return f" (calibrated: {t.calibration}{rest})"
+
+
+def render_calibration(cal, console: Console) -> None:
+    """What `tapescope calibrate` measured, in a few lines: the best of each kind and the
+    launch overheads (the file holds every point)."""
+    d = cal.device
+    board = ", ".join(f"{label} {d[key]:g} {unit}" for key, label, unit in (
+        ("sm_clock_max_mhz", "SM clock max", "MHz"), ("power_limit_w", "power limit", "W"))
+        if isinstance(d.get(key), (int, float)))
+    console.print(_line((cal.gpu_name, "bold"), f": torch {cal.torch}, CUDA {d.get('cuda', '?')}, "
+                        f"driver {d.get('driver', '?')}" + (f", {board}" if board else "")))
+    console.print(f"  launch: {cal.kernel_overhead_s * 1e6:.2f} us per kernel on the GPU, "
+                  f"{cal.host_op_s * 1e6:.2f} us per eager op on the host", highlight=False,
+                  markup=False)
+    for dtype in sorted({g.dtype for g in cal.gemm}):
+        best = max((g for g in cal.gemm if g.dtype == dtype), key=lambda g: g.flops / g.seconds)
+        console.print(f"  GEMM {dtype}: {len([g for g in cal.gemm if g.dtype == dtype])} shapes, "
+                      f"best {best.flops / best.seconds / 1e12:.0f} TFLOP/s at "
+                      f"{best.m}x{best.n}x{best.k}", highlight=False, markup=False)
+    for backend in sorted({a.backend for a in cal.attention}):
+        mine = [a for a in cal.attention if a.backend == backend]
+        best = max(mine, key=lambda a: a.flops / a.seconds)
+        console.print(f"  attention {backend}: {len(mine)} shapes, best "
+                      f"{best.flops / best.seconds / 1e12:.0f} TFLOP/s ({best.direction}, seq "
+                      f"{best.seq_q}, head dim {best.head_dim})", highlight=False, markup=False)
+    for kind in sorted({b.kind for b in cal.bandwidth}):
+        best = max((b for b in cal.bandwidth if b.kind == kind), key=lambda b: b.bytes / b.seconds)
+        console.print(f"  {kind}: best {best.bytes / best.seconds / 1e9:.0f} GB/s at "
+                      f"{fmt_bytes(best.bytes)}", highlight=False, markup=False)
+    for coll in sorted({c.collective for c in cal.nccl}):
+        best = max((c for c in cal.nccl if c.collective == coll), key=lambda c: c.bus_bandwidth)
+        console.print(f"  NCCL {coll} over {best.ranks} GPUs: bus bandwidth up to "
+                      f"{best.bus_bandwidth / 1e9:.0f} GB/s", highlight=False, markup=False)
+    if d.get("skipped") or d.get("failed"):
+        console.print(f"  not measured: {d.get('skipped', 0)} skipped at the deadline, "
+                      f"{len(d.get('failed', ()))} failed (listed in the file)", highlight=False,
+                      markup=False)
 
 
 def _render_oom(p, console: Console, invocation=None) -> None:

@@ -91,7 +91,8 @@ def _time_fact(p, times) -> dict | None:
         return None
     t = p.time
     return {"seconds": _num(t.seconds), "bound": t.bound or None,
-            "mfu": _num(t.mfu) if t.mfu else None, "calibrated": t.calibrated}
+            "mfu": _num(t.mfu) if t.mfu else None, "calibrated": t.calibrated,
+            "calibration": t.calibration}
 
 
 def _meta(p, times) -> dict:
