@@ -65,6 +65,9 @@ COMMANDS = {
          "1 micro-batch ", "is highest", "with the stages running together"], []),
     "tapescope profile zoo:llama --gpu h100 --amp bf16 --html report.html": (
         None, ["NVIDIA H100", "autocast bfloat16", "wrote report.html"], ["report.html"]),
+    "tapescope profile zoo:llama --amp bf16 --calibration examples/calibration_h100.json": (
+        None, ["NVIDIA H100 SXM5 80GB", "calibrated: examples/calibration_h100.json (NVIDIA H100 "
+               "80GB HBM3, 2026-11-20)"], []),
     "tapescope fit zoo:gpt2 --budget 24GiB --sweep 1..64": (
         None, ["budget 24.00 GiB", "largest batch that fits"], []),
     "tapescope plan zoo:llama --gpu h100 --amp bf16 --budget 4.5GiB --pareto 6": (
