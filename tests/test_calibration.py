@@ -258,3 +258,48 @@ def test_profile_cli_says_the_time_is_calibrated(tmp_path):
     assert r.exit_code == 0, r.output
     assert "NVIDIA H100 SXM5 80GB" in r.output and "calibrated:" in r.output
     assert json.loads(out.read_text())["time"]["calibration"].startswith(str(FILE))
+
+
+def test_collectives_measured_over_real_processes():
+    """The NCCL path, run with gloo over two CPU processes: nccl-tests' sizes and bus bandwidth."""
+    from tapescope.calibration.nccl import bus_factor, measure_collectives
+
+    points = measure_collectives(2, backend="gloo", sizes=(1 << 12, 1 << 16), iters=3)
+    assert [(p.collective, p.ranks, p.bytes) for p in points] == [
+        (c, 2, b) for c in ("all_reduce", "all_gather", "reduce_scatter")
+        for b in (1 << 12, 1 << 16)]
+    for p in points:
+        assert p.seconds > 0
+        assert p.bus_bandwidth == pytest.approx(p.bytes / p.seconds * (1.0 if p.collective ==
+                                                "all_reduce" else 0.5), rel=1e-12)
+    assert (bus_factor("all_reduce", 8), bus_factor("all_gather", 8)) == (14 / 8, 7 / 8)
+
+
+def test_collectives_inside_a_node_take_the_measured_times():
+    import dataclasses
+
+    from tapescope.devices.calibration import NcclPoint
+
+    measured = (NcclPoint("all_gather", 8, 1 << 20, 40e-6, 0.0),
+                NcclPoint("all_gather", 8, 1 << 30, 3.1e-3, 0.0),
+                NcclPoint("reduce_scatter", 8, 1 << 20, 45e-6, 0.0),
+                NcclPoint("reduce_scatter", 8, 1 << 30, 3.4e-3, 0.0))
+    cal = dataclasses.replace(load_calibration(str(FILE)), nccl=measured)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+
+    def parallelize(m, mesh):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in m:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
+    p = tapescope.profile(model, tapescope.spec((8, 256)), gpu="h100", mesh={"dp": 2},
+                          parallelize=parallelize, calibration=cal)
+    assert p.collectives
+    for c in p.collectives:
+        # 2 ranks, small messages: the 1 MiB point of its kind, per byte through each link
+        # ((n-1)/n: 1/2 on 2 ranks, 7/8 on the 8 measured)
+        pt = {"all_gather": measured[0], "reduce_scatter": measured[2]}[c.kind]
+        assert not c.inter_node and c.group_size == 2
+        assert c.seconds == pytest.approx(pt.seconds * c.nbytes * 0.5 / (pt.bytes * 7 / 8),
+                                          rel=1e-12)

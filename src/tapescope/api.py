@@ -162,7 +162,8 @@ class Profile:
 
         if self.distributed is None:
             return []
-        return collectives(self.ops, self.facts, self.gpu)
+        calibration = self.options.calibration if self.options is not None else None
+        return collectives(self.ops, self.facts, self.gpu, calibration=calibration)
 
     @cached_property
     def collective_table(self) -> list:

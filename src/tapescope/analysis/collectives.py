@@ -173,10 +173,25 @@ def _size(kind: str, record, group_size: int) -> int:
     return _arg_bytes(record, _INPUT_ARGS)
 
 
-def collectives(ops: list, facts: dict, gpu=None, ic=None) -> list[Collective]:
+def measured_seconds(kind: str, nbytes: int, n: int, calibration) -> float | None:
+    """A collective inside one node priced by a calibration file's NCCL measurements (made over
+    the GPUs of one node): the nearest measured one of its kind in (ranks, bytes), scaled by the
+    bytes through each rank's link; None when the file has none of that kind."""
+    from ..devices.calibration import nearest
+
+    p = nearest((c for c in calibration.nccl if c.collective == kind),
+                lambda c: (c.ranks, c.bytes), (n, max(nbytes, 1)))
+    if p is None:
+        return None
+    traffic = _TRAFFIC.get(kind, lambda n: 1.0)
+    return p.seconds * (nbytes * traffic(n)) / (p.bytes * traffic(p.ranks))
+
+
+def collectives(ops: list, facts: dict, gpu=None, ic=None, calibration=None) -> list[Collective]:
     """The collectives among a step's ops (analysis.ops.Op), with their time on `gpu`'s
     interconnect, or on `ic` (a devices.gpus.Interconnect: a cluster of your own); 0 without
-    either."""
+    either. With a calibration (devices.calibration.Calibration), those inside one node take
+    its measured NCCL times (measured_seconds); those across nodes keep the network model."""
     from ..devices.gpus import interconnect
 
     groups = facts.get("process_groups", {})
@@ -195,6 +210,8 @@ def collectives(ops: list, facts: dict, gpu=None, ic=None) -> list[Collective]:
         nbytes = _size(kind, rec, size)
         seconds, inter = collective_seconds(kind, nbytes, ranks, ic) if ic is not None \
             else (0.0, False)
+        if calibration is not None and calibration.nccl and not inter and size > 1:
+            seconds = measured_seconds(kind, nbytes, size, calibration) or seconds
         out.append(Collective(op.index, kind, g.get("label", "?"), size, nbytes, op.phase,
                               op.module, inter, seconds, str(by_op.get(rec.index, ""))))
     return out

@@ -35,11 +35,16 @@ def write_calibration(cal: Calibration, path: str) -> None:
 
 
 def calibrate(profile=None, *, out: str | None = None, deadline_s: float = DEADLINE_S,
-              progress=None) -> Calibration:
+              progress=None, nccl: bool = True) -> Calibration:
     """Measure this machine's GPU: GEMMs and fused attention at the shapes `profile` (a CUDA
     Profile of the step you will plan) launches, else at transformer-sized defaults; copy and
-    elementwise bandwidth from 64 KiB to 1 GiB; the launch overhead on the GPU and on the host.
-    Writes the file to `out` when given. Refuses (TapescopeError) without a GPU."""
+    elementwise bandwidth from 64 KiB to 1 GiB; the launch overhead on the GPU and on the host;
+    with several GPUs (and `nccl`), NCCL's all-reduce, all-gather and reduce-scatter over all of
+    them. Writes the file to `out` when given. Refuses (TapescopeError) without a GPU."""
+    import dataclasses
+
+    import torch
+
     from ..errors import TapescopeError
 
     device = require_gpu()
@@ -49,6 +54,12 @@ def calibrate(profile=None, *, out: str | None = None, deadline_s: float = DEADL
                              "measures; this one traced no GPU kernels")
     probes = default_probes() if profile is None else probes_for_kernels(profile_kernels(profile))
     cal = run_probes(probes, device, cuda_timer, facts, deadline_s, progress)
+    if nccl and torch.cuda.device_count() > 1:
+        from .nccl import measure_collectives
+
+        if progress is not None:
+            progress(f"NCCL collectives over {torch.cuda.device_count()} GPUs")
+        cal = dataclasses.replace(cal, nccl=measure_collectives(torch.cuda.device_count()))
     if out:
         write_calibration(cal, out)
     return cal
