@@ -366,6 +366,9 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
     if budget is not None:
         console.print(f"  fits: the peak per rank within the budget, {fmt_bytes(budget)}",
                       highlight=False, markup=False)
+    if options.calibration is not None:
+        console.print(f"  step times calibrated: {options.calibration.label}", highlight=False,
+                      markup=False)
     tokens = any(r.tokens_per_second for r in rows)
     t = Table(box=None)
     for col in ("layout", "batch/rank", "global batch", "peak per rank", "nvidia-smi", "fits",
