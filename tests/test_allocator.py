@@ -312,14 +312,15 @@ def test_bad_sequences():
 
 # -- invariants on random sequences ---------------------------------------------------------------
 
-def _random_events(rng, n, max_live=64):
+def _random_events(rng, n, max_live=64, streams=1):
     live, events, key = [], [], 0
     for _ in range(n):
         if live and (len(live) >= max_live or rng.random() < 0.45):
             events.append((live.pop(rng.randrange(len(live))), None))
         else:
             # log-uniform sizes from 1 B to 256 MiB: both pools, all get_allocation_size branches
-            events.append((key, int(2 ** rng.uniform(0, 28))))
+            size = int(2 ** rng.uniform(0, 28))
+            events.append((key, size) if streams == 1 else (key, size, rng.randrange(streams)))
             live.append(key)
             key += 1
     return events, live
@@ -329,8 +330,8 @@ def _check_structure(alloc, live_blocks):
     """Blocks tile their segments; free neighbours are merged; counters match the blocks."""
     blocks = list(live_blocks)
     for pool in (alloc.small, alloc.large):
-        blocks += [pool.by_addr[k[2]] for k in pool.keys]
-        blocks += [pool.unmapped_by_addr[a] for a in pool.unmapped]
+        blocks += [pool.by_addr[k[-1]] for k in pool.keys]
+        blocks += [pool.unmapped_by_addr[a[-1]] for a in pool.unmapped]
     assert len({id(b) for b in blocks}) == len(blocks)
     mapped = allocated = heads = 0
     for b in blocks:
@@ -358,19 +359,21 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("streams", (1, 3))
 @pytest.mark.parametrize("name", CONFIGS)
-def test_random_structure(name):
+def test_random_structure(name, streams):
     cfg, capacity = CONFIGS[name]
     rng = random.Random(name)
-    events, _ = _random_events(rng, 1500)
+    events, _ = _random_events(rng, 1500, streams=streams)
     alloc, live = _CachingAllocator(cfg, capacity), {}
-    for key, nbytes in events:
+    for key, nbytes, *on in events:
         if nbytes is None:
             block = live.pop(key)
             if block is not None:
                 alloc.free(block)
         else:
-            live[key] = alloc.malloc(nbytes)
+            live[key] = alloc.malloc(nbytes, *on)
+            assert live[key] is None or live[key].stream == (on[0] if on else 0)
         _check_structure(alloc, [b for b in live.values() if b is not None])
         if capacity is not None:
             assert alloc.total <= capacity
@@ -440,3 +443,31 @@ def test_fragmentation_is_measured_at_the_allocated_peak():
     # a real gap: 3 MiB in the 20 MiB segment a 1-10 MiB request gets
     r = simulate([("a", 3 * mib)])
     assert r.fragmentation == pytest.approx(1 - 3 / 20)
+
+
+# ---- streams: a freed block is reused only on the stream it was allocated on -----------------
+# CUDACachingAllocator.cpp: "Allocations are associated with a stream. Once freed, blocks can be
+# re-allocated on the same stream, but not on any other stream" (BlockComparatorSize orders by
+# stream first; get_free_block: `(*it)->stream != p.stream()` -> no block). Figures by hand from
+# the size rules: 3 MiB rounds to a 20 MiB segment (kLargeBuffer), 200 KiB to a 2 MiB one.
+
+def test_a_block_freed_on_one_stream_is_not_reused_on_another():
+    one = simulate([("a", 3 * MiB, 1), ("a", None), ("b", 3 * MiB, 0)])
+    assert one.max_reserved == 40 * MiB and one.segments == 2     # a second 20 MiB segment
+    same = simulate([("a", 3 * MiB, 1), ("a", None), ("b", 3 * MiB, 1)])
+    assert same.max_reserved == 20 * MiB and same.segments == 1   # reused on its stream
+    small = simulate([("a", 200 * 1024, 2), ("a", None), ("b", 200 * 1024)])
+    assert small.max_reserved == 4 * MiB                           # small pool: per stream too
+
+
+def test_expandable_segments_grow_per_stream():
+    cfg = AllocatorConfig(expandable_segments=True)
+    r = simulate([("a", 30 * MiB, 1), ("a", None), ("b", 30 * MiB, 0)], None, cfg)
+    # each stream maps its own 20 MiB pages: 40 MiB on stream 1, then 40 more on stream 0
+    assert r.max_reserved == 80 * MiB and r.expandable_segments == 2
+
+
+def test_an_oom_flush_frees_every_streams_cache():
+    # release_cached_blocks frees every unsplit cached segment, of any stream, then retries
+    r = simulate([("a", 60 * MiB, 1), ("a", None), ("b", 60 * MiB, 0)], 100 * MiB)
+    assert not r.oom and r.cache_flushes == 1 and r.reserved == 60 * MiB

@@ -11,9 +11,18 @@ comes from. Sources read: pytorch/pytorch 001074d25084 (CUDACachingAllocator.cpp
 differ (`max_non_split_rounding_mb`, `large_segment_size_mb`, the registration-counter tie-break,
 skipping expandable blocks when releasing cached blocks).
 
-What it deliberately leaves out: streams (the allocator keeps one pool per stream: blocks are
-ordered by stream first and a freed block is reused only on its own stream; a traced step runs on
-one stream, so one pool pair suffices), cross-stream events/record_stream, CUDA-graph private
+Streams: every allocation is made on a stream (the current one when it is requested), and a freed
+block is reused only by requests on that same stream ("Allocations are associated with a stream.
+Once freed, blocks can be re-allocated on the same stream, but not on any other stream": the
+file's header; BlockComparatorSize orders blocks by stream first, get_free_block returns no block
+whose stream differs, release_available_cached_blocks frees only the requesting stream's,
+find_expandable_block grows only a segment of its stream). A single-GPU step runs on one stream;
+FSDP2's all-gather copy-in and reduce-scatter streams allocate their buffers on their own, so
+their freed blocks stay cached beside the compute stream's: reserved memory a one-pool replay
+would miss. release_cached_blocks (before an OOM) and the garbage collector free every stream's.
+
+What it deliberately leaves out: cross-stream events/record_stream (a block used on another
+stream is freed only once that stream's work is done), CUDA-graph private
 pools and mempools, free-memory callbacks, IPC, and the cudaMallocAsync backend. Device memory
 outside the allocator (the CUDA context, NCCL, other processes) is the caller's to subtract from
 `capacity_bytes`.
@@ -21,6 +30,8 @@ outside the allocator (the CUDA context, NCCL, other processes) is the caller's 
     >>> r = simulate([("a", 1000), ("b", 3 << 20), ("a", None)])
     >>> r.max_allocated, r.max_reserved      # 1024 + 3 MiB in blocks; 2 MiB + 20 MiB segments
     (3146752, 23068672)
+    >>> simulate([("a", 3 << 20, 1), ("a", None), ("b", 3 << 20)]).max_reserved   # two streams
+    41943040
 """
 
 from __future__ import annotations
@@ -94,10 +105,11 @@ class _Block:
     """A Block: a piece of a segment, free or allocated, linked to its neighbours."""
 
     __slots__ = ("size", "addr", "counter", "pool", "segment", "mapped", "allocated", "requested",
-                 "prev", "next", "gc_base")
+                 "prev", "next", "gc_base", "stream")
 
-    def __init__(self, size, addr, counter, pool, segment=None, mapped=True):
+    def __init__(self, size, addr, counter, pool, segment=None, mapped=True, stream=0):
         self.size, self.addr, self.counter, self.pool = size, addr, counter, pool
+        self.stream = stream                             # the stream it was allocated on
         self.segment, self.mapped = segment, mapped      # segment: the ExpandableSegment, if any
         self.allocated, self.requested = False, 0
         self.prev = self.next = None
@@ -125,37 +137,38 @@ def _expandable_size(b):
 
 
 class _Pool:
-    """BlockPool: free mapped blocks ordered as BlockComparatorSizeCounterAddress (size, then the
-    segment's registration counter, then address), unmapped ones by address."""
+    """BlockPool: free mapped blocks ordered by stream, then as BlockComparatorSizeCounterAddress
+    (size, then the segment's registration counter, then address), unmapped ones by stream and
+    address (BlockComparatorAddress)."""
 
     __slots__ = ("is_small", "keys", "by_addr", "unmapped", "unmapped_by_addr", "calls")
 
     def __init__(self, is_small):
         self.is_small = is_small
-        self.keys: list = []            # sorted (size, counter, addr)
+        self.keys: list = []            # sorted (stream, size, counter, addr)
         self.by_addr: dict = {}
-        self.unmapped: list = []        # sorted addr
+        self.unmapped: list = []        # sorted (stream, addr)
         self.unmapped_by_addr: dict = {}
         self.calls = 0                  # get_free_blocks_call_count, the GC clock
 
     def insert(self, b):                # BlockPool::insert_into_blocks
         b.gc_base = self.calls
-        bisect.insort(self.keys, (b.size, b.counter, b.addr))
+        bisect.insort(self.keys, (b.stream, b.size, b.counter, b.addr))
         self.by_addr[b.addr] = b
 
     def erase(self, b):                 # must run before b.size or b.addr change
-        del self.keys[bisect.bisect_left(self.keys, (b.size, b.counter, b.addr))]
+        del self.keys[bisect.bisect_left(self.keys, (b.stream, b.size, b.counter, b.addr))]
         del self.by_addr[b.addr]
 
     def at(self, i):
-        return self.by_addr[self.keys[i][2]]
+        return self.by_addr[self.keys[i][3]]
 
     def insert_unmapped(self, b):
-        bisect.insort(self.unmapped, b.addr)
+        bisect.insort(self.unmapped, (b.stream, b.addr))
         self.unmapped_by_addr[b.addr] = b
 
     def erase_unmapped(self, b):
-        del self.unmapped[bisect.bisect_left(self.unmapped, b.addr)]
+        del self.unmapped[bisect.bisect_left(self.unmapped, (b.stream, b.addr))]
         del self.unmapped_by_addr[b.addr]
 
     def erase_any(self, b):
@@ -206,39 +219,41 @@ class _CachingAllocator:
         return addr
 
     # -- malloc --
-    def malloc(self, orig_size: int):
-        """DeviceCachingAllocator::malloc; None where the real one raises OutOfMemoryError."""
+    def malloc(self, orig_size: int, stream=0):
+        """DeviceCachingAllocator::malloc on `stream`; None where the real one raises
+        OutOfMemoryError."""
         size = round_size(orig_size, self.cfg)
         pool = self.small if size <= K_SMALL_SIZE else self.large      # get_pool
         alloc_size = allocation_size(size, self.cfg)
-        block = self._get_free_block(pool, size)
+        block = self._get_free_block(pool, size, stream)
         if block is None:
             if self.gc:
                 self._garbage_collect_cached_blocks()
-            block = self._alloc_block(pool, size, alloc_size, False)
+            block = self._alloc_block(pool, size, alloc_size, False, stream)
             # free just enough oversize cached blocks, else every unsplit one, and retry
-            if block is None and self._release_available_cached_blocks(pool, size):
-                block = self._alloc_block(pool, size, alloc_size, False)
+            if block is None and self._release_available_cached_blocks(pool, size, stream):
+                block = self._alloc_block(pool, size, alloc_size, False, stream)
             if block is None:
                 self._release_cached_blocks()
-                block = self._alloc_block(pool, size, alloc_size, True)
+                block = self._alloc_block(pool, size, alloc_size, True, stream)
         if block is None:
             self.ooms += 1
             return None
         return self._alloc_found_block(block, size, orig_size, self._should_split(block, size))
 
-    def _get_free_block(self, pool, size):
-        """get_free_block: best fit, the smallest cached block of at least `size`."""
+    def _get_free_block(self, pool, size, stream=0):
+        """get_free_block: best fit, the smallest cached block of at least `size` on `stream`."""
         if self.gc:
             pool.calls += 1
-        i = bisect.bisect_left(pool.keys, (size,))
-        if i == len(pool.keys):
+        i = bisect.bisect_left(pool.keys, (stream, size))
+        if i == len(pool.keys) or pool.keys[i][0] != stream:   # none on this stream
             return None
         block = pool.at(i)
         if block.segment is not None:
             # a block that can grow into unmapped pages counts with them: prefer later blocks
             # that could grow less
-            while block.segment is not None and i + 1 < len(pool.keys):
+            while block.segment is not None and i + 1 < len(pool.keys) and \
+                    pool.keys[i + 1][0] == stream:
                 nxt = pool.at(i + 1)
                 if _expandable_size(nxt) >= _expandable_size(block):
                     break
@@ -264,7 +279,8 @@ class _CachingAllocator:
         """alloc_found_block: carve `size` off the front; the remainder goes back to the pool."""
         if split:
             remaining, pool = block, block.pool
-            block = _Block(size, remaining.addr, remaining.counter, pool, remaining.segment)
+            block = _Block(size, remaining.addr, remaining.counter, pool, remaining.segment,
+                           stream=remaining.stream)
             block.prev = remaining.prev
             if block.prev is not None:
                 block.prev.next = block
@@ -280,14 +296,14 @@ class _CachingAllocator:
         self.max_requested = max(self.max_requested, self.requested)
         return block
 
-    def _alloc_block(self, pool, size, alloc_size, is_retry):
+    def _alloc_block(self, pool, size, alloc_size, is_retry, stream=0):
         """alloc_block: a new segment from cudaMalloc (or mapped pages of an expandable one)."""
         if is_retry:
             self.alloc_retries += 1
         if self.allowed is not None and self.total + alloc_size > self.allowed:
             return None
         if self.cfg.expandable_segments:
-            return self._try_allocate_expandable_block(pool, size)
+            return self._try_allocate_expandable_block(pool, size, stream)
         if self.capacity is not None and self.total + alloc_size > self.capacity:
             return None                                   # cudaErrorMemoryAllocation
         self.total += alloc_size
@@ -296,7 +312,7 @@ class _CachingAllocator:
         self.max_segments = max(self.max_segments, self.segments)
         self._reserve(alloc_size)
         addr = self._new_addr(alloc_size)
-        return _Block(alloc_size, addr, self.counter, pool)
+        return _Block(alloc_size, addr, self.counter, pool, stream=stream)
 
     # -- free --
     def free(self, block):
@@ -340,20 +356,22 @@ class _CachingAllocator:
         self.reserved -= block.size
         block.pool.erase(block)
 
-    def _release_available_cached_blocks(self, pool, size):
+    def _release_available_cached_blocks(self, pool, size, stream=0):
         """release_available_cached_blocks: with max_split_size set, free the smallest oversize
-        block that covers the request, else oversize blocks from the largest down until enough."""
+        block of the stream that covers the request, else its oversize blocks from the largest
+        down until enough."""
         if self.max_split == _SIZE_MAX:
             return False
         key = max(size, self.max_split)
-        i = bisect.bisect_left(pool.keys, (key,))
-        if i < len(pool.keys) and pool.at(i).segment is None:
+        i = bisect.bisect_left(pool.keys, (stream, key))
+        if i < len(pool.keys) and pool.keys[i][0] == stream and pool.at(i).segment is None:
             self._release_block(pool.at(i))
             return True
         if i == 0:
             return False
         released, i = 0, i - 1
-        while released < key and pool.at(i).size >= self.max_split:
+        while released < key and pool.at(i).size >= self.max_split and \
+                pool.keys[i][0] == stream:
             cur = pool.at(i)
             if cur.segment is None:
                 released += cur.size
@@ -372,7 +390,7 @@ class _CachingAllocator:
         """release_blocks"""
         to_unmap = []
         for key in list(pool.keys):
-            block = pool.by_addr[key[2]]
+            block = pool.by_addr[key[3]]
             if block.segment is not None:
                 to_unmap.append(block)
             elif not block.is_split():
@@ -391,15 +409,15 @@ class _CachingAllocator:
             return
         target, reclaimed = self.total - threshold, 0
         pool = self.large
-        ages = [pool.calls - pool.by_addr[k[2]].gc_base for k in pool.keys
-                if not pool.by_addr[k[2]].is_split()]
+        ages = [pool.calls - pool.by_addr[k[3]].gc_base for k in pool.keys
+                if not pool.by_addr[k[3]].is_split()]
         total_age, count = sum(ages), len(ages)
         freed = True
         while reclaimed < target and freed and count > 0:
             age_threshold = total_age / count
             freed = False
             for key in list(pool.keys):
-                block = pool.by_addr[key[2]]
+                block = pool.by_addr[key[3]]
                 age = pool.calls - block.gc_base
                 if not block.is_split() and block.segment is None and age >= age_threshold:
                     freed = True
@@ -409,10 +427,13 @@ class _CachingAllocator:
                     self._release_block(block)
 
     # -- expandable segments --
-    def _find_expandable_block(self, pool, size):
+    def _find_expandable_block(self, pool, size, stream=0):
         """find_expandable_block: the lowest-address free-or-unmapped run of `size` bytes in an
-        existing segment, else a fresh segment's whole unmapped range."""
-        for addr in pool.unmapped:
+        existing segment of `stream`, else a fresh segment's whole unmapped range."""
+        first = bisect.bisect_left(pool.unmapped, (stream,))
+        for s, addr in pool.unmapped[first:]:
+            if s != stream:
+                break
             c = pool.unmapped_by_addr[addr]
             if _allocatable(c.prev):
                 c = c.prev
@@ -430,7 +451,8 @@ class _CachingAllocator:
         base = self._new_addr(pages * page)
         seg = _ExpandableSegment(base, page, pages)
         self.expandable.append(seg)
-        candidate = _Block(pages * page, seg.base, self.counter, pool, seg, mapped=False)
+        candidate = _Block(pages * page, seg.base, self.counter, pool, seg, mapped=False,
+                           stream=stream)
         pool.insert_unmapped(candidate)
         return candidate
 
@@ -446,7 +468,7 @@ class _CachingAllocator:
         to_map.mapped = True
         if mapped < to_map.size:
             rest = _Block(to_map.size - mapped, to_map.addr + mapped, to_map.counter, pool, seg,
-                          mapped=False)
+                          mapped=False, stream=to_map.stream)
             rest.splice(to_map, to_map.next)
             pool.insert_unmapped(rest)
             to_map.size = mapped
@@ -458,9 +480,9 @@ class _CachingAllocator:
         self._reserve(mapped)
         return True
 
-    def _try_allocate_expandable_block(self, pool, size):
+    def _try_allocate_expandable_block(self, pool, size, stream=0):
         """try_allocate_expandable_block"""
-        c = self._find_expandable_block(pool, size)
+        c = self._find_expandable_block(pool, size, stream)
         if c is None:
             return None
         if not c.mapped and not self._map_block(c, min(c.size, size)):
@@ -484,12 +506,12 @@ class _CachingAllocator:
         pool.erase(block)
         before = start - block.addr
         if before > 0:
-            head = _Block(before, block.addr, block.counter, pool, seg)
+            head = _Block(before, block.addr, block.counter, pool, seg, stream=block.stream)
             head.splice(block.prev, block)
             pool.insert(head)
         after = block.size - before - length
         if after > 0:
-            tail = _Block(after, start + length, block.counter, pool, seg)
+            tail = _Block(after, start + length, block.counter, pool, seg, stream=block.stream)
             tail.splice(block, block.next)
             pool.insert(tail)
         block.addr, block.size, block.mapped = start, length, False
@@ -546,6 +568,8 @@ class AllocatorReport:
 def simulate(events, capacity_bytes: int | None = None,
              config: AllocatorConfig = AllocatorConfig()) -> AllocatorReport:
     """Replay `(key, nbytes)` allocations and `(key, None)` frees through the caching allocator.
+    An allocation may name its stream, `(key, nbytes, stream)` (default 0): its block is reused
+    only by later allocations on the same stream.
 
     `capacity_bytes` is the device memory the allocator can get from CUDA; without it cudaMalloc
     never fails. A request that cannot be met even after the cache is flushed is an OOM: the real
@@ -557,7 +581,7 @@ def simulate(events, capacity_bytes: int | None = None,
     live: dict = {}
     allocated_tl, reserved_tl = [], []
     first_oom = None
-    for index, (key, nbytes) in enumerate(events):
+    for index, (key, nbytes, *on) in enumerate(events):
         if nbytes is None:
             if key not in live:
                 raise ValueError(f"event {index}: free of {key!r}, which is not allocated")
@@ -569,7 +593,7 @@ def simulate(events, capacity_bytes: int | None = None,
                 raise ValueError(f"event {index}: {key!r} is already allocated")
             if nbytes < 0:
                 raise ValueError(f"event {index}: negative size {nbytes}")
-            block = alloc.malloc(nbytes) if nbytes else None
+            block = alloc.malloc(nbytes, on[0] if on else 0) if nbytes else None
             if block is None and nbytes and first_oom is None:
                 first_oom = index
             live[key] = block

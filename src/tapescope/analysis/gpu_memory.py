@@ -7,7 +7,10 @@ libraries do with them:
 - the cuBLAS workspace: the first matmul on a stream allocates it through the caching allocator and
   keeps it (CublasHandlePool.cpp, parseChosenWorkspaceSize: 32 MiB on compute capability 9.x, 10.x
   and 12.x, else 8 MiB + 128 KiB; cuBLASLt shares it by default, TORCH_CUBLASLT_UNIFIED_WORKSPACE);
-- the CUDA context, outside the allocator: what nvidia-smi shows beyond max_memory_reserved.
+- the CUDA context, outside the allocator: what nvidia-smi shows beyond max_memory_reserved;
+- streams: each storage is allocated on the stream of the op that made it (a distributed CUDA
+  profile tells FSDP2's copy-in and reduce-scatter streams from the compute stream), and the
+  allocator keeps each stream's freed blocks for that stream alone (analysis.allocator).
 
 The run replayed is the validation harness's: the model and inputs are created, then step 1, then
 the steady step twice (the allocator's cache reaches its steady state on the second). `max_*` are
@@ -77,7 +80,8 @@ def _events(trace: Trace, gpu=None):
             if delta > 0:
                 key = (run, sid)
                 live_keys[sid] = key
-                out.append((key, storages[sid].nbytes))
+                stream = trace.ops[op].stream if 0 <= op < len(trace.ops) else 0
+                out.append((key, storages[sid].nbytes, stream))
             else:
                 key = live_keys.pop(sid, None)
                 if key is None and run == "step3" and sid in successors:
@@ -116,7 +120,7 @@ def _successors(trace: Trace, first, steady) -> dict:
 
 
 def _previous_key(events, sid):
-    for key, n in reversed(events):
+    for key, n, *_ in reversed(events):
         if n is not None and key[1] == sid:
             return key
     return ("setup", sid)
