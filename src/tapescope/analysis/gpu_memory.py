@@ -50,6 +50,9 @@ class CudaMemory:
     oom: bool                # the allocator could not satisfy a request within capacity
     oom_at: str | None       # which op / phase hit it
     settings: str = ""       # the allocator settings replayed (PYTORCH_ALLOC_CONF form)
+    # max_reserved beyond what the same replay with every allocation on one stream reserves:
+    # the side streams' own caches (FSDP2's copy-in and reduce-scatter buffers); 0 on one stream
+    stream_cached: int = 0
 
     @property
     def nvidia_smi(self) -> int:
@@ -135,6 +138,10 @@ def predict_cuda_memory(trace: Trace, gpu=None, config: AllocatorConfig | None =
         capacity = (gpu.reported_memory_bytes or gpu.memory_bytes) - context
     config = config or AllocatorConfig()
     r = simulate(events, capacity, config)
+    stream_cached = 0
+    if any(len(e) > 2 and e[2] for e in events):
+        one = simulate([e[:2] for e in events], capacity, config)
+        stream_cached = r.max_reserved - one.max_reserved
     last = max(i for i, lab in enumerate(labels) if lab.startswith("step3")) if any(
         lab.startswith("step3") for lab in labels) else len(labels) - 1
     first_step3 = next((i for i, lab in enumerate(labels) if lab.startswith("step3")), 0)
@@ -143,4 +150,4 @@ def predict_cuda_memory(trace: Trace, gpu=None, config: AllocatorConfig | None =
     return CudaMemory(r.max_allocated, r.max_reserved, steady_alloc, steady_res, r.fragmentation,
                       context, None if gpu is None else gpu.reported_memory_bytes or gpu.memory_bytes,
                       r.oom, labels[r.first_oom_event] if r.oom and r.first_oom_event is not None
-                      else None, config.describe())
+                      else None, config.describe(), stream_cached)

@@ -225,6 +225,12 @@ def _render_cuda(p, console: Console, invocation=None) -> None:
                       "caching allocator rounds every block up to a multiple of 512 bytes, and "
                       f"cuBLAS keeps a {fmt_bytes(ws)} workspace from the first matmul on",
                       highlight=False, markup=False)
+    if cm.stream_cached > 0 and not cm.oom:
+        console.print(f"  max_memory_reserved holds {fmt_bytes(cm.stream_cached)} more than one "
+                      "stream would: the caching allocator reuses a freed block only on the stream "
+                      "that allocated it, and FSDP2's copy-in and reduce-scatter streams keep the "
+                      "buffers they free for their own next collectives", highlight=False,
+                      markup=False)
     if t is None:  # an inductor-compiled step: its fused kernels are not timed
         console.print("  step time not estimated: the compiled step's fused Triton kernels are "
                       "not ops the per-op roofline sees", highlight=False, markup=False)

@@ -37,6 +37,8 @@ def profile_dict(p, with_ops: bool = True, with_timeline: bool = True) -> dict:
             "fragmentation", "context_bytes", "capacity", "oom", "oom_at")}
         d["cuda_memory"]["nvidia_smi"] = cm.nvidia_smi
         d["cuda_memory"]["allocator_settings"] = cm.settings
+        if cm.stream_cached:
+            d["cuda_memory"]["stream_cached"] = cm.stream_cached
     if p.time is not None:
         d["time"] = p.time.to_dict()
     if p.symbolic is not None:
