@@ -303,3 +303,26 @@ def test_collectives_inside_a_node_take_the_measured_times():
         assert not c.inter_node and c.group_size == 2
         assert c.seconds == pytest.approx(pt.seconds * c.nbytes * 0.5 / (pt.bytes * 7 / 8),
                                           rel=1e-12)
+
+
+def test_calibrate_end_to_end_with_the_gpu_parts_replaced(calibrated, tmp_path, monkeypatch):
+    """tapescope.calibrate(profile) on this CPU: the GPU check, the device's facts and the CUDA
+    timer replaced; the probes are the profile's shapes, built and run; the file it writes prices
+    the same profile's GEMMs at the times the timer gave."""
+    import tapescope.calibration as calibration
+
+    monkeypatch.setattr(calibration, "require_gpu", lambda: torch.device("cpu"))
+    monkeypatch.setattr(calibration, "cuda_facts",
+                        lambda device: {"name": "NVIDIA H100 80GB HBM3", "torch": "test"})
+    monkeypatch.setattr(calibration, "cuda_timer", _FakeTimer([2e-6, 6e-6] + [1e-5] * 40))
+    out = tmp_path / "mine.json"
+    cal = tapescope.calibrate(calibrated, out=str(out), nccl=False)
+    assert len(cal.gemm) == 4 and all(g.seconds == 1e-5 for g in cal.gemm)
+    # cuDNN attention does not run on a CPU: both probes are listed as failed, not fatal
+    assert cal.attention == () and len(cal.device["failed"]) == 2
+    p = tapescope.profile(Attn(), tapescope.spec((2, 1024, 512)), dtype="bf16",
+                          calibration=str(out))
+    for op, t in zip(p.ops, p.time.op_seconds):
+        if op.name == "aten.mm.default":
+            assert t == 1e-5
+    assert not p.time.calibrated    # its attention kernels fell back to the priors

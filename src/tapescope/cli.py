@@ -730,6 +730,7 @@ def calibrate_cmd(
     batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt, dtype: Optional[str] = DtypeOpt,
     amp: Optional[str] = AmpOpt, input: Optional[List[str]] = InputOpt,
     loss: Optional[str] = LossOpt, optimizer: str = OptimOpt,
+    fsdp: int = FsdpOpt, tp: int = TpOpt, hsdp: int = HsdpOpt,
     out_file: str = typer.Option("calibration.json", "--out", "--json",
                                  help="The calibration file to write."),
     deadline: float = typer.Option(540.0, "--deadline",
@@ -749,8 +750,12 @@ def calibrate_cmd(
             import torch
 
             workload, model_loss = _workload(spec, batch, seq, input)
+            # a rank's shapes: tensor parallelism shards its GEMMs, FSDP its batch
+            parallel = None if (fsdp, tp, hsdp) == (1, 1, 1) else _parallel(
+                fsdp, tp, hsdp, 1, None, None)
             options = _options(model_loss, loss, optimizer, "cuda",
-                               torch.cuda.get_device_name(device), dtype, amp)
+                               torch.cuda.get_device_name(device), dtype, amp,
+                               parallel=parallel)
             with _progress(f"tracing {workload.name} for its kernel shapes", quiet) as progress:
                 from .api import profile_workload
 
