@@ -20,8 +20,8 @@ from tapescope.analysis.kernel_cost import Kernel, kernel_of, kernel_time
 from tapescope.analysis.op_classes import launches_kernel
 from tapescope.calibration import profile_kernels
 from tapescope.calibration.measure import run_probes
-from tapescope.calibration.probes import (LAUNCH_GRAPH_KERNELS, attention_probe, bandwidth_probe,
-                                          gemm_probe, launch_probes, probes_for_kernels)
+from tapescope.calibration.probes import (attention_probe, bandwidth_probe, gemm_probe,
+                                          launch_probes, probes_for_kernels)
 from tapescope.cli import app
 from tapescope.devices.calibration import Calibration, load_calibration
 from tapescope.devices.efficiency import HOST_VIEW_S
@@ -169,11 +169,12 @@ class _FakeTimer:
     """Runs each probe's function once (it must work), and answers the next given time."""
 
     def __init__(self, seconds):
-        self.seconds, self.calls = list(seconds), 0
+        self.seconds, self.calls, self.eager = list(seconds), 0, []
 
-    def __call__(self, fn):
+    def __call__(self, fn, eager=False):
         fn()
         self.calls += 1
+        self.eager.append(eager)
         return self.seconds.pop(0)
 
 
@@ -182,10 +183,13 @@ def test_the_measurement_path_with_the_timer_injected(tmp_path):
               bandwidth_probe("elementwise", 1 << 16), gemm_probe("fp32", 1, 64, 32, 16),
               gemm_probe("fp32", 3, 16, 8, 4), attention_probe("flash", "forward", "fp32", 4, 32, 32, 16, True),
               attention_probe("flash", "backward", "fp32", 4, 32, 32, 16, True)]
-    times = [4e-4, 6e-6, 3e-6, 3.5e-6, 5e-6, 7e-6, 2e-5, 4e-5]
+    times = [2e-6, 6e-6, 3e-6, 3.5e-6, 5e-6, 7e-6, 2e-5, 4e-5]
     facts = {"name": "NVIDIA H100 80GB HBM3", "torch": torch.__version__, "sms": 132}
-    cal = run_probes(probes, "cpu", _FakeTimer(times), facts)
-    assert cal.kernel_overhead_s == 4e-4 / LAUNCH_GRAPH_KERNELS and cal.host_op_s == 6e-6
+    timer = _FakeTimer(times)
+    cal = run_probes(probes, "cpu", timer, facts)
+    assert cal.kernel_overhead_s == 2e-6 and cal.host_op_s == 6e-6
+    # the host's op is timed as issued, and the attention backward (not capturable in a graph)
+    assert timer.eager == [False, True] + [False] * 5 + [True]
     assert [(b.kind, b.bytes, b.seconds) for b in cal.bandwidth] == [
         ("copy", 1 << 16, 3e-6), ("elementwise", 12 * ((1 << 16) // 12), 3.5e-6)]
     assert [(g.batch, g.m, g.n, g.k, g.flops, g.seconds) for g in cal.gemm] == [

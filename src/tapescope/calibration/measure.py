@@ -1,9 +1,12 @@
 """Run the probes on the GPU, time each, and write what they measured as a Calibration.
 
 `cuda_timer` times a function with CUDA events around back-to-back calls (warm-up first, then as
-many calls as fit in about 50 ms, at least 5): seconds per call as the GPU's clock sees them.
-`run_probes` takes the timer as an argument, so tests run the whole path on the CPU with a timer
-of their own. The run stops starting probes at its deadline (the file says how many it skipped):
+many calls as fit in about 50 ms, at least 5): seconds per call as the GPU's clock sees them. A
+kernel's own time is taken with its calls captured in a CUDA graph and replayed: issued one by
+one from Python, a kernel shorter than the host's launch (a 1024^3 GEMM on an H100, ~5 us) would
+be timed at the host's pace, and the schedule (analysis/timing.py) adds the host's time already.
+Where a probe cannot be captured, its eager calls are timed. `run_probes` takes the timer as an
+argument, so tests run the whole path on the CPU with a timer of their own. The run stops starting probes at its deadline (the file says how many it skipped):
 the default leaves the whole calibration under ten minutes.
 """
 
@@ -24,24 +27,52 @@ DEADLINE_S = 540.0     # probes start no later than this: NCCL and writing the f
 _TARGET_S = 0.05       # time each probe's timed loop aims at
 
 
-def cuda_timer(fn, target_s: float = _TARGET_S, warmup: int = 3) -> float:
-    """Seconds per call of `fn` on the current CUDA stream (CUDA events, back-to-back calls)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def _events_time(fn, iters: int) -> float:
+    """Seconds per call of `iters` back-to-back calls of fn, on the GPU's clock."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    once = max(start.elapsed_time(end) / 1e3, 1e-7)
-    iters = int(min(1000, max(5, target_s / once)))
     start.record()
     for _ in range(iters):
         fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / iters
+
+
+def _graphed(fn, calls: int):
+    """`calls` calls of fn captured in one CUDA graph (warmed up on a side stream first, as
+    torch.cuda.graph wants); its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
+def cuda_timer(fn, eager: bool = False, target_s: float = _TARGET_S, warmup: int = 3) -> float:
+    """Seconds per call of `fn` on the current CUDA stream: its GPU time (calls replayed from a
+    CUDA graph), or with `eager` as eager calls issue it (the host's pace when it is slower)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    once = max(_events_time(fn, 1), 1e-7)
+    iters = int(min(1000, max(5, target_s / once)))
+    if eager:
+        return _events_time(fn, iters)
+    calls = max(1, min(100, iters))
+    try:
+        replay = _graphed(fn, calls)
+    except RuntimeError:       # not capturable (a host sync, a library that refuses capture)
+        torch.cuda.synchronize()
+        return _events_time(fn, iters)
+    replay()
+    torch.cuda.synchronize()
+    replays = max(1, iters // calls)
+    return _events_time(replay, replays) / calls
 
 
 _POINTS = {"gemm": GemmPoint, "attention": AttentionPoint, "bandwidth": BandwidthPoint}
@@ -66,7 +97,7 @@ def run_probes(probes, device, timer, facts: dict, deadline_s: float = DEADLINE_
             progress(f"{i + 1} of {len(probes)}: {probe.label}")
         try:
             fn = probe.build(device)
-            seconds = timer(fn) / probe.calls
+            seconds = timer(fn, eager=True) if probe.eager else timer(fn)
         except RuntimeError as e:   # a backend this GPU or build lacks ("No available kernel")
             failed.append(f"{probe.label}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             continue

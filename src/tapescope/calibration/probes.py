@@ -21,11 +21,9 @@ from ..analysis.calibrated_cost import DTYPE_NAMES
 from ..analysis.flops import attention_pairs
 
 __all__ = ["Probe", "gemm_probe", "attention_probe", "bandwidth_probe", "launch_probes",
-           "default_probes", "probes_for_kernels", "LAUNCH_GRAPH_KERNELS"]
+           "default_probes", "probes_for_kernels"]
 
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items() if name != "fp8"}
-# tiny kernels a CUDA graph replays back to back to time one launch on the GPU
-LAUNCH_GRAPH_KERNELS = 200
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,11 @@ class Probe:
     kind: str                        # "gemm", "attention", "bandwidth", "kernel_overhead", "host_op"
     shape: dict                      # the calibration point's fields, all but `seconds`
     build: Callable = field(repr=False, compare=False)   # build(device) -> fn() that runs it once
-    calls: int = 1                   # kernels one fn() launches: its time is divided by this
+    # time its calls as eager code issues them, one after another: the host's time per op (the
+    # host_op probe), or a probe a CUDA graph cannot capture (an autograd backward: the engine
+    # runs it on the forward's stream, not the capturing one); else the GPU's time alone
+    # (calibration/measure.py replays the calls from a CUDA graph)
+    eager: bool = False
 
     @property
     def label(self) -> str:
@@ -90,7 +92,7 @@ def attention_probe(backend: str, direction: str, dtype: str, batch_heads: int, 
     shape = dict(backend=backend, direction=direction, dtype=dtype, batch_heads=batch_heads,
                  seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, causal=causal,
                  flops=attention_flops(direction, batch_heads, seq_q, seq_k, head_dim, causal))
-    return Probe("attention", shape, build)
+    return Probe("attention", shape, build, eager=direction == "backward")
 
 
 def bandwidth_probe(kind: str, nbytes: int) -> Probe:
@@ -108,33 +110,14 @@ def bandwidth_probe(kind: str, nbytes: int) -> Probe:
 
 
 def launch_probes() -> list[Probe]:
-    """The GPU's time per tiny kernel (LAUNCH_GRAPH_KERNELS one-element adds replayed from a CUDA
-    graph: no host between them) and the host's time per tiny eager op (the same add issued from
-    Python one by one: the GPU finishes each before the next is launched, so the timer sees the
-    host)."""
-    def graph(device):
-        x = torch.zeros(1, device=device)
-
-        def issue():
-            for _ in range(LAUNCH_GRAPH_KERNELS):
-                x.add_(1)
-        if device.type != "cuda":
-            return issue           # no graphs off CUDA: the same kernels, issued eagerly
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            issue()                # warm up on a side stream, as CUDA graph capture wants
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            issue()
-        return g.replay
-
-    def eager(device):
+    """The GPU's time per tiny kernel (a one-element add, its calls replayed back to back from a
+    CUDA graph: no host between them) and the host's time per tiny eager op (the same add issued
+    from Python one by one: the GPU finishes each before the next is launched, so the timer sees
+    the host)."""
+    def tiny(device):
         x = torch.zeros(1, device=device)
         return lambda: x.add_(1)
-    return [Probe("kernel_overhead", {}, graph, calls=LAUNCH_GRAPH_KERNELS),
-            Probe("host_op", {}, eager)]
+    return [Probe("kernel_overhead", {}, tiny), Probe("host_op", {}, tiny, eager=True)]
 
 
 # transformer-sized GEMMs: tokens x hidden by hidden x {hidden, 3 hidden, MLP}, and squares
