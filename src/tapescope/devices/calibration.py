@@ -7,7 +7,8 @@ of devices/efficiency.py.
 
 The file is JSON (FORMAT below): the GPU as the driver described it (name, SMs, clocks, power
 limit, driver and CUDA versions), the torch version and the date, then every measurement with its
-shape and its seconds per call (CUDA events around back-to-back calls):
+shape and its seconds per call (CUDA events around back-to-back calls, replayed from a CUDA graph
+where it can capture them: calibration/measure.py):
 
 - gemm: torch.matmul of (batch x) m x k by k x n in one dtype;
 - attention: one fused attention kernel (backend flash / efficient / cudnn), forward or backward,
