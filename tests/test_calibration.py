@@ -330,3 +330,27 @@ def test_calibrate_end_to_end_with_the_gpu_parts_replaced(calibrated, tmp_path, 
         if op.name == "aten.mm.default":
             assert t == 1e-5
     assert not p.time.calibrated    # its attention kernels fell back to the priors
+
+
+def test_attention_takes_the_nearest_measured_shape():
+    cal, gpu = load_calibration(str(FILE)), get_gpu("h100")
+    # 64 x (2048, 2048), head dim 128, causal: log distance 2.08 to the (128, 4096, 128) point,
+    # 3.47 to the (16, 1024, 64) one
+    from tapescope.calibration.probes import attention_flops
+
+    flops = attention_flops("forward", 64, 2048, 2048, 128, True)
+    kernel = Kernel("aten._scaled_dot_product_cudnn_attention.default", "attention", flops, 0,
+                    torch.bfloat16, attention=(64, 2048, 2048, 128, True))
+    big = _point("attention", backend="cudnn", direction="forward", head_dim=128)
+    assert kernel_time(kernel, gpu, cal) == (big["seconds"] * (flops / big["flops"]), True)
+
+
+def test_the_default_probes():
+    from tapescope.calibration.probes import (DEFAULT_ATTENTION, DEFAULT_BYTES, DEFAULT_GEMMS,
+                                              default_probes)
+
+    probes = default_probes()
+    assert len(probes) == 2 + 2 * len(DEFAULT_BYTES) + len(DEFAULT_GEMMS) + \
+        3 * 2 * len(DEFAULT_ATTENTION)
+    assert len({p.label for p in probes}) == len(probes)
+    assert [p.kind for p in probes[:2]] == ["kernel_overhead", "host_op"]
