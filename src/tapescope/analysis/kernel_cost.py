@@ -68,9 +68,11 @@ def _attention_shape(name: str, inputs, flops: int) -> tuple | None:
     backward's query and key follow its grad_out. Causal when its FLOPs (analysis/flops.py counts
     the unmasked pairs) are fewer than every pair's."""
     first = 1 if "backward" in name else 0
-    if len(inputs) < first + 3 or any(len(t.shape) != 4 for t in inputs[first:first + 3]):
+    shapes = [getattr(t, "shape", None) for t in inputs[first:first + 3]]
+    if len(shapes) < 3 or any(s is None or len(s) != 4 for s in shapes) or \
+            not all(isinstance(d, int) for s in shapes for d in s):   # symbolic sizes: none
         return None
-    q, k, v = (tuple(int(d) for d in t.shape) for t in inputs[first:first + 3])
+    q, k, v = (tuple(s) for s in shapes)
     if "scaled_dot_product" in name:
         (b, h, sq, dq), sk, dv = q, k[2], v[3]
     else:
