@@ -117,7 +117,7 @@ def _meta(p, times) -> dict:
         "cuda_memory": None if cm is None else {
             "max_allocated": cm.max_allocated, "max_reserved": cm.max_reserved,
             "nvidia_smi": cm.nvidia_smi, "capacity": cm.capacity, "oom": cm.oom,
-            "oom_at": cm.oom_at, "settings": cm.settings},
+            "oom_at": cm.oom_at, "settings": cm.settings, "stream_cached": cm.stream_cached},
         "tapescope_version": __version__, "torch_version": torch.__version__,
     }
 

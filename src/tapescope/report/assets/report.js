@@ -151,12 +151,17 @@
         (cm.oom ? "does not fit" + (cm.oom_at ? " (" + cm.oom_at + ")" : "") : "fits"),
         cm.oom ? "bad" : null);
       if (cm.settings) add("Allocator settings", cm.settings);
+      if (cm.stream_cached) add("Side streams' cache", fmtBytes(cm.stream_cached) +
+        " of max_memory_reserved: blocks FSDP2's copy-in and reduce-scatter streams freed, " +
+        "kept for their own stream");
     }
     if (m.time) {
       const t = m.time;
       add("Time estimate", fmtTime(t.seconds) + (t.bound ? ", " + t.bound + "-bound" : "") +
         (t.mfu != null ? ", MFU " + (100 * t.mfu).toFixed(1) + "%" : "") +
-        (t.calibrated === false ? " (timing constants not yet calibrated on a GPU)" : ""));
+        (t.calibration ? " (calibrated: " + t.calibration +
+          (t.calibrated === false ? "; kernels of kinds it did not measure on the priors" : "") + ")"
+          : t.calibrated === false ? " (timing constants not yet calibrated on a GPU)" : ""));
     }
     if (m.step2) add("Step 2", m.step2);
     add("Versions", "tapescope " + m.tapescope_version + " · torch " + m.torch_version);
