@@ -157,6 +157,10 @@ def test_the_file_applies_only_to_its_gpu(monkeypatch):
         tapescope.profile(model, x, gpu="a100", calibration=str(FILE))
     with pytest.raises(TapescopeError, match="a cpu profile runs none"):
         tapescope.profile(model, x, device="cpu", calibration=str(FILE))
+    monkeypatch.setenv("TAPESCOPE_CALIBRATION", str(FILE.parent / "no-such-file.json"))
+    assert tapescope.profile(model, x, device="cpu").options.calibration is None  # not read
+    with pytest.raises(TapescopeError, match="cannot read the calibration file"):
+        tapescope.profile(model, x, gpu="h100")
     monkeypatch.setenv("TAPESCOPE_CALIBRATION", str(FILE))
     assert tapescope.profile(model, x, device="cpu").options.calibration is None  # not used
     with pytest.raises(TapescopeError, match="or unset TAPESCOPE_CALIBRATION"):

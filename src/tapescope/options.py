@@ -420,16 +420,15 @@ def _resolve_cpu(isa, threads):
 
 
 def _resolve_calibration(calibration):
-    """(Calibration or None, whether the caller gave it): a Calibration, a file to read, or
-    None for the file TAPESCOPE_CALIBRATION names."""
-    from .devices.calibration import ENV_VAR, Calibration, load_calibration
+    """(Calibration, True) for a Calibration or a file to read; (None, False) when none is
+    given (the environment's is read by _check_calibration, for a CUDA profile only)."""
+    from .devices.calibration import Calibration, load_calibration
 
     if isinstance(calibration, Calibration):
         return calibration, True
     if calibration is not None:
         return load_calibration(str(calibration)), True
-    path = os.environ.get(ENV_VAR)
-    return (load_calibration(path), False) if path else (None, False)
+    return None, False
 
 
 def _calibrated_gpu_key(calibration, where: str) -> str:
@@ -447,14 +446,15 @@ def _calibrated_gpu_key(calibration, where: str) -> str:
 def _check_calibration(calibration, given: bool, device: torch.device, gpu):
     """The calibration to price the step with: only on the GPU it was measured on. One given
     for a profile that runs no GPU kernels is refused; one from the environment is not used."""
-    from .devices.calibration import ENV_VAR
+    from .devices.calibration import ENV_VAR, load_calibration
 
-    if calibration is None:
-        return None
+    if not given:   # TAPESCOPE_CALIBRATION: read only for a profile that runs GPU kernels
+        path = os.environ.get(ENV_VAR)
+        if not path or device.type != "cuda":
+            return None
+        calibration = load_calibration(path)
     where = "--calibration (calibration=)" if given else ENV_VAR
     if device.type != "cuda":
-        if not given:
-            return None
         raise TapescopeError(f"{where} {calibration.source or ''} prices a GPU's kernels, and "
                              f"a {device.type} profile runs none: profile with --device cuda "
                              "(or no --device), or drop --calibration")
