@@ -80,9 +80,11 @@ _POINTS = {"gemm": GemmPoint, "attention": AttentionPoint, "bandwidth": Bandwidt
 
 def run_probes(probes, device, timer, facts: dict, deadline_s: float = DEADLINE_S,
                progress=None, clock=time.monotonic) -> Calibration:
-    """Time every probe on `device` with `timer(fn) -> seconds per call` and return the
-    Calibration. `facts`: the device's description (cuda_facts): "name", "torch" and the rest
-    go to the file. Probes not started by `deadline_s` are skipped and counted."""
+    """Time every probe on `device` with `timer(fn) -> seconds per call` (`timer(fn,
+    eager=True)` for the probes to time as eager calls: cuda_timer) and return the Calibration.
+    `facts`: the device's description (cuda_facts): "name", "torch" and the rest go to the file.
+    A probe that fails (a backend this GPU lacks, out of memory) is listed in the file, not
+    fatal; probes not started by `deadline_s` are skipped and counted."""
     device = torch.device(device)
     began = clock()
     found: dict = {"gemm": [], "attention": [], "bandwidth": []}
