@@ -26,9 +26,9 @@ import torch
 
 from ..devices.efficiency import (ELEMENTWISE_BANDWIDTH, KERNEL_OVERHEAD_S, attention_efficiency,
                                   efficiency_for, gemm_tile_utilization, matmul_ceiling)
-from .op_classes import op_class
+from .op_classes import launches_kernel, op_class
 
-__all__ = ["Kernel", "kernel_of", "kernel_from_aten", "kernel_time", "TENSOR_CORE"]
+__all__ = ["Kernel", "kernel_of", "kernel_from_aten", "kernel_time", "on_gpu", "TENSOR_CORE"]
 
 TENSOR_CORE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8",
                torch.float8_e5m2: "fp8"}
@@ -39,7 +39,8 @@ class Kernel:
     """One kernel launch's work: all a kernel's time is computed from."""
 
     name: str                       # the aten op ("aten.mm.default") or the generated kernel's name
-    op_class: str                   # "matmul", "convolution", "attention" or "other" (op_classes)
+    op_class: str                   # "matmul", "convolution", "attention", "other" (op_classes),
+                                    # or "none": the op launches no GPU kernel, and costs nothing
     flops: int                      # FLOPs (a multiply-add is 2)
     bytes: int                      # DRAM bytes read + written
     dtype: torch.dtype              # the dtype of its math (its first input's)
@@ -59,9 +60,15 @@ def _gemm_shape(outputs) -> tuple[int, int, int] | None:
     return batch, int(shape[-2]), int(shape[-1])
 
 
-def kernel_from_aten(func, inputs, outputs, flops: int | None, nbytes: int) -> Kernel:
+def kernel_from_aten(func, inputs, outputs, flops: int | None, nbytes: int,
+                     on_gpu: bool = True) -> Kernel:
     """The Kernel of one aten op (an OpOverload) run as one kernel: `inputs` and `outputs` are
-    anything with .shape and .dtype (TensorRefs, fake tensors, FX nodes' meta values)."""
+    anything with .shape and .dtype (TensorRefs, fake tensors, FX nodes' meta values). An op that
+    launches no kernel (views, metadata, autograd wrappers: op_classes.launches_kernel), or whose
+    tensors all live on the host (`on_gpu` False: the optimizer's CPU step counters), is a
+    Kernel of class "none" with no work."""
+    if not on_gpu or not launches_kernel(func):
+        return Kernel(str(func), "none", 0, 0, torch.float32)
     cls = op_class(func)
     dtype = (inputs[0].dtype if inputs else
              outputs[0].dtype if outputs and outputs[0] is not None else torch.float32)
@@ -69,10 +76,20 @@ def kernel_from_aten(func, inputs, outputs, flops: int | None, nbytes: int) -> K
                   _gemm_shape(outputs) if cls == "matmul" else None)
 
 
-def kernel_of(op) -> Kernel:
-    """The Kernel an eager op (analysis.ops.Op) launches."""
+def on_gpu(op, storages) -> bool:
+    """Whether an eager op (analysis.ops.Op) touches a CUDA tensor, by the devices of the
+    storages of `storages` (Trace.storages) it reads and writes; an op with no tensor, or whose
+    storages are not listed, counts as a GPU op."""
+    devices = [storages[r.storage].device.type for r in (*op.inputs, *op.outputs)
+               if 0 <= r.storage < len(storages)]
+    return not devices or "cuda" in devices
+
+
+def kernel_of(op, storages=()) -> Kernel:
+    """The Kernel an eager op (analysis.ops.Op) launches; with the trace's storages, an op on
+    host tensors only launches none."""
     return kernel_from_aten(op.record.func, op.inputs, op.outputs, op.flops,
-                            op.bytes_read + op.bytes_written)
+                            op.bytes_read + op.bytes_written, on_gpu(op, storages))
 
 
 def _peak(gpu, cls: str, dtype) -> float:
@@ -86,6 +103,8 @@ def _peak(gpu, cls: str, dtype) -> float:
 def kernel_time(kernel: Kernel, gpu) -> tuple[float, bool]:
     """(seconds on the GPU, whether every constant used was measured on it) of one kernel."""
     cls = kernel.op_class
+    if cls == "none":
+        return 0.0, True
     eff = efficiency_for(cls, gpu.key)
     compute = 0.0
     if kernel.flops:

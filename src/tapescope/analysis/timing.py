@@ -1,7 +1,8 @@
 """Step time on a named GPU: each kernel priced alone (analysis/kernel_cost.py), then scheduled on
 the host that launches them and on the GPU's streams.
 
-Views and metadata ops launch nothing.
+Views, metadata ops, autograd wrappers and ops on host tensors launch nothing (kernel_cost prices
+them at 0; they cost the host a dispatch).
 
 The host issues ops one after another (eager PyTorch) and the GPU runs them in order on one stream,
 starting each when the host has launched it and the previous one has finished; a read of a GPU value
@@ -41,7 +42,7 @@ import torch
 
 from ..capture.records import Trace
 from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, NCCL_SMS
-from .kernel_cost import TENSOR_CORE, kernel_of, kernel_time
+from .kernel_cost import TENSOR_CORE, kernel_of, kernel_time, on_gpu
 from .op_classes import launches_kernel, op_class
 
 __all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
@@ -49,10 +50,10 @@ __all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
 _ITEM = torch.ops.aten._local_scalar_dense
 
 
-def kernel_seconds(op, gpu) -> tuple[float, bool]:
+def kernel_seconds(op, gpu, storages=()) -> tuple[float, bool]:
     """(seconds on the GPU, whether every constant used was measured on it) of one eager op's
-    kernel (analysis.kernel_cost prices it)."""
-    return kernel_time(kernel_of(op), gpu)
+    kernel (analysis.kernel_cost prices it); 0 for an op that launches none."""
+    return kernel_time(kernel_of(op, storages), gpu)
 
 
 @dataclass
@@ -126,7 +127,8 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
     slow = NCCL_SMS / gpu.sms if comm else 0.0
     for op in ops:
         func = op.record.func
-        kernel = launches_kernel(func)
+        # an op on host tensors only (the optimizer's CPU step counters) launches no GPU kernel
+        kernel = launches_kernel(func) and on_gpu(op, storages)
         # an op of a repeated micro-batch runs op.runs times: counted back to back (the block's
         # own order of host and GPU work is not replayed op.runs times)
         runs = op.runs
@@ -159,7 +161,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
             phase_end[op.phase] = span(op.phase, max(gpu_t, host, comm_t))
             continue
         if kernel:
-            t, measured = kernel_seconds(op, gpu)
+            t, measured = kernel_seconds(op, gpu, storages)
             t *= runs
             calibrated &= measured
             if op_class(func) == "matmul" and model_dtype is None and op.inputs:
