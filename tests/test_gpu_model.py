@@ -59,10 +59,11 @@ def test_roofline_of_one_matmul_by_hand():
     t = estimate_step_time(p.ops, p.trace, get_gpu("h100"))
     mm = next(i for i, op in enumerate(p.ops) if op.name == "aten.mm.default")
     flops = 2 * n ** 3
-    # H100 SXM's measured matmul ceiling, 794.5 of 989 TFLOPS (MAMF); an 8192 x 8192 output is
-    # 2,048 tiles of 256 x 128 on 132 SMs: 16 waves of which the last is 68/132 full, so
-    # 2048 / (16 x 132) of the tile work is useful (128 x 128 tiles: 4,096 in 32 waves, the same)
-    share = 0.803 * 2048 / (16 * 132)
+    # H100 SXM's measured matmul ceiling, 794.5 of 989 TFLOPS (MAMF), at the clock it sustains
+    # (H200's MSMF / MAMF, 744.5 / 846.5 = 0.880); an 8192 x 8192 output is 2,048 tiles of
+    # 256 x 128 on 132 SMs: 16 waves of which the last is 68/132 full, so 2048 / (16 x 132) of
+    # the tile work is useful (128 x 128 tiles: 4,096 in 32 waves, the same)
+    share = 0.803 * 0.880 * 2048 / (16 * 132)
     expected = max(flops / (get_gpu("h100").peak("bf16") * share),
                    3 * n * n * 2 / (get_gpu("h100").memory_bandwidth * PRIORS["matmul"].memory)
                    ) + KERNEL_OVERHEAD_S
@@ -84,6 +85,30 @@ def test_gemm_tile_and_wave_quantization_by_hand():
     assert gemm_tile_utilization(256 * 133, 128, 1, 132) == pytest.approx(266 / 396)
     # a partial tile costs a whole one: m = 257 with 128 x 128 tiles is 3 row tiles, in one wave
     assert gemm_tile_utilization(257, 128, 1, 132) == pytest.approx(257 * 128 / (132 * 128 * 128))
+
+
+def test_sustained_clock_and_power_limit_by_hand():
+    """MSMF / MAMF measured on the part (H200: 744.5 / 846.5 TFLOP/s; B200 1424.5 / 1693.5), the
+    clock lowered by a board limit as the cube root of power (500 W against the 679 W drawn at
+    the sustained clock), and nothing where no sustained figure was measured (A100)."""
+    from tapescope.devices.efficiency import matmul_ceiling, sustained_clock
+
+    assert sustained_clock(get_gpu("h100")) == 0.880
+    assert sustained_clock(get_gpu("b200")) == 0.841
+    assert sustained_clock(get_gpu("a100")) == 1.0
+    capped = get_gpu("h100-96gb")
+    assert capped.power_limit_watts == 500 and capped.memory_type == "HBM2e"
+    assert sustained_clock(capped) == pytest.approx(0.880 * (500 / 679) ** (1 / 3))
+    assert sustained_clock(capped) == pytest.approx(0.795, abs=1e-3)
+    # fp8 GEMMs have their own burst ceiling (H100 SXM 1402.6 of 1979 TFLOP/s)
+    assert matmul_ceiling("h100-sxm", "fp8") == 0.709 and matmul_ceiling("h100-sxm") == 0.803
+    # one compute-bound matmul on the capped part takes 1 / 0.903 as long as on the 700 W one
+    n = 8192
+    a, b = (estimate_step_time(p.ops, p.trace, get_gpu(g)) for p, g in
+            ((_profile(n), "h100"), (_profile(n, "h100-96gb"), "h100-96gb")))
+    mm = next(i for i, op in enumerate(_profile(n).ops) if op.name == "aten.mm.default")
+    assert (b.op_seconds[mm] - KERNEL_OVERHEAD_S) / (a.op_seconds[mm] - KERNEL_OVERHEAD_S) == \
+        pytest.approx((679 / 500) ** (1 / 3))
 
 
 def test_attention_efficiency_by_backend_and_direction():

@@ -7,8 +7,10 @@ kernels are built as Kernels from inductor's own figures. `kernel_time` prices o
 named GPU; analysis/timing.py schedules the priced kernels on the host and the GPU's streams.
 
 Each kernel takes max(FLOPs / achieved FLOP/s, bytes moved / achieved bandwidth) plus a kernel
-overhead (devices/efficiency.py holds every constant and its source):
-- matmuls: the GPU's measured matmul ceiling times the share of the tile work that is useful for
+overhead (devices/efficiency.py holds every constant and its source). Every compute rate is taken
+at the clock a loaded GPU sustains (burst MAMF x the measured MSMF / MAMF ratio, lowered by a
+board power limit):
+- matmuls: the GPU's measured matmul ceiling (bf16/fp16, or fp8) times the share of the tile work that is useful for
   the output's shape (tile and wave quantization over the GPU's SMs, at the best of cuBLAS's
   tiles); fp32 matmuls run on CUDA cores (allow_tf32 is off by default);
 - fused attention: the share of peak the backend (flash, cuDNN, memory-efficient) reaches on the
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ..devices.efficiency import (ELEMENTWISE_BANDWIDTH, KERNEL_OVERHEAD_S, attention_efficiency,
-                                  efficiency_for, gemm_tile_utilization, matmul_ceiling)
+                                  efficiency_for, gemm_tile_utilization, matmul_ceiling,
+                                  sustained_clock)
 from .op_classes import launches_kernel, op_class
 
 __all__ = ["Kernel", "kernel_of", "kernel_from_aten", "kernel_time", "on_gpu", "TENSOR_CORE"]
@@ -111,14 +114,15 @@ def kernel_time(kernel: Kernel, gpu) -> tuple[float, bool]:
         peak = _peak(gpu, cls, kernel.dtype)
         share = eff.compute
         if cls == "matmul" and kernel.dtype in TENSOR_CORE:
-            share = matmul_ceiling(gpu.key)
+            share = matmul_ceiling(gpu.key, TENSOR_CORE[kernel.dtype])
             if kernel.gemm is not None:
                 batch, m, n = kernel.gemm
                 share *= gemm_tile_utilization(m, n, batch, gpu.sms)
         elif cls == "attention":
             share = attention_efficiency(kernel.name, gpu.arch) or share
         fill = min(1.0, kernel.flops / eff.saturation_flops)
-        compute = kernel.flops / (peak * share * max(fill, 0.05))
+        # the clock a loaded GPU sustains (MSMF, power limit): every compute-bound kernel
+        compute = kernel.flops / (peak * share * sustained_clock(gpu) * max(fill, 0.05))
     bandwidth = ELEMENTWISE_BANDWIDTH if cls == "other" else eff.memory
     memory = kernel.bytes / (gpu.memory_bandwidth * bandwidth)
     return max(compute, memory) + KERNEL_OVERHEAD_S, eff.gpu is not None

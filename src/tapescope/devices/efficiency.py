@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 __all__ = ["Efficiency", "PRIORS", "MEASURED", "efficiency_for", "MATMUL_CEILING", "GEMM_TILES",
            "gemm_tile_utilization", "matmul_ceiling", "ATTENTION", "attention_efficiency",
+           "MATMUL_CEILING_FP8", "SUSTAINED_SHARE", "sustained_clock",
            "NCCL_SMS", "ELEMENTWISE_BANDWIDTH"]
 
 
@@ -54,10 +55,49 @@ MEASURED: dict = {}
 # A100 PCIe 252.9 (81.1%), H100 SXM 794.5 of 989 (80.3%, sustained clocks at 700 W included),
 # GH200 828.6 (83.8%, 900 W: used for H200, same die and more power headroom).
 # A GPU without a measurement keeps the prior (PRIORS["matmul"].compute).
+# FP8 (float8_e4m3fn) MAMF, same table: H100 SXM 1402.6 of 1979 (70.9%), H200 SXM 1453.4
+# (73.4%), B200 3432.5 of 4500 (76.3%); B200 bf16 1745.0 of 2250 (77.6%).
 MATMUL_CEILING = {
     "a100-sxm-80gb": 0.869, "a100-sxm-40gb": 0.869, "a100-pcie-80gb": 0.811,
-    "h100-sxm": 0.803, "h800-sxm": 0.803, "h200-sxm": 0.838,
+    "h100-sxm": 0.803, "h800-sxm": 0.803, "h200-sxm": 0.838, "b200-sxm": 0.776,
+    "h100-sxm-96gb": 0.803,
 }
+MATMUL_CEILING_FP8 = {
+    "h100-sxm": 0.709, "h800-sxm": 0.709, "h100-sxm-96gb": 0.709, "h200-sxm": 0.734,
+    "b200-sxm": 0.763,
+}
+
+# ---- sustained clocks: burst (MAMF) vs sustained (MSMF) ---------------------------------------
+# MAMF is the best short burst; a training step keeps the GPU loaded for seconds, and under
+# sustained load the board's power and thermal limits pull the clock down. Maximum Sustained
+# Matmul FLOPS (MSMF, ml-engineering compute/accelerator/benchmarks, as transcribed in
+# shared/reference/published_runs.md "Burst vs sustained matmul"; the stored snapshot of that repo,
+# 744d01e of 2026-08-22, predates the MSMF section): bf16 H200 MSMF 743-746 vs MAMF 843-850
+# TFLOP/s over 5 runs (744.5 / 846.5 = 0.880); B200 1421-1428 vs 1682-1705 (1424.5 / 1693.5 =
+# 0.841). H100 SXM (and H800, and the 96 GB part) share H200's die, its 700 W board and its clocks:
+# H200's ratio is used. No MSMF was found for Ampere, Ada, Turing or Volta parts: their burst
+# ceiling stands (factor 1), and the docs say so. The factor scales every compute-bound kernel
+# (tensor-core GEMMs, attention, convolutions): it is the clock, not a property of one kernel.
+SUSTAINED_SHARE = {"h100-sxm": 0.880, "h800-sxm": 0.880, "h200-sxm": 0.880,
+                   "h100-sxm-96gb": 0.880, "b200-sxm": 0.841}
+# Board power drawn at the sustained clock, measured: the same source's H200 4096^3 example ran
+# at 679 W and 1792 MHz sustained (781 TFLOP/s at 1980 MHz in a burst).
+SUSTAINED_WATTS = {"h100-sxm": 679, "h800-sxm": 679, "h200-sxm": 679, "h100-sxm-96gb": 679}
+
+
+def sustained_clock(gpu) -> float:
+    """Share of the burst clock a GPU (devices.gpus.GPU) keeps over a training step: the MSMF /
+    MAMF ratio measured on its part, lowered further by a board power limit set below the power it
+    draws at that clock. Dynamic power is C V^2 f and, over the DVFS range, the voltage rises
+    about linearly with the clock, so power goes as f^3 and the clock as the cube root of the
+    power: f_cap = f_sustained * (limit / sustained draw)^(1/3) (500 W on a 679 W H100: 0.903).
+    Static power is ignored, so this is the smallest drop the limit can cause."""
+    share = SUSTAINED_SHARE.get(gpu.key, 1.0)
+    limit = getattr(gpu, "power_limit_watts", None)
+    draw = SUSTAINED_WATTS.get(gpu.key, gpu.tdp_watts)
+    if limit and limit < draw:
+        share *= (limit / draw) ** (1 / 3)
+    return share
 # Output tiles (rows x columns of C per thread block) cuBLAS's large bf16 kernels use, as their
 # kernel names print them (sm80_xmma_gemm_..._tilesize256x128x32, ..._128x256x32, 128x128;
 # sm90_xmma_gemm_..._tilesize128x256x64 / 256x128x64): the library picks the best of them.
@@ -76,7 +116,10 @@ def gemm_tile_utilization(m: int, n: int, batch: int, sms: int) -> float:
     return best
 
 
-def matmul_ceiling(gpu_key: str | None) -> float:
+def matmul_ceiling(gpu_key: str | None, dtype: str = "bf16") -> float:
+    """The burst (MAMF) share of the dense peak a GPU's matmuls reach, for bf16/fp16 or fp8."""
+    if dtype == "fp8" and gpu_key in MATMUL_CEILING_FP8:
+        return MATMUL_CEILING_FP8[gpu_key]
     return MATMUL_CEILING.get(gpu_key, PRIORS["matmul"].compute)
 
 
