@@ -123,6 +123,55 @@ def test_attention_efficiency_by_backend_and_direction():
     assert attention_efficiency("aten._scaled_dot_product_flash_attention.default", "volta") is None
 
 
+def test_attention_efficiency_on_the_published_curves_by_hand():
+    """FlashAttention-3 paper, H100 SXM5 bf16 head dim 128 (TFLOP/s of 989.4): cuDNN causal
+    forward 518 at 4k, non-causal 609; backward 499 at 4k; FA2 causal forward 191 at 512 and 335
+    at 16k, straight in log2(seq) between (4k is 3/5 of the way: 277.4); the causal backward is
+    the non-causal one times the cuDNN forward causal / non-causal ratio at that length."""
+    from tapescope.devices.efficiency import attention_efficiency
+
+    fwd = "aten._scaled_dot_product_cudnn_attention.default"
+    bwd = "aten._scaled_dot_product_cudnn_attention_backward.default"
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    assert attention_efficiency(fwd, "hopper", (4096, 128, True)) == pytest.approx(518 / 989.4)
+    assert attention_efficiency(fwd, "hopper", (4096, 128, False)) == pytest.approx(609 / 989.4)
+    assert attention_efficiency(bwd, "hopper", (4096, 128, False)) == pytest.approx(499 / 989.4)
+    assert attention_efficiency(bwd, "hopper", (4096, 128, True)) == \
+        pytest.approx(499 * 518 / 609 / 989.4)
+    assert attention_efficiency(flash, "hopper", (4096, 128, True)) == \
+        pytest.approx((191 + (335 - 191) * 3 / 5) / 989.4)
+    # between two points (3k: log2 3072 = 11.585), beyond the ends flat
+    x = 11.584962500721156 - 11
+    assert attention_efficiency(fwd, "hopper", (3072, 128, True)) == \
+        pytest.approx((484 + (518 - 484) * x) / 989.4)
+    assert attention_efficiency(fwd, "hopper", (65536, 128, True)) == pytest.approx(539 / 989.4)
+    # no curve on Ampere: the flat figure
+    assert attention_efficiency(flash, "ampere", (4096, 128, True)) == 0.66
+
+
+class CausalAttention(nn.Module):
+    def __init__(self, dim=256):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 2, C // 2).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_attention_kernels_carry_their_sequence_head_dim_and_mask():
+    """kernel_of reads (keys' length, head dim, is_causal) from the traced SDPA call's own
+    arguments, forward and backward alike."""
+    from tapescope.analysis.kernel_cost import kernel_of
+
+    p = tapescope.profile(CausalAttention, tapescope.spec((2, 1024, 256)), device="cuda",
+                          gpu="h100", dtype="bf16", optimizer=None, steps=1)
+    kernels = [kernel_of(op) for op in p.ops if "attention" in op.name]
+    assert len(kernels) == 2 and {k.op_class for k in kernels} == {"attention"}
+    assert all(k.attention == (1024, 128, True) for k in kernels)
+
+
 def test_compute_overlapped_with_a_collective_runs_on_the_remaining_sms():
     from tapescope.analysis.timing import _stretched
 

@@ -14,7 +14,8 @@ board power limit):
   the output's shape (tile and wave quantization over the GPU's SMs, at the best of cuBLAS's
   tiles); fp32 matmuls run on CUDA cores (allow_tf32 is off by default);
 - fused attention: the share of peak the backend (flash, cuDNN, memory-efficient) reaches on the
-  architecture, forward and backward apart;
+  architecture, forward and backward apart, at the call's sequence length and mask where a
+  published curve exists (FlashAttention-3 paper, Hopper), else a flat figure;
 - convolutions (TF32 for fp32: cudnn.allow_tf32 is on) and other ops: the class's prior;
 - memory-bound kernels move their bytes at ELEMENTWISE_BANDWIDTH of the DRAM peak.
 Small kernels cannot fill the GPU: their efficiency falls off below the class's saturation size.
@@ -48,6 +49,8 @@ class Kernel:
     bytes: int                      # DRAM bytes read + written
     dtype: torch.dtype              # the dtype of its math (its first input's)
     gemm: tuple | None = None       # a matmul's output as (batch, m, n)
+    # a fused attention kernel's (sequence length of the keys, head dim, causal), from its args
+    attention: tuple | None = None
 
 
 def _gemm_shape(outputs) -> tuple[int, int, int] | None:
@@ -63,10 +66,32 @@ def _gemm_shape(outputs) -> tuple[int, int, int] | None:
     return batch, int(shape[-2]), int(shape[-1])
 
 
+def _argument(func, args, kwargs, name):
+    """The value of `func`'s schema argument `name` in a call (its default when not passed)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            if i < len(args):
+                return args[i]
+            return kwargs.get(name, arg.default_value if arg.has_default_value() else None)
+    return None
+
+
+def _attention_shape(func, args, kwargs) -> tuple | None:
+    """(keys' sequence length, head dim, causal) of a fused attention op's call: query and key
+    are (..., sequence, head dim) in every SDPA kernel's schema, forward and backward."""
+    key = _argument(func, args, kwargs, "key")
+    query = _argument(func, args, kwargs, "query")
+    if getattr(key, "shape", None) is None or getattr(query, "shape", None) is None:
+        return None
+    return int(key.shape[-2]), int(query.shape[-1]), bool(_argument(func, args, kwargs,
+                                                                     "is_causal"))
+
+
 def kernel_from_aten(func, inputs, outputs, flops: int | None, nbytes: int,
-                     on_gpu: bool = True) -> Kernel:
+                     on_gpu: bool = True, args: tuple = (), kwargs: dict | None = None) -> Kernel:
     """The Kernel of one aten op (an OpOverload) run as one kernel: `inputs` and `outputs` are
-    anything with .shape and .dtype (TensorRefs, fake tensors, FX nodes' meta values). An op that
+    anything with .shape and .dtype (TensorRefs, fake tensors, FX nodes' meta values); `args` and
+    `kwargs` (the call's, tensors as anything with .shape) give attention its shape. An op that
     launches no kernel (views, metadata, autograd wrappers: op_classes.launches_kernel), or whose
     tensors all live on the host (`on_gpu` False: the optimizer's CPU step counters), is a
     Kernel of class "none" with no work."""
@@ -75,8 +100,9 @@ def kernel_from_aten(func, inputs, outputs, flops: int | None, nbytes: int,
     cls = op_class(func)
     dtype = (inputs[0].dtype if inputs else
              outputs[0].dtype if outputs and outputs[0] is not None else torch.float32)
+    attention = _attention_shape(func, args, kwargs or {}) if cls == "attention" and args else None
     return Kernel(str(func), cls, flops or 0, nbytes, dtype,
-                  _gemm_shape(outputs) if cls == "matmul" else None)
+                  _gemm_shape(outputs) if cls == "matmul" else None, attention)
 
 
 def on_gpu(op, storages) -> bool:
@@ -91,8 +117,10 @@ def on_gpu(op, storages) -> bool:
 def kernel_of(op, storages=()) -> Kernel:
     """The Kernel an eager op (analysis.ops.Op) launches; with the trace's storages, an op on
     host tensors only launches none."""
-    return kernel_from_aten(op.record.func, op.inputs, op.outputs, op.flops,
-                            op.bytes_read + op.bytes_written, on_gpu(op, storages))
+    rec = op.record
+    return kernel_from_aten(rec.func, op.inputs, op.outputs, op.flops,
+                            op.bytes_read + op.bytes_written, on_gpu(op, storages),
+                            rec.args, rec.kwargs)
 
 
 def _peak(gpu, cls: str, dtype) -> float:
@@ -119,7 +147,7 @@ def kernel_time(kernel: Kernel, gpu) -> tuple[float, bool]:
                 batch, m, n = kernel.gemm
                 share *= gemm_tile_utilization(m, n, batch, gpu.sms)
         elif cls == "attention":
-            share = attention_efficiency(kernel.name, gpu.arch) or share
+            share = attention_efficiency(kernel.name, gpu.arch, kernel.attention) or share
         fill = min(1.0, kernel.flops / eff.saturation_flops)
         # the clock a loaded GPU sustains (MSMF, power limit): every compute-bound kernel
         compute = kernel.flops / (peak * share * sustained_clock(gpu) * max(fill, 0.05))

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 __all__ = ["Efficiency", "PRIORS", "MEASURED", "efficiency_for", "MATMUL_CEILING", "GEMM_TILES",
            "gemm_tile_utilization", "matmul_ceiling", "ATTENTION", "attention_efficiency",
-           "MATMUL_CEILING_FP8", "SUSTAINED_SHARE", "sustained_clock",
+           "MATMUL_CEILING_FP8", "SUSTAINED_SHARE", "sustained_clock", "ATTENTION_CURVES",
+           "attention_curve_share",
            "NCCL_SMS", "ELEMENTWISE_BANDWIDTH"]
 
 
@@ -143,11 +144,77 @@ ATTENTION = {
 }
 
 
-def attention_efficiency(op_name: str, arch: str | None) -> float | None:
-    """The achieved share of peak of a fused attention op (its aten name), None when unknown."""
-    backend = ("cudnn" if "cudnn" in op_name else "flash" if "flash" in op_name else
-               "efficient" if "efficient" in op_name else None)
+# By sequence length, mask and direction, where a published curve exists: FlashAttention-3 paper
+# (Shah et al. 2024, arXiv 2407.08608, Figs 5-6; H100 SXM5, bf16, head dim 128; values as
+# transcribed in shared/reference/published_runs.md from a third-party extraction), TFLOP/s at
+# sequence lengths 512, 1k, 2k, 4k, 8k, 16k:
+# - cuDNN forward, causal: 315, 410, 484, 518, 529, 539; not causal: 497, 574, 617, 609, 600, 595;
+# - cuDNN backward (no mask): 305, 408, 465, 499, 518, 516;
+# - FlashAttention-2 (torch's flash backend) forward, causal: 191 at 512 -> 335 at 16k; backward
+#   214 -> 322 (only the ends were transcribed: between them the curve is taken as straight in
+#   log2(sequence), as the cuDNN curves nearly are from 512 to 4k).
+# A curve missing for one mask is the other's times the cuDNN forward ratio causal / not causal at
+# the same length (the masked tiles' waste and the imbalance they leave are the same in both
+# directions and backends): 0.63 at 512, 0.85 at 4k, 0.91 at 16k. Head dim: the extraction's
+# head-dim 64 and 256 curves do not say which mask they are; head dim is not modelled yet.
+ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_PEAK = 989.4e12        # the H100 SXM5's dense bf16 peak the curves are shares of
+ATTENTION_CURVES = {
+    ("cudnn", "hopper", "forward", True): (315, 410, 484, 518, 529, 539),
+    ("cudnn", "hopper", "forward", False): (497, 574, 617, 609, 600, 595),
+    ("cudnn", "hopper", "backward", False): (305, 408, 465, 499, 518, 516),
+    ("flash", "hopper", "forward", True): (191, None, None, None, None, 335),
+    ("flash", "hopper", "backward", False): (214, None, None, None, None, 322),
+}
+
+
+def _backend(op_name: str) -> str | None:
+    return ("cudnn" if "cudnn" in op_name else "flash" if "flash" in op_name else
+            "efficient" if "efficient" in op_name else None)
+
+
+def _on_curve(curve: tuple, seq: int) -> float:
+    """TFLOP/s at `seq` on a curve over ATTENTION_SEQ: straight in log2(seq) between the known
+    points, flat beyond the ends."""
+    import math
+
+    known = [(math.log2(s), v) for s, v in zip(ATTENTION_SEQ, curve) if v is not None]
+    x = math.log2(max(seq, 1))
+    if x <= known[0][0]:
+        return known[0][1]
+    for (x0, v0), (x1, v1) in zip(known, known[1:]):
+        if x <= x1:
+            return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
+    return known[-1][1]
+
+
+def attention_curve_share(backend, arch, direction, causal, seq) -> float | None:
+    """Share of the dense peak on the published curve for this backend, architecture, direction
+    and mask at sequence length `seq`, None where no curve exists."""
+    curve = ATTENTION_CURVES.get((backend, arch, direction, causal))
+    if curve is not None:
+        return _on_curve(curve, seq) * 1e12 / ATTENTION_PEAK
+    other = ATTENTION_CURVES.get((backend, arch, direction, not causal))
+    ratio = (ATTENTION_CURVES.get(("cudnn", "hopper", "forward", True)),
+             ATTENTION_CURVES.get(("cudnn", "hopper", "forward", False)))
+    if other is None or arch != "hopper":
+        return None
+    r = _on_curve(ratio[0], seq) / _on_curve(ratio[1], seq)
+    return _on_curve(other, seq) * (r if causal else 1 / r) * 1e12 / ATTENTION_PEAK
+
+
+def attention_efficiency(op_name: str, arch: str | None, shape: tuple | None = None
+                         ) -> float | None:
+    """The achieved share of peak of a fused attention op (its aten name), None when unknown.
+    `shape` (sequence length, head dim, causal), when known, picks the point on the published
+    curve of the backend on this architecture; else the flat figure of ATTENTION."""
+    backend = _backend(op_name)
     direction = "backward" if "backward" in op_name else "forward"
+    if shape is not None:
+        seq, _head_dim, causal = shape
+        on_curve = attention_curve_share(backend, arch, direction, bool(causal), seq)
+        if on_curve is not None:
+            return on_curve
     return ATTENTION.get((backend, arch, direction))
 
 
