@@ -48,11 +48,13 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 import tapescope  # noqa: E402
 from tapescope.analysis.collectives import collectives  # noqa: E402
+from tapescope.analysis.time_band import profile_band  # noqa: E402
 from tapescope.analysis.timing import estimate_step_time  # noqa: E402
 from tapescope.devices.gpus import Interconnect, get_gpu, interconnect, usable_memory_bytes  # noqa: E402
 from tapescope.zoo.llama import Attention, Llama, LlamaConfig  # noqa: E402
 
 CACHE = os.path.join(ROOT, "benchmarks", ".cache", "published_runs.json")
+BANDS = os.path.join(ROOT, "src", "tapescope", "devices", "time_bands.py")
 DOC = os.path.join(ROOT, "docs", "validation.md")
 BEGIN, END = "<!-- published-runs:begin -->", "<!-- published-runs:end -->"
 
@@ -604,7 +606,8 @@ def _trace(row, layers: int) -> dict:
         items = collectives(p.ops, p.facts, gpu, ic) if row.mesh else []
         comm = {c.op: c.seconds for c in items} or None
         t = estimate_step_time(p.ops, p.trace, gpu, comm, {c.op: c.stream for c in items})
-        out.update(seconds=t.seconds, exposed_comm=t.exposed_comm, comm=t.comm)
+        out.update(seconds=t.seconds, exposed_comm=t.exposed_comm, comm=t.comm,
+                   kind=profile_band(p).kind)
     else:
         m = p.cuda_memory
         out.update(allocated=m.max_allocated, reserved=m.max_reserved, oom=m.oom)
@@ -658,9 +661,26 @@ def _error(pred, pub):
     return pred / pub - 1
 
 
-def table(rows, results) -> str:
-    lines = ["| row | GPU | metric | published | predicted | error | role | how it is built |",
-             "|---|---|---|---|---|---|---|---|"]
+def in_band(row, res, errors: dict) -> str:
+    """Whether a step-time row's published figure lies inside the error band its kind shows
+    (the calibration rows' spread of that kind, the row itself left out): "yes", "no", or "-"
+    (no calibration row of its kind, or not a step-time row)."""
+    if row.metric != "tokens/s/GPU" or not isinstance(res.get("value"), float):
+        return "-"
+    others = [e for name, e in errors.get(res.get("kind"), {}).items() if name != row.name]
+    if not others:
+        return "-"
+    # the row's own time error, t_pred / t_true - 1 = published rate / predicted rate - 1: the
+    # true time lies in the band when that error is one the band allows
+    err = row.published / res["value"] - 1
+    return "yes" if min(others) <= err <= max(others) else "no"
+
+
+def table(rows, results, errors: dict | None = None) -> str:
+    errors = calibration_errors(rows, results) if errors is None else errors
+    lines = ["| row | GPU | metric | published | predicted | error | role | inside its band | "
+             "how it is built |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         res = results.get(r.name)
         if res is None:
@@ -680,7 +700,7 @@ def table(rows, results) -> str:
         depth = f"{r.layers} blocks from 2 and 3" if r.metric == "tokens/s/GPU" else \
             f"{r.layers} blocks traced"
         lines.append(f"| {r.name} | {r.gpu} | {r.metric} | {pub} | {shown} | {errtext} | "
-                     f"{r.role} | {r.note}; {depth} |")
+                     f"{r.role} | {in_band(r, res, errors)} | {r.note}; {depth} |")
     return "\n".join(lines)
 
 
@@ -695,6 +715,15 @@ def summary(rows, results) -> str:
             if errs:
                 out.append(f"- {metric_kind}, {role} rows: median |error| "
                            f"{statistics.median(errs):.1%}, worst {max(errs):.1%} ({len(errs)} rows)")
+    errors = calibration_errors(rows, results)
+    for role in ("calibration", "held out"):
+        marks = [in_band(r, results[r.name], errors) for r in rows
+                 if r.name in results and r.role == role and r.metric == "tokens/s/GPU"]
+        if marks:
+            out.append(f"- step time, {role} rows inside the error band of their kind: "
+                       f"{marks.count('yes')} of {len(marks)} ({marks.count('-')} with no "
+                       "calibration row of their kind" + (", each row left out of its own band"
+                                                          if role == "calibration" else "") + ")")
     verdicts = [(r, results[r.name]) for r in rows if r.name in results
                 and (isinstance(r.published, str) or r.metric == "fits" or
                      r.metric in ("GB allocated", "GiB active"))]
@@ -702,6 +731,34 @@ def summary(rows, results) -> str:
                 if (r.published == "OOM") == bool(res.get("oom")))
     out.append(f"- fits / OOM verdicts: {right} of {len(verdicts)} right")
     return "\n".join(out)
+
+
+def calibration_errors(rows, results) -> dict:
+    """kind -> {row: step-time error} over the calibration rows with a step time: the data of
+    the error band (devices/time_bands.py). A tokens/s error e is a time error 1 / (1 + e) - 1."""
+    out: dict = {}
+    for r in rows:
+        res = results.get(r.name)
+        if r.role != "calibration" or r.metric != "tokens/s/GPU" or res is None:
+            continue
+        out.setdefault(res["kind"], {})[r.name] = round(r.published / res["value"] - 1, 4)
+    return out
+
+
+def write_bands(errors: dict) -> None:
+    lines = ["CALIBRATION_ERRORS = {"]
+    for kind, rows in sorted(errors.items()):
+        lines.append(f"    {kind!r}: {{")
+        lines += [f"        {name!r}: {err!r}," for name, err in rows.items()]
+        lines.append("    },")
+    lines.append("}")
+    text = open(BANDS).read()
+    begin, end = "# BEGIN GENERATED", "# END GENERATED"
+    head = text[:text.index(begin)]
+    head += text[text.index(begin):].split("\n", 1)[0] + "\n"
+    with open(BANDS, "w") as f:
+        f.write(head + "\n".join(lines).replace('"', "'").replace("'", '"') + "\n" +
+                text[text.index(end):])
 
 
 def not_expressible() -> str:
@@ -742,10 +799,18 @@ def main(argv=None):
         # The doc's table is every row: rows not asked for this time come from the cache, so
         # re-running one row never drops the others from the doc.
         missing = [r.name for r in ROWS if r.name not in cache]
+        errors = calibration_errors(ROWS, cache)
         if missing:
             sys.exit(f"--write-doc needs every row predicted; not in the cache: "
                      f"{', '.join(missing)} (run without --rows first)")
-        text = table(ROWS, cache) + "\n\n" + summary(ROWS, cache)
+        # calibration and held-out rows in tables of their own (the band of each kind comes
+        # from the first, every row of the second is a check it was never tuned on)
+        text = "\n\n".join(
+            f"{title}:\n\n" + table([r for r in ROWS if r.role == role], cache, errors)
+            for title, role in (("Calibration rows (chose between mechanisms; their errors are "
+                                 "the error bands)", "calibration"),
+                                ("Held-out rows (never used to choose or set anything)",
+                                 "held out"))) + "\n\n" + summary(ROWS, cache)
         doc = open(DOC).read()
         block = f"{BEGIN}\n{text}\n\nRows not expressed yet:\n\n{not_expressible()}\n{END}"
         if BEGIN in doc:
@@ -754,6 +819,7 @@ def main(argv=None):
             doc = doc.rstrip("\n") + "\n\n" + block + "\n"
         with open(DOC, "w") as f:
             f.write(doc)
+        write_bands(calibration_errors(ROWS, cache))
 
 
 if __name__ == "__main__":

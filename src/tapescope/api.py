@@ -149,9 +149,13 @@ class Profile:
             return None
         if self.compiled is not None and self.compiled.options.get("backend") == "inductor":
             return None
+        from .analysis.time_band import profile_band
+
         comm = {c.op: c.seconds for c in self.collectives} if self.collectives else None
         streams = {c.op: c.stream for c in self.collectives} if self.collectives else None
-        return estimate_step_time(self.ops, self.trace, self.gpu, comm, streams)
+        t = estimate_step_time(self.ops, self.trace, self.gpu, comm, streams)
+        t.band = profile_band(self)   # the error measured on published runs of its kind
+        return t
 
     @cached_property
     def collectives(self) -> list:

@@ -69,6 +69,9 @@ class StepTime:
     recompute: float = 0.0          # GPU seconds of ops recomputed by activation checkpointing
     comm: float = 0.0               # seconds of collectives on the interconnect
     exposed_comm: float = 0.0       # seconds compute waited for collectives
+    # the model's measured error on published runs of this kind (analysis.time_band.TimeBand),
+    # set by the profile that knows its kind
+    band: object = None
 
     @property
     def comm_overlap(self) -> float:
@@ -82,6 +85,8 @@ class StepTime:
         if self.comm:
             d.update(comm=self.comm, exposed_comm=self.exposed_comm,
                      comm_overlap=self.comm_overlap)
+        if self.band is not None:
+            d["error_band"] = self.band.to_dict()
         return d
 
 

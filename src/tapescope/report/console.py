@@ -233,6 +233,8 @@ def _render_cuda(p, console: Console, invocation=None) -> None:
     console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
                         f"{t.mfu:.0%}", ("" if t.calibrated else
                                          " (timing constants not yet calibrated on a GPU)", "dim")))
+    if t.band is not None:
+        console.print(f"  step time error: {t.band.text()}", highlight=False, markup=False)
 
 
 def _render_oom(p, console: Console, invocation=None) -> None:
@@ -341,6 +343,9 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
                   f"{r.mfu:.0%}" if r.mfu is not None else "-",
                   f"{rate:,.0f}" if rate else "-")
     console.print(t)
+    for band in dict.fromkeys(r.error_band for r in rows if r.error_band):
+        console.print(f"  {'tokens' if tokens else 'samples'}/s error: {band}", highlight=False,
+                      markup=False)
     for r in rows:
         if r.peak_bytes is None:
             console.print(Text(f"  {r.layout} not run: {r.note}"), highlight=False)

@@ -91,7 +91,8 @@ def _time_fact(p, times) -> dict | None:
         return None
     t = p.time
     return {"seconds": _num(t.seconds), "bound": t.bound or None,
-            "mfu": _num(t.mfu) if t.mfu else None, "calibrated": t.calibrated}
+            "mfu": _num(t.mfu) if t.mfu else None, "calibrated": t.calibrated,
+            "error_band": t.band.text() if t.band is not None else None}
 
 
 def _meta(p, times) -> dict:

@@ -157,6 +157,7 @@
       add("Time estimate", fmtTime(t.seconds) + (t.bound ? ", " + t.bound + "-bound" : "") +
         (t.mfu != null ? ", MFU " + (100 * t.mfu).toFixed(1) + "%" : "") +
         (t.calibrated === false ? " (timing constants not yet calibrated on a GPU)" : ""));
+      if (t.error_band) add("Time error", t.error_band);
     }
     if (m.step2) add("Step 2", m.step2);
     add("Versions", "tapescope " + m.tapescope_version + " · torch " + m.torch_version);
