@@ -90,12 +90,14 @@ def test_gemm_tile_and_wave_quantization_by_hand():
 def test_sustained_clock_and_power_limit_by_hand():
     """MSMF / MAMF measured on the part (H200: 744.5 / 846.5 TFLOP/s; B200 1424.5 / 1693.5), the
     clock lowered by a board limit as the cube root of power (500 W against the 679 W drawn at
-    the sustained clock), and nothing where no sustained figure was measured (A100)."""
+    the sustained clock), and nothing where no sustained figure was measured (L4)."""
     from tapescope.devices.efficiency import matmul_ceiling, sustained_clock
 
     assert sustained_clock(get_gpu("h100")) == 0.880
     assert sustained_clock(get_gpu("b200")) == 0.841
-    assert sustained_clock(get_gpu("a100")) == 1.0
+    assert sustained_clock(get_gpu("l4")) == 1.0           # no sustained figure: the burst
+    assert sustained_clock(get_gpu("h100"), "fp8") == 0.989
+    assert sustained_clock(get_gpu("b200"), "fp8") == 0.841   # no fp8 figure: its 16-bit one
     capped = get_gpu("h100-96gb")
     assert capped.power_limit_watts == 500 and capped.memory_type == "HBM2e"
     assert sustained_clock(capped) == pytest.approx(0.880 * (500 / 679) ** (1 / 3))
@@ -109,6 +111,61 @@ def test_sustained_clock_and_power_limit_by_hand():
     mm = next(i for i, op in enumerate(_profile(n).ops) if op.name == "aten.mm.default")
     assert (b.op_seconds[mm] - KERNEL_OVERHEAD_S) / (a.op_seconds[mm] - KERNEL_OVERHEAD_S) == \
         pytest.approx((679 / 500) ** (1 / 3))
+
+
+# Azure AI-benchmarking-guide, Azure_Results/ND_{A100_v4,H100_v5,H200_v5}_results.md: cuBLASLt
+# GEMMs (m, n, k) -> TFLOP/s after 10,000 warm-up iterations; A100 in fp16, H100 / H200 in fp8
+AZURE_GEMMS = {
+    ("a100", torch.float16): {
+        (1024, 1024, 1024): 119.4, (2048, 2048, 2048): 221.8, (4096, 4096, 4096): 228.0,
+        (8192, 8192, 8192): 253.7, (16384, 16384, 16384): 256.5, (1024, 2145, 1024): 132.8,
+        (6144, 12288, 12288): 250.8, (802816, 192, 768): 157.8},
+    ("h100", torch.float8_e4m3fn): {
+        (1024, 1024, 1024): 274.1, (2048, 2048, 2048): 1011.3, (4096, 4096, 4096): 1216.9,
+        (8192, 8192, 8192): 1290.1, (16384, 16384, 16384): 1377.3,
+        (32768, 32768, 32768): 1382.2, (1024, 2145, 1024): 410.7,
+        (6144, 12288, 12288): 1351.4, (802816, 192, 768): 663.8},
+    ("h200", torch.float8_e4m3fn): {
+        (1024, 1024, 1024): 290.8, (2048, 2048, 2048): 1013.4, (4096, 4096, 4096): 1249.1,
+        (8192, 8192, 8192): 1300.6, (16384, 16384, 16384): 1366.3,
+        (32768, 32768, 32768): 1349.5, (1024, 2145, 1024): 407.9,
+        (6144, 12288, 12288): 1318.0, (802816, 192, 768): 717.5},
+}
+
+
+def azure_gemm_errors():
+    """(gpu, shape, predicted / measured - 1) for every row of AZURE_GEMMS."""
+    from tapescope.analysis.kernel_cost import Kernel, kernel_time
+
+    out = []
+    for (name, dtype), rows in AZURE_GEMMS.items():
+        gpu = get_gpu(name)
+        for (m, n, k), measured in rows.items():
+            flops = 2 * m * n * k
+            nbytes = (m * k + k * n) * dtype.itemsize + m * n * 2
+            t, _ = kernel_time(Kernel("aten.mm.default", "matmul", flops, nbytes, dtype,
+                                      (1, m, n)), gpu)
+            out.append((name, (m, n, k), flops / t / 1e12 / measured - 1))
+    return out
+
+
+def test_gemms_against_azures_sustained_measurements():
+    """The 16384^3 rows set the sustained share of A100 fp16, H100 and H200 fp8 (fitted: within
+    0.1%); every other shape is the check, unfitted: GEMMs with every dimension >= 4096 within
+    8% of the measurement, and the median over all unfitted shapes 6.3%. Small (1024) and
+    skinny-K (k = 768) GEMMs are optimistic by up to 35% (not modelled: tile pipelines too short
+    to reach the steady state)."""
+    import statistics
+
+    errors = azure_gemm_errors()
+    fitted = [e for _, shape, e in errors if shape == (16384, 16384, 16384)]
+    unfitted = [(shape, e) for _, shape, e in errors if shape != (16384, 16384, 16384)]
+    assert len(fitted) == 3 and all(abs(e) < 1e-3 for e in fitted)
+    large = [e for shape, e in unfitted if min(shape) >= 4096]
+    assert len(large) == 11 and all(abs(e) < 0.08 for e in large)
+    assert statistics.median(abs(e) for _, e in unfitted) == pytest.approx(0.063, abs=0.005)
+    # without the SM-fill term on GEMMs of known shape: one 1024^3 A100 GEMM within 6%, not -86%
+    assert next(e for g, s, e in errors if g == "a100" and s == (1024, 1024, 1024)) < 0.06
 
 
 def test_attention_efficiency_by_backend_and_direction():

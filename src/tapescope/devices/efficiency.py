@@ -70,30 +70,47 @@ MATMUL_CEILING_FP8 = {
 
 # ---- sustained clocks: burst (MAMF) vs sustained (MSMF) ---------------------------------------
 # MAMF is the best short burst; a training step keeps the GPU loaded for seconds, and under
-# sustained load the board's power and thermal limits pull the clock down. Maximum Sustained
-# Matmul FLOPS (MSMF, ml-engineering compute/accelerator/benchmarks, as transcribed in
-# shared/reference/published_runs.md "Burst vs sustained matmul"; the stored snapshot of that repo,
-# 744d01e of 2026-08-22, predates the MSMF section): bf16 H200 MSMF 743-746 vs MAMF 843-850
-# TFLOP/s over 5 runs (744.5 / 846.5 = 0.880); B200 1421-1428 vs 1682-1705 (1424.5 / 1693.5 =
-# 0.841). H100 SXM (and H800, and the 96 GB part) share H200's die, its 700 W board and its clocks:
-# H200's ratio is used. No MSMF was found for Ampere, Ada, Turing or Volta parts: their burst
-# ceiling stands (factor 1), and the docs say so. The factor scales every compute-bound kernel
-# (tensor-core GEMMs, attention, convolutions): it is the clock, not a property of one kernel.
-SUSTAINED_SHARE = {"h100-sxm": 0.880, "h800-sxm": 0.880, "h200-sxm": 0.880,
-                   "h100-sxm-96gb": 0.880, "b200-sxm": 0.841}
-# Board power drawn at the sustained clock, measured: the same source's H200 4096^3 example ran
-# at 679 W and 1792 MHz sustained (781 TFLOP/s at 1980 MHz in a burst).
+# sustained load the board's power and thermal limits pull the clock down. The share of the
+# burst a loaded GPU keeps, per part and precision (16-bit: bf16/fp16; fp8), each measured:
+# - bf16, Hopper: Maximum Sustained Matmul FLOPS (MSMF, ml-engineering compute/accelerator/
+#   benchmarks, as transcribed in shared/reference/published_runs.md "Burst vs sustained matmul";
+#   the stored snapshot of that repo, 744d01e of 2026-08-22, predates the MSMF section): H200 MSMF
+#   743-746 vs MAMF 843-850 TFLOP/s over 5 runs (744.5 / 846.5 = 0.880). H100 SXM (and H800, and
+#   the 96 GB part) share H200's die, its 700 W board and its clocks: H200's ratio is used.
+# - bf16, B200: the same source, 1421-1428 vs 1682-1705 (1424.5 / 1693.5 = 0.841).
+# - fp16 A100 SXM, fp8 H100 SXM and H200: Azure's AI-benchmarking-guide (Azure_Results/
+#   ND_A100_v4_results.md, ND_H100_v5_results.md, ND_H200_v5_results.md), cuBLASLt GEMMs after
+#   10,000 warm-up iterations (a sustained load): at 16384^3, a shape the tile model counts as
+#   full (0.998 / 0.993 of the tile work useful), A100 256.5 TFLOP/s, H100 fp8 1377.3, H200 fp8
+#   1366.3, against this model's burst there (MAMF x tile share, 3 us overhead): 0.948, 0.989,
+#   0.948. FITTED on those three 16384^3 rows; the other shapes of the same tables are the check
+#   (tests/test_gpu_model.py, docs/validation.md "GEMMs against Azure's tables").
+# No sustained figure was found for other parts (Ada, Turing, Volta, A100 PCIe, fp8 on B200):
+# their burst ceiling stands (factor 1). The factor scales every compute-bound kernel (GEMMs,
+# attention, convolutions) at that precision: it is the clock, not a property of one kernel.
+SUSTAINED_SHARE = {
+    ("h100-sxm", "16-bit"): 0.880, ("h800-sxm", "16-bit"): 0.880,
+    ("h200-sxm", "16-bit"): 0.880, ("h100-sxm-96gb", "16-bit"): 0.880,
+    ("b200-sxm", "16-bit"): 0.841,
+    ("a100-sxm-80gb", "16-bit"): 0.948, ("a100-sxm-40gb", "16-bit"): 0.948,
+    ("h100-sxm", "fp8"): 0.989, ("h800-sxm", "fp8"): 0.989, ("h100-sxm-96gb", "fp8"): 0.989,
+    ("h200-sxm", "fp8"): 0.948,
+}
+# Board power drawn at the sustained clock, measured: the same MSMF source's H200 4096^3
+# example ran at 679 W and 1792 MHz sustained (781 TFLOP/s at 1980 MHz in a burst).
 SUSTAINED_WATTS = {"h100-sxm": 679, "h800-sxm": 679, "h200-sxm": 679, "h100-sxm-96gb": 679}
 
 
-def sustained_clock(gpu) -> float:
-    """Share of the burst clock a GPU (devices.gpus.GPU) keeps over a training step: the MSMF /
-    MAMF ratio measured on its part, lowered further by a board power limit set below the power it
-    draws at that clock. Dynamic power is C V^2 f and, over the DVFS range, the voltage rises
-    about linearly with the clock, so power goes as f^3 and the clock as the cube root of the
-    power: f_cap = f_sustained * (limit / sustained draw)^(1/3) (500 W on a 679 W H100: 0.903).
-    Static power is ignored, so this is the smallest drop the limit can cause."""
-    share = SUSTAINED_SHARE.get(gpu.key, 1.0)
+def sustained_clock(gpu, precision: str = "16-bit") -> float:
+    """Share of the burst clock a GPU (devices.gpus.GPU) keeps over a training step at a
+    precision ("16-bit" or "fp8"; fp8 without its own figure takes the part's 16-bit one): the
+    sustained / burst ratio measured on its part, lowered further by a board power limit set
+    below the power it draws at that clock. Dynamic power is C V^2 f and, over the DVFS range,
+    the voltage rises about linearly with the clock, so power goes as f^3 and the clock as the
+    cube root of the power: f_cap = f_sustained * (limit / sustained draw)^(1/3) (500 W on a
+    679 W H100: 0.903). Static power is ignored, so this is the smallest drop the limit causes."""
+    share = SUSTAINED_SHARE.get((gpu.key, precision),
+                                SUSTAINED_SHARE.get((gpu.key, "16-bit"), 1.0))
     limit = getattr(gpu, "power_limit_watts", None)
     draw = SUSTAINED_WATTS.get(gpu.key, gpu.tdp_watts)
     if limit and limit < draw:
