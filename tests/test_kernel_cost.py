@@ -101,3 +101,20 @@ def test_a_tensor_parallel_step_prices_its_wrappers_at_zero():
             assert seconds > 0
     assert wrapped >= 3 and cpu > 0
     assert t.gpu_busy == pytest.approx(sum(t.op_seconds))
+
+
+def test_memory_bound_kernels_at_the_measured_stream_bandwidth():
+    """Azure's STREAM measurements (ND H100 v5: Copy 2.90, Triad 2.97 TB/s; ND A100 v4: 1.61 /
+    1.70): a 2 GiB cast moves at Copy, a 2 GiB add at Triad, plus the 3 us kernel overhead; a GPU
+    without a measurement (L4) at 80% of its DRAM peak."""
+    from tapescope.devices.efficiency import KERNEL_OVERHEAD_S
+
+    nbytes = 2 * BIG.nbytes
+    cast = kernel_from_aten(torch.ops.aten._to_copy.default, [BIG], [BIG], 0, nbytes)
+    add = kernel_from_aten(torch.ops.aten.add.Tensor, [BIG], [BIG], 0, nbytes)
+    for gpu, copy, triad in (("h100", 2.90e12, 2.97e12), ("a100", 1.61e12, 1.70e12)):
+        g = get_gpu(gpu)
+        assert kernel_time(cast, g)[0] == pytest.approx(nbytes / copy + KERNEL_OVERHEAD_S)
+        assert kernel_time(add, g)[0] == pytest.approx(nbytes / triad + KERNEL_OVERHEAD_S)
+    l4 = get_gpu("l4")
+    assert kernel_time(add, l4)[0] == pytest.approx(nbytes / (300e9 * 0.8) + KERNEL_OVERHEAD_S)

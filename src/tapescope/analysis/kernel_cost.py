@@ -17,7 +17,8 @@ board power limit):
   architecture, forward and backward apart, at the call's sequence length and mask where a
   published curve exists (FlashAttention-3 paper, Hopper), else a flat figure;
 - convolutions (TF32 for fp32: cudnn.allow_tf32 is on) and other ops: the class's prior;
-- memory-bound kernels move their bytes at ELEMENTWISE_BANDWIDTH of the DRAM peak.
+- memory-bound kernels move their bytes at the STREAM bandwidth measured on the part (Copy for
+  copies and casts, Triad for the rest), else at ELEMENTWISE_BANDWIDTH of the DRAM peak.
 Small kernels cannot fill the GPU: their efficiency falls off below the class's saturation size.
 """
 
@@ -27,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..devices.efficiency import (ELEMENTWISE_BANDWIDTH, KERNEL_OVERHEAD_S, attention_efficiency,
+from ..devices.efficiency import (KERNEL_OVERHEAD_S, achievable_bandwidth, attention_efficiency,
                                   efficiency_for, gemm_tile_utilization, matmul_ceiling,
                                   sustained_clock)
-from .op_classes import launches_kernel, op_class
+from .op_classes import COPY_KERNELS, launches_kernel, op_class
 
 __all__ = ["Kernel", "kernel_of", "kernel_from_aten", "kernel_time", "on_gpu", "TENSOR_CORE"]
 
@@ -157,6 +158,9 @@ def kernel_time(kernel: Kernel, gpu) -> tuple[float, bool]:
         precision = "fp8" if TENSOR_CORE.get(kernel.dtype) == "fp8" else "16-bit"
         compute = kernel.flops / (peak * share * sustained_clock(gpu, precision)
                                   * max(fill, 0.05))
-    bandwidth = ELEMENTWISE_BANDWIDTH if cls == "other" else eff.memory
-    memory = kernel.bytes / (gpu.memory_bandwidth * bandwidth)
+    if cls == "other":   # at the STREAM bandwidth measured on the part (Copy or Triad)
+        kind = "copy" if kernel.name.rsplit(".", 1)[0] in COPY_KERNELS else "triad"
+        memory = kernel.bytes / achievable_bandwidth(gpu, kind)
+    else:
+        memory = kernel.bytes / (gpu.memory_bandwidth * eff.memory)
     return max(compute, memory) + KERNEL_OVERHEAD_S, eff.gpu is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["MATMUL", "CONVOLUTION", "ATTENTION", "NO_KERNEL", "NO_TRAFFIC", "NO_KERNEL_NAMES",
-           "op_class", "launches_kernel", "moves_no_data"]
+           "COPY_KERNELS", "op_class", "launches_kernel", "moves_no_data"]
 
 aten = torch.ops.aten
 
@@ -63,6 +63,15 @@ NO_KERNEL_NAMES = frozenset({
 NO_KERNEL = _ALLOCATION_ONLY | _METADATA_ONLY | _HOST_CHECKS
 # `.item()` launches a device-to-host copy of one element: a kernel, but no traffic worth counting
 NO_TRAFFIC = NO_KERNEL | _packets("_local_scalar_dense")
+
+
+# Kernels that copy: one read and one write per element (a STREAM Copy), by packet name: casts,
+# clones, concatenations and FSDP2's all-gather copy-in / copy-out and reduce-scatter input.
+COPY_KERNELS = frozenset({
+    "aten.copy_", "aten._to_copy", "aten.clone", "aten.cat", "aten.stack", "aten.contiguous",
+    "aten._foreach_copy_", "aten.split_with_sizes_copy", "aten.slice_backward",
+    "fsdp.all_gather_copy_in", "fsdp.split_with_sizes_copy", "fsdp.chunk_cat",
+})
 
 
 def op_class(func) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 __all__ = ["Efficiency", "PRIORS", "MEASURED", "efficiency_for", "MATMUL_CEILING", "GEMM_TILES",
            "gemm_tile_utilization", "matmul_ceiling", "ATTENTION", "attention_efficiency",
-           "MATMUL_CEILING_FP8", "SUSTAINED_SHARE", "sustained_clock", "ATTENTION_CURVES",
+           "MATMUL_CEILING_FP8", "ACHIEVABLE_BANDWIDTH", "achievable_bandwidth", "SUSTAINED_SHARE", "sustained_clock", "ATTENTION_CURVES",
            "attention_curve_share",
            "NCCL_SMS", "ELEMENTWISE_BANDWIDTH"]
 
@@ -236,10 +236,27 @@ def attention_efficiency(op_name: str, arch: str | None, shape: tuple | None = N
 
 
 # ---- memory-bound kernels -------------------------------------------------------------------
-# Share of the DRAM peak that large elementwise / reduction kernels reach: STREAM-like copies on
-# A100 and H100 reach 85-92% (BabelStream / nvbandwidth reports); torch's vectorized elementwise
-# kernels somewhat less. A prior, like PRIORS["other"].memory.
+# Share of the DRAM peak that large elementwise / reduction kernels reach where no measurement of
+# the GPU exists: a prior, like PRIORS["other"].memory.
 ELEMENTWISE_BANDWIDTH = 0.80
+# Achievable DRAM bandwidth measured with STREAM kernels (BabelStream), bytes/s: Azure's
+# AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md, ND_H100_v5_results.md,
+# ND_H200_v5_results.md, "HBM Bandwidth": Copy (one read, one write: what copy, cast, cat and
+# FSDP2's copy-in / copy-out kernels do) and Triad (two reads, one write: a binary elementwise
+# op). A100 SXM 80GB 1.61 / 1.70 TB/s of 2.039 (79% / 83%), H100 SXM 2.90 / 2.97 of 3.35
+# (87% / 89%), H200 4.01 / 4.15 of 4.8 (84% / 86%).
+ACHIEVABLE_BANDWIDTH = {
+    "a100-sxm-80gb": {"copy": 1.61e12, "triad": 1.70e12},
+    "h100-sxm": {"copy": 2.90e12, "triad": 2.97e12},
+    "h200-sxm": {"copy": 4.01e12, "triad": 4.15e12},
+}
+
+
+def achievable_bandwidth(gpu, kind: str) -> float:
+    """Bytes/s a large memory-bound kernel of `kind` ("copy" or "triad") moves on `gpu`: the
+    STREAM measurement of the part, else ELEMENTWISE_BANDWIDTH of its DRAM peak."""
+    measured = ACHIEVABLE_BANDWIDTH.get(gpu.key, {}).get(kind)
+    return measured if measured is not None else gpu.memory_bandwidth * ELEMENTWISE_BANDWIDTH
 
 # ---- collectives overlapping compute ------------------------------------------------------------
 # SMs an NCCL collective occupies while it runs (one thread block per channel): NCCL's INFO log
