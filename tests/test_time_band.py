@@ -78,3 +78,25 @@ def test_profiles_show_their_band_in_json_and_console():
     console = Console(record=True, width=200)
     render_summary(sharded, console)
     assert f"step time error: {band.text()}" in console.export_text()
+
+
+def test_fit_layouts_carry_the_band_of_their_kind(tmp_path):
+    """`tapescope fit --gpus`: each layout's throughput carries its band (the tokens/s form of
+    the time band: the ends swap), in the table and in --json."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    from .conftest import TINY_LLAMA
+
+    out = tmp_path / "fit.json"
+    r = CliRunner().invoke(app, ["fit", TINY_LLAMA, "--batch", "2", "--seq", "16", "--gpus", "2",
+                                 "--gpu", "h100", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    band = band_for(time_kind(True, False))
+    assert f"tokens/s error: {band.rate_text()}" in " ".join(r.output.split())
+    rows = json.loads(out.read_text())["layouts"]
+    assert rows and all(row["error_band"] == band.rate_text() for row in rows
+                        if row["tokens_per_second"])
