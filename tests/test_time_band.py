@@ -78,6 +78,12 @@ def test_profiles_show_their_band_in_json_and_console():
     console = Console(record=True, width=200)
     render_summary(sharded, console)
     assert f"step time error: {band.text()}" in console.export_text()
+    # the HTML report's data and its script: the band's text under "Time error"
+    from tapescope.report.html import render_html
+    from tapescope.report.page_data import page_data
+
+    assert page_data(sharded)["meta"]["time"]["error_band"] == band.text()
+    assert 'add("Time error", t.error_band)' in render_html(sharded)
 
 
 def test_fit_layouts_carry_the_band_of_their_kind(tmp_path):
