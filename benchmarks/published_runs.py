@@ -23,7 +23,10 @@ foreach AdamW step at 28), so extrapolating the peak from two small depths is wr
 Calibration: the A100 rows of IBM fms-fsdp are the calibration rows of the step-time model (no
 constant was fitted to them: devices/efficiency.py's constants come from published
 microbenchmarks; they were used to choose between mechanisms, e.g. which ops run on FSDP2's
-side streams); every other row is held out. The single-GPU rows are built with the runs' own
+side streams); every other row is held out. `--write-doc` also writes the calibration rows'
+step-time errors, by kind of step, into src/tapescope/devices/time_bands.py: the error band
+every predicted time shows (analysis/time_band.py). Korthikanti's and Megatron's rows were
+changed once after their first predictions (the program, not a constant; said at each). The single-GPU rows are built with the runs' own
 model code (lit-gpt's GPT + LoRA, torchtune's modules), re-expressed from their sources, not
 tuned to the published figures.
 torchtitan's, torchao's and the Ultra-Scale Playbook's tables are never used.
