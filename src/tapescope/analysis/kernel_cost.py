@@ -10,16 +10,17 @@ Each kernel takes max(FLOPs / achieved FLOP/s, bytes moved / achieved bandwidth)
 overhead (devices/efficiency.py holds every constant and its source). Every compute rate is taken
 at the clock a loaded GPU sustains (burst MAMF x the measured MSMF / MAMF ratio, lowered by a
 board power limit):
-- matmuls: the GPU's measured matmul ceiling (bf16/fp16, or fp8) times the share of the tile work that is useful for
-  the output's shape (tile and wave quantization over the GPU's SMs, at the best of cuBLAS's
-  tiles); fp32 matmuls run on CUDA cores (allow_tf32 is off by default);
+- matmuls: the GPU's measured matmul ceiling (bf16/fp16, or fp8) times the share of the tile
+  work that is useful for the output's shape (tile and wave quantization over the GPU's SMs, at
+  the best of cuBLAS's tiles); fp32 matmuls run on CUDA cores (allow_tf32 is off by default);
 - fused attention: the share of peak the backend (flash, cuDNN, memory-efficient) reaches on the
   architecture, forward and backward apart, at the call's sequence length and mask where a
   published curve exists (FlashAttention-3 paper, Hopper), else a flat figure;
 - convolutions (TF32 for fp32: cudnn.allow_tf32 is on) and other ops: the class's prior;
 - memory-bound kernels move their bytes at the STREAM bandwidth measured on the part (Copy for
   copies and casts, Triad for the rest), else at ELEMENTWISE_BANDWIDTH of the DRAM peak.
-Small kernels cannot fill the GPU: their efficiency falls off below the class's saturation size.
+Small kernels cannot fill the GPU: their efficiency falls off below the class's saturation size
+(a GEMM of known shape: by its tile and wave quantization alone). Ops that launch no kernel cost 0.
 """
 
 from __future__ import annotations
