@@ -9,7 +9,6 @@ import tapescope
 from tapescope.analysis.kernel_cost import kernel_from_aten, kernel_time
 from tapescope.analysis.op_classes import (ATTENTION, CONVOLUTION, MATMUL, NO_KERNEL,
                                            NO_KERNEL_NAMES, launches_kernel, op_class)
-from tapescope.analysis.timing import estimate_step_time
 from tapescope.capture.records import TensorRef
 from tapescope.devices.gpus import get_gpu
 
