@@ -23,7 +23,10 @@ foreach AdamW step at 28), so extrapolating the peak from two small depths is wr
 Calibration: the A100 rows of IBM fms-fsdp are the calibration rows of the step-time model (no
 constant was fitted to them: devices/efficiency.py's constants come from published
 microbenchmarks; they were used to choose between mechanisms, e.g. which ops run on FSDP2's
-side streams); every other row is held out. The single-GPU rows are built with the runs' own
+side streams); every other row is held out. `--write-doc` also writes the calibration rows'
+step-time errors, by kind of step, into src/tapescope/devices/time_bands.py: the error band
+every predicted time shows (analysis/time_band.py). Korthikanti's and Megatron's rows were
+changed once after their first predictions (the program, not a constant; said at each). The single-GPU rows are built with the runs' own
 model code (lit-gpt's GPT + LoRA, torchtune's modules), re-expressed from their sources, not
 tuned to the published figures.
 torchtitan's, torchao's and the Ultra-Scale Playbook's tables are never used.
@@ -48,11 +51,13 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 import tapescope  # noqa: E402
 from tapescope.analysis.collectives import collectives  # noqa: E402
+from tapescope.analysis.time_band import profile_band  # noqa: E402
 from tapescope.analysis.timing import estimate_step_time  # noqa: E402
 from tapescope.devices.gpus import Interconnect, get_gpu, interconnect, usable_memory_bytes  # noqa: E402
 from tapescope.zoo.llama import Attention, Llama, LlamaConfig  # noqa: E402
 
 CACHE = os.path.join(ROOT, "benchmarks", ".cache", "published_runs.json")
+BANDS = os.path.join(ROOT, "src", "tapescope", "devices", "time_bands.py")
 DOC = os.path.join(ROOT, "docs", "validation.md")
 BEGIN, END = "<!-- published-runs:begin -->", "<!-- published-runs:end -->"
 
@@ -484,6 +489,158 @@ def _fms_rows():
     return rows
 
 
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation", arXiv 2205.05198), Table 5: the
+# 22B GPT (hidden 6144, 48 layers, 48 heads, seq 2048, vocab 51,200, fp16) on one A100 80 GB node
+# with TP 8, PP 1, DP 1, global batch 4 = micro-batch 4: iteration 1.42 s with full recompute,
+# 1.10 s with sequence parallelism + selective recompute (as Calculon encodes the config,
+# shared/reference/published_runs.md). Expressed with today's TP (DTensor, torchtitan's plan, whose
+# norms are sequence-parallel in both rows) on a Llama-shaped equivalent: SwiGLU at 8h/3 = 16384
+# (the FLOPs of GPT's 4h GeLU MLP), RMSNorm and rope instead of LayerNorm and learned positions;
+# attention unfused (QK^T, masked softmax, x V as separate fp16 kernels, as 2022 Megatron-LM
+# ran it, not flash; attention dropout left out); fp16 parameters and activations, as Megatron's fp16 training
+# runs its model (autocast over fp32 parameters would keep the residual stream, hence every TP
+# collective, in fp32). Full recompute: every block checkpointed; selective: only the
+# attention core (QK^T, softmax, x V) is recomputed. tokens/s of the TP group = 8192 / iteration.
+# Built, predicted, then corrected twice AFTER seeing the predictions (so these two rows are
+# less independent than the others, and the docs say so). First built with fp16 autocast over
+# fp32 parameters and SDPA's math backend: tokens/s -19% / -22%. Autocast keeps the residual
+# stream, hence every TP collective, in fp32; with fp16 parameters: -32% / -37%, because SDPA's
+# math backend upcasts fp16 to fp32 and its bmms ran on CUDA cores. With Megatron's fp16
+# attention core written out: +8.0% / +3.2%. Megatron's fp16 training runs neither fp32
+# activations nor fp32 attention: both corrections make the program the one it ran.
+_KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198) Table 5, A100 80 GB, 22B GPT, TP 8"
+_K22B = LlamaConfig(vocab_size=51200, dim=6144, n_layers=48, n_heads=48, n_kv_heads=48,
+                    ffn_dim=16384, max_seq_len=2048)
+
+
+class UnfusedAttentionLlama(Llama):
+    """The zoo Llama with attention unfused, as Megatron-LM's core attention of 2022 runs it;
+    `selective` checkpoints the attention core alone (Megatron's selective recompute)."""
+
+    def __init__(self, config, selective: bool = False):
+        super().__init__(config)
+        from torch.utils.checkpoint import checkpoint
+
+        def core(q, k, v):
+            # Megatron's core attention: fp16 QK^T (baddbmm with the 1/sqrt(d) scale), its fused
+            # scale-mask-softmax (fp16 in and out), fp16 probabilities x V. (SDPA's math backend
+            # would upcast fp16 to fp32 and run the bmms on CUDA cores.)
+            T = q.size(-2)
+            scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+            return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
+
+        for mod in self.modules():
+            if isinstance(mod, Attention):
+                def forward(x, _m=mod):
+                    from tapescope.zoo.llama import rope
+
+                    B, T, _ = x.shape
+                    q, k, v = (w(x).view(B, T, -1, _m.head_dim).transpose(1, 2)
+                               for w in (_m.wq, _m.wk, _m.wv))
+                    q, k = rope(q, _m.theta), rope(k, _m.theta)
+                    y = checkpoint(core, q, k, v, use_reentrant=False) if selective \
+                        else core(q, k, v)
+                    return _m.wo(y.transpose(1, 2).reshape(B, T, -1))
+                mod.forward = forward
+
+
+def tp_parallelize(full_recompute: bool):
+    """torchtitan's Llama TP plan (tapescope's preset) on the mesh's "tp" dimension; with
+    `full_recompute` every block's forward in a non-reentrant checkpoint."""
+
+    def parallelize(model, mesh):
+        from torch.utils.checkpoint import checkpoint
+
+        from tapescope.distributed.presets import _llama_plan
+
+        _llama_plan(model, mesh["tp"])
+        if full_recompute:
+            for block in model.layers:
+                fwd = block.forward
+                block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(fwd)
+        return model
+    return parallelize
+
+
+def _korthikanti_rows():
+    return [Row(f"korthikanti-22b-{name}", _KORTHIKANTI, "tokens/s/GPU", round(8192 / seconds, 1),
+                "held out", "a100-sxm-80gb", _K22B, 4, 2048, 48,
+                build=lambda c, sel=selective: (lambda: UnfusedAttentionLlama(c, sel)),
+                mesh={"tp": 8}, parallelize=tp_parallelize(full), dtype=torch.float16,
+                note=f"iteration {seconds} s ({label}); tokens/s of the TP group = 8192 / "
+                     "iteration; a Llama-shaped equivalent (SwiGLU 16384 = GeLU 4h's FLOPs), "
+                     "unfused attention, DTensor TP 8 with sequence-parallel norms, fp16 "
+                     "parameters and activations (Megatron's fp16 keeps fp32 master weights in "
+                     "the optimizer only: its AdamW moves about 2x the bytes traced here)")
+            for name, seconds, full, selective, label in (
+                ("full-recompute", 1.42, True, False, "full recompute"),
+                ("sp-selective", 1.10, False, True, "sequence parallel + selective recompute"))]
+
+
+# Megatron-LM's H100 weak-scaling table (Megatron-Core r0.8.0, README images/model_table.png, as
+# shared/reference/published_runs.md transcribes it): GPT, vocab 131,072, seq 4096, bf16, DP 48,
+# global batch 192 (4 sequences per data-parallel rank), --overlap-grad-reduce
+# --overlap-param-gather --tp-comm-overlap; published as model TFLOP/s per GPU by Megatron's own
+# formula (training.py num_floating_point_operations: 12 B s L h^2 ((1 + g/a + s/h) + f/h +
+# V / (2 L h)), attention counted unmasked), converted here to tokens/s of a TP group with the
+# GPT defaults the table does not state otherwise (ffn 4h, no SwiGLU, MHA). The rows without
+# pipeline parallelism are built (TP 1, 2, 4, 8); expressed as: a Llama-shaped equivalent
+# (SwiGLU at 8h/3 = the FLOPs of 4h GeLU, rounded to a multiple of 64 so TP 8 shards it evenly:
+# within 0.4%), bf16 parameters, fp32 gradient reduction, the
+# distributed optimizer as FSDP2 without resharding after forward (parameters gathered once per
+# step, gradients reduce-scattered once: the same collectives), the 4 sequences of a step as one
+# micro-batch (the micro-batch size is not in the table: assumed; it also gives the one gradient
+# reduce-scatter per step Megatron's --overlap-grad-reduce does, where FSDP2 under gradient
+# accumulation would reduce every micro-batch), tapescope's TP plan. Not expressed:
+# --tp-comm-overlap (the TP collectives are exposed here).
+# Built, predicted, then changed once AFTER seeing the predictions (said in the docs): first with
+# micro-batch 1 x 4 accumulation steps, where FSDP2 reduce-scatters every micro-batch's gradients
+# (fp32, across nodes) and Megatron once per step: tokens/s -8.6%, -18.6%, -33.6%, -61.9%; then
+# the step's 4 sequences as one micro-batch, which reduces once.
+_MEGATRON = "Megatron-LM README (Megatron-Core r0.8.0) H100 weak scaling, model TFLOP/s per GPU"
+_MEGATRON_MODELS = (("1.7b", 16, 2048, 24, 1, 408.8), ("7.1b", 32, 4096, 30, 2, 465.9),
+                    ("16b", 48, 6144, 32, 4, 489.1), ("32b", 56, 7168, 48, 8, 459.6))
+
+
+def megatron_flops_per_token(h: int, layers: int, seq: int, vocab: int = 131072) -> float:
+    """Megatron's num_floating_point_operations / (batch x seq) for GPT with 4h MLP, MHA."""
+    return 12 * layers * h * h * ((1 + 1 + seq / h) + 4 + vocab / (2 * layers * h))
+
+
+def megatron_parallelize(tp: int):
+    def parallelize(model, mesh):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from tapescope.distributed.presets import _llama_plan
+
+        if tp > 1:
+            _llama_plan(model, mesh["tp"])
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+        return fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+    return parallelize
+
+
+def _megatron_rows():
+    rows = []
+    for name, heads, h, layers, tp, tflops in _MEGATRON_MODELS:
+        cfg = LlamaConfig(vocab_size=131072, dim=h, n_layers=layers, n_heads=heads,
+                          n_kv_heads=heads, ffn_dim=round(8 * h / 3 / 64) * 64, max_seq_len=4096)
+        group_tokens = tflops * 1e12 / megatron_flops_per_token(h, layers, 4096) * tp
+        rows.append(Row(
+            f"megatron-{name}-h100", _MEGATRON, "tokens/s/GPU", round(group_tokens, 1),
+            "held out", "h100-sxm", cfg, 4, 4096, layers, build=lambda c: (lambda: Llama(c)),
+            mesh={"dp": 48, "tp": tp} if tp > 1 else {"dp": 48},
+            parallelize=megatron_parallelize(tp), dtype=torch.bfloat16,
+            note=f"{tflops} TFLOP/s/GPU (Megatron's formula, 4h GeLU MHA assumed) -> tokens/s "
+                 f"of the TP {tp} group; DP 48 as FSDP2 without reshard, TP {tp} (collectives "
+                 "exposed: --tp-comm-overlap not expressed), the step's 4 sequences as one "
+                 "micro-batch (assumed), Llama-shaped equivalent"))
+    return rows
+
+
 _LITGPT = "litgpt tutorials/resource-tables.md (A100-SXM4-40GB, bf16-true, LoRA, Alpaca)"
 # the longest Alpaca example in Llama 2's tokenizer: 1304 tokens (the same page); batches pad to it
 _LORA = (("7b", _L2_7B, 1, 21.30), ("7b", _L2_7B, 2, 29.07), ("7b", _L2_7B, 4, "OOM"),
@@ -532,6 +689,8 @@ def _torchtune_rows():
 
 ROWS = [
     *_fms_rows(),
+    *_korthikanti_rows(),
+    *_megatron_rows(),
     *_torchtune_rows(),
     *[Row(f"litgpt-{size}-lora-mb{mb}", _LITGPT, "GB allocated", pub, "held out",
           "a100-sxm-40gb", cfg, mb, 1304, cfg.n_layers, build=lit_gpt_lora,
@@ -544,14 +703,13 @@ ROWS = [
 ]
 
 NOT_EXPRESSIBLE = [
-    ("Megatron-LM H100 weak scaling (9 rows)", "Megatron-Core with Transformer Engine kernels, "
-     "distributed optimizer, --tp-comm-overlap, pipeline parallelism for 70B and up; global "
-     "batch per GPU without the micro-batch size"),
+    ("Megatron-LM H100 weak scaling: 70B, 119B, 177B, 314B, 462B", "pipeline parallelism "
+     "(PP 2-16) with TP 8 and DP 48 (the TP-only rows 1.7B-32B are built)"),
     ("Megatron-LM A100 (Narayanan et al. 2021, 10 rows)", "pipeline parallelism (MP > 8), "
      "Megatron's fused kernels; micro-batch sizes not in the table"),
-    ("Korthikanti et al. 2022, Table 5 / Figure 1", "175B and up need pipeline parallelism "
-     "(interleaved); 22B TP 8 with Megatron's sequence parallelism and fused fp16 kernels is "
-     "expressible with a TP plan for GPT but not done yet; Figure 1 is computed, not measured"),
+    ("Korthikanti et al. 2022, Table 5: 175B, 530B, 1T; Figure 1", "175B and up need "
+     "interleaved pipeline parallelism over 8-64 stages with TP 8 (the 22B rows are built); "
+     "Figure 1 is computed, not measured"),
     ("torchtune + activation offloading (21.8 GiB)", "OffloadActivations (use_streams) needs "
      "its own CUDA stream, events and pinned host copies in a single-device GPU-less step; not "
      "built yet"),
@@ -604,7 +762,8 @@ def _trace(row, layers: int) -> dict:
         items = collectives(p.ops, p.facts, gpu, ic) if row.mesh else []
         comm = {c.op: c.seconds for c in items} or None
         t = estimate_step_time(p.ops, p.trace, gpu, comm, {c.op: c.stream for c in items})
-        out.update(seconds=t.seconds, exposed_comm=t.exposed_comm, comm=t.comm)
+        out.update(seconds=t.seconds, exposed_comm=t.exposed_comm, comm=t.comm,
+                   kind=profile_band(p).kind)
     else:
         m = p.cuda_memory
         out.update(allocated=m.max_allocated, reserved=m.max_reserved, oom=m.oom)
@@ -658,9 +817,26 @@ def _error(pred, pub):
     return pred / pub - 1
 
 
-def table(rows, results) -> str:
-    lines = ["| row | GPU | metric | published | predicted | error | role | how it is built |",
-             "|---|---|---|---|---|---|---|---|"]
+def in_band(row, res, errors: dict) -> str:
+    """Whether a step-time row's published figure lies inside the error band its kind shows
+    (the calibration rows' spread of that kind, the row itself left out): "yes", "no", or "-"
+    (no calibration row of its kind, or not a step-time row)."""
+    if row.metric != "tokens/s/GPU" or not isinstance(res.get("value"), float):
+        return "-"
+    others = [e for name, e in errors.get(res.get("kind"), {}).items() if name != row.name]
+    if not others:
+        return "-"
+    # the row's own time error, t_pred / t_true - 1 = published rate / predicted rate - 1: the
+    # true time lies in the band when that error is one the band allows
+    err = row.published / res["value"] - 1
+    return "yes" if min(others) <= err <= max(others) else "no"
+
+
+def table(rows, results, errors: dict | None = None) -> str:
+    errors = calibration_errors(rows, results) if errors is None else errors
+    lines = ["| row | GPU | metric | published | predicted | error | role | inside its band | "
+             "how it is built |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         res = results.get(r.name)
         if res is None:
@@ -680,7 +856,7 @@ def table(rows, results) -> str:
         depth = f"{r.layers} blocks from 2 and 3" if r.metric == "tokens/s/GPU" else \
             f"{r.layers} blocks traced"
         lines.append(f"| {r.name} | {r.gpu} | {r.metric} | {pub} | {shown} | {errtext} | "
-                     f"{r.role} | {r.note}; {depth} |")
+                     f"{r.role} | {in_band(r, res, errors)} | {r.note}; {depth} |")
     return "\n".join(lines)
 
 
@@ -695,6 +871,15 @@ def summary(rows, results) -> str:
             if errs:
                 out.append(f"- {metric_kind}, {role} rows: median |error| "
                            f"{statistics.median(errs):.1%}, worst {max(errs):.1%} ({len(errs)} rows)")
+    errors = calibration_errors(rows, results)
+    for role in ("calibration", "held out"):
+        marks = [in_band(r, results[r.name], errors) for r in rows
+                 if r.name in results and r.role == role and r.metric == "tokens/s/GPU"]
+        if marks:
+            out.append(f"- step time, {role} rows inside the error band of their kind: "
+                       f"{marks.count('yes')} of {len(marks)} ({marks.count('-')} with no "
+                       "calibration row of their kind" + (", each row left out of its own band"
+                                                          if role == "calibration" else "") + ")")
     verdicts = [(r, results[r.name]) for r in rows if r.name in results
                 and (isinstance(r.published, str) or r.metric == "fits" or
                      r.metric in ("GB allocated", "GiB active"))]
@@ -702,6 +887,34 @@ def summary(rows, results) -> str:
                 if (r.published == "OOM") == bool(res.get("oom")))
     out.append(f"- fits / OOM verdicts: {right} of {len(verdicts)} right")
     return "\n".join(out)
+
+
+def calibration_errors(rows, results) -> dict:
+    """kind -> {row: step-time error} over the calibration rows with a step time: the data of
+    the error band (devices/time_bands.py). A tokens/s error e is a time error 1 / (1 + e) - 1."""
+    out: dict = {}
+    for r in rows:
+        res = results.get(r.name)
+        if r.role != "calibration" or r.metric != "tokens/s/GPU" or res is None:
+            continue
+        out.setdefault(res["kind"], {})[r.name] = round(r.published / res["value"] - 1, 4)
+    return out
+
+
+def write_bands(errors: dict) -> None:
+    lines = ["CALIBRATION_ERRORS = {"]
+    for kind, rows in sorted(errors.items()):
+        lines.append(f"    {kind!r}: {{")
+        lines += [f"        {name!r}: {err!r}," for name, err in rows.items()]
+        lines.append("    },")
+    lines.append("}")
+    text = open(BANDS).read()
+    begin, end = "# BEGIN GENERATED", "# END GENERATED"
+    head = text[:text.index(begin)]
+    head += text[text.index(begin):].split("\n", 1)[0] + "\n"
+    with open(BANDS, "w") as f:
+        f.write(head + "\n".join(lines).replace('"', "'").replace("'", '"') + "\n" +
+                text[text.index(end):])
 
 
 def not_expressible() -> str:
@@ -742,10 +955,18 @@ def main(argv=None):
         # The doc's table is every row: rows not asked for this time come from the cache, so
         # re-running one row never drops the others from the doc.
         missing = [r.name for r in ROWS if r.name not in cache]
+        errors = calibration_errors(ROWS, cache)
         if missing:
             sys.exit(f"--write-doc needs every row predicted; not in the cache: "
                      f"{', '.join(missing)} (run without --rows first)")
-        text = table(ROWS, cache) + "\n\n" + summary(ROWS, cache)
+        # calibration and held-out rows in tables of their own (the band of each kind comes
+        # from the first, every row of the second is a check it was never tuned on)
+        text = "\n\n".join(
+            f"{title}:\n\n" + table([r for r in ROWS if r.role == role], cache, errors)
+            for title, role in (("Calibration rows (chose between mechanisms; their errors are "
+                                 "the error bands)", "calibration"),
+                                ("Held-out rows (never used to choose or set anything)",
+                                 "held out"))) + "\n\n" + summary(ROWS, cache)
         doc = open(DOC).read()
         block = f"{BEGIN}\n{text}\n\nRows not expressed yet:\n\n{not_expressible()}\n{END}"
         if BEGIN in doc:
@@ -754,6 +975,7 @@ def main(argv=None):
             doc = doc.rstrip("\n") + "\n\n" + block + "\n"
         with open(DOC, "w") as f:
             f.write(doc)
+        write_bands(calibration_errors(ROWS, cache))
 
 
 if __name__ == "__main__":

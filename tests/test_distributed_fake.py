@@ -167,6 +167,32 @@ def test_ring_time_by_hand():
     assert t4 == pytest.approx(s * 127 / 128 / (450e9 * 0.8) + 8.4e-6 + 112 * 3.4e-6 + 15 * 6.6e-6)
 
 
+def test_collectives_against_published_nccl_tests_bus_bandwidths():
+    """NCCL's maintainer on 8 x H100 SXM (NVIDIA/nccl-tests#212 and #326): all_gather (and a ring
+    all-reduce) bus bandwidth 360-370 GB/s at large sizes; all-reduce with NVLink SHARP, the
+    default, busBw ~480 GB/s (algbw ~275 GB/s). busbw = S / t x (n-1)/n (all-gather) and
+    2 (n-1)/n (all-reduce), nccl-tests' PERFORMANCE.md."""
+    ic = interconnect(get_gpu("h100"))
+    s = 8 << 30
+    t, _ = collective_seconds("all_gather", s, range(8), ic)
+    assert s / t * 7 / 8 == pytest.approx(360e9, rel=0.01)   # the published 360 (to 370)
+    t, _ = collective_seconds("all_reduce", s, range(8), ic)
+    assert s / t == pytest.approx(275e9, rel=0.01)
+    assert s / t * 2 * 7 / 8 == pytest.approx(480e9, rel=0.01)
+    # two ranks: the ring (algbw 360 GB/s) beats NVLS (275): NCCL's tuner takes the ring
+    t, _ = collective_seconds("all_reduce", s, range(2), ic)
+    assert s / t == pytest.approx(360e9, rel=0.01)
+    # A100's NVSwitch has no SHARP: ring all-reduce only
+    a100 = interconnect(get_gpu("a100"))
+    t, _ = collective_seconds("all_reduce", s, range(8), a100)
+    assert s / t * 2 * 7 / 8 == pytest.approx(300e9 * 0.8, rel=0.01)
+    # Azure's AI-benchmarking-guide, nccl all_reduce busBw at 8 GB on 8 GPUs: ND H100 v5 478.87,
+    # ND H200 v5 479.98 (NVLS), ND A100 v4 231.58 GB/s (ring): within 4%
+    for gpu, measured in (("h100", 478.87e9), ("h200", 479.98e9), ("a100", 231.58e9)):
+        t, _ = collective_seconds("all_reduce", 8 << 30, range(8), interconnect(get_gpu(gpu)))
+        assert (8 << 30) / t * 2 * 7 / 8 == pytest.approx(measured, rel=0.04)
+
+
 def test_a_process_group_already_there_is_refused():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

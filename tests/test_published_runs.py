@@ -74,3 +74,18 @@ def test_torchtune_rows_are_built_as_the_recipe_builds_them():
     assert all(p.grad is None for p in chunks.parameters())
     # (lr 2e-5 moves a bf16 weight by less than its resolution: the state says it stepped)
     assert all(int(o.state[p]["step"]) == 1 for p, o in optims.items())
+
+
+def test_megatron_rows_convert_model_tflops_by_megatrons_own_formula():
+    """Megatron's num_floating_point_operations (training.py) for GPT with a 4h MLP and MHA:
+    12 B s L h^2 ((1 + 1 + s/h) + 4 + V / (2 L h)) per step; 1.7B (h 2048, 24 layers, seq 4096,
+    vocab 131,072): 11,274,289,152 FLOPs per token, so 408.8 TFLOP/s/GPU is 36,259.5 tokens/s."""
+    bench = _bench()
+    assert bench.megatron_flops_per_token(2048, 24, 4096) == 12 * 24 * 2048 ** 2 * (
+        2 + 4096 / 2048 + 4 + 131072 / (2 * 24 * 2048)) == 11_274_289_152
+    rows = {r.name: r for r in bench.ROWS}
+    assert rows["megatron-1.7b-h100"].published == 36259.5
+    # TP 8: tokens/s of the TP group (8 GPUs share one data-parallel rank's batch)
+    r = rows["megatron-32b-h100"]
+    assert r.mesh == {"dp": 48, "tp": 8} and r.published == round(
+        459.6e12 / bench.megatron_flops_per_token(7168, 48, 4096) * 8, 1)

@@ -149,10 +149,15 @@ class Profile:
             return None
         if self.compiled is not None and self.compiled.options.get("backend") == "inductor":
             return None
+        from .analysis.time_band import profile_band
+
         comm = {c.op: c.seconds for c in self.collectives} if self.collectives else None
         streams = {c.op: c.stream for c in self.collectives} if self.collectives else None
         calibration = self.options.calibration if self.options is not None else None
-        return estimate_step_time(self.ops, self.trace, self.gpu, comm, streams, calibration)
+        t = estimate_step_time(self.ops, self.trace, self.gpu, comm, streams, calibration)
+        # the error measured on published runs of its kind (none for times a file calibrated)
+        t.band = profile_band(self, calibrated=calibration is not None)
+        return t
 
     @cached_property
     def collectives(self) -> list:

@@ -38,6 +38,7 @@ class LayoutRow:
     mfu: float | None = None
     tokens_per_second: float | None = None
     note: str = ""
+    error_band: str | None = None        # the throughput's measured error (analysis.time_band)
 
     @property
     def global_batch(self) -> int | None:
@@ -59,7 +60,8 @@ class LayoutRow:
                 "nvidia_smi_bytes": self.reserved_bytes, "oom": self.oom, "fits": self.fits,
                 "step_seconds": self.step_seconds, "mfu": self.mfu,
                 "tokens_per_second": self.tokens_per_second,
-                "samples_per_second": self.samples_per_second, "note": self.note}
+                "samples_per_second": self.samples_per_second, "note": self.note,
+                "error_band": self.error_band}
 
 
 def best_layout(rows: list[LayoutRow]) -> LayoutRow | None:
@@ -163,6 +165,8 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None, progres
             row.mfu = t.mfu * t.seconds / row.step_seconds if t is not None else None
         elif t is not None:
             row.step_seconds, row.mfu = t.seconds, t.mfu
+        if t is not None and t.band is not None:
+            row.error_band = t.band.rate_text()
         if row.step_seconds and tokens:
             # every data-parallel replica (FSDP rank group) processes its own batch
             row.tokens_per_second = tokens * layout.fsdp * layout.dp_replicate / row.step_seconds

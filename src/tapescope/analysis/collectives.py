@@ -24,6 +24,17 @@ DGX, a replicate group of one GPU per node at one NIC's.
 Efficiencies: NCCL's all-gather / reduce-scatter bus bandwidth on 8 H100 SXM or A100 SXM over
 NVSwitch reaches about 80% of the NVLink rate in NVIDIA's published nccl-tests runs, and about
 90% of an InfiniBand NIC across nodes (priors until measured on a cluster, docs/distributed.md).
+Checked against NCCL's maintainer on 8 x H100 (NVIDIA/nccl-tests#212, #326): "450GB/s is the line
+rate. With the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s"
+and "360 GB/s is exactly what we'd expect on H100" for all_gather / ring all_reduce bus bandwidth;
+0.8 x 450 = 360 GB/s here.
+
+All-reduce inside one node on NVLink 4/5 NVSwitch (Hopper, Blackwell) runs NVLink SHARP (NVLS)
+by default, which reduces in the switch: "On 8 GPUs, you should reach a peak busBw of ~480GB/s
+(algbw ~275GB/s)" (same thread, #212), i.e. each rank's bytes at 275 / 450 = 0.61 of the line
+rate whatever the group size (the switch does the reduction: each rank sends and receives its
+tensor once). NCCL's tuner takes the faster of ring and NVLS for each call, so does this model
+(ring wins for 2 ranks: 360 GB/s algbw). A100's NVSwitch has no SHARP: ring only.
 """
 
 from __future__ import annotations
@@ -33,11 +44,15 @@ from dataclasses import dataclass
 from ..capture.records import op_name
 
 __all__ = ["Collective", "CollectiveRow", "collectives", "collective_table", "collective_seconds",
-           "KINDS", "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY", "RING_BASE_LATENCY_S",
+           "KINDS", "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY", "NVLS_ALGBW_SHARE",
+           "RING_BASE_LATENCY_S",
            "HOP_LATENCY_S"]
 
 NVLINK_EFFICIENCY = 0.8      # intra-node bus bandwidth NCCL reaches / link rate (prior)
 NETWORK_EFFICIENCY = 0.9     # inter-node (prior)
+# NVLS all-reduce: the tensor's bytes per rank over the NVLink line rate (nccl-tests#212: algbw
+# ~275 GB/s of 450 on 8 H100)
+NVLS_ALGBW_SHARE = 275 / 450
 # NCCL src/graph/tuning.cc (2.x), ring algorithm, Simple protocol (large messages): baseLat 8.4 us;
 # hwLat per step NVLink 3.4 us, PCI 5.7 us, NET 6.6 us
 RING_BASE_LATENCY_S = 8.4e-6
@@ -147,7 +162,17 @@ def collective_seconds(kind: str, nbytes: int, group_ranks, ic, inter_node: bool
         bw = min(bw, nics * net)
         net_steps = per_step * (max(nodes, 2) - 1)
     latency = RING_BASE_LATENCY_S + (steps - net_steps) * hop + net_steps * HOP_LATENCY_S["net"]
-    return nbytes * _TRAFFIC.get(kind, lambda n: 1.0)(n) / bw + latency, inter_node
+    ring = nbytes * _TRAFFIC.get(kind, lambda n: 1.0)(n) / bw + latency
+    if kind == "all_reduce" and not inter_node and _has_nvls(ic):
+        # NVLink SHARP: the switch reduces; NCCL's tuner takes whichever is faster
+        nvls = nbytes / (ic.intra_node * NVLS_ALGBW_SHARE) + RING_BASE_LATENCY_S + 2 * hop
+        return min(ring, nvls), inter_node
+    return ring, inter_node
+
+
+def _has_nvls(ic) -> bool:
+    """NVLink SHARP needs third-generation NVSwitch (NVLink 4, Hopper) or later."""
+    return "NVSwitch" in ic.intra_kind and ic.intra_kind.startswith(("NVLink 4", "NVLink 5"))
 
 
 def _arg_bytes(record, names) -> int:

@@ -1,7 +1,8 @@
 """Step time on a named GPU: each kernel priced alone (analysis/kernel_cost.py), then scheduled on
 the host that launches them and on the GPU's streams.
 
-Views and metadata ops launch nothing.
+Views, metadata ops, autograd wrappers and ops on host tensors launch nothing (kernel_cost prices
+them at 0; they cost the host a dispatch).
 
 The host issues ops one after another (eager PyTorch) and the GPU runs them in order on one stream,
 starting each when the host has launched it and the previous one has finished; a read of a GPU value
@@ -41,7 +42,7 @@ import torch
 
 from ..capture.records import Trace
 from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, NCCL_SMS
-from .kernel_cost import TENSOR_CORE, kernel_of, kernel_time
+from .kernel_cost import TENSOR_CORE, kernel_of, kernel_time, on_gpu
 from .op_classes import launches_kernel, op_class
 
 __all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
@@ -49,10 +50,11 @@ __all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
 _ITEM = torch.ops.aten._local_scalar_dense
 
 
-def kernel_seconds(op, gpu, calibration=None) -> tuple[float, bool]:
+def kernel_seconds(op, gpu, storages=(), calibration=None) -> tuple[float, bool]:
     """(seconds on the GPU, whether every constant used was measured on it) of one eager op's
-    kernel (analysis.kernel_cost prices it, from the calibration file's figures where given)."""
-    return kernel_time(kernel_of(op), gpu, calibration)
+    kernel (analysis.kernel_cost prices it, from the calibration file's figures where given); 0
+    for an op that launches none."""
+    return kernel_time(kernel_of(op, storages), gpu, calibration)
 
 
 @dataclass
@@ -68,6 +70,9 @@ class StepTime:
     recompute: float = 0.0          # GPU seconds of ops recomputed by activation checkpointing
     comm: float = 0.0               # seconds of collectives on the interconnect
     exposed_comm: float = 0.0       # seconds compute waited for collectives
+    # the model's measured error on published runs of this kind (analysis.time_band.TimeBand),
+    # set by the profile that knows its kind
+    band: object = None
     calibration: str | None = None  # the calibration file that priced it (Calibration.label)
 
     @property
@@ -79,11 +84,13 @@ class StepTime:
         d = {"seconds": self.seconds, "gpu_busy": self.gpu_busy, "host": self.host,
              "by_phase": self.by_phase, "mfu": self.mfu, "calibrated": self.calibrated,
              "bound": self.bound, "recompute": self.recompute}
-        if self.calibration:
-            d["calibration"] = self.calibration
         if self.comm:
             d.update(comm=self.comm, exposed_comm=self.exposed_comm,
                      comm_overlap=self.comm_overlap)
+        if self.band is not None:
+            d["error_band"] = self.band.to_dict()
+        if self.calibration:
+            d["calibration"] = self.calibration
         return d
 
 
@@ -97,137 +104,198 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
     different streams side by side. Without it, every collective shares one stream.
     calibration: a devices.calibration.Calibration of `gpu`: kernels priced by its measurements
     where it has them, and each kernel-launching op costs the host its measured time."""
-    comm = comm or {}
-    comm_streams = comm_streams or {}
-    comm_at: dict = {}    # NCCL stream -> when its last collective ends
-    comm_total = exposed = 0.0
-    side_t: dict = {}     # stream (other than the default) -> when its last op is done
-    dataflow = bool(comm) or any(op.record.stream or op.record.waits for op in ops)
-    end: dict = {}        # trace op index -> when its stream had done it (what events mark)
-    collectives: set = set()   # trace op indices of the collectives
-    held: dict = {}       # stream -> the waits of its ops that launched nothing, not yet applied
-    ready: dict = {}     # storage -> when the collective that last wrote it is done
-    written: dict = {}   # storage -> when the op that last wrote it is done
-    intervals: list = []   # (start, end) when some collective runs: ordered, disjoint
-    first = 0              # the first of them not over before the compute stream's time
-    host = gpu_t = busy = recompute = 0.0
-    calibrated = True
-    op_seconds = []
-    phase_end: dict = {}
-    phase_spans: dict = {}  # phase -> wall time from the previous op's end to its ops' ends
-    last_end = 0.0
-
-    def span(phase: str, end: float) -> float:
-        nonlocal last_end
-        now = max(end, last_end)
-        phase_spans[phase] = phase_spans.get(phase, 0.0) + now - last_end
-        last_end = now
-        return end
-    model_dtype = None
-    total_flops = 0
-    storages = trace.storages
-    # share of the SMs a running collective holds; while two groups' collectives run at once,
-    # compute is slowed as by one (their spans are merged: a lower bound on the slowdown)
-    slow = NCCL_SMS / gpu.sms if comm else 0.0
-    host_op = calibration.host_op_s if calibration is not None else HOST_OP_S
+    schedule = _Schedule(gpu, trace.storages, comm or {}, comm_streams or {},
+                         dataflow=bool(comm) or any(op.record.stream or op.record.waits
+                                                    for op in ops), calibration=calibration)
     for op in ops:
-        func = op.record.func
-        kernel = launches_kernel(func)
-        # an op of a repeated micro-batch runs op.runs times: counted back to back (the block's
-        # own order of host and GPU work is not replayed op.runs times)
-        runs = op.runs
-        host += (host_op if kernel else HOST_VIEW_S) * runs
+        schedule.run(op)
+    return schedule.result()
+
+
+class _Schedule:
+    """The schedule of one step's ops, op by op, in named steps: the host issues the op
+    (`issue`); its stream's event waits (`event_waits`); a collective runs on its NCCL stream
+    (`collective`), a kernel on a side stream's queue (`side_stream`) or on the compute stream
+    (`compute_stream`, behind its inputs and slowed while collectives hold SMs); `.item()` makes
+    the host wait (`host_sync`); each op's end closes its phase (`close_phase`)."""
+
+    def __init__(self, gpu, storages, comm: dict, comm_streams: dict, dataflow: bool,
+                 calibration=None):
+        self.gpu, self.storages, self.calibration = gpu, storages, calibration
+        self.host_op_s = calibration.host_op_s if calibration is not None else HOST_OP_S
+        self.comm, self.comm_streams, self.dataflow = comm, comm_streams, dataflow
+        # share of the SMs a running collective holds; while two groups' collectives run at
+        # once, compute is slowed as by one (their spans are merged: a lower bound)
+        self.slow = NCCL_SMS / gpu.sms if comm else 0.0
+        # clocks
+        self.host = 0.0            # when the host has issued the ops so far
+        self.gpu_t = 0.0           # when the compute stream has run its kernels so far
+        self.side_t: dict = {}     # stream (other than the default) -> when its last op is done
+        self.comm_at: dict = {}    # NCCL stream -> when its last collective ends
+        # what later ops wait for
+        self.end: dict = {}        # trace op index -> when its stream had done it (events)
+        self.collective_ops: set = set()   # trace op indices of the collectives
+        self.held: dict = {}       # stream -> waits of its no-kernel ops, for its next kernel
+        self.ready: dict = {}      # storage -> when the collective that last wrote it is done
+        self.written: dict = {}    # storage -> when the op that last wrote it is done
+        self.intervals: list = []  # (start, end) when some collective runs: ordered, disjoint
+        self.first = 0             # the first of them not over before the compute stream's time
+        # totals
+        self.busy = self.recompute = self.comm_total = self.exposed = 0.0
+        self.calibrated = True
+        self.op_seconds: list = []
+        self.model_dtype = None
+        self.total_flops = 0
+        # phases
+        self.phase_end: dict = {}
+        self.phase_spans: dict = {}   # phase -> wall time from the previous op's end to its end
+        self.last_end = 0.0
+
+    # ---- one op ---------------------------------------------------------------------------
+    def run(self, op) -> None:
+        kernel = self.issue(op)
+        marks, after = self.event_waits(op)
+        seconds = self.comm.get(op.index)
+        if seconds is not None:
+            self.collective(op, seconds, after)
+            return
         t = 0.0
-        total_flops += op.total_flops or 0
-        rec = op.record
-        stream = rec.stream
-        # the events this op's stream waits on: it starts no earlier than the ops they mark end
-        # (those a stream waited on before ops that launch nothing hold for its next kernel)
-        marks = held.pop(stream, ()) + rec.waits if held else rec.waits
-        after = max((end.get(w, 0.0) for w in marks), default=0.0)
-        c = comm.get(op.index)
-        if c is not None:
-            nccl = comm_streams.get(op.index, "")
-            start = max(comm_at.get(nccl, 0.0), host, after,
-                        side_t.get(stream, 0.0) if stream else 0.0,
-                        *(written.get(r.storage, 0.0) for r in op.inputs),
-                        *(ready.get(r.storage, 0.0) for r in op.inputs))   # another group's
-            comm_t = comm_at[nccl] = start + c
-            first = min(first, _occupy(intervals, start, comm_t))
-            comm_total += c
-            for r in op.outputs:
-                ready[r.storage] = comm_t
-            if stream:
-                side_t[stream] = comm_t
-            end[rec.index] = comm_t
-            collectives.add(rec.index)
-            op_seconds.append(0.0)
-            phase_end[op.phase] = span(op.phase, max(gpu_t, host, comm_t))
-            continue
         if kernel:
-            t, measured = kernel_seconds(op, gpu, calibration)
-            t *= runs
-            calibrated &= measured
-            if op_class(func) == "matmul" and model_dtype is None and op.inputs:
-                model_dtype = op.inputs[0].dtype
-            if stream:
-                # another stream's queue (FSDP2's copy-in / reduce-scatter streams): it waits for
-                # its inputs and its events, not for the compute stream's queue
-                start = max(side_t.get(stream, 0.0), host, after,
-                            *(written.get(r.storage, 0.0) for r in op.inputs),
-                            *(ready.get(r.storage, 0.0) for r in op.inputs))
-                side_t[stream] = start + t
-                busy += t
-                for r in op.outputs:
-                    written[r.storage] = side_t[stream]
-                end[rec.index] = side_t[stream]
-                op_seconds.append(t)
-                phase_end[op.phase] = span(op.phase, max(gpu_t, host, side_t[stream]))
-                continue
-            start = max(gpu_t, host)
-            waits = max((max(ready.get(r.storage, 0.0), written.get(r.storage, 0.0))
-                         for r in op.inputs), default=0.0) if dataflow else 0.0
-            waits = max(waits, after)
-            if waits > start:
-                if any(ready.get(r.storage, 0.0) > start for r in op.inputs) or \
-                        any(w in collectives and end[w] > start for w in marks):
-                    exposed += waits - start
-                start = waits
-            if slow and intervals:
-                while first < len(intervals) and intervals[first][1] <= start:
-                    first += 1          # compute starts only move forward
-                t = _stretched(start, t, intervals, slow, first)
-            gpu_t = start + t
-            busy += t
-            if op.recompute:
-                recompute += t
-            if dataflow:
-                for r in op.outputs:
-                    written[r.storage] = gpu_t
+            t = self.price(op)
+            if op.record.stream:
+                self.side_stream(op, t, after)
+                return
+            t = self.compute_stream(op, t, marks, after)
         elif marks:   # no kernel: the stream's next kernel waits for these events
-            held[stream] = marks
-        end[rec.index] = max(side_t.get(stream, 0.0) if stream else gpu_t,
-                             after if not kernel else 0.0)
-        if func.overloadpacket is _ITEM and op.inputs and op.inputs[0].storage >= 0 \
+            self.held[op.record.stream] = marks
+        stream = op.record.stream
+        self.end[op.record.index] = max(self.side_t.get(stream, 0.0) if stream else self.gpu_t,
+                                        after if not kernel else 0.0)
+        self.host_sync(op)
+        self.op_seconds.append(t)
+        self.close_phase(op.phase, max(self.gpu_t, self.host))
+
+    def issue(self, op) -> bool:
+        """The host's dispatch of the op (runs times for a repeated micro-batch's op: counted
+        back to back); whether it launches a GPU kernel (not a view, metadata op or autograd
+        wrapper, nor an op on host tensors only: the optimizer's CPU step counters)."""
+        kernel = launches_kernel(op.record.func) and on_gpu(op, self.storages)
+        self.host += (self.host_op_s if kernel else HOST_VIEW_S) * op.runs
+        self.total_flops += op.total_flops or 0
+        return kernel
+
+    def event_waits(self, op) -> tuple:
+        """(the events its stream waits on, when the ops they mark end): it starts no earlier;
+        those a stream waited on before ops that launch nothing hold for its next kernel."""
+        marks = self.held.pop(op.record.stream, ()) + op.record.waits if self.held \
+            else op.record.waits
+        return marks, max((self.end.get(w, 0.0) for w in marks), default=0.0)
+
+    def price(self, op) -> float:
+        """The op's kernel time (analysis.kernel_cost), times its runs."""
+        t, measured = kernel_seconds(op, self.gpu, self.storages, self.calibration)
+        self.calibrated &= measured
+        if op_class(op.record.func) == "matmul" and self.model_dtype is None and op.inputs:
+            self.model_dtype = op.inputs[0].dtype
+        return t * op.runs
+
+    def _inputs_done(self, op) -> list:
+        return [*(self.written.get(r.storage, 0.0) for r in op.inputs),
+                *(self.ready.get(r.storage, 0.0) for r in op.inputs)]
+
+    def collective(self, op, seconds: float, after: float) -> None:
+        """On its process group's NCCL stream, after its inputs (another group's collective
+        included), its events and the side stream that issued it, which it then holds."""
+        stream, rec = op.record.stream, op.record
+        nccl = self.comm_streams.get(op.index, "")
+        start = max(self.comm_at.get(nccl, 0.0), self.host, after,
+                    self.side_t.get(stream, 0.0) if stream else 0.0, *self._inputs_done(op))
+        done = self.comm_at[nccl] = start + seconds
+        self.first = min(self.first, _occupy(self.intervals, start, done))
+        self.comm_total += seconds
+        for r in op.outputs:
+            self.ready[r.storage] = done
+        if stream:
+            self.side_t[stream] = done
+        self.end[rec.index] = done
+        self.collective_ops.add(rec.index)
+        self.op_seconds.append(0.0)
+        self.close_phase(op.phase, max(self.gpu_t, self.host, done))
+
+    def side_stream(self, op, t: float, after: float) -> None:
+        """Another stream's queue (FSDP2's copy-in / reduce-scatter streams): it waits for its
+        inputs and its events, not for the compute stream's queue."""
+        stream = op.record.stream
+        start = max(self.side_t.get(stream, 0.0), self.host, after, *self._inputs_done(op))
+        done = self.side_t[stream] = start + t
+        self.busy += t
+        for r in op.outputs:
+            self.written[r.storage] = done
+        self.end[op.record.index] = done
+        self.op_seconds.append(t)
+        self.close_phase(op.phase, max(self.gpu_t, self.host, done))
+
+    def compute_stream(self, op, t: float, marks, after: float) -> float:
+        """The compute stream: after the previous kernel and the host's launch, its inputs and
+        its events; the wait is exposed communication when a collective held it up. Runs on the
+        SMs collectives leave free while they run. Returns its (stretched) time."""
+        start = max(self.gpu_t, self.host)
+        waits = max((max(self.ready.get(r.storage, 0.0), self.written.get(r.storage, 0.0))
+                     for r in op.inputs), default=0.0) if self.dataflow else 0.0
+        waits = max(waits, after)
+        if waits > start:
+            if any(self.ready.get(r.storage, 0.0) > start for r in op.inputs) or \
+                    any(w in self.collective_ops and self.end[w] > start for w in marks):
+                self.exposed += waits - start
+            start = waits
+        if self.slow and self.intervals:
+            while self.first < len(self.intervals) and self.intervals[self.first][1] <= start:
+                self.first += 1          # compute starts only move forward
+            t = _stretched(start, t, self.intervals, self.slow, self.first)
+        self.gpu_t = start + t
+        self.busy += t
+        if op.recompute:
+            self.recompute += t
+        if self.dataflow:
+            for r in op.outputs:
+                self.written[r.storage] = self.gpu_t
+        return t
+
+    def host_sync(self, op) -> None:
+        """`.item()` of a GPU tensor waits for the GPU."""
+        storages = self.storages
+        if op.record.func.overloadpacket is _ITEM and op.inputs and op.inputs[0].storage >= 0 \
                 and storages[op.inputs[0].storage].device.type == "cuda":
-            host = max(host, gpu_t)  # .item() waits for the GPU
-        op_seconds.append(t)
-        phase_end[op.phase] = span(op.phase, max(gpu_t, host))
-    total = max(gpu_t, host, *comm_at.values(), *side_t.values())
-    by_phase, start = {}, 0.0
-    if "other" not in phase_end:
-        for phase in ("forward", "backward", "optimizer"):
-            if phase in phase_end:
-                by_phase[phase] = phase_end[phase] - start
-                start = phase_end[phase]
-    else:  # a user's step interleaves its phases: each phase's stretches, added up
-        by_phase = phase_spans
-    peak = gpu.peak(TENSOR_CORE.get(model_dtype, "fp32")) or gpu.peak("fp32")
-    mfu = (total_flops / total / peak) if total and peak else 0.0
-    # host-bound: the GPU waits for launches more than half the step
-    return StepTime(total, busy, host, by_phase, op_seconds, mfu, calibrated,
-                    "gpu" if busy >= total / 2 else "host", recompute, comm_total, exposed,
-                    calibration.label if calibration is not None else None)
+            self.host = max(self.host, self.gpu_t)
+
+    def close_phase(self, phase: str, end: float) -> None:
+        """The op's end closes its phase so far; a phase's span is the wall time from the
+        previous op's end to its ops' ends (phases of a user's step interleave)."""
+        now = max(end, self.last_end)
+        self.phase_spans[phase] = self.phase_spans.get(phase, 0.0) + now - self.last_end
+        self.last_end = now
+        self.phase_end[phase] = end
+
+    # ---- the step -------------------------------------------------------------------------
+    def result(self) -> StepTime:
+        total = max(self.gpu_t, self.host, *self.comm_at.values(), *self.side_t.values())
+        by_phase, start = {}, 0.0
+        if "other" not in self.phase_end:
+            for phase in ("forward", "backward", "optimizer"):
+                if phase in self.phase_end:
+                    by_phase[phase] = self.phase_end[phase] - start
+                    start = self.phase_end[phase]
+        else:  # a user's step interleaves its phases: each phase's stretches, added up
+            by_phase = self.phase_spans
+        gpu = self.gpu
+        peak = gpu.peak(TENSOR_CORE.get(self.model_dtype, "fp32")) or gpu.peak("fp32")
+        mfu = (self.total_flops / total / peak) if total and peak else 0.0
+        # host-bound: the GPU waits for launches more than half the step
+        return StepTime(total, self.busy, self.host, by_phase, self.op_seconds, mfu,
+                        self.calibrated, "gpu" if self.busy >= total / 2 else "host",
+                        self.recompute, self.comm_total, self.exposed,
+                        calibration=(self.calibration.label if self.calibration is not None
+                                     else None))
 
 
 def _occupy(intervals: list, a: float, b: float) -> int:

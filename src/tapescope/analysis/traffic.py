@@ -9,7 +9,7 @@ broadcast). Views, aliases and uninitialised allocations move nothing. Kernel-in
 from __future__ import annotations
 
 from ..capture.records import OpRecord, Trace
-from .op_classes import NO_TRAFFIC
+from .op_classes import moves_no_data
 
 __all__ = ["op_traffic"]
 
@@ -17,7 +17,7 @@ __all__ = ["op_traffic"]
 def op_traffic(op: OpRecord, trace: Trace) -> tuple[int, int]:
     """(bytes read, bytes written) of one op."""
     func = op.func
-    if func.is_view or func.overloadpacket in NO_TRAFFIC:
+    if moves_no_data(func):
         return 0, 0
     storages = trace.storages
 

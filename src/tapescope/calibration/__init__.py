@@ -25,7 +25,8 @@ def profile_kernels(profile) -> list:
     from ..analysis.op_classes import launches_kernel
 
     eager = profile.eager if profile.eager is not None else profile
-    return [kernel_of(op) for op in eager.ops if launches_kernel(op.record.func)]
+    return [kernel_of(op, eager.trace.storages) for op in eager.ops
+            if launches_kernel(op.record.func)]
 
 
 def write_calibration(cal: Calibration, path: str) -> None:

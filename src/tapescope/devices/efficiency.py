@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 __all__ = ["Efficiency", "PRIORS", "MEASURED", "efficiency_for", "MATMUL_CEILING", "GEMM_TILES",
            "gemm_tile_utilization", "matmul_ceiling", "ATTENTION", "attention_efficiency",
+           "MATMUL_CEILING_FP8", "ACHIEVABLE_BANDWIDTH", "achievable_bandwidth", "SUSTAINED_SHARE", "sustained_clock", "ATTENTION_CURVES",
+           "attention_curve_share",
            "NCCL_SMS", "ELEMENTWISE_BANDWIDTH"]
 
 
@@ -54,10 +56,66 @@ MEASURED: dict = {}
 # A100 PCIe 252.9 (81.1%), H100 SXM 794.5 of 989 (80.3%, sustained clocks at 700 W included),
 # GH200 828.6 (83.8%, 900 W: used for H200, same die and more power headroom).
 # A GPU without a measurement keeps the prior (PRIORS["matmul"].compute).
+# FP8 (float8_e4m3fn) MAMF, same table: H100 SXM 1402.6 of 1979 (70.9%), H200 SXM 1453.4
+# (73.4%), B200 3432.5 of 4500 (76.3%); B200 bf16 1745.0 of 2250 (77.6%).
 MATMUL_CEILING = {
     "a100-sxm-80gb": 0.869, "a100-sxm-40gb": 0.869, "a100-pcie-80gb": 0.811,
-    "h100-sxm": 0.803, "h800-sxm": 0.803, "h200-sxm": 0.838,
+    "h100-sxm": 0.803, "h800-sxm": 0.803, "h200-sxm": 0.838, "b200-sxm": 0.776,
+    "h100-sxm-96gb": 0.803,
 }
+MATMUL_CEILING_FP8 = {
+    "h100-sxm": 0.709, "h800-sxm": 0.709, "h100-sxm-96gb": 0.709, "h200-sxm": 0.734,
+    "b200-sxm": 0.763,
+}
+
+# ---- sustained clocks: burst (MAMF) vs sustained (MSMF) ---------------------------------------
+# MAMF is the best short burst; a training step keeps the GPU loaded for seconds, and under
+# sustained load the board's power and thermal limits pull the clock down. The share of the
+# burst a loaded GPU keeps, per part and precision (16-bit: bf16/fp16; fp8), each measured:
+# - bf16, Hopper: Maximum Sustained Matmul FLOPS (MSMF, ml-engineering compute/accelerator/
+#   benchmarks, as transcribed in shared/reference/published_runs.md "Burst vs sustained matmul";
+#   the stored snapshot of that repo, 744d01e of 2026-08-22, predates the MSMF section): H200 MSMF
+#   743-746 vs MAMF 843-850 TFLOP/s over 5 runs (744.5 / 846.5 = 0.880). H100 SXM (and H800, and
+#   the 96 GB part) share H200's die, its 700 W board and its clocks: H200's ratio is used.
+# - bf16, B200: the same source, 1421-1428 vs 1682-1705 (1424.5 / 1693.5 = 0.841).
+# - fp16 A100 SXM, fp8 H100 SXM and H200: Azure's AI-benchmarking-guide (Azure_Results/
+#   ND_A100_v4_results.md, ND_H100_v5_results.md, ND_H200_v5_results.md), cuBLASLt GEMMs after
+#   10,000 warm-up iterations (a sustained load): at 16384^3, a shape the tile model counts as
+#   full (0.998 / 0.993 of the tile work useful), A100 256.5 TFLOP/s, H100 fp8 1377.3, H200 fp8
+#   1366.3, against this model's burst there (MAMF x tile share, 3 us overhead): 0.948, 0.989,
+#   0.948. FITTED on those three 16384^3 rows; the other shapes of the same tables are the check
+#   (tests/test_gpu_model.py, docs/validation.md "GEMMs against Azure's tables").
+# No sustained figure was found for other parts (Ada, Turing, Volta, A100 PCIe, fp8 on B200):
+# their burst ceiling stands (factor 1). The factor scales every compute-bound kernel (GEMMs,
+# attention, convolutions) at that precision: it is the clock, not a property of one kernel.
+SUSTAINED_SHARE = {
+    ("h100-sxm", "16-bit"): 0.880, ("h800-sxm", "16-bit"): 0.880,
+    ("h200-sxm", "16-bit"): 0.880, ("h100-sxm-96gb", "16-bit"): 0.880,
+    ("b200-sxm", "16-bit"): 0.841,
+    ("a100-sxm-80gb", "16-bit"): 0.948, ("a100-sxm-40gb", "16-bit"): 0.948,
+    ("h100-sxm", "fp8"): 0.989, ("h800-sxm", "fp8"): 0.989, ("h100-sxm-96gb", "fp8"): 0.989,
+    ("h200-sxm", "fp8"): 0.948,
+}
+# Board power drawn at the sustained clock, measured: the same MSMF source's H200 4096^3
+# example ran at 679 W and 1792 MHz sustained (781 TFLOP/s at 1980 MHz in a burst).
+SUSTAINED_WATTS = {"h100-sxm": 679, "h800-sxm": 679, "h200-sxm": 679, "h100-sxm-96gb": 679}
+
+
+def sustained_clock(gpu, precision: str = "16-bit") -> float:
+    """Share of the burst clock a GPU (devices.gpus.GPU) keeps over a training step at a
+    precision ("16-bit" or "fp8"; fp8 without its own figure takes the part's 16-bit one): the
+    sustained / burst ratio measured on its part, lowered further by a board power limit set
+    below the power it draws at that clock. Dynamic power is C V^2 f and, over the DVFS range,
+    the voltage rises about linearly with the clock, so power goes as f^3 and the clock as the
+    cube root of the power: f_cap = f_sustained * (limit / sustained draw)^(1/3) (500 W on a
+    679 W H100: 0.903). Static power is ignored, so this is the smallest drop the limit causes."""
+    share = SUSTAINED_SHARE.get((gpu.key, precision),
+                                SUSTAINED_SHARE.get((gpu.key, "16-bit"), 1.0))
+    limit = getattr(gpu, "power_limit_watts", None)
+    draw = SUSTAINED_WATTS.get(gpu.key, gpu.tdp_watts)
+    if limit and limit < draw:
+        share *= (limit / draw) ** (1 / 3)
+    return share
 # Output tiles (rows x columns of C per thread block) cuBLAS's large bf16 kernels use, as their
 # kernel names print them (sm80_xmma_gemm_..._tilesize256x128x32, ..._128x256x32, 128x128;
 # sm90_xmma_gemm_..._tilesize128x256x64 / 256x128x64): the library picks the best of them.
@@ -76,7 +134,10 @@ def gemm_tile_utilization(m: int, n: int, batch: int, sms: int) -> float:
     return best
 
 
-def matmul_ceiling(gpu_key: str | None) -> float:
+def matmul_ceiling(gpu_key: str | None, dtype: str = "bf16") -> float:
+    """The burst (MAMF) share of the dense peak a GPU's matmuls reach, for bf16/fp16 or fp8."""
+    if dtype == "fp8" and gpu_key in MATMUL_CEILING_FP8:
+        return MATMUL_CEILING_FP8[gpu_key]
     return MATMUL_CEILING.get(gpu_key, PRIORS["matmul"].compute)
 
 
@@ -100,19 +161,103 @@ ATTENTION = {
 }
 
 
-def attention_efficiency(op_name: str, arch: str | None) -> float | None:
-    """The achieved share of peak of a fused attention op (its aten name), None when unknown."""
-    backend = ("cudnn" if "cudnn" in op_name else "flash" if "flash" in op_name else
-               "efficient" if "efficient" in op_name else None)
+# By sequence length, mask and direction, where a published curve exists: FlashAttention-3 paper
+# (Shah et al. 2024, arXiv 2407.08608, Figs 5-6; H100 SXM5, bf16, head dim 128; values as
+# transcribed in shared/reference/published_runs.md from a third-party extraction), TFLOP/s at
+# sequence lengths 512, 1k, 2k, 4k, 8k, 16k:
+# - cuDNN forward, causal: 315, 410, 484, 518, 529, 539; not causal: 497, 574, 617, 609, 600, 595;
+# - cuDNN backward (no mask): 305, 408, 465, 499, 518, 516;
+# - FlashAttention-2 (torch's flash backend) forward, causal: 191 at 512 -> 335 at 16k; backward
+#   214 -> 322 (only the ends were transcribed: between them the curve is taken as straight in
+#   log2(sequence), as the cuDNN curves nearly are from 512 to 4k).
+# A curve missing for one mask is the other's times the cuDNN forward ratio causal / not causal at
+# the same length (the masked tiles' waste and the imbalance they leave are the same in both
+# directions and backends): 0.63 at 512, 0.85 at 4k, 0.91 at 16k. Head dim: the extraction's
+# head-dim 64 and 256 curves do not say which mask they are; head dim is not modelled yet.
+ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_PEAK = 989.4e12        # the H100 SXM5's dense bf16 peak the curves are shares of
+ATTENTION_CURVES = {
+    ("cudnn", "hopper", "forward", True): (315, 410, 484, 518, 529, 539),
+    ("cudnn", "hopper", "forward", False): (497, 574, 617, 609, 600, 595),
+    ("cudnn", "hopper", "backward", False): (305, 408, 465, 499, 518, 516),
+    ("flash", "hopper", "forward", True): (191, None, None, None, None, 335),
+    ("flash", "hopper", "backward", False): (214, None, None, None, None, 322),
+}
+
+
+def _backend(op_name: str) -> str | None:
+    return ("cudnn" if "cudnn" in op_name else "flash" if "flash" in op_name else
+            "efficient" if "efficient" in op_name else None)
+
+
+def _on_curve(curve: tuple, seq: int) -> float:
+    """TFLOP/s at `seq` on a curve over ATTENTION_SEQ: straight in log2(seq) between the known
+    points, flat beyond the ends."""
+    import math
+
+    known = [(math.log2(s), v) for s, v in zip(ATTENTION_SEQ, curve) if v is not None]
+    x = math.log2(max(seq, 1))
+    if x <= known[0][0]:
+        return known[0][1]
+    for (x0, v0), (x1, v1) in zip(known, known[1:]):
+        if x <= x1:
+            return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
+    return known[-1][1]
+
+
+def attention_curve_share(backend, arch, direction, causal, seq) -> float | None:
+    """Share of the dense peak on the published curve for this backend, architecture, direction
+    and mask at sequence length `seq`, None where no curve exists."""
+    curve = ATTENTION_CURVES.get((backend, arch, direction, causal))
+    if curve is not None:
+        return _on_curve(curve, seq) * 1e12 / ATTENTION_PEAK
+    other = ATTENTION_CURVES.get((backend, arch, direction, not causal))
+    ratio = (ATTENTION_CURVES.get(("cudnn", "hopper", "forward", True)),
+             ATTENTION_CURVES.get(("cudnn", "hopper", "forward", False)))
+    if other is None or arch != "hopper":
+        return None
+    r = _on_curve(ratio[0], seq) / _on_curve(ratio[1], seq)
+    return _on_curve(other, seq) * (r if causal else 1 / r) * 1e12 / ATTENTION_PEAK
+
+
+def attention_efficiency(op_name: str, arch: str | None, shape: tuple | None = None
+                         ) -> float | None:
+    """The achieved share of peak of a fused attention op (its aten name), None when unknown.
+    `shape` (analysis.kernel_cost.AttentionShape: the keys' sequence length, head dim, causal),
+    when known, picks the point on the published curve of the backend on this architecture; else
+    the flat figure of ATTENTION."""
+    backend = _backend(op_name)
     direction = "backward" if "backward" in op_name else "forward"
+    if shape is not None:
+        seq, causal = shape.seq_k, shape.causal
+        on_curve = attention_curve_share(backend, arch, direction, bool(causal), seq)
+        if on_curve is not None:
+            return on_curve
     return ATTENTION.get((backend, arch, direction))
 
 
 # ---- memory-bound kernels -------------------------------------------------------------------
-# Share of the DRAM peak that large elementwise / reduction kernels reach: STREAM-like copies on
-# A100 and H100 reach 85-92% (BabelStream / nvbandwidth reports); torch's vectorized elementwise
-# kernels somewhat less. A prior, like PRIORS["other"].memory.
+# Share of the DRAM peak that large elementwise / reduction kernels reach where no measurement of
+# the GPU exists: a prior, like PRIORS["other"].memory.
 ELEMENTWISE_BANDWIDTH = 0.80
+# Achievable DRAM bandwidth measured with STREAM kernels (BabelStream), bytes/s: Azure's
+# AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md, ND_H100_v5_results.md,
+# ND_H200_v5_results.md, "HBM Bandwidth": Copy (one read, one write: what copy, cast, cat and
+# FSDP2's copy-in / copy-out kernels do) and Triad (two reads, one write: a binary elementwise
+# op). A100 SXM 80GB 1.61 / 1.70 TB/s of 2.039 (79% / 83%), H100 SXM 2.90 / 2.97 of 3.35
+# (87% / 89%), H200 4.01 / 4.15 of 4.8 (84% / 86%).
+ACHIEVABLE_BANDWIDTH = {
+    "a100-sxm-80gb": {"copy": 1.61e12, "triad": 1.70e12},
+    "h100-sxm": {"copy": 2.90e12, "triad": 2.97e12},
+    "h200-sxm": {"copy": 4.01e12, "triad": 4.15e12},
+}
+
+
+def achievable_bandwidth(gpu, kind: str) -> float:
+    """Bytes/s a large memory-bound kernel of `kind` ("copy" or "triad") moves on `gpu`: the
+    STREAM measurement of the part, else ELEMENTWISE_BANDWIDTH of its DRAM peak."""
+    measured = ACHIEVABLE_BANDWIDTH.get(gpu.key, {}).get(kind)
+    return measured if measured is not None else gpu.memory_bandwidth * ELEMENTWISE_BANDWIDTH
 
 # ---- collectives overlapping compute ------------------------------------------------------------
 # SMs an NCCL collective occupies while it runs (one thread block per channel): NCCL's INFO log

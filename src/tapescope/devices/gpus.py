@@ -26,6 +26,10 @@ Conventions (read these before using a number):
 - ``l2_bytes`` as the device reports it (``deviceQuery`` "L2 Cache Size" / torch ``L2_cache_size``)
   where such a report was found, else the whitepaper's KB figure times 1024.
 - ``tdp_watts``: the maximum board power of the datasheet (the top of a configurable range).
+- ``power_limit_watts``: the board power limit the part runs at where it is set below
+  ``tdp_watts`` (a power-capped deployment), else None. A lower limit lowers the sustained clock,
+  hence every compute-bound kernel (devices/efficiency.py, ``sustained_clock``).
+- ``memory_type``: the DRAM technology as the datasheet names it (HBM3, HBM2e, GDDR6, ...).
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class GPU:
     tdp_watts: int
     peak_flops: Mapping[str, float] = field(hash=False)
     source: str
+    memory_type: str = ""
+    power_limit_watts: int | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.peak_flops) - set(DTYPES))
@@ -123,6 +129,28 @@ _TABLE: tuple[GPU, ...] = (
         source="NVIDIA H100 Tensor Core GPU Architecture whitepaper v1.04, Table 3 "
                "(https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper); "
                "NVIDIA H100 datasheet (https://www.nvidia.com/en-us/data-center/h100/)",
+        memory_type="HBM3",
+    ),
+    # H100 SXM5 with 96 GB of HBM2e run at a 500 W board limit: the part of Meta's Grand Teton
+    # hosts, which several published clusters use (shared/reference/published_runs.md, "Power-capped
+    # parts"). The GH100 die and its tensor rates are the H100 SXM5's (whitepaper v1.04 Table 3,
+    # dense); the board is the 700 W SXM5 one, limited to 500 W (power_limit_watts), which lowers
+    # its sustained clock (devices/efficiency.py). Memory: 96 GB = 6 HBM2e stacks of 16 GB on
+    # GH100's six 1024-bit stacks' worth of controllers (12 x 512-bit; glennklockwood.com/garden/
+    # processors/h100), at the H100 PCIe's HBM2e rate (2.0 TB/s over 5 stacks): 2.4 TB/s. DERIVED,
+    # no datasheet of this part was found; reported memory and L2 likewise unknown (50 MB assumed).
+    GPU(
+        key="h100-sxm-96gb", name="NVIDIA H100 SXM5 96GB HBM2e (500 W)", arch="hopper",
+        compute_capability=(9, 0),
+        memory_bytes=96 * _GIB, reported_memory_bytes=None,
+        memory_bandwidth=2.4e12, sms=132, l2_bytes=50 * _MIB, tdp_watts=700,
+        peak_flops={"fp64": 33.5 * _T, "fp64_tensor": 66.9 * _T, "fp32": 66.9 * _T,
+                    "tf32": 494.7 * _T, "bf16": 989.4 * _T, "fp16": 989.4 * _T,
+                    "fp8": 1978.9 * _T, "int8": 1978.9 * _T},
+        source="NVIDIA H100 Tensor Core GPU Architecture whitepaper v1.04, Table 3 (rates); "
+               "96 GB HBM2e at 500 W: shared/reference/published_runs.md (Grand Teton hosts); "
+               "bandwidth derived (6 HBM2e stacks at the H100 PCIe's per-stack rate)",
+        memory_type="HBM2e", power_limit_watts=500,
     ),
     # Tensor rates: H100 whitepaper v1.04 Table 1/Table 3, H100 PCIe column (BF16 756/1513 dense/
     # sparse; TF32 378, FP8 and INT8 1513 dense = the datasheet's 756*, 3,026* halved).
@@ -139,6 +167,7 @@ _TABLE: tuple[GPU, ...] = (
         source="NVIDIA H100 Tensor Core GPU Architecture whitepaper v1.04, Tables 1 and 3 "
                "(https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper); "
                "NVIDIA H100 PCIe datasheet / product brief PB-11133-001",
+        memory_type="HBM2e",
     ),
     # H800 SXM5: the H100 SXM5 (same GH100 board, 132 SMs, 80 GB HBM3 at 3.35 TB/s, up to 700 W)
     # with FP64 cut to 1 TFLOPS (vector and tensor) and NVLink to 400 GB/s (both directions);
@@ -155,6 +184,7 @@ _TABLE: tuple[GPU, ...] = (
         source="NVIDIA H800 Tensor Core GPU datasheet, H800 SXM column (FP64 1 TFLOPS, NVLink "
                "400GB/s, 80GB, 3.35TB/s, up to 700W; tensor rates as H100 SXM); NVIDIA H100 "
                "whitepaper v1.04 Table 3 for the dense rates",
+        memory_type="HBM3",
     ),
     # H100 datasheet / product page spec table, H100 NVL column: FP64 30, FP64 Tensor 60, FP32 60
     # TFLOPS (as printed); TF32 835*, BF16/FP16 1,671*, FP8/INT8 3,341* are "with sparsity" and
@@ -169,6 +199,7 @@ _TABLE: tuple[GPU, ...] = (
                     "tf32": 417.5 * _T, "bf16": 835.5 * _T, "fp16": 835.5 * _T,
                     "fp8": 1670.5 * _T, "int8": 1670.5 * _T},
         source="NVIDIA H100 datasheet, H100 NVL column (https://www.nvidia.com/en-us/data-center/h100/)",
+        memory_type="HBM3",
     ),
     # H200 datasheet, H200 SXM column: FP64 34, FP64 Tensor 67, FP32 67 TFLOPS (as printed);
     # TF32 989*, BF16/FP16 1,979*, FP8/INT8 3,958* are "with sparsity" and halved here.
@@ -185,6 +216,7 @@ _TABLE: tuple[GPU, ...] = (
                     "fp8": 1979 * _T, "int8": 1979 * _T},
         source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column "
                "(https://www.nvidia.com/en-us/data-center/h200/)",
+        memory_type="HBM3e",
     ),
     # --- Blackwell ----------------------------------------------------------------------------
     # NVIDIA HGX B200 spec table, "Individual Blackwell GPU Specifications", HGX B200 column:
@@ -205,6 +237,7 @@ _TABLE: tuple[GPU, ...] = (
                     "fp8": 4500 * _T, "int8": 4500 * _T},
         source="NVIDIA HGX B200 specifications, Individual Blackwell GPU Specifications "
                "(https://www.nvidia.com/en-us/data-center/hgx/)",
+        memory_type="HBM3e",
     ),
     # --- Ampere -------------------------------------------------------------------------------
     # A100 datasheet (r4), A100 80GB SXM column: FP64 9.7, FP64 Tensor 19.5, FP32 19.5, TF32 156,
@@ -221,6 +254,7 @@ _TABLE: tuple[GPU, ...] = (
         source="NVIDIA A100 Tensor Core GPU datasheet "
                "(https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf)",
+        memory_type="HBM2e",
     ),
     # A100 datasheet, A100 40GB SXM (and A100 whitepaper Table 1/4: 40 GB HBM2, 1,555 GB/s,
     # 40960 KB L2, 108 SMs, 400 W); same rates as the 80 GB part.
@@ -236,6 +270,7 @@ _TABLE: tuple[GPU, ...] = (
                "(https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf); NVIDIA Ampere architecture "
                "whitepaper, Table 1",
+        memory_type="HBM2",
     ),
     # A100 datasheet, A100 80GB PCIe column: same rates as SXM; 80 GB HBM2e, 1,935 GB/s, 300 W.
     # reported_memory_bytes: no trustworthy printout found.
@@ -248,6 +283,7 @@ _TABLE: tuple[GPU, ...] = (
         source="NVIDIA A100 Tensor Core GPU datasheet "
                "(https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf)",
+        memory_type="HBM2e",
     ),
     # GA102 whitepaper v2, Appendix A "GeForce RTX 3090": 82 SMs, FP32 35.6 TFLOPS, 24 GB GDDR6X,
     # 936 GB/s, 6144 KB L2, 350 W. Tensor rates are the dense FP32-accumulate rows (TF32 35.6,
@@ -263,6 +299,7 @@ _TABLE: tuple[GPU, ...] = (
                     "int8": 284 * _T},
         source="NVIDIA Ampere GA102 GPU Architecture whitepaper v2, Appendix A "
                "(https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf)",
+        memory_type="GDDR6X",
     ),
     # --- Ada Lovelace -------------------------------------------------------------------------
     # L4 datasheet: FP32 30.3 TFLOPS (as printed); TF32 120*, BF16/FP16 242*, FP8 485*, INT8 485*
@@ -276,6 +313,7 @@ _TABLE: tuple[GPU, ...] = (
         peak_flops={"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T,
                     "fp8": 242.5 * _T, "int8": 242.5 * _T},
         source="NVIDIA L4 Tensor Core GPU datasheet (https://www.nvidia.com/en-us/data-center/l4/)",
+        memory_type="GDDR6",
     ),
     # L40S datasheet: FP32 91.6; TF32 183 | 366*, BF16/FP16 362.05 | 733*, FP8 733 | 1,466*,
     # INT8 733 | 1,466* (the datasheet prints dense | sparse; dense taken). 48 GB GDDR6 with ECC,
@@ -289,6 +327,7 @@ _TABLE: tuple[GPU, ...] = (
         peak_flops={"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362.05 * _T, "fp16": 362.05 * _T,
                     "fp8": 733 * _T, "int8": 733 * _T},
         source="NVIDIA L40S GPU datasheet (https://www.nvidia.com/en-us/data-center/l40s/)",
+        memory_type="GDDR6",
     ),
     # Ada whitepaper v2.1, Appendix A "GeForce RTX 4090": 128 SMs, FP32 82.6 TFLOPS, 24 GB GDDR6X,
     # 1,008 GB/s, 72 MB L2, 450 W. Tensor rates are the dense FP32-accumulate rows: TF32 82.6,
@@ -304,6 +343,7 @@ _TABLE: tuple[GPU, ...] = (
                     "fp8": 330.3 * _T, "int8": 660.6 * _T},
         source="NVIDIA Ada GPU Architecture whitepaper v2.1, Appendix A "
                "(https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf)",
+        memory_type="GDDR6X",
     ),
     # --- Turing / Volta -----------------------------------------------------------------------
     # T4 datasheet: FP32 8.1 TFLOPS, mixed precision (FP16 multiply, FP32 accumulate) 65 TFLOPS,
@@ -317,6 +357,7 @@ _TABLE: tuple[GPU, ...] = (
         memory_bandwidth=320e9, sms=40, l2_bytes=4 * _MIB, tdp_watts=70,
         peak_flops={"fp32": 8.1 * _T, "fp16": 65 * _T, "int8": 130 * _T},
         source="NVIDIA T4 Tensor Core GPU datasheet (https://www.nvidia.com/en-us/data-center/tesla-t4/)",
+        memory_type="GDDR6",
     ),
     # V100 SXM2: A100 whitepaper Table 1 (V100 column) / Volta whitepaper: FP64 7.8, FP32 15.7,
     # FP16 Tensor (FP16 or FP32 accumulate) 125 TFLOPS; 80 SMs, 6144 KB L2, 900 GB/s, 300 W.
@@ -330,6 +371,7 @@ _TABLE: tuple[GPU, ...] = (
         peak_flops={"fp64": 7.8 * _T, "fp32": 15.7 * _T, "fp16": 125 * _T},
         source="NVIDIA Tesla V100 GPU Architecture whitepaper, Table 1 (https://images.nvidia.com/"
                "content/volta-architecture/pdf/volta-architecture-whitepaper.pdf); NVIDIA V100 datasheet",
+        memory_type="HBM2",
     ),
 )
 # fmt: on
@@ -343,6 +385,9 @@ ALIASES: Mapping[str, str] = MappingProxyType(
         "h100": "h100-sxm",
         "h100-sxm5": "h100-sxm",
         "h100-sxm-80gb": "h100-sxm",
+        "h100-96gb": "h100-sxm-96gb",
+        "h100-sxm5-96gb": "h100-sxm-96gb",
+        "h100-96gb-500w": "h100-sxm-96gb",
         "nvidia-h100-80gb-hbm3": "h100-sxm",
         "h100-pcie-80gb": "h100-pcie",
         "nvidia-h100-pcie": "h100-pcie",
@@ -493,6 +538,11 @@ INTERCONNECTS: Mapping[str, Interconnect] = MappingProxyType({
     # 8x single-port ConnectX-7 VPI, 400 Gb/s InfiniBand (NDR), one per GPU; NVSwitch inside.
     "h100-sxm": Interconnect(450e9, "NVLink 4 (NVSwitch)", 400 * _GBPS, "InfiniBand NDR 400 Gb/s",
                              8, "NVIDIA H100 datasheet; NVIDIA DGX H100 datasheet"),
+    # the 96 GB 500 W H100 of Grand Teton hosts: the same NVLink 4 / NVSwitch baseboard; one
+    # 400 Gb/s NIC per GPU as DGX H100 (assumed: the cluster's network is set per run)
+    "h100-sxm-96gb": Interconnect(450e9, "NVLink 4 (NVSwitch)", 400 * _GBPS,
+                                  "400 Gb/s per GPU (as DGX H100, assumed)", 8,
+                                  "NVIDIA H100 datasheet; network as NVIDIA DGX H100 (assumed)"),
     # PCIe cards: GPU to GPU over PCIe Gen5 x16 (the NVLink bridge joins pairs only)
     "h100-pcie": Interconnect(64e9, "PCIe Gen5 x16", None, "unspecified", 8,
                               "NVIDIA H100 datasheet (PCIe Gen5 128GB/s; NVLink bridge 600GB/s for pairs)"),

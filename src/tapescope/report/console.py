@@ -238,6 +238,8 @@ def _render_cuda(p, console: Console, invocation=None) -> None:
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())
     console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
                         f"{t.mfu:.0%}", (_calibration_note(t), "dim")))
+    if t.band is not None:
+        console.print(f"  step time error: {t.band.text()}", highlight=False, markup=False)
 
 
 def _calibration_note(t) -> str:
@@ -394,6 +396,9 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
                   f"{r.mfu:.0%}" if r.mfu is not None else "-",
                   f"{rate:,.0f}" if rate else "-")
     console.print(t)
+    for band in dict.fromkeys(r.error_band for r in rows if r.error_band):
+        console.print(f"  {'tokens' if tokens else 'samples'}/s error: {band}", highlight=False,
+                      markup=False)
     for r in rows:
         if r.peak_bytes is None:
             console.print(Text(f"  {r.layout} not run: {r.note}"), highlight=False)

@@ -92,7 +92,8 @@ def _time_fact(p, times) -> dict | None:
     t = p.time
     return {"seconds": _num(t.seconds), "bound": t.bound or None,
             "mfu": _num(t.mfu) if t.mfu else None, "calibrated": t.calibrated,
-            "calibration": t.calibration}
+            "calibration": t.calibration,
+            "error_band": t.band.text() if t.band is not None else None}
 
 
 def _meta(p, times) -> dict:

@@ -79,7 +79,8 @@ def distributed_sections(p, top: int = 8) -> list[Section]:
         tm = p.time
         after = (f"collectives {tm.comm * 1e3:.1f} ms on the interconnect, "
                  f"{tm.exposed_comm * 1e3:.1f} ms exposed ({tm.comm_overlap:.0%} overlapped "
-                 f"with compute); per-rank step {tm.seconds * 1e3:.1f} ms, MFU {tm.mfu:.0%}",) \
+                 f"with compute); per-rank step {tm.seconds * 1e3:.1f} ms, MFU {tm.mfu:.0%}"
+                 + (f" (step time error: {tm.band.text()})" if tm.band is not None else ""),) \
             if tm is not None and tm.comm else ()
         out.append(Section(f"Collectives of rank {p.facts.get('rank', 0)} per step", (),
                            ("kind", "mesh dim", "ranks", "bytes per rank", "count", "link", "time"),

@@ -162,6 +162,7 @@
         (t.calibration ? " (calibrated: " + t.calibration +
           (t.calibrated === false ? "; kernels of kinds it did not measure on the priors" : "") + ")"
           : t.calibrated === false ? " (timing constants not yet calibrated on a GPU)" : ""));
+      if (t.error_band) add("Time error", t.error_band);
     }
     if (m.step2) add("Step 2", m.step2);
     add("Versions", "tapescope " + m.tapescope_version + " · torch " + m.torch_version);
