@@ -222,15 +222,17 @@ class CausalAttention(nn.Module):
 
 
 def test_attention_kernels_carry_their_sequence_head_dim_and_mask():
-    """kernel_of reads (keys' length, head dim, is_causal) from the traced SDPA call's own
-    arguments, forward and backward alike."""
+    """kernel_of reads the attention's shape (batch x heads, query and key lengths, head dim) from
+    the traced SDPA call's tensors and is_causal from its own arguments, forward and backward
+    alike."""
     from tapescope.analysis.kernel_cost import kernel_of
 
     p = tapescope.profile(CausalAttention, tapescope.spec((2, 1024, 256)), device="cuda",
                           gpu="h100", dtype="bf16", optimizer=None, steps=1)
     kernels = [kernel_of(op) for op in p.ops if "attention" in op.name]
     assert len(kernels) == 2 and {k.op_class for k in kernels} == {"attention"}
-    assert all(k.attention == (1024, 128, True) for k in kernels)
+    # batch 2 x 2 heads of 128
+    assert all(k.attention == (4, 1024, 1024, 128, True) for k in kernels)
 
 
 def test_compute_overlapped_with_a_collective_runs_on_the_remaining_sms():
