@@ -40,9 +40,10 @@ What is approximated is listed in `APPROXIMATIONS` (shown in reports).
 from __future__ import annotations
 
 import re
+import sys
 import types
 import uuid
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, redirect_stderr
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,8 @@ APPROXIMATIONS = (
     "kernels are not run: a generated kernel allocates nothing the caching allocator sees",
     "max-autotune: autotuning benchmarks real kernels; tapescope keeps inductor's choices that need "
     "no benchmark (ATen/extern GEMMs), so a template GEMM chosen on real hardware is not shown",
+    "pad_mm: a compute-bound matmul with unaligned sizes, which inductor pads when a benchmark on "
+    "the device finds it faster, is left unpadded (its cheaper rules are inductor's own)",
     "reduce-overhead: CUDA graphs (their private memory pool, static input copies) are not modelled",
 )
 
@@ -211,7 +214,10 @@ def _fake_friendly_module(compiled, on_call=None) -> str | None:
     for name, f in _FAKE_FRIENDLY.items():
         if name in g:
             g[name] = f
-    if g.get("torch") is torch and "get_raw_stream" in g:  # a CUDA wrapper
+    # every wrapper, not only those that launch a Triton kernel: one made of extern kernels
+    # alone (a lone Linear: `extern_kernels.addmm`) still enters `torch.cuda._DeviceGuard(0)`,
+    # and a CPU wrapper never names torch.cuda (the delegate answers all else as torch does)
+    if g.get("torch") is torch:
         g["torch"] = _TORCH_WITHOUT_DEVICE
     for name, v in g.items():
         if isinstance(v, _NoKernel):
@@ -226,6 +232,16 @@ def _mode_patches(options: CompileOptions) -> dict:
     patches = dict(inductor_mode_options(options.mode, options.dynamic)) if options.mode else {}
     # CUDA graphs need a real device (and their pool is not modelled, see APPROXIMATIONS)
     patches["triton.cudagraphs"] = False
+    if patches.get("max_autotune"):
+        # autotuning times each GEMM/conv choice on the device (select_algorithm's benchmark);
+        # with ATen as the only backend there is one choice and nothing to time: inductor keeps
+        # the extern kernel, as it does when no template beats it (see APPROXIMATIONS)
+        patches["max_autotune_gemm_backends"] = "ATEN"
+        patches["max_autotune_conv_backends"] = "ATEN"
+    # inductor's own estimate of each generated kernel's bytes and FLOPs (`kernel_num_gb`,
+    # `kernel_flop` in the kernel's inductor_meta), which the compiled step's time is built from
+    # (analysis/compiled_time.py); it adds benchmark code to kernel sources, never compiled here
+    patches["benchmark_kernel"] = True
     return patches
 
 
@@ -342,11 +358,40 @@ def _quiet_compiler():
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), \
+                redirect_stderr(_LinesDropped(sys.stderr, _COMPILER_CHATTER)):
             warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
             yield
     finally:
         log.setLevel(level)
+
+
+# printed by inductor for each graph under `benchmark_kernel` (graph.py), which tapescope sets
+_COMPILER_CHATTER = ("Compiled module path: ",)
+
+
+class _LinesDropped:
+    """A text stream that passes on every whole line but those starting with `prefixes`."""
+
+    def __init__(self, stream, prefixes: tuple):
+        self._stream, self._prefixes, self._line = stream, prefixes, ""
+
+    def write(self, text: str) -> int:
+        self._line += text
+        *lines, self._line = self._line.split("\n")
+        for line in lines:
+            if not line.startswith(self._prefixes):
+                self._stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._line and not self._line.startswith(self._prefixes):
+            self._stream.write(self._line)
+            self._line = ""
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 @contextmanager
