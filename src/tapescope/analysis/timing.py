@@ -85,13 +85,16 @@ class StepTime:
 
 
 def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
-                       comm_streams: dict | None = None) -> StepTime:
+                       comm_streams: dict | None = None, compiled=None) -> StepTime:
     """Wall time of a step's ops (analysis.ops.Op, in order) on `gpu` (a devices.gpus.GPU).
 
     comm: op index (in the step) -> seconds of that collective on the interconnect.
     comm_streams: op index -> the NCCL stream it runs on (its process group,
     analysis.collectives.Collective.stream); collectives of one stream run in order, those of
-    different streams side by side. Without it, every collective shares one stream."""
+    different streams side by side. Without it, every collective shares one stream.
+    compiled: an inductor-compiled step's analysis.compiled_time.CompiledSchedule: the generated
+    kernels issued between the ops (on the compute stream, after the kernels before them and
+    the collectives whose outputs they read), and the host cost of the ops its wrappers run."""
     comm = comm or {}
     comm_streams = comm_streams or {}
     comm_at: dict = {}    # NCCL stream -> when its last collective ends
@@ -124,13 +127,44 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
     # share of the SMs a running collective holds; while two groups' collectives run at once,
     # compute is slowed as by one (their spans are merged: a lower bound on the slowdown)
     slow = NCCL_SMS / gpu.sms if comm else 0.0
-    for op in ops:
+    launches = compiled.launches if compiled is not None else {}
+    host_of = compiled.host if compiled is not None else {}
+
+    def issue(launch) -> None:
+        """A generated kernel (or a compiled graph's call, host work alone) of a compiled step."""
+        nonlocal host, gpu_t, busy, total_flops, calibrated, exposed
+        host += launch.host * launch.runs
+        if launch.kernel is None:
+            return
+        t, measured = kernel_time(launch.kernel, gpu)
+        t *= launch.runs
+        calibrated &= measured
+        total_flops += launch.kernel.flops * launch.runs
+        start = max(gpu_t, host)
+        if dataflow:
+            waits = max((max(ready.get(s, 0.0), written.get(s, 0.0)) for s in launch.args),
+                        default=0.0)
+            if waits > start:
+                if any(ready.get(s, 0.0) > start for s in launch.args):
+                    exposed += waits - start
+                start = waits
+        gpu_t = start + t
+        busy += t
+        if dataflow:
+            for s in launch.writes:
+                written[s] = gpu_t
+        phase_end[launch.phase] = span(launch.phase, max(gpu_t, host))
+
+    for position, op in enumerate(ops):
+        for launch in launches.get(position, ()):
+            issue(launch)
         func = op.record.func
         kernel = launches_kernel(func)
         # an op of a repeated micro-batch runs op.runs times: counted back to back (the block's
         # own order of host and GPU work is not replayed op.runs times)
         runs = op.runs
-        host += (HOST_OP_S if kernel else HOST_VIEW_S) * runs
+        host += (host_of[position] if position in host_of else
+                 HOST_OP_S if kernel else HOST_VIEW_S) * runs
         t = 0.0
         total_flops += op.total_flops or 0
         rec = op.record
@@ -207,6 +241,8 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
             host = max(host, gpu_t)  # .item() waits for the GPU
         op_seconds.append(t)
         phase_end[op.phase] = span(op.phase, max(gpu_t, host))
+    for launch in launches.get(len(ops), ()):
+        issue(launch)
     total = max(gpu_t, host, *comm_at.values(), *side_t.values())
     by_phase, start = {}, 0.0
     if "other" not in phase_end:

@@ -104,22 +104,58 @@ class GraphBreak:
 
 
 class _NoKernel:
-    """Stands for a generated kernel: called with the buffers it would read and write; does nothing."""
+    """Stands for a generated kernel: called with the buffers it would read and write; does
+    nothing but tell `launched(kernel, args, stream)` (the Tape, while a graph's code runs).
 
-    __slots__ = ("name", "source")
+    What the kernel would do is read from its source as inductor wrote it: `kernel_num_gb` and
+    `kernel_flop` of its inductor_meta (inductor's estimate of the bytes its arguments load and
+    store and of its FLOPs, written under `benchmark_kernel`; torch/_inductor/metrics.py reads
+    `kernel_num_gb` back from the source the same way) and, from its signature, which
+    arguments it stores to (inductor names them out_ptrN / in_out_ptrN, or lists them in
+    `mutated_arg_names`)."""
 
-    def __init__(self, source: str = ""):
-        self.name, self.source = None, source
+    __slots__ = ("name", "source", "num_bytes", "flops", "writes", "launched")
 
-    def __call__(self, *args, **kwargs):
-        return None
+    def __init__(self, source: str = "", name: str | None = None):
+        self.name, self.source, self.launched = name, source, None
+        self.num_bytes, self.flops, self.writes = _kernel_figures(source)
 
-    def run(self, *args, **kwargs):  # triton kernels are launched with .run(...)
-        return None
+    def __call__(self, *args, **kwargs):  # C++ kernels are called
+        if self.launched is not None:
+            self.launched(self, args, 0)
+
+    def run(self, *args, stream=None, **kwargs):  # triton kernels are launched with .run(...)
+        if self.launched is not None:
+            self.launched(self, args, stream)
+
+
+_META_FIGURE = re.compile(r"'(kernel_num_gb|kernel_flop)':\s*([-+0-9.eE]+)")
+_MUTATED = re.compile(r"'mutated_arg_names':\s*\[([^\]]*)\]")
+_SIGNATURE = re.compile(r"^def \w+\(([^)]*)\)", re.M)
+
+
+def _kernel_figures(source: str) -> tuple:
+    """(bytes, FLOPs, positions of the arguments it stores to) of a generated kernel's source;
+    None for a figure it does not state."""
+    figures = {k: float(v) for k, v in _META_FIGURE.findall(source)}
+    num_bytes = round(figures["kernel_num_gb"] * 1e9) if "kernel_num_gb" in figures else None
+    flops = int(figures["kernel_flop"]) if "kernel_flop" in figures else None
+    m = _SIGNATURE.search(source)
+    params = [p.split(":")[0].strip() for p in m.group(1).split(",")
+              if p.strip() and "constexpr" not in p] if m else []
+    mutated = set(re.findall(r"'(\w+)'", _MUTATED.search(source).group(1))) \
+        if _MUTATED.search(source) else set()
+    writes = tuple(i for i, p in enumerate(params)
+                   if p.startswith(("out_ptr", "in_out_ptr")) or p in mutated)
+    return num_bytes, flops, writes
 
 
 def _no_kernel(self, *args, **kwargs):
-    return _NoKernel()
+    # AsyncCompile.triton(kernel_name, source_code, ...), cpp_pybinding(argtypes, source_code)
+    texts = [a for a in (*args, *kwargs.values()) if isinstance(a, str)]
+    source = max(texts, key=len, default="")
+    name = args[0] if args and isinstance(args[0], str) and args[0].isidentifier() else None
+    return _NoKernel(source, name)
 
 
 @contextmanager
@@ -197,18 +233,26 @@ _FAKE_FRIENDLY = {
 
 def _fake_friendly_module(compiled, on_call=None) -> str | None:
     """Point the generated wrapper's C++ helpers at dispatcher ops; returns its source.
-    `on_call()` is a context entered around each run of the wrapper."""
+    `on_call()` is a context entered around each run of the wrapper; what it yields is told of
+    each kernel the run launches (`_NoKernel.launched`)."""
     fn = getattr(compiled, "current_callable", None)
+    f = getattr(fn, "__func__", fn)
+    g = getattr(f, "__globals__", None)
+    kernels = [v for v in g.values() if isinstance(v, _NoKernel)] if g is not None else []
     if on_call is not None and fn is not None:
         run = fn
 
         def call(args):
-            with on_call():
-                return run(args)
+            with on_call() as launched:
+                for k in kernels:  # this module's own kernels: no other module shares them
+                    k.launched = launched
+                try:
+                    return run(args)
+                finally:
+                    for k in kernels:
+                        k.launched = None
 
         compiled.current_callable = call
-    fn = getattr(fn, "__func__", fn)
-    g = getattr(fn, "__globals__", None)
     if g is None:
         return None
     for name, f in _FAKE_FRIENDLY.items():
@@ -221,7 +265,7 @@ def _fake_friendly_module(compiled, on_call=None) -> str | None:
         g["torch"] = _TORCH_WITHOUT_DEVICE
     for name, v in g.items():
         if isinstance(v, _NoKernel):
-            v.name = name
+            v.name = v.name or name
     return getattr(compiled, "source_code", None)
 
 
