@@ -306,3 +306,14 @@ def test_compile_failure_message_names_the_wrapped_error():
     msg = str(from_trace_failure(exc))
     assert "raised BackendCompilerFailed" in msg
     assert msg.endswith(": RuntimeError: Found no NVIDIA driver"), msg
+
+
+def test_bf16_on_a_gpu_inductor_skips_is_said():
+    """Inductor cannot compile bf16 graphs below sm80 and asks dynamo to run the frame eagerly
+    (SkipFrame "BF16 is not supported", compile_fx.py); with caches off that request arrived
+    wrapped as an InductorError traceback. Now one line that says so and what to do."""
+    from tapescope.errors import DeviceError
+
+    with pytest.raises(DeviceError, match=r"BF16 is not supported.*runs it eagerly.*Fix: "):
+        tapescope.profile(lambda: nn.Linear(64, 10), tapescope.spec((8, 64)), device="cuda",
+                          gpu="t4", amp="bf16", compile=True, optimizer=None, steps=1)

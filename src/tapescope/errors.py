@@ -124,6 +124,8 @@ def raised_by_tapescope(e: BaseException) -> bool:
     torch, and no op of the user's step raised it."""
     if getattr(e, "tapescope_op", None) is not None or getattr(e, "tapescope_user", False):
         return False
+    if isinstance(getattr(e, "inner_exception", None), TapescopeError):
+        return False  # a refusal tapescope raised inside a compile backend, which dynamo wraps
     tb = e.__traceback__
     last = None
     while tb is not None:
@@ -177,6 +179,9 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
     from .torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
                                GuardOnDataDependentSymNode, UnsupportedOperatorException)
 
+    inner = getattr(exc, "inner_exception", None)
+    if isinstance(inner, TapescopeError):  # tapescope's refusal, inside a compile backend
+        return inner
     op = getattr(exc, "tapescope_op", None) or getattr(exc, "func", None)
     where = _where(exc)
     if isinstance(exc, UnknownValueRead) and exc.kind == "random":

@@ -95,7 +95,7 @@ __all__ = [
     "device_constructors", "OpOverload", "inductor_async_compile", "inductor_mode_options",
     "inductor_compilers", "aot_autograd", "compile_configs", "dynamo_callback_handler",
     "inductor_constant_folders", "dynamo_device_interface", "inductor_utils", "inductor_pad_mm",
-    "matmul_allows_tf32", "DEVICE_CACHING_MODULES",
+    "matmul_allows_tf32", "dynamo_skip_frame", "DEVICE_CACHING_MODULES",
     "SETUP_ONCE_CACHES", "INDUCTOR_KERNEL_COMPILERS",
     "graph_task_queries", "accelerator_query", "fake_store", "replicate_with_fsdp",
     "checkpoint_wrapper_api", "TRACING_CHECK_MODULES", "dtensor_tracing_checks",
@@ -887,6 +887,7 @@ PRIVATE_NAMES = (
     "torch.utils._triton.has_triton", "torch._inductor.utils.get_gpu_dram_gbps",
     "torch._inductor.utils.get_device_tflops",
     "torch._inductor.fx_passes.pad_mm.get_cached_should_pad",
+    "torch._dynamo.exc.SkipFrame", "torch._dynamo.exc.BackendCompilerFailed",
     "torch._inductor.codecache.CacheBase.get_system",
     "torch._inductor.analysis.device_info",
     "torch._inductor.codegen.triton.TritonKernelOverrides._setup_libdevice_routing",
@@ -1048,6 +1049,14 @@ def inductor_utils():
     import torch._inductor.utils as utils
 
     return utils
+
+
+def dynamo_skip_frame():
+    """(BackendCompilerFailed, SkipFrame): dynamo's wrapper of a backend's error, and the
+    exception that tells dynamo to run a frame eagerly."""
+    from torch._dynamo.exc import BackendCompilerFailed, SkipFrame
+
+    return BackendCompilerFailed, SkipFrame
 
 
 def inductor_pad_mm():

@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import DeviceError
 from ..options import CompileOptions
 from .gpu_less import NoDeviceGuard
 from ..torch_compat import (INDUCTOR_KERNEL_COMPILERS, aot_autograd, compile_configs,
-                            dynamo_callback_handler, function_modes_suspended,
+                            dynamo_callback_handler, dynamo_skip_frame, function_modes_suspended,
                             inductor_async_compile, inductor_compilers, inductor_mode_options)
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compile_blocks",
@@ -347,6 +348,7 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None, 
         return backend
 
     compile_fx, compile_fx_inner = inductor_compilers()
+    BackendCompilerFailed, SkipFrame = dynamo_skip_frame()
     patches = _mode_patches(options)
 
     def backend(gm, example_inputs):
@@ -355,7 +357,21 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None, 
         def inner_compile(gm, example_inputs, **kwargs):
             kind = "backward" if kwargs.get("is_backward") else (
                 "inference" if kwargs.get("is_inference") else "forward")
-            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            try:
+                compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            except BackendCompilerFailed as e:
+                # inductor asks dynamo to run a frame eagerly with SkipFrame ("BF16 is not
+                # supported" on a GPU before sm80, which Triton cannot compile bf16 for). The
+                # user's compile then runs that frame, and each frame it calls, eagerly; the
+                # eager profile is that step, so it is said rather than traced again here
+                if isinstance(getattr(e, "inner_exception", None), SkipFrame):
+                    raise DeviceError(
+                        f"torch.compile cannot compile this step's {kind} graph for the named GPU "
+                        f"(inductor: {e.inner_exception}) and runs it eagerly instead, with a "
+                        "warning. Fix: profile without --compile (that is the step the GPU "
+                        "runs), or use a dtype inductor compiles there (--amp fp16 below "
+                        "sm80).") from None
+                raise
             code = _fake_friendly_module(compiled, running(kind, region))
             note(kind, region, gm, code)
             return compiled
