@@ -417,12 +417,13 @@ def _quiet_compiler():
     log = logging.getLogger("torch.utils.cpp_extension")
     level = log.level
     log.setLevel(logging.ERROR)
+    stderr = _LinesDropped(sys.stderr, _COMPILER_CHATTER)
     try:
-        with warnings.catch_warnings(), \
-                redirect_stderr(_LinesDropped(sys.stderr, _COMPILER_CHATTER)):
+        with warnings.catch_warnings(), redirect_stderr(stderr):
             warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
             yield
     finally:
+        stderr.flush()  # a last line without its newline yet
         log.setLevel(level)
 
 
