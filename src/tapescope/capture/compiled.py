@@ -144,8 +144,8 @@ def _kernel_figures(source: str) -> tuple:
     m = _SIGNATURE.search(source)
     params = [p.split(":")[0].strip() for p in m.group(1).split(",")
               if p.strip() and "constexpr" not in p] if m else []
-    mutated = set(re.findall(r"'(\w+)'", _MUTATED.search(source).group(1))) \
-        if _MUTATED.search(source) else set()
+    listed = _MUTATED.search(source)
+    mutated = set(re.findall(r"'(\w+)'", listed.group(1))) if listed else set()
     writes = tuple(i for i, p in enumerate(params)
                    if p.startswith(("out_ptr", "in_out_ptr")) or p in mutated)
     return num_bytes, flops, writes
