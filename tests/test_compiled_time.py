@@ -139,3 +139,34 @@ def test_aot_eager_is_timed_as_its_aten_ops():
     assert p.compiled_schedule is None and p.time is not None
     assert p.trace.kernel_launches == []  # AOTAutograd's graphs run as aten ops: no kernels
     assert compiled_schedule(p.trace, p.ops, {}).kernels() == []
+
+
+class Broken(nn.Module):
+    """Two compiled regions: a graph break between the layers (print is not traceable)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        x = torch.relu(self.a(x)).sigmoid()
+        torch._dynamo.graph_break()
+        return torch.relu(self.b(x)).sigmoid()
+
+
+def test_graph_break_regions_and_eager_ops_share_one_schedule():
+    """Each region's forward and backward is a compiled call with its own host cost and
+    kernels; the eager ops between (the loss, AOTAutograd's wrappers, the optimizer) are in the
+    same schedule: the step's time covers all of them, phase by phase."""
+    p = tapescope.profile(Broken, tapescope.spec((32, 64)), device="cuda", gpu="h100",
+                          compile=True, steps=1)
+    assert p.compiled.regions == 2 and len(p.compiled.graph_breaks) == 1
+    sched = p.compiled_schedule
+    calls = [launch for ls in sched.launches.values() for launch in ls if launch.kernel is None]
+    assert sorted(launch.phase for launch in calls) == ["backward"] * 2 + ["forward"] * 2
+    # every generated kernel of every run of compiled code is in the step's schedule
+    assert len(sched.kernels()) == len(p.trace.kernel_launches) >= 4
+    t = p.time
+    assert set(t.by_phase) == {"forward", "backward", "optimizer"}
+    assert t.seconds == pytest.approx(sum(t.by_phase.values()))
+    assert t.host > len(calls) * GRAPH_CALL_S
