@@ -51,7 +51,9 @@ GRAPH_CALL_S = 44.3e-6 - 6.8e-6
 
 
 def kernel_launch_host_s(n_args: int) -> float:
-    """Host seconds to launch one generated kernel with `n_args` arguments (tritonbench #1017)."""
+    """Host seconds to launch one generated kernel with `n_args` tensor arguments (tritonbench
+    #1017; what grows with the arguments is chiefly the binder's pointer query per tensor, so
+    the schedule counts a launch's tensors, not its size arguments)."""
     return _LAUNCH_S_NO_ARGS + (_LAUNCH_S_19_ARGS - _LAUNCH_S_NO_ARGS) * n_args / 19
 
 
