@@ -141,23 +141,33 @@ class Profile:
 
     @cached_property
     def time(self):
-        """Estimated wall time of the step on the GPU (analysis.timing), None off CUDA and for an
-        inductor-compiled step (its fused Triton kernels are no ops the per-op roofline sees)."""
+        """Estimated wall time of the step on the GPU (analysis.timing), None off CUDA. An
+        inductor-compiled step is timed by the kernels its generated wrappers launched
+        (analysis.compiled_time) with the eager ops around its compiled regions."""
         from .analysis.timing import estimate_step_time
 
         if self.gpu is None or self.trace.device.type != "cuda":
-            return None
-        if self.compiled is not None and self.compiled.options.get("backend") == "inductor":
             return None
         from .analysis.time_band import profile_band
 
         comm = {c.op: c.seconds for c in self.collectives} if self.collectives else None
         streams = {c.op: c.stream for c in self.collectives} if self.collectives else None
         calibration = self.options.calibration if self.options is not None else None
-        t = estimate_step_time(self.ops, self.trace, self.gpu, comm, streams, calibration)
+        t = estimate_step_time(self.ops, self.trace, self.gpu, comm, streams, calibration,
+                               self.compiled_schedule)
         # the error measured on published runs of its kind (none for times a file calibrated)
         t.band = profile_band(self, calibrated=calibration is not None)
         return t
+
+    @cached_property
+    def compiled_schedule(self):
+        """What an inductor-compiled step's wrappers launched, priced for the schedule
+        (analysis.compiled_time.CompiledSchedule); None for an eager or aot_eager step."""
+        from .analysis.compiled_time import compiled_schedule
+
+        if self.compiled is None or self.compiled.options.get("backend") != "inductor":
+            return None
+        return compiled_schedule(self.trace, self.ops, self.compiled.options)
 
     @cached_property
     def collectives(self) -> list:

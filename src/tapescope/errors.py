@@ -124,6 +124,8 @@ def raised_by_tapescope(e: BaseException) -> bool:
     torch, and no op of the user's step raised it."""
     if getattr(e, "tapescope_op", None) is not None or getattr(e, "tapescope_user", False):
         return False
+    if isinstance(getattr(e, "inner_exception", None), TapescopeError):
+        return False  # a refusal tapescope raised inside a compile backend, which dynamo wraps
     tb = e.__traceback__
     last = None
     while tb is not None:
@@ -177,6 +179,9 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
     from .torch_compat import (DataDependentOutputException, DynamicOutputShapeException,
                                GuardOnDataDependentSymNode, UnsupportedOperatorException)
 
+    inner = getattr(exc, "inner_exception", None)
+    if isinstance(inner, TapescopeError):  # tapescope's refusal, inside a compile backend
+        return inner
     op = getattr(exc, "tapescope_op", None) or getattr(exc, "func", None)
     where = _where(exc)
     if isinstance(exc, UnknownValueRead) and exc.kind == "random":
@@ -228,10 +233,21 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
         return UnsupportedOpError(
             f"{op} {where} cannot run on fake tensors: {exc}. Fix: register a fake implementation "
             f"with torch.library.register_fake('{_op_name(op)}').")
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    msg = _first_line(exc)
     who = "the step" if getattr(exc, "tapescope_phase", None) == "other" else "the model"
     return ModelError(" ".join(filter(None, (f"{who} raised {type(exc).__name__}", where)))
                       + f": {msg}")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of what `exc` says; for an error torch.compile wraps (dynamo's
+    BackendCompilerFailed: "backend='inductor' raised:" on its first line, the error below it),
+    the wrapped error's, named by its type."""
+    inner = getattr(exc, "inner_exception", None)
+    if isinstance(inner, BaseException):
+        return f"{type(inner).__name__}: {_first_line(inner)}"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # What torch says when a tensor subclass (a fake tensor) is asked for its data.

@@ -94,7 +94,8 @@ __all__ = [
     "active_fake_mode", "c10d_collective_result", "clear_dtensor_caches", "StridedShard",
     "device_constructors", "OpOverload", "inductor_async_compile", "inductor_mode_options",
     "inductor_compilers", "aot_autograd", "compile_configs", "dynamo_callback_handler",
-    "inductor_constant_folders", "dynamo_device_interface", "DEVICE_CACHING_MODULES",
+    "inductor_constant_folders", "dynamo_device_interface", "inductor_utils", "inductor_pad_mm",
+    "matmul_allows_tf32", "dynamo_skip_frame", "DEVICE_CACHING_MODULES",
     "SETUP_ONCE_CACHES", "INDUCTOR_KERNEL_COMPILERS",
     "graph_task_queries", "accelerator_query", "fake_store", "replicate_with_fsdp",
     "checkpoint_wrapper_api", "TRACING_CHECK_MODULES", "dtensor_tracing_checks",
@@ -884,6 +885,9 @@ PRIVATE_NAMES = (
     "torch._inductor.fx_passes.joint_graph.UniformValueConstantFolder",
     "torch._inductor.runtime.hints.DeviceProperties.create",
     "torch.utils._triton.has_triton", "torch._inductor.utils.get_gpu_dram_gbps",
+    "torch._inductor.utils.get_device_tflops",
+    "torch._inductor.fx_passes.pad_mm.get_cached_should_pad",
+    "torch._dynamo.exc.SkipFrame", "torch._dynamo.exc.BackendCompilerFailed",
     "torch._inductor.codecache.CacheBase.get_system",
     "torch._inductor.analysis.device_info",
     "torch._inductor.codegen.triton.TritonKernelOverrides._setup_libdevice_routing",
@@ -1039,6 +1043,37 @@ def inductor_constant_folders():
     return ConstantFolder, UniformValueConstantFolder
 
 
+def inductor_utils():
+    """torch._inductor.utils: its datasheet queries (get_device_tflops, get_gpu_dram_gbps), which
+    pad_mm reads through the module (capture/gpu_less.py answers them for the named GPU)."""
+    import torch._inductor.utils as utils
+
+    return utils
+
+
+def dynamo_skip_frame():
+    """(BackendCompilerFailed, SkipFrame): dynamo's wrapper of a backend's error, and the
+    exception that tells dynamo to run a frame eagerly."""
+    from torch._dynamo.exc import BackendCompilerFailed, SkipFrame
+
+    return BackendCompilerFailed, SkipFrame
+
+
+def inductor_pad_mm():
+    """torch._inductor.fx_passes.pad_mm: its benchmark verdict cache (capture/gpu_less.py)."""
+    import torch._inductor.fx_passes.pad_mm as pad_mm
+
+    return pad_mm
+
+
+def matmul_allows_tf32() -> bool:
+    """Whether fp32 matmuls may use TF32, as inductor's get_device_tflops reads it."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 def dynamo_device_interface():
     """torch._dynamo.device_interface: CudaInterface and its worker caches (capture/gpu_less.py)."""
     import torch._dynamo.device_interface as device_interface
@@ -1190,6 +1225,10 @@ PATCHED = (
             "constant folding computes on the CPU"),
     Patched("torch._inductor.fx_passes.joint_graph.UniformValueConstantFolder", ("__init__",),
             "capture/gpu_less.py", "likewise"),
+    Patched("torch._inductor.utils", ("get_device_tflops", "get_gpu_dram_gbps"),
+            "capture/gpu_less.py", "inductor's datasheet figures, for the named GPU (pad_mm)"),
+    Patched("torch._inductor.fx_passes.pad_mm", ("get_cached_should_pad",),
+            "capture/gpu_less.py", "pad_mm's benchmark on the device: not padded"),
     Patched("triton.runtime.driver.driver", ("_active",), "capture/gpu_less.py",
             "Triton's CUDA driver for the named GPU, made without libcuda"),
     # a distributed profile: CUDA without a GPU, DTensor as in the eager step

@@ -29,7 +29,7 @@ from ..torch_compat import OpOverload, tree_leaves
 from .flops import op_flops
 
 __all__ = ["SavedTensor", "RecomputedOp", "CompiledReport", "compiled_report", "graph_flops",
-           "node_flops", "side_by_side", "saved_at_end_of_forward"]
+           "node_flops", "side_by_side", "speedup", "saved_at_end_of_forward"]
 
 
 @dataclass(frozen=True)
@@ -301,5 +301,17 @@ def side_by_side(eager, compiled) -> dict:
         out[f"flops_{k}"] = (eager.flops.get(k), compiled.flops.get(k))
     et, ct = eager.time, compiled.time
     if et is not None and ct is not None:
+        from .compiled_time import step_kernels
+
         out["time_seconds"] = (et.seconds, ct.seconds)
+        # DRAM bytes all kernels load and store: what fusion saves
+        out["kernel_bytes"] = tuple(sum(k.bytes * runs for k, runs in step_kernels(p.ops, s))
+                                    for p, s in ((eager, None),
+                                                 (compiled, compiled.compiled_schedule)))
     return out
+
+
+def speedup(eager, compiled) -> float | None:
+    """Eager step time / compiled step time (None where either has no time)."""
+    et, ct = eager.time, compiled.time
+    return et.seconds / ct.seconds if et is not None and ct is not None and ct.seconds else None

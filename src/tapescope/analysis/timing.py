@@ -95,7 +95,8 @@ class StepTime:
 
 
 def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
-                       comm_streams: dict | None = None, calibration=None) -> StepTime:
+                       comm_streams: dict | None = None, calibration=None,
+                       compiled=None) -> StepTime:
     """Wall time of a step's ops (analysis.ops.Op, in order) on `gpu` (a devices.gpus.GPU).
 
     comm: op index (in the step) -> seconds of that collective on the interconnect.
@@ -103,12 +104,21 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
     analysis.collectives.Collective.stream); collectives of one stream run in order, those of
     different streams side by side. Without it, every collective shares one stream.
     calibration: a devices.calibration.Calibration of `gpu`: kernels priced by its measurements
-    where it has them, and each kernel-launching op costs the host its measured time."""
+    where it has them, and each kernel-launching op costs the host its measured time.
+    compiled: an inductor-compiled step's analysis.compiled_time.CompiledSchedule: the generated
+    kernels issued between the ops (on the compute stream, after the kernels before them and
+    the collectives whose outputs they read), and the host cost of the ops its wrappers run."""
     schedule = _Schedule(gpu, trace.storages, comm or {}, comm_streams or {},
                          dataflow=bool(comm) or any(op.record.stream or op.record.waits
                                                     for op in ops), calibration=calibration)
-    for op in ops:
-        schedule.run(op)
+    launches = compiled.launches if compiled is not None else {}
+    host_of = compiled.host if compiled is not None else {}
+    for position, op in enumerate(ops):
+        for launch in launches.get(position, ()):
+            schedule.generated_kernel(launch)
+        schedule.run(op, host_of.get(position))
+    for launch in launches.get(len(ops), ()):
+        schedule.generated_kernel(launch)
     return schedule.result()
 
 
@@ -117,7 +127,8 @@ class _Schedule:
     (`issue`); its stream's event waits (`event_waits`); a collective runs on its NCCL stream
     (`collective`), a kernel on a side stream's queue (`side_stream`) or on the compute stream
     (`compute_stream`, behind its inputs and slowed while collectives hold SMs); `.item()` makes
-    the host wait (`host_sync`); each op's end closes its phase (`close_phase`)."""
+    the host wait (`host_sync`); each op's end closes its phase (`close_phase`). A compiled
+    step's generated kernels run between the ops (`generated_kernel`)."""
 
     def __init__(self, gpu, storages, comm: dict, comm_streams: dict, dataflow: bool,
                  calibration=None):
@@ -152,8 +163,9 @@ class _Schedule:
         self.last_end = 0.0
 
     # ---- one op ---------------------------------------------------------------------------
-    def run(self, op) -> None:
-        kernel = self.issue(op)
+    def run(self, op, host_s: float | None = None) -> None:
+        """One op; `host_s`: its host cost where a compiled wrapper issues it (not eager's)."""
+        kernel = self.issue(op, host_s)
         marks, after = self.event_waits(op)
         seconds = self.comm.get(op.index)
         if seconds is not None:
@@ -175,12 +187,14 @@ class _Schedule:
         self.op_seconds.append(t)
         self.close_phase(op.phase, max(self.gpu_t, self.host))
 
-    def issue(self, op) -> bool:
+    def issue(self, op, host_s: float | None = None) -> bool:
         """The host's dispatch of the op (runs times for a repeated micro-batch's op: counted
         back to back); whether it launches a GPU kernel (not a view, metadata op or autograd
         wrapper, nor an op on host tensors only: the optimizer's CPU step counters)."""
         kernel = launches_kernel(op.record.func) and on_gpu(op, self.storages)
-        self.host += (self.host_op_s if kernel else HOST_VIEW_S) * op.runs
+        if host_s is None:
+            host_s = self.host_op_s if kernel else HOST_VIEW_S
+        self.host += host_s * op.runs
         self.total_flops += op.total_flops or 0
         return kernel
 
@@ -260,6 +274,31 @@ class _Schedule:
             for r in op.outputs:
                 self.written[r.storage] = self.gpu_t
         return t
+
+    def generated_kernel(self, launch) -> None:
+        """A kernel an inductor wrapper launches (or a compiled graph's call: host work alone),
+        on the compute stream after the kernels before it and what wrote its buffers."""
+        self.host += launch.host * launch.runs
+        if launch.kernel is None:
+            return
+        t, measured = kernel_time(launch.kernel, self.gpu, self.calibration)
+        t *= launch.runs
+        self.calibrated &= measured
+        self.total_flops += launch.kernel.flops * launch.runs
+        start = max(self.gpu_t, self.host)
+        if self.dataflow:
+            waits = max((max(self.ready.get(s, 0.0), self.written.get(s, 0.0))
+                         for s in launch.args), default=0.0)
+            if waits > start:
+                if any(self.ready.get(s, 0.0) > start for s in launch.args):
+                    self.exposed += waits - start
+                start = waits
+        self.gpu_t = start + t
+        self.busy += t
+        if self.dataflow:
+            for s in launch.writes:
+                self.written[s] = self.gpu_t
+        self.close_phase(launch.phase, max(self.gpu_t, self.host))
 
     def host_sync(self, op) -> None:
         """`.item()` of a GPU tensor waits for the GPU."""

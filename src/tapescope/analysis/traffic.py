@@ -1,6 +1,7 @@
 """Bytes each op reads and writes: the memory traffic of a roofline model.
 
-An op reads each tensor argument once and writes each result once: `numel * itemsize`, capped at
+An op reads each tensor argument once (but an `out=` argument, which it only writes) and writes
+each result once: `numel * itemsize`, capped at
 the size of the storage behind it (a broadcast `expand` of a vector reads the vector, not the
 broadcast). Views, aliases and uninitialised allocations move nothing. Kernel-internal traffic
 (tiling re-reads, a matmul's second pass over an operand) is not modelled here.
@@ -24,4 +25,14 @@ def op_traffic(op: OpRecord, trace: Trace) -> tuple[int, int]:
     def moved(t):
         return t.nbytes if t.storage < 0 else min(t.nbytes, storages[t.storage].nbytes)
 
-    return sum(moved(t) for t in op.tensor_inputs()), sum(moved(t) for t in op.tensor_outputs())
+    outputs = op.tensor_outputs()
+    inputs = op.tensor_inputs()
+    if _has_out_arguments(func):  # `out=` (inductor's extern kernels): written, never read
+        written = {t.storage for t in outputs}
+        inputs = [t for t in inputs if t.storage not in written]
+    return sum(moved(t) for t in inputs), sum(moved(t) for t in outputs)
+
+
+def _has_out_arguments(func) -> bool:
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.is_out for a in schema.arguments)

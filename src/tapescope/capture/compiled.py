@@ -40,17 +40,19 @@ What is approximated is listed in `APPROXIMATIONS` (shown in reports).
 from __future__ import annotations
 
 import re
+import sys
 import types
 import uuid
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, redirect_stderr
 from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import DeviceError
 from ..options import CompileOptions
 from .gpu_less import NoDeviceGuard
 from ..torch_compat import (INDUCTOR_KERNEL_COMPILERS, aot_autograd, compile_configs,
-                            dynamo_callback_handler, function_modes_suspended,
+                            dynamo_callback_handler, dynamo_skip_frame, function_modes_suspended,
                             inductor_async_compile, inductor_compilers, inductor_mode_options)
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compile_blocks",
@@ -60,6 +62,8 @@ APPROXIMATIONS = (
     "kernels are not run: a generated kernel allocates nothing the caching allocator sees",
     "max-autotune: autotuning benchmarks real kernels; tapescope keeps inductor's choices that need "
     "no benchmark (ATen/extern GEMMs), so a template GEMM chosen on real hardware is not shown",
+    "pad_mm: a compute-bound matmul with unaligned sizes, which inductor pads when a benchmark on "
+    "the device finds it faster, is left unpadded (its cheaper rules are inductor's own)",
     "reduce-overhead: CUDA graphs (their private memory pool, static input copies) are not modelled",
 )
 
@@ -101,22 +105,58 @@ class GraphBreak:
 
 
 class _NoKernel:
-    """Stands for a generated kernel: called with the buffers it would read and write; does nothing."""
+    """Stands for a generated kernel: called with the buffers it would read and write; does
+    nothing but tell `launched(kernel, args, stream)` (the Tape, while a graph's code runs).
 
-    __slots__ = ("name", "source")
+    What the kernel would do is read from its source as inductor wrote it: `kernel_num_gb` and
+    `kernel_flop` of its inductor_meta (inductor's estimate of the bytes its arguments load and
+    store and of its FLOPs, written under `benchmark_kernel`; torch/_inductor/metrics.py reads
+    `kernel_num_gb` back from the source the same way) and, from its signature, which
+    arguments it stores to (inductor names them out_ptrN / in_out_ptrN, or lists them in
+    `mutated_arg_names`)."""
 
-    def __init__(self, source: str = ""):
-        self.name, self.source = None, source
+    __slots__ = ("name", "source", "num_bytes", "flops", "writes", "launched")
 
-    def __call__(self, *args, **kwargs):
-        return None
+    def __init__(self, source: str = "", name: str | None = None):
+        self.name, self.source, self.launched = name, source, None
+        self.num_bytes, self.flops, self.writes = _kernel_figures(source)
 
-    def run(self, *args, **kwargs):  # triton kernels are launched with .run(...)
-        return None
+    def __call__(self, *args, **kwargs):  # C++ kernels are called
+        if self.launched is not None:
+            self.launched(self, args, 0)
+
+    def run(self, *args, stream=None, **kwargs):  # triton kernels are launched with .run(...)
+        if self.launched is not None:
+            self.launched(self, args, stream)
+
+
+_META_FIGURE = re.compile(r"'(kernel_num_gb|kernel_flop)':\s*([-+0-9.eE]+)")
+_MUTATED = re.compile(r"'mutated_arg_names':\s*\[([^\]]*)\]")
+_SIGNATURE = re.compile(r"^def \w+\(([^)]*)\)", re.M)
+
+
+def _kernel_figures(source: str) -> tuple:
+    """(bytes, FLOPs, positions of the arguments it stores to) of a generated kernel's source;
+    None for a figure it does not state."""
+    figures = {k: float(v) for k, v in _META_FIGURE.findall(source)}
+    num_bytes = round(figures["kernel_num_gb"] * 1e9) if "kernel_num_gb" in figures else None
+    flops = int(figures["kernel_flop"]) if "kernel_flop" in figures else None
+    m = _SIGNATURE.search(source)
+    params = [p.split(":")[0].strip() for p in m.group(1).split(",")
+              if p.strip() and "constexpr" not in p] if m else []
+    listed = _MUTATED.search(source)
+    mutated = set(re.findall(r"'(\w+)'", listed.group(1))) if listed else set()
+    writes = tuple(i for i, p in enumerate(params)
+                   if p.startswith(("out_ptr", "in_out_ptr")) or p in mutated)
+    return num_bytes, flops, writes
 
 
 def _no_kernel(self, *args, **kwargs):
-    return _NoKernel()
+    # AsyncCompile.triton(kernel_name, source_code, ...), cpp_pybinding(argtypes, source_code)
+    texts = [a for a in (*args, *kwargs.values()) if isinstance(a, str)]
+    source = max(texts, key=len, default="")
+    name = args[0] if args and isinstance(args[0], str) and args[0].isidentifier() else None
+    return _NoKernel(source, name)
 
 
 @contextmanager
@@ -194,28 +234,39 @@ _FAKE_FRIENDLY = {
 
 def _fake_friendly_module(compiled, on_call=None) -> str | None:
     """Point the generated wrapper's C++ helpers at dispatcher ops; returns its source.
-    `on_call()` is a context entered around each run of the wrapper."""
+    `on_call()` is a context entered around each run of the wrapper; what it yields is told of
+    each kernel the run launches (`_NoKernel.launched`)."""
     fn = getattr(compiled, "current_callable", None)
+    f = getattr(fn, "__func__", fn)
+    g = getattr(f, "__globals__", None)
+    kernels = [v for v in g.values() if isinstance(v, _NoKernel)] if g is not None else []
     if on_call is not None and fn is not None:
         run = fn
 
         def call(args):
-            with on_call():
-                return run(args)
+            with on_call() as launched:
+                for k in kernels:  # this module's own kernels: no other module shares them
+                    k.launched = launched
+                try:
+                    return run(args)
+                finally:
+                    for k in kernels:
+                        k.launched = None
 
         compiled.current_callable = call
-    fn = getattr(fn, "__func__", fn)
-    g = getattr(fn, "__globals__", None)
     if g is None:
         return None
     for name, f in _FAKE_FRIENDLY.items():
         if name in g:
             g[name] = f
-    if g.get("torch") is torch and "get_raw_stream" in g:  # a CUDA wrapper
+    # every wrapper, not only those that launch a Triton kernel: one made of extern kernels
+    # alone (a lone Linear: `extern_kernels.addmm`) still enters `torch.cuda._DeviceGuard(0)`,
+    # and a CPU wrapper never names torch.cuda (the delegate answers all else as torch does)
+    if g.get("torch") is torch:
         g["torch"] = _TORCH_WITHOUT_DEVICE
     for name, v in g.items():
         if isinstance(v, _NoKernel):
-            v.name = name
+            v.name = v.name or name
     return getattr(compiled, "source_code", None)
 
 
@@ -226,6 +277,16 @@ def _mode_patches(options: CompileOptions) -> dict:
     patches = dict(inductor_mode_options(options.mode, options.dynamic)) if options.mode else {}
     # CUDA graphs need a real device (and their pool is not modelled, see APPROXIMATIONS)
     patches["triton.cudagraphs"] = False
+    if patches.get("max_autotune"):
+        # autotuning times each GEMM/conv choice on the device (select_algorithm's benchmark);
+        # with ATen as the only backend there is one choice and nothing to time: inductor keeps
+        # the extern kernel, as it does when no template beats it (see APPROXIMATIONS)
+        patches["max_autotune_gemm_backends"] = "ATEN"
+        patches["max_autotune_conv_backends"] = "ATEN"
+    # inductor's own estimate of each generated kernel's bytes and FLOPs (`kernel_num_gb`,
+    # `kernel_flop` in the kernel's inductor_meta), which the compiled step's time is built from
+    # (analysis/compiled_time.py); it adds benchmark code to kernel sources, never compiled here
+    patches["benchmark_kernel"] = True
     return patches
 
 
@@ -287,6 +348,7 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None, 
         return backend
 
     compile_fx, compile_fx_inner = inductor_compilers()
+    BackendCompilerFailed, SkipFrame = dynamo_skip_frame()
     patches = _mode_patches(options)
 
     def backend(gm, example_inputs):
@@ -295,7 +357,21 @@ def _make_backend(options: CompileOptions, record: CompileRecord, on_call=None, 
         def inner_compile(gm, example_inputs, **kwargs):
             kind = "backward" if kwargs.get("is_backward") else (
                 "inference" if kwargs.get("is_inference") else "forward")
-            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            try:
+                compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            except BackendCompilerFailed as e:
+                # inductor asks dynamo to run a frame eagerly with SkipFrame ("BF16 is not
+                # supported" on a GPU before sm80, which Triton cannot compile bf16 for). The
+                # user's compile then runs that frame, and each frame it calls, eagerly; the
+                # eager profile is that step, so it is said rather than traced again here
+                if isinstance(getattr(e, "inner_exception", None), SkipFrame):
+                    raise DeviceError(
+                        f"torch.compile cannot compile this step's {kind} graph for the named GPU "
+                        f"(inductor: {e.inner_exception}) and runs it eagerly instead, with a "
+                        "warning. Fix: profile without --compile (that is the step the GPU "
+                        "runs), or use a dtype inductor compiles there (--amp fp16 below "
+                        "sm80).") from None
+                raise
             code = _fake_friendly_module(compiled, running(kind, region))
             note(kind, region, gm, code)
             return compiled
@@ -341,12 +417,42 @@ def _quiet_compiler():
     log = logging.getLogger("torch.utils.cpp_extension")
     level = log.level
     log.setLevel(logging.ERROR)
+    stderr = _LinesDropped(sys.stderr, _COMPILER_CHATTER)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), redirect_stderr(stderr):
             warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
             yield
     finally:
+        stderr.flush()  # a last line without its newline yet
         log.setLevel(level)
+
+
+# printed by inductor for each graph under `benchmark_kernel` (graph.py), which tapescope sets
+_COMPILER_CHATTER = ("Compiled module path: ",)
+
+
+class _LinesDropped:
+    """A text stream that passes on every whole line but those starting with `prefixes`."""
+
+    def __init__(self, stream, prefixes: tuple):
+        self._stream, self._prefixes, self._line = stream, prefixes, ""
+
+    def write(self, text: str) -> int:
+        self._line += text
+        *lines, self._line = self._line.split("\n")
+        for line in lines:
+            if not line.startswith(self._prefixes):
+                self._stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._line and not self._line.startswith(self._prefixes):
+            self._stream.write(self._line)
+            self._line = ""
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 @contextmanager

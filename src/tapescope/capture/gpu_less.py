@@ -13,6 +13,16 @@ stops it ("Found no NVIDIA driver"). `cuda_answered(gpu)` answers them for the n
   (dynamo's `device_interface.CudaInterface`, its worker caches);
 - Triton's active driver: a `CudaDriver` that answers with `GPUTarget("cuda", <cc>, 32)` and
   the GPU's limits without loading libcuda (Triton's own driver builds a C helper against it);
+- inductor's datasheet figures for the device (`get_device_tflops`, `get_gpu_dram_gbps`: torch
+  looks the device's name up in its own table and falls back to Triton's estimate, which asks
+  the driver through pynvml), answered from the catalogue's dense peak and bandwidth;
+- the one decision inductor takes by running kernels on the device: `pad_mm` pads a
+  compute-bound matmul with unaligned sizes when a benchmark of both says padding is >= 1.1x
+  faster (fx_passes/pad_mm.py `_should_pad`). Its rules that need no benchmark stay inductor's
+  (`force_shape_pad`, the bf16 large-K rule, "not compute-bound: no padding", by the named GPU's
+  peak and bandwidth); where it would benchmark, tapescope answers "not padded" as if cached
+  (`get_cached_should_pad`), since no measurement exists to decide (listed in the compiled
+  profile's approximations);
 - the functools caches of answers torch keeps process-wide (`DeviceProperties.create`,
   `has_triton`, ...), emptied on entry and on exit so that no answer given inside is seen
   outside and none cached outside (no GPU) is seen inside.
@@ -33,7 +43,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..devices.gpus import GPU, sm_limits
 from ..torch_compat import (DEVICE_CACHING_MODULES, SETUP_ONCE_CACHES, FakeTensorMode,
-                            dynamo_device_interface, inductor_constant_folders)
+                            dynamo_device_interface, inductor_constant_folders, inductor_pad_mm,
+                            inductor_utils, matmul_allows_tf32)
 
 __all__ = ["cuda_answered", "device_properties", "NoDeviceGuard"]
 
@@ -243,6 +254,27 @@ def _constant_folders() -> list:
              {"__init__": _constants_on_cpu(UniformValueConstantFolder.__dict__["__init__"])})]
 
 
+def _datasheet_answers(gpu: GPU) -> dict:
+    """inductor's `get_device_tflops(dtype)` (TFLOP/s, dense; TF32 for fp32 where matmuls allow
+    it, as inductor reads `torch.backends.cuda.matmul.fp32_precision`) and `get_gpu_dram_gbps()`
+    (GB/s) for the named GPU."""
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+             torch.float64: "fp64"}
+
+    def tflops(dtype) -> float:
+        name = names.get(dtype, "fp32")
+        if name == "fp32" and matmul_allows_tf32() and gpu.peak("tf32"):
+            name = "tf32"
+        return (gpu.peak(name) or gpu.peak("fp32")) / 1e12
+
+    return {"get_device_tflops": tflops,
+            "get_gpu_dram_gbps": lambda: gpu.memory_bandwidth / 1e9}
+
+
+# pad_mm's benchmark, answered as a cached verdict: not padded (see the module docstring)
+_PAD_MM_UNMEASURED = {"get_cached_should_pad": lambda key: False}
+
+
 # FakeTensorMode asks torch.cuda.is_available() to decide whether it may run a device transfer of
 # a constant for real (inductor's pattern tracing moves `torch.tensor` constants to the device):
 # there is no device, whatever the answers above say
@@ -268,6 +300,8 @@ def cuda_answered(gpu: GPU):
         with _attributes(torch.cuda, answers), \
                 _attributes(device_interface.CudaInterface, interface), \
                 _attributes(FakeTensorMode, {"avoid_device_init": _NO_DEVICE}), \
+                _attributes(inductor_utils(), _datasheet_answers(gpu)), \
+                _attributes(inductor_pad_mm(), _PAD_MM_UNMEASURED), \
                 ExitStack() as stack:
             for cls, methods in _constant_folders():
                 stack.enter_context(_attributes(cls, methods))

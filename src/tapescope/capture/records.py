@@ -26,6 +26,7 @@ __all__ = [
     "StorageRecord",
     "Segment",
     "GuardRecord",
+    "KernelLaunch",
     "Trace",
     "LOSS_MODULE",
     "INTERNAL_GUARD",
@@ -208,6 +209,22 @@ class GuardRecord:
     internal: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class KernelLaunch:
+    """One kernel a compiled graph's generated wrapper launched (never run: capture/compiled.py),
+    with inductor's own estimate of its work (the kernel's `inductor_meta`)."""
+
+    op: int                  # launched after the ops before this trace index (len(ops) then)
+    call: int                # the run of compiled code it is part of (Trace.compiled_calls index)
+    name: str                # the generated kernel ("triton_poi_fused_add_0")
+    stream: int              # the raw stream the wrapper launched it on (0: the current stream)
+    num_bytes: int | None    # inductor's `kernel_num_gb` x 1e9: what its arguments load and store
+    flops: int | None        # inductor's `kernel_flop`
+    dtype: torch.dtype       # its first tensor argument's
+    args: tuple = ()         # storage ids of its tensor arguments
+    writes: tuple = ()       # storage ids of those it stores to (out_ptr*, in_out_ptr*, mutated)
+
+
 @dataclass
 class Trace:
     """Everything capture recorded.
@@ -245,6 +262,8 @@ class Trace:
     ranges: dict = field(default_factory=dict)
     # compiled steps: (graph label, first op, end op) for each run of a compiled graph's code
     compiled_calls: list = field(default_factory=list)
+    # compiled steps: every kernel the generated wrappers launched, in order (KernelLaunch)
+    kernel_launches: list = field(default_factory=list)
     # gradient accumulation: (first op, end op, runs) where the ops of one traced micro-batch stand
     # for `runs` micro-batches, the later ones proven to repeat it (capture/session.py)
     repeated: list = field(default_factory=list)

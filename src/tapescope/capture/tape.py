@@ -39,8 +39,8 @@ from ..torch_compat import (MARKERS_RUN_AS_THEY_ARE, FakeTensor, SizeFreeCacheCh
                             node_sequence_nr, sequence_nr, storage_key, untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
-from .records import (BACKWARD, FORWARD, OTHER, WORKSPACE, Frame, OpRecord, Segment,
-                      StorageRecord, TensorRef, Trace)
+from .records import (BACKWARD, FORWARD, OTHER, WORKSPACE, Frame, KernelLaunch, OpRecord,
+                      Segment, StorageRecord, TensorRef, Trace)
 from .replay import DispatchReplay
 from .view_replay import ViewRegeneration
 
@@ -293,15 +293,35 @@ class Tape(SizeFreeCacheCheck):
 
     @contextmanager
     def compiled_call(self, label: str):
+        """Ops recorded inside are one run of a compiled graph's code (`Trace.compiled_calls`);
+        yields `launched(kernel, args)`, which the generated kernels call as they are launched
+        (`Trace.kernel_launches`)."""
         if self._generated is None:
             self._generated = _generated_code_dir()
-        """Ops recorded inside are one run of a compiled graph's code (`Trace.compiled_calls`)."""
         start = len(self.trace.ops)
+        call = len(self.trace.compiled_calls)
         try:
-            yield
+            yield lambda kernel, args, stream: self._kernel_launched(call, kernel, args, stream)
         finally:
             if self._tape_recording:
                 self.trace.compiled_calls.append((label, start, len(self.trace.ops)))
+
+    def _kernel_launched(self, call: int, kernel, args, stream) -> None:
+        """A generated kernel (capture.compiled's stand-in: its name, figures and the argument
+        positions it stores to) launched on `args` (positional, as the wrapper passed them)."""
+        if not self._tape_recording:
+            return
+        ids, dtype = {}, None
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                dtype = dtype or a.dtype
+                entry = self._tape_live.get(untyped_storage_key(a.untyped_storage()))
+                if entry is not None:  # every buffer a wrapper passes was made or given to it
+                    ids[i] = entry[0]
+        self.trace.kernel_launches.append(KernelLaunch(
+            len(self.trace.ops), call, kernel.name, int(stream or 0), kernel.num_bytes,
+            kernel.flops, dtype or torch.float32, tuple(ids.values()),
+            tuple(ids[i] for i in kernel.writes if i in ids)))
 
     # ---- tensors ----------------------------------------------------------------------------
 

@@ -55,6 +55,10 @@ def profile_dict(p, with_ops: bool = True, with_timeline: bool = True) -> dict:
         d["eager"] = profile_dict(p.eager, with_ops=False, with_timeline=False)
         d["eager_vs_compiled"] = {k: {"eager": _n(e), "compiled": _n(c)}
                                   for k, (e, c) in side_by_side(p.eager, p).items()}
+        if "time_seconds" in d["eager_vs_compiled"]:
+            from ..analysis.compiled import speedup
+
+            d["eager_vs_compiled"]["time_seconds"]["speedup"] = speedup(p.eager, p)
     if p.ranks is not None:
         d["distributed"] = p.distributed.to_dict()
         d["ranks"] = [r.to_dict() for r in p.ranks]

@@ -173,6 +173,13 @@ def compiled_sections(p, top: int = 8) -> list[Section]:
         change = f"{(v - e) / e:+.1%}" if isinstance(e, (int, float)) and e else ""
         rows.append((name.replace("_", " "), fmt(e), fmt(v), change))
     acts = [s for s in c.saved if s.is_activation]
+    from ..analysis.compiled import speedup
+
+    x = speedup(p.eager, p)
+    launched = len(p.compiled_schedule.kernels()) if p.compiled_schedule is not None else 0
+    time_line = (f"speed-up on {p.gpu.name}: {x:.2f}x (the compiled step's {launched} generated "
+                 "kernels by inductor's bytes and FLOPs, its extern kernels as eager ops)",
+                 ) if x is not None else ()
     saved_line = (f"the partitioner saves {len(c.saved)} tensors for the backward "
                   f"({len(acts)} made by the forward, {fmt_bytes(c.saved_bytes)}; the rest are "
                   f"parameters and inputs) and recomputes {len(c.recomputed)} ops "
@@ -185,7 +192,8 @@ def compiled_sections(p, top: int = 8) -> list[Section]:
     after = ((("recomputed in the backward: " + ", ".join(
         f"{r.name} ({r.op}, {fmt_flops(r.flops)})" for r in real[:top])),) if real else ()) + tuple(
         f"graph break at {b.where or '?'}: {b.reason}" for b in c.graph_breaks)
-    return [Section(title, (), ("", "eager", "compiled", "change"), tuple(rows), (saved_line,)),
+    return [Section(title, (), ("", "eager", "compiled", "change"), tuple(rows),
+                    (*time_line, saved_line)),
             Section("Saved for backward (largest first)", (),
                     ("graph", "tensor", "shape", "dtype", "bytes", "made by"), saved_rows, after)]
 
