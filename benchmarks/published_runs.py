@@ -680,11 +680,18 @@ def _torchtune_rows():
                         options={**({"compile": True} if opts.get("compile") else {}),
                                  **(_OPT_IN_BWD if suffix.endswith("optinbwd") else {})},
                         note=f"{_TUNE_NOTE}; {note}"))
-        if suffix == "packed":
-            rows.append(Row("torchtune-3b-packed-speed", _TUNE + technique, "tokens/s/GPU", 7075,
-                            "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
-                            build=tune_llama(), note="as the row above"))
+        # the same step's tokens/s (a compiled row's time is its generated kernels':
+        # analysis/compiled_time.py)
+        rows.append(Row(f"torchtune-3b-{suffix}-speed", _TUNE + technique, "tokens/s/GPU",
+                        _TUNE_TOKENS[suffix], "held out", "a100-sxm-80gb", _L32_3B, 2, 4096, 28,
+                        build=tune_llama(**opts), options=rows[-1].options,
+                        note="as the row above"))
     return rows
+
+
+# the same README table's tokens/s per GPU after each flag
+_TUNE_TOKENS = {"packed": 7075, "packed-compile": 8998, "packed-compile-chunkedce": 9174,
+                "packed-compile-chunkedce-ac": 7210, "packed-compile-chunkedce-ac-optinbwd": 7309}
 
 
 ROWS = [
@@ -715,9 +722,8 @@ NOT_EXPRESSIBLE = [
      "built yet"),
     ("torchtune + 8-bit AdamW (17.6 GiB)", "bitsandbytes' PagedAdamW8bit: its own CUDA kernels "
      "and paged (unified) memory"),
-    ("torchtune tokens/s after + packed (8998, 9174, 7210, 7309, 7301, 6960)", "every later row "
-     "is compiled, and tapescope gives no step time for an inductor-compiled step (Profile.time "
-     "is None: the fused Triton kernels have no roofline yet)"),
+    ("torchtune tokens/s + activation offloading, + 8-bit AdamW (7301, 6960)", "as their memory "
+     "rows: offloading's streams and pinned copies, bitsandbytes' paged optimizer"),
     ("torchtune baseline (unpacked)", "sequence lengths follow the data (Alpaca padded per batch)"),
     ("torchtune 8B on RTX 4090 / A6000", "PagedAdamW8bit (bitsandbytes) and CPU paging"),
     ("litgpt A10G full finetunes: llama-3.2-1b 8.70, llama-3.2-3b 16.51, phi-3 17.01, "
@@ -761,7 +767,8 @@ def _trace(row, layers: int) -> dict:
                               row.source)
         items = collectives(p.ops, p.facts, gpu, ic) if row.mesh else []
         comm = {c.op: c.seconds for c in items} or None
-        t = estimate_step_time(p.ops, p.trace, gpu, comm, {c.op: c.stream for c in items})
+        t = estimate_step_time(p.ops, p.trace, gpu, comm, {c.op: c.stream for c in items},
+                               compiled=p.compiled_schedule)
         out.update(seconds=t.seconds, exposed_comm=t.exposed_comm, comm=t.comm,
                    kind=profile_band(p).kind)
     else:
@@ -880,6 +887,14 @@ def summary(rows, results) -> str:
                        f"{marks.count('yes')} of {len(marks)} ({marks.count('-')} with no "
                        "calibration row of their kind" + (", each row left out of its own band"
                                                           if role == "calibration" else "") + ")")
+    # compiled against eager where a source publishes both for one setup: the speed-up
+    for eager, compiled in SPEEDUP_PAIRS:
+        if eager in results and compiled in results:
+            rows_by = {r.name: r for r in rows}
+            pub = rows_by[compiled].published / rows_by[eager].published
+            pred = results[compiled]["value"] / results[eager]["value"]
+            out.append(f"- compiled vs eager ({compiled} over {eager}): published {pub:.3f}x, "
+                       f"predicted {pred:.3f}x ({100 * (pred - pub):+.1f} points)")
     verdicts = [(r, results[r.name]) for r in rows if r.name in results
                 and (isinstance(r.published, str) or r.metric == "fits" or
                      r.metric in ("GB allocated", "GiB active"))]
@@ -887,6 +902,11 @@ def summary(rows, results) -> str:
                 if (r.published == "OOM") == bool(res.get("oom")))
     out.append(f"- fits / OOM verdicts: {right} of {len(verdicts)} right")
     return "\n".join(out)
+
+
+# (eager row, compiled row) of one setup, both published: torchtune's "+ compile" is "+ packed"
+# with every layer compiled
+SPEEDUP_PAIRS = (("torchtune-3b-packed-speed", "torchtune-3b-packed-compile-speed"),)
 
 
 def calibration_errors(rows, results) -> dict:
