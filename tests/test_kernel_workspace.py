@@ -466,7 +466,21 @@ CONVS = {  # name -> (_Conv arguments, input shape); the kernels named are AVX2'
         ((8, 8, 3, 1, 1, 1, 1, False, False, 3), (2, 8, 16, 16, 16)),
     "3-D (direct weight gradient, batch-split reduction)":
         ((16, 16, 3, 1, 1, 1, 1, False, False, 3), (2, 16, 8, 8, 8)),
+    # nn.Conv2d's string paddings reach aten::convolution as one-element lists ([0] for "valid")
+    "3x3 padding='valid'": ((64, 64, 3, 1, "valid"), (2, 64, 16, 16)),
+    "first layer 3x3 padding='valid'": ((3, 8, 3, 1, "valid", 1, 1, False, True), (2, 3, 16, 16)),
+    "3x3 padding='same'": ((64, 64, 3, 1, "same"), (2, 64, 16, 16)),
 }
+
+
+def _padding(conv) -> tuple:
+    """The per-dimension padding aten::convolution runs with (Convolution.cpp
+    `_convolution_mode`; "same" with an odd kernel is symmetric)."""
+    if conv.padding == "valid":
+        return (0,) * len(conv.kernel_size)
+    if conv.padding == "same":
+        return tuple(d * (k - 1) // 2 for k, d in zip(conv.kernel_size, conv.dilation))
+    return conv.padding
 
 
 def _exact_here(args, shape) -> str | None:
@@ -478,7 +492,7 @@ def _exact_here(args, shape) -> str | None:
 
     m = _Conv(*args)
     conv = m.conv
-    c = conv_problem(shape, conv.weight.shape, True, conv.stride, conv.padding, conv.dilation,
+    c = conv_problem(shape, conv.weight.shape, True, conv.stride, _padding(conv), conv.dilation,
                      conv.groups, m.channels_last)
     cpu = cpu_target()
     prims = [onednn.forward(c, cpu), onednn.backward_weights(c, cpu)]
@@ -535,7 +549,7 @@ def test_convolution_matches_the_allocator_with_the_isa_capped_at_avx2():
         pytest.skip("this host is not AVX-512: test_convolution_matches_the_allocator "
                     "already checks its kernels")
     names = [n for n in CONVS if "GEMM" in n or "first layer" in n or "3x3 NCHW" in n
-             or "1x1" in n]
+             or "1x1" in n or "padding=" in n]
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
     code = ("import json, sys; from tests.test_kernel_workspace import _convolutions_checked; "
             f"print(json.dumps(_convolutions_checked({names!r})))")

@@ -211,10 +211,18 @@ def _note_slow_kernel(ctx, x, weight, stride, padding, dilation, transposed, out
                  "im2col columns inside the op: not counted (an estimate)")
 
 
+def _per_dim(param, dims: int) -> tuple:
+    """ConvUtils.h `expand_param_if_needed`: a one-element stride, padding or dilation holds
+    for every spatial dimension (`padding="valid"` reaches `aten::convolution` as `[0]`)."""
+    param = tuple(param)
+    return param * dims if len(param) == 1 else param
+
+
 def _as_2d(x, weight, stride, padding, dilation):
     """Convolution.cpp `view1d_as_2d`: a 1-D convolution runs as a 2-D one of height 1 (shapes
     only: a rule must not run ops on the fake tensors it is shown)."""
     xs, ws = tuple(x.shape), tuple(weight.shape)
+    stride, padding, dilation = (_per_dim(p, x.dim() - 2) for p in (stride, padding, dilation))
     if x.dim() == 3:
         return ((*xs[:2], 1, xs[2]), (*ws[:2], 1, ws[2]), (1, *stride), (0, *padding),
                 (1, *dilation))
