@@ -385,12 +385,21 @@ def _analyse_captured(trace: Trace, facts: dict, workload: Workload, options: Op
         from .analysis.data_sizes import data_size_report
 
         if trace.symbols:
-            from .analysis.symbolic import instantiate, symbolic_profile
+            from .analysis.symbolic import NotPolynomial, converter, instantiate, \
+                symbolic_profile
 
-            sp, conv = symbolic_profile(trace)
+            try:
+                sp, conv = symbolic_profile(trace)
+            except NotPolynomial:
+                if set(trace.symbols) - set(trace.unbacked.values()):
+                    raise  # a named input dimension: its formulas are what was asked for
+                # sizes the data decides, each with its one value: the step at those values
+                # is exact without formulas (`keep[:100]` of a data-dependent keep is a Min)
+                sp, conv = None, converter(trace)
             data_sizes = data_size_report(trace, sp)
-            trace = instantiate(trace, conv, trace.hints)
-            inputs = [_describe_input(x, trace_hints=sp.hints) for x in workload.args]
+            hints = dict(trace.hints)
+            trace = instantiate(trace, conv, hints)
+            inputs = [_describe_input(x, trace_hints=hints) for x in workload.args]
         else:
             data_sizes = data_size_report(trace, None)
         p = analyse(trace, facts, model=workload.display_name, options=options, inputs=inputs)

@@ -23,9 +23,9 @@ a Python branch or loop on it stops a fake trace. tapescope takes the value from
   1/2, every layer runs, the memory-worst case. Named in the report only where the step read a
   draw; a draw used as data (a dropout mask) decides nothing.
 
-Constants need no assumption: an integer or boolean tensor the model holds (a buffer or tensor
-attribute of at most CONSTANT_LIMIT elements: Encodec's `padding_total`, BatchNorm's
-`num_batches_tracked`) keeps its values (`give_constant`; a model built on meta from a build
+Constants need no assumption: a tensor the model holds (a buffer or tensor attribute of at most
+CONSTANT_LIMIT elements: Encodec's `padding_total`, BatchNorm's `num_batches_tracked`,
+torchvision's cell anchors) keeps its values (`give_constant`; a model built on meta from a build
 function keeps those its build made, build_values.py). One on the meta device with no value is
 marked, and a read of it (or of what it computed) stops with a message naming the buffer.
 
@@ -44,6 +44,7 @@ they held 1 GiB of a 405B rank's capture.
 from __future__ import annotations
 
 import os
+from math import prod
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -229,7 +230,8 @@ class DataValues:
                 for t in tree_flatten((args, kwargs))[0]:
                     if isinstance(t, torch.Tensor) and _written(func, t, args, kwargs):
                         self._drop(t)
-            if self._draw(func, args, kwargs, out, where) or self._mark_random(out, where):
+            if self._draw(func, args, kwargs, out, where) \
+                    or self._permutation(func, args, out, where) or self._mark_random(out, where):
                 self._active = True  # a number the code may branch on
             return
         if not self.live:
@@ -262,6 +264,15 @@ class DataValues:
             i = self._assumption("finite gradients", where(), detail)
             real, sources = self.value(args[1])
             self._set(args[1], real, frozenset(sources) | {i})
+        elif func in _OVERWRITES and _small_factory(func, [args[0]]):
+            # x.fill_(v) / x.zero_() on a tensor with no values (`torch.empty(()).fill_(s)`, a
+            # stride in torchvision's anchors): every element is written, so its values are known
+            self._run_deferred()
+            with unset_fake_temporarily(), _one_thread():
+                real = torch.full([self._int(s) for s in args[0].shape], _OVERWRITES[func](args),
+                                  dtype=args[0].dtype)
+            self._set(args[0], real, frozenset())
+            self._active = True
         elif func in _FILLS and outs and _small_factory(func, outs):
             fill = _FILLS[func](args, kwargs)  # ones_like(x): x's values do not matter
             # on one thread, as every value (_one_thread): a fill of more than one grain (32,768
@@ -310,7 +321,7 @@ class DataValues:
     def give_literal(self, fake, real) -> None:
         """`torch.tensor(data)` made in the step from Python data: an integer or boolean one
         keeps its values (a mask computed with numpy, a list of ids)."""
-        if real.is_floating_point() or real.is_complex() or real.numel() > VALUE_LIMIT:
+        if real.is_complex() or real.numel() > VALUE_LIMIT:
             return
         with unset_fake_temporarily():
             value = real.detach().clone()
@@ -331,12 +342,11 @@ class DataValues:
         self._active = True
 
     def give_constant(self, fake, t, name: str | None) -> None:
-        """A small integer or boolean tensor the model holds (a buffer: Encodec's padding,
+        """A small tensor the model holds (a buffer: Encodec's padding,
         BatchNorm's batch count) keeps its values: the real step computes with them. One on the
         meta device keeps the value its build made (build_values.py), else it is marked
         unknown: a read of it then names it."""
-        if t.is_floating_point() or t.is_complex() or t.numel() > CONSTANT_LIMIT \
-                or isinstance(t, FakeTensor):
+        if t.is_complex() or t.numel() > CONSTANT_LIMIT or isinstance(t, FakeTensor):
             return
         real = build_value(t) if t.device.type == "meta" else t
         self._active = True
@@ -381,6 +391,22 @@ class DataValues:
             delattr(o, _UNKNOWN)
         return True
 
+    def _permutation(self, func, args, out, where) -> bool:
+        """randperm(n) taken as the identity: what a sampler selects with `perm[:k]` (which of
+        torchvision's positive anchors) has the same sizes under every permutation."""
+        if func not in _PERMUTATIONS or not isinstance(out, torch.Tensor):
+            return False
+        n = self._int(args[0])
+        if n is None or n > VALUE_LIMIT:
+            return False
+        with unset_fake_temporarily():  # called inside the capture's fake mode
+            real = torch.arange(n, dtype=out.dtype)
+        a = self._assumption("random", _short(where()) or "?",
+                             "randperm taken as the identity permutation: the sizes of what it "
+                             "selects are the same under every permutation")
+        self._set(out, real, frozenset((a,)))
+        return True
+
     def _mark_random(self, out, where) -> bool:
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if not outs or not _static_small(outs, RANDOM_LIMIT):
@@ -395,8 +421,8 @@ class DataValues:
 
     def _route(self, func, args, kwargs, out, where) -> bool:
         src = args[0]
-        if not src.is_floating_point():
-            return False
+        if not src.is_floating_point() or self.value(src) is not None:
+            return False  # scores the step knows (a detector's box overlaps) select by value
         index_pos, k, dim = _ROUTERS[func](args, kwargs)
         idx = out[index_pos] if isinstance(out, (tuple, list)) else out
         if not isinstance(idx, torch.Tensor) or idx.numel() == 0 or idx.numel() > VALUE_LIMIT:
@@ -406,7 +432,7 @@ class DataValues:
         shape = [self._int(s) for s in idx.shape]
         if None in shape or experts is None:
             return False
-        tokens = idx.numel() // k if k else 0
+        tokens = prod(shape) // k if k else 0  # shape: ints (an unbacked size at its value)
         if k >= experts or tokens == 0:
             return False  # selecting every candidate (a sort) routes nothing
         routing = self.sizes.routing
@@ -727,6 +753,11 @@ DataValues.routers = frozenset(_ROUTERS)
 # factories that take a tensor for its shape only, and the value they fill with
 # ops that write a flag only when a value is not finite (GradScaler's unscale)
 _FINITE_CHECKS = {aten._amp_foreach_non_finite_check_and_unscale_.default}
+
+_PERMUTATIONS = (aten.randperm.default, aten.randperm.generator)
+
+# in-place writes of one number to every element (of a tensor whose values were unknown)
+_OVERWRITES = {aten.fill_.Scalar: lambda a: a[1], aten.zero_.default: lambda a: 0}
 
 _FILLS = {aten.ones_like.default: lambda a, k: 1, aten.zeros_like.default: lambda a, k: 0,
           aten.full_like.default: lambda a, k: a[1], aten.new_ones.default: lambda a, k: 1,
