@@ -225,7 +225,8 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
         (it is built on the meta device, so init code never allocates).
     inputs: tensors (real or meta) or `tapescope.spec(shape, dtype=...)`; `input_kwargs` for keyword
-        inputs. Their values are never read.
+        inputs. A tensor given with values keeps them where the step reads them (a mask, a
+        label, a target box: named in the report as an assumption "input").
     loss_fn: `loss_fn(output, *inputs) -> scalar`. Default: a scalar output is the loss; else an
         output's scalar `.loss`; else the sum of the floating-point outputs.
     optimizer: "sgd", "adam", "adamw" (torch defaults, with the foreach/fused choice torch makes on

@@ -152,6 +152,7 @@ class DataValues:
     _sources: dict = field(default_factory=dict)           # (kind, where) -> assumption index
     _groups: dict = field(default_factory=dict)            # (op, where, value) -> name
     _taken: set = field(default_factory=set)
+    _permutations: dict = field(default_factory=dict)      # assumption index -> where drawn
     _active: bool = False                                  # some tensor has values
     _deferred: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # _Deferred not yet run
     routers = None   # the ops whose selections are routings (set below the class)
@@ -216,6 +217,9 @@ class DataValues:
         out, sources = self._run_real(func, args, kwargs)
         if out is None:
             return False, None
+        for i in sources:  # which element a permutation put first is not known, only sizes
+            if i in self._permutations:
+                raise UnknownValueRead(func, Unknown("random", self._permutations[i]))
         self.used.update(sources)
         return True, out
 
@@ -401,9 +405,11 @@ class DataValues:
             return False
         with unset_fake_temporarily():  # called inside the capture's fake mode
             real = torch.arange(n, dtype=out.dtype)
-        a = self._assumption("random", _short(where()) or "?",
-                             "randperm taken as the identity permutation: the sizes of what it "
-                             "selects are the same under every permutation")
+        w = _short(where()) or "?"
+        a = self._assumption("random", w, "randperm taken as the identity permutation: the "
+                             "sizes of what it selects are the same under every permutation (a "
+                             "read of its values, as a number, stops)")
+        self._permutations[a] = w
         self._set(out, real, frozenset((a,)))
         return True
 
