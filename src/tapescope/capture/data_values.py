@@ -260,6 +260,16 @@ class DataValues:
             if real is not None:
                 self._attach(outs, [r for r in tree_flatten(real)[0]
                                     if isinstance(r, torch.Tensor)], sources, func, where)
+        elif func in _VALIDITY and outs and _small_factory(func, outs, VALUE_LIMIT) \
+                and (fill := _VALIDITY[func][1](args)) is not None:
+            # a check of values no one knows (`if torch.isnan(h).any():`, a distribution's
+            # argument validation): the values a valid step has, named as an assumption
+            kind, _, detail = _VALIDITY[func]
+            i = self._assumption(kind, _short(where()) or "?", detail)
+            with unset_fake_temporarily(), _one_thread():
+                real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=torch.bool)
+            self._set(outs[0], real, frozenset((i,)))
+            self._active = True
         elif func in _FINITE_CHECKS and self.value(args[1]) is not None:
             # GradScaler's check of the unscaled gradients writes found_inf only when one is
             # inf or nan: a step is assumed to have finite gradients (found_inf stays 0, the
@@ -762,6 +772,29 @@ _FINITE_CHECKS = {aten._amp_foreach_non_finite_check_and_unscale_.default}
 
 _PERMUTATIONS = (aten.randperm.default, aten.randperm.generator)
 
+# checks a valid step passes, on values no one knows: op -> (assumption kind, each element's
+# value, what is assumed). The non-finite tests are false for finite values; `_is_all_true` is
+# torch's assertion primitive (torch.distributions' argument and sample validation,
+# torch._check_tensor_all): a step that runs on passes it.
+_FINITE = "the values are finite (isnan / isinf false, isfinite true): the branch a valid step takes"
+_INF = float("inf")
+_VALIDITY = {  # op -> (kind, args -> each element's value or None where the rule does not apply,
+    #                   what is assumed)
+    aten.isnan.default: ("finite values", lambda a: False, _FINITE),
+    aten.isinf.default: ("finite values", lambda a: False, _FINITE),
+    aten.isposinf.default: ("finite values", lambda a: False, _FINITE),
+    aten.isneginf.default: ("finite values", lambda a: False, _FINITE),
+    aten.isfinite.default: ("finite values", lambda a: True, _FINITE),
+    # torch.isfinite decomposes to `(x == x) * (x.abs() != inf)`; constraints.real checks x == x
+    aten.eq.Tensor: ("finite values", lambda a: True if a[0] is a[1] else None, _FINITE),
+    aten.ne.Tensor: ("finite values", lambda a: False if a[0] is a[1] else None, _FINITE),
+    aten.ne.Scalar: ("finite values", lambda a: True if a[1] in (_INF, -_INF) else None, _FINITE),
+    aten.eq.Scalar: ("finite values", lambda a: False if a[1] in (_INF, -_INF) else None, _FINITE),
+    aten._is_all_true.default: ("validation", lambda a: True, "a validation check passes "
+                                "(torch.distributions' argument checks, torch._check_tensor_all):"
+                                " the step is valid; validate_args=False skips the check"),
+}
+
 # in-place writes of one number to every element (of a tensor whose values were unknown)
 _OVERWRITES = {aten.fill_.Scalar: lambda a: a[1], aten.zero_.default: lambda a: 0}
 
@@ -770,7 +803,7 @@ _FILLS = {aten.ones_like.default: lambda a, k: 1, aten.zeros_like.default: lambd
           aten.new_zeros.default: lambda a, k: 0, aten.new_full.default: lambda a, k: a[2]}
 
 
-def _small_factory(func, outs) -> bool:
+def _small_factory(func, outs, limit: int = FACTORY_LIMIT) -> bool:
     """A small tensor made from no data (arange(E), full((S, S), -inf)): its values are known."""
     if func in (aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                 aten.new_empty.default, aten.new_empty_strided.default):
@@ -781,7 +814,7 @@ def _small_factory(func, outs) -> bool:
             if not isinstance(s, int):
                 return False
         n += o.numel()
-    return n <= FACTORY_LIMIT
+    return n <= limit
 
 
 def _static_small(outs, limit) -> bool:
