@@ -586,3 +586,33 @@ def test_cli_routing_names_the_assumption_in_console_and_json(tmp_path):
     assert "worst routing: 64 tokens x top-2 over 4 experts -> 64, 22, 21, 21 per expert" in r.output
     facts = json.loads(out.read_text())["facts"]["data_sizes"]
     assert facts["assumptions"][0]["decided"] and {s["value"] for s in facts["sizes"]} == {64, 22, 21}
+
+
+# ---- values of the user's inputs ------------------------------------------------------------------
+
+@pytest.mark.parametrize("global_attention", [False, True])
+def test_longformer_reads_its_attention_mask_input(global_attention):
+    """Longformer computes `is_global_attn = is_index_global_attn.flatten().any().item()` (and,
+    with global tokens, their counts and positions) from the attention-mask inputs in every
+    forward: inputs the user gave as tensors keep their values, so the step takes the branch and
+    the sizes the real one does."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LongformerConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=2, vocab_size=100,
+                                        attention_window=[8, 8], max_position_embeddings=80)
+    build = lambda: transformers.LongformerForMaskedLM(cfg)  # noqa: E731
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 24:] = 0   # padding
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids)
+    if global_attention:
+        kw["global_attention_mask"] = torch.zeros(2, 32, dtype=torch.long)
+        kw["global_attention_mask"][:, 0] = 1
+        kw["global_attention_mask"][0, 5] = 1
+    p = tapescope.profile(build, input_kwargs=kw, optimizer="adamw")
+    real = run_real_steps(build, (), input_kwargs=kw, optimizer="adamw")
+    # what remains is the allocator's 8-12 byte Python-scalar temporaries (README, Accuracy)
+    for predicted, measured in ((p.first_step_peak_bytes, real.peaks[1]),
+                                (p.peak_bytes, real.peaks[2])):
+        assert 0 <= measured - predicted <= 32, (predicted, measured)
+    assert all(a.kind == "input" for a in p.trace.assumptions)
