@@ -95,3 +95,34 @@ def test_validation_checks_take_the_valid_branch(name):
     named = {a.kind for a in p.trace.assumptions if a.decided}
     assert kinds <= named, p.trace.assumptions
     assert all(a.where != "?" for a in p.trace.assumptions)
+
+
+def test_adafactor_defaults_compare_a_parameter_rms_with_eps():
+    """transformers' Adafactor() with its defaults (the T5 recipe's optimizer) computes
+    `max(eps, param_state["RMS"])`: a Python comparison of a parameter's RMS (a norm of values no
+    one knows) with eps = 1e-3. The norm is taken as 1 (named "statistic"): the side of a
+    parameter that is not all zeros, which every parameter of this MLP is (nn.Linear's default
+    init)."""
+    transformers = pytest.importorskip("transformers")
+    build = lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))  # noqa: E731
+    optimizer = lambda params: transformers.optimization.Adafactor(params)  # noqa: E731
+    x = tapescope.spec((16, 64))
+    p = tapescope.profile(build, x, optimizer=optimizer)
+    real = run_real_steps(build, (x,), optimizer=optimizer)
+    assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])
+    (a,) = [a for a in p.trace.assumptions if a.decided]
+    assert a.kind == "statistic" and a.where.startswith("optimization.py:")
+
+
+def test_a_norm_nothing_reads_assumes_nothing():
+    """Gradient clipping computes a norm as a tensor; no branch reads it: nothing is named."""
+
+    def step(model, batch, optimizer):
+        model(*batch).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    p = tapescope.profile(lambda: nn.Linear(D, D), tapescope.spec((B, D)), optimizer="sgd",
+                          step=step)
+    assert not p.trace.assumptions

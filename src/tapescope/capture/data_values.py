@@ -270,6 +270,15 @@ class DataValues:
                 real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=torch.bool)
             self._set(outs[0], real, frozenset((i,)))
             self._active = True
+        elif func in _STATISTICS and isinstance(out, torch.Tensor) and out.dim() == 0 \
+                and out.is_floating_point():
+            # a norm of values no one knows, as a number the step may read: Adafactor's
+            # `max(eps, RMS(p))` with its defaults (scale_parameter) compares a parameter's RMS
+            # with eps = 1e-3
+            i = self._assumption("statistic", _short(where()) or "?", _STATISTIC)
+            with unset_fake_temporarily():
+                self._set(out, torch.ones((), dtype=out.dtype), frozenset((i,)))
+            self._active = True
         elif func in _FINITE_CHECKS and self.value(args[1]) is not None:
             # GradScaler's check of the unscaled gradients writes found_inf only when one is
             # inf or nan: a step is assumed to have finite gradients (found_inf stays 0, the
@@ -314,8 +323,9 @@ class DataValues:
         name pinned to one value where the trace specialised any of its symbols."""
         env = self.shape_env
         trace.unbacked = dict(self.names)
-        # a random draw no branch read (a dropout mask) assumed nothing: not named
-        kept = [i for i, a in enumerate(self.assumptions) if a.kind != "random" or i in self.used]
+        # a random draw no branch read (a dropout mask), a norm nothing read, assumed nothing
+        kept = [i for i, a in enumerate(self.assumptions)
+                if a.kind not in _NAMED_IF_READ or i in self.used]
         index = {i: n for n, i in enumerate(kept)}
         trace.assumptions = [replace(self.assumptions[i], decided=i in self.used) for i in kept]
         trace.data_sizes = [replace(d, assumptions=tuple(index[i] for i in d.assumptions))
@@ -794,6 +804,14 @@ _VALIDITY = {  # op -> (kind, args -> each element's value or None where the rul
                                 "(torch.distributions' argument checks, torch._check_tensor_all):"
                                 " the step is valid; validate_args=False skips the check"),
 }
+
+# a norm (of a parameter, a gradient, optimizer state) whose input has no values: taken as 1.0
+_STATISTICS = (aten.linalg_vector_norm.default,)
+_STATISTIC = ("a norm of values no one knows (a parameter's RMS, a gradient norm) is taken as 1: "
+              "a comparison with a small threshold (Adafactor's max(eps, RMS)) takes the side of "
+              "a parameter that is not all zeros")
+# assumptions named in the report only where the step read a value they gave
+_NAMED_IF_READ = ("random", "statistic", "finite values", "validation")
 
 # in-place writes of one number to every element (of a tensor whose values were unknown)
 _OVERWRITES = {aten.fill_.Scalar: lambda a: a[1], aten.zero_.default: lambda a: 0}
