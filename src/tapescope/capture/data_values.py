@@ -153,6 +153,7 @@ class DataValues:
     _groups: dict = field(default_factory=dict)            # (op, where, value) -> name
     _taken: set = field(default_factory=set)
     _permutations: dict = field(default_factory=dict)      # assumption index -> where drawn
+    _given: int = 0                                        # values set so far (`building`)
     _active: bool = False                                  # some tensor has values
     _deferred: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # _Deferred not yet run
     routers = None   # the ops whose selections are routings (set below the class)
@@ -197,6 +198,20 @@ class DataValues:
 
     def _set(self, t, real, sources) -> None:
         setattr(t, _ATTR, (real, sources))
+        self._given += 1
+
+    @contextmanager
+    def building(self):
+        """Small factories get values inside this block even before any tensor has one: code
+        that builds state reads what it made (bitsandbytes' 8-bit optimizers compute their
+        quantization maps with `linspace(...).tolist()` in `__init__`). After it, values stay
+        on only if the block gave some."""
+        active, given = self._active, self._given
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = active or self._given > given
 
     def _drop(self, t) -> None:
         if hasattr(t, _ATTR):

@@ -190,7 +190,10 @@ class CaptureSession:
             self.state_tensors: list = []  # what a user step's setup made besides optimizers
             self.optimizer = None
             if not program.records_setup:
-                self.optimizer = program.setup(self.fmodel, self.params, opts.device)
+                # recorded as setup, as a step's own setup is: what an optimizer makes when it is
+                # built (bitsandbytes' quantization maps) is memory, and its code may read it
+                with self.tape.phase(0, SETUP), self.values.building():
+                    self.optimizer = program.setup(self.fmodel, self.params, opts.device)
                 if self.optimizer is not None:
                     self.optimizers.append(self.optimizer)
             self.step_model = self.fmodel
