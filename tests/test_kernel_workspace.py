@@ -947,3 +947,20 @@ def test_one_dimensional_convolution_of_a_transposed_activation(seq):
     checked = _excess(ops, "aten.convolution_backward") + _excess(ops, "aten.convolution")
     assert len(checked) == 2 and all(m == p for m, p in checked), checked
     assert p.first_step_peak_bytes == real.peaks[1]
+
+
+def test_matrix_functions_say_they_are_estimates():
+    """An orthogonal parametrization (matrix_exp forward and backward): the kernel's temporaries
+    depend on the matrix norm and are not modelled, and the profile says so; the allocator's
+    peak is higher than the trace's."""
+    from torch.nn.utils.parametrizations import orthogonal
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    orthogonal(model[0], orthogonal_map="matrix_exp")
+    x = tapescope.spec((32, 64))
+    p = tapescope.profile(model, x, optimizer="adamw")
+    notes = p.facts["heuristics"].get("matrix function temporaries", [])
+    assert any(n.startswith("linalg_matrix_exp:") for n in notes), p.facts["heuristics"]
+    real = run_real_steps(lambda: model, (x,), optimizer="adamw")
+    assert p.first_step_peak_bytes < real.peaks[1]  # the gap the note admits

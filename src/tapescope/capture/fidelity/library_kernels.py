@@ -34,7 +34,7 @@ _KERNELS = {
 
 @RULES.register(FUNCTION, *(LibraryOp(name) for name in _KERNELS), devices={"cpu"},
                 source="bitsandbytes/backends/cpu/ops.py (register_kernel(..., 'cpu'))",
-                test="tests/test_library_kernels.py")
+                test="tests/test_library_kernels.py::test_bitsandbytes_optimizer_on_cpu")
 def library_python_kernel(ctx, func, args, kwargs):
     """Run the library's CPU kernel (Python, torch ops) in place of the op's fake kernel."""
     name = getattr(func, "_qualified_op_name", None) or func.name()  # a packet, an overload
