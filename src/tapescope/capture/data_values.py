@@ -385,8 +385,9 @@ class DataValues:
         BatchNorm's batch count) keeps its values: the real step computes with them. One on the
         meta device keeps the value its build made (build_values.py), else it is marked
         unknown: a read of it then names it."""
-        if t.is_complex() or t.numel() > CONSTANT_LIMIT or isinstance(t, FakeTensor):
-            return
+        if t.is_complex() or t.numel() > CONSTANT_LIMIT or isinstance(t, FakeTensor) \
+                or isinstance(t, torch.nn.Parameter) or t.requires_grad:
+            return  # a parameter is trained, not a constant
         real = build_value(t) if t.device.type == "meta" else t
         self._active = True
         if real is None:
