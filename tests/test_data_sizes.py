@@ -616,3 +616,34 @@ def test_longformer_reads_its_attention_mask_input(global_attention):
                                 (p.peak_bytes, real.peaks[2])):
         assert 0 <= measured - predicted <= 32, (predicted, measured)
     assert all(a.kind == "input" for a in p.trace.assumptions)
+
+
+class _FirstKept(nn.Module):
+    """Keeps at most 10 of the tokens a mask selects (`keep[:10]`, as a detector's top-n after
+    NMS): the size is Min(10, n), not a polynomial of n."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, D)
+
+    def forward(self, x):
+        keep = (x[:, 0] > 0).nonzero()[:, 0][:10]
+        return self.a(x[keep]).pow(2).mean()
+
+
+def test_a_size_cut_at_a_bound_follows_the_mask_advice():
+    """The mask advice on a size cut at a bound (Min(10, n)) profiles at the assumed value, as
+    the real step with that fraction does (it crashed: "... is not a polynomial")."""
+    x = torch.randn(T, D)
+    x[:, 0] = -1.0
+    x[: T // 2, 0] = 1.0
+    p = tapescope.profile(_FirstKept, x.to("meta"), sizes={"mask": 0.5})
+    real = run_real_steps(_FirstKept, (x,))
+    assert _rel(p.peak_bytes, real.peaks[2]) < 1e-3  # Python-scalar bytes at most
+    assert [s.value for s in p.data_sizes.sizes] == [T // 2]
+
+
+def test_a_size_cut_at_a_bound_with_named_dimensions_is_a_message():
+    x = tapescope.spec((T, D), dims=("batch", None))
+    with pytest.raises(TapescopeError, match="not a formula of the named dimensions.*Fix:"):
+        tapescope.profile(_FirstKept, x, sizes={"mask": 0.5}, symbolic=("batch",))
