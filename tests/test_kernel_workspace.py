@@ -964,3 +964,31 @@ def test_matrix_functions_say_they_are_estimates():
     assert any(n.startswith("linalg_matrix_exp:") for n in notes), p.facts["heuristics"]
     real = run_real_steps(lambda: model, (x,), optimizer="adamw")
     assert p.first_step_peak_bytes < real.peaks[1]  # the gap the note admits
+
+
+class _MixedDtypes(torch.nn.Module):
+    """Binary ops whose tensor operands differ in dtype: a float activation times a bool mask
+    (a message-passing layer's `mul(float, bool)`), plus an int64 tensor, and an in-place bf16
+    update by a float32 tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.lin(x)
+        mask = x > 0
+        counts = x.floor().long()
+        y = h * mask + h.mul(counts) - h.div(counts + 1)
+        low = h.detach().bfloat16()
+        low.add_(h.detach())
+        return y.pow(2).mean() + low.float().mean()
+
+
+def test_mixed_dtype_operands_are_copied():
+    """TensorIterator's common-dtype temporaries on CPU (fidelity/promotion.py), op by op."""
+    p, real, ops = _measure(_MixedDtypes, (tapescope.spec((256, 64)),), optimizer="sgd")
+    checked = {name: _excess(ops, name, "forward")
+               for name in ("aten.mul", "aten.add_", "aten.div", "aten.add")}
+    assert all(checked.values()), checked
+    assert all(m == p for c in checked.values() for m, p in c), checked
