@@ -466,7 +466,21 @@ CONVS = {  # name -> (_Conv arguments, input shape); the kernels named are AVX2'
         ((8, 8, 3, 1, 1, 1, 1, False, False, 3), (2, 8, 16, 16, 16)),
     "3-D (direct weight gradient, batch-split reduction)":
         ((16, 16, 3, 1, 1, 1, 1, False, False, 3), (2, 16, 8, 8, 8)),
+    # nn.Conv2d's string paddings reach aten::convolution as one-element lists ([0] for "valid")
+    "3x3 padding='valid'": ((64, 64, 3, 1, "valid"), (2, 64, 16, 16)),
+    "first layer 3x3 padding='valid'": ((3, 8, 3, 1, "valid", 1, 1, False, True), (2, 3, 16, 16)),
+    "3x3 padding='same'": ((64, 64, 3, 1, "same"), (2, 64, 16, 16)),
 }
+
+
+def _padding(conv) -> tuple:
+    """The per-dimension padding aten::convolution runs with (Convolution.cpp
+    `_convolution_mode`; "same" with an odd kernel is symmetric)."""
+    if conv.padding == "valid":
+        return (0,) * len(conv.kernel_size)
+    if conv.padding == "same":
+        return tuple(d * (k - 1) // 2 for k, d in zip(conv.kernel_size, conv.dilation))
+    return conv.padding
 
 
 def _exact_here(args, shape) -> str | None:
@@ -478,7 +492,7 @@ def _exact_here(args, shape) -> str | None:
 
     m = _Conv(*args)
     conv = m.conv
-    c = conv_problem(shape, conv.weight.shape, True, conv.stride, conv.padding, conv.dilation,
+    c = conv_problem(shape, conv.weight.shape, True, conv.stride, _padding(conv), conv.dilation,
                      conv.groups, m.channels_last)
     cpu = cpu_target()
     prims = [onednn.forward(c, cpu), onednn.backward_weights(c, cpu)]
@@ -535,7 +549,7 @@ def test_convolution_matches_the_allocator_with_the_isa_capped_at_avx2():
         pytest.skip("this host is not AVX-512: test_convolution_matches_the_allocator "
                     "already checks its kernels")
     names = [n for n in CONVS if "GEMM" in n or "first layer" in n or "3x3 NCHW" in n
-             or "1x1" in n]
+             or "1x1" in n or "padding=" in n]
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
     code = ("import json, sys; from tests.test_kernel_workspace import _convolutions_checked; "
             f"print(json.dumps(_convolutions_checked({names!r})))")
@@ -548,6 +562,94 @@ def test_convolution_matches_the_allocator_with_the_isa_capped_at_avx2():
     for name, (excesses, (real_peak, predicted_peak)) in checked.items():
         assert len(excesses) == 2 and all(m == p for m, p in excesses), (name, excesses)
         assert predicted_peak == real_peak, name
+
+SLOW = {  # name -> (_Conv arguments, input shape, dtype): convolutions ATen's Slow2d kernel runs
+    "fp64 3x3": ((16, 32, 3, 1, 1), (2, 16, 16, 16), "float64"),
+    "fp64 3x3/2 of a first layer": ((16, 32, 3, 2, 1, 1, 1, False, True), (2, 16, 16, 16),
+                                    "float64"),
+    "fp64 1x1 (columns are a view)": ((16, 32, 1), (2, 16, 8, 8), "float64"),
+    "bf16 3x3 (no oneDNN bf16 kernel)": ((16, 32, 3, 1, 1), (2, 16, 16, 16), "bfloat16"),
+    "bf16 5x5/2": ((8, 16, 5, 2, 2), (2, 8, 16, 16), "bfloat16"),
+}
+
+
+def _slow_convolutions_checked(names) -> dict:
+    """name -> [(measured, predicted) excesses of the convolution ops, [real peak, predicted
+    peak]] for the SLOW convolutions this process runs on Slow2d (others: the backend)."""
+    from tapescope.torch_compat import select_conv_backend
+
+    out = {}
+    for name in names:
+        args, shape, dtype = SLOW[name]
+        dtype = getattr(torch, dtype)
+        m = _Conv(*args)
+        backend = select_conv_backend(torch.empty(shape, dtype=dtype),
+                                      m.conv.weight.detach().to(dtype), m.conv.stride,
+                                      m.conv.padding, m.conv.dilation, False, (0, 0), 1)
+        if backend != "Slow2d":
+            out[name] = backend
+            continue
+        p = tapescope.profile(lambda: _Conv(*args), tapescope.spec(shape), optimizer="sgd",
+                              dtype=dtype)
+        real = run_real_steps(lambda: _Conv(*args), (tapescope.spec(shape),), optimizer="sgd",
+                              dtype=dtype)
+        ops = compare_ops(p, real, 1)
+        checked = _excess(ops, "aten.convolution") + _excess(ops, "aten.convolution_backward")
+        out[name] = [checked, [real.peaks[1], p.first_step_peak_bytes]]
+    return out
+
+
+def test_slow2d_convolution_columns_match_the_allocator():
+    """ATen's Slow2d (ConvolutionMM2d.cpp) makes the whole batch's im2col columns before its
+    output, and again for the weight gradient after grad_input and grad_bias; a 1x1 kernel views
+    its input. fp64 runs it on every ISA; bf16 where oneDNN has no bf16 kernel (AVX2)."""
+    results = _slow_convolutions_checked(list(SLOW))
+    checked = {n: r for n, r in results.items() if not isinstance(r, str)}
+    assert all(n in checked for n in SLOW if n.startswith("fp64")), results
+    for name, (excesses, (real_peak, predicted_peak)) in checked.items():
+        assert len(excesses) == 2 and all(m == p for m, p in excesses), (name, excesses)
+        assert predicted_peak == real_peak, name
+
+
+def test_bf16_convolution_on_slow2d_with_the_isa_capped_at_avx2():
+    """On an AVX-512 host oneDNN runs bf16 convolutions; capped at AVX2 (a child process: oneDNN
+    reads its cap once) ATen's Slow2d does, and its columns are counted exactly."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this host is not AVX-512: the test above runs bf16 on Slow2d already")
+    names = [n for n in SLOW if n.startswith("bf16")]
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    code = ("import json; from tests.test_kernel_workspace import _slow_convolutions_checked; "
+            f"print(json.dumps(_slow_convolutions_checked({names!r})))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(not isinstance(r, str) for r in results.values()), results
+    for name, (excesses, (real_peak, predicted_peak)) in results.items():
+        assert len(excesses) == 2 and all(m == p for m, p in excesses), (name, excesses)
+        assert predicted_peak == real_peak, name
+
+
+def test_bf16_onednn_convolution_says_it_is_an_estimate():
+    """Where oneDNN runs a bf16 convolution (AVX512-BF16), its reorders and scratchpad are not
+    modelled yet: the profile says so instead of calling the figure exact."""
+    from tapescope.torch_compat import select_conv_backend
+
+    x = torch.empty(2, 16, 16, 16, dtype=torch.bfloat16)
+    w = torch.empty(32, 16, 3, 3, dtype=torch.bfloat16)
+    if select_conv_backend(x, w, (1, 1), (1, 1), (1, 1), False, (0, 0), 1) != "Mkldnn":
+        pytest.skip("oneDNN has no bf16 convolution here")
+    p = tapescope.profile(lambda: _Conv(16, 32, 3, 1, 1), tapescope.spec((2, 16, 16, 16)),
+                          optimizer="sgd", dtype=torch.bfloat16)
+    notes = p.facts["heuristics"].get("oneDNN convolution scratch", [])
+    assert any("bfloat16 convolution" in n for n in notes), p.facts["heuristics"]
+
 
 def test_convolution_scratch_follows_the_thread_count():
     """The GEMM weight gradient keeps per-thread columns and accumulators: one thread needs less
@@ -845,3 +947,48 @@ def test_one_dimensional_convolution_of_a_transposed_activation(seq):
     checked = _excess(ops, "aten.convolution_backward") + _excess(ops, "aten.convolution")
     assert len(checked) == 2 and all(m == p for m, p in checked), checked
     assert p.first_step_peak_bytes == real.peaks[1]
+
+
+def test_matrix_functions_say_they_are_estimates():
+    """An orthogonal parametrization (matrix_exp forward and backward): the kernel's temporaries
+    depend on the matrix norm and are not modelled, and the profile says so; the allocator's
+    peak is higher than the trace's."""
+    from torch.nn.utils.parametrizations import orthogonal
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    orthogonal(model[0], orthogonal_map="matrix_exp")
+    x = tapescope.spec((32, 64))
+    p = tapescope.profile(model, x, optimizer="adamw")
+    notes = p.facts["heuristics"].get("matrix function temporaries", [])
+    assert any(n.startswith("linalg_matrix_exp:") for n in notes), p.facts["heuristics"]
+    real = run_real_steps(lambda: model, (x,), optimizer="adamw")
+    assert p.first_step_peak_bytes < real.peaks[1]  # the gap the note admits
+
+
+class _MixedDtypes(torch.nn.Module):
+    """Binary ops whose tensor operands differ in dtype: a float activation times a bool mask
+    (a message-passing layer's `mul(float, bool)`), plus an int64 tensor, and an in-place bf16
+    update by a float32 tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.lin(x)
+        mask = x > 0
+        counts = x.floor().long()
+        y = h * mask + h.mul(counts) - h.div(counts + 1)
+        low = h.detach().bfloat16()
+        low.add_(h.detach())
+        return y.pow(2).mean() + low.float().mean()
+
+
+def test_mixed_dtype_operands_are_copied():
+    """TensorIterator's common-dtype temporaries on CPU (fidelity/promotion.py), op by op."""
+    p, real, ops = _measure(_MixedDtypes, (tapescope.spec((256, 64)),), optimizer="sgd")
+    checked = {name: _excess(ops, name, "forward")
+               for name in ("aten.mul", "aten.add_", "aten.div", "aten.add")}
+    assert all(checked.values()), checked
+    assert all(m == p for c in checked.values() for m, p in c), checked

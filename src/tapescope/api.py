@@ -243,7 +243,8 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
         (it is built on the meta device, so init code never allocates).
     inputs: tensors (real or meta) or `tapescope.spec(shape, dtype=...)`; `input_kwargs` for keyword
-        inputs. Their values are never read.
+        inputs. A tensor given with values keeps them where the step reads them (a mask, a
+        label, a target box: named in the report as an assumption "input").
     loss_fn: `loss_fn(output, *inputs) -> scalar`. Default: a scalar output is the loss; else an
         output's scalar `.loss`; else the sum of the floating-point outputs.
     optimizer: "sgd", "adam", "adamw" (torch defaults, with the foreach/fused choice torch makes on
@@ -408,12 +409,24 @@ def _analyse_captured(trace: Trace, facts: dict, workload: Workload, options: Op
         from .analysis.data_sizes import data_size_report
 
         if trace.symbols:
-            from .analysis.symbolic import instantiate, symbolic_profile
+            from .analysis.symbolic import NotPolynomial, converter, instantiate, \
+                symbolic_profile
 
-            sp, conv = symbolic_profile(trace)
+            try:
+                sp, conv = symbolic_profile(trace)
+            except NotPolynomial as e:
+                if set(trace.symbols) - set(trace.unbacked.values()):
+                    # a named input dimension: its formulas are what was asked for
+                    raise TapescopeError(f"the memory is not a formula of the named dimensions: "
+                                         f"{e} (a size the data decides, cut at a bound). Fix: "
+                                         f"profile at concrete sizes (no symbolic=)") from None
+                # sizes the data decides, each with its one value: the step at those values
+                # is exact without formulas (`keep[:100]` of a data-dependent keep is a Min)
+                sp, conv = None, converter(trace)
             data_sizes = data_size_report(trace, sp)
-            trace = instantiate(trace, conv, trace.hints)
-            inputs = [_describe_input(x, trace_hints=sp.hints) for x in workload.args]
+            hints = dict(trace.hints)
+            trace = instantiate(trace, conv, hints)
+            inputs = [_describe_input(x, trace_hints=hints) for x in workload.args]
         else:
             data_sizes = data_size_report(trace, None)
         p = analyse(trace, facts, model=workload.display_name, options=options, inputs=inputs)

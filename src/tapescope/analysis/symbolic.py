@@ -31,7 +31,7 @@ from .flops import op_flops
 from .memory import storage_categories
 from .steps import StepView, step_views
 
-__all__ = ["Guard", "Piece", "Estimate", "SymbolicProfile", "symbolic_profile", "sympify_trace",
+__all__ = ["NotPolynomial", "converter", "Guard", "Piece", "Estimate", "SymbolicProfile", "symbolic_profile", "sympify_trace",
            "instantiate", "fit_pinned"]
 
 
@@ -222,6 +222,11 @@ def _best(pieces, vals):
 
 # ---- turning the trace into polynomials -----------------------------------------------------
 
+class NotPolynomial(ValueError):
+    """A size the formulas cannot hold: `keep[:100]` of a data-dependent `keep` is
+    Min(100, n), piecewise in n."""
+
+
 class _Converter:
     """SymInts -> sympy expressions in the dimension names; sizes -> polynomials."""
 
@@ -257,7 +262,8 @@ class _Converter:
                 p = {k: int(v.p) if v.q == 1 else Fraction(int(v.p), int(v.q))
                      for k, v in sympy.Poly(e, *self.symbols).as_dict().items()}
             except (sympy.PolynomialError, TypeError) as exc:
-                raise ValueError(f"size {e} is not a polynomial of {', '.join(self.names)}") from exc
+                raise NotPolynomial(f"size {e} is not a polynomial of "
+                                    f"{', '.join(self.names)}") from exc
             self.polys[e] = p
         return p
 
@@ -276,6 +282,11 @@ def _sympify_op(conv: _Converter, r):
                    kwargs={k: _ref(conv, v) for k, v in r.kwargs.items()},
                    outputs=tuple(None if o is None else _ref(conv, o) for o in r.outputs),
                    inputs=tuple(_ref(conv, t) for t in r.inputs))
+
+
+def converter(trace: Trace) -> _Converter:
+    """What `instantiate` evaluates a trace's sizes with (symbolic_profile's second result)."""
+    return _Converter(trace)
 
 
 def sympify_trace(trace: Trace) -> tuple[Trace, _Converter]:

@@ -23,9 +23,9 @@ a Python branch or loop on it stops a fake trace. tapescope takes the value from
   1/2, every layer runs, the memory-worst case. Named in the report only where the step read a
   draw; a draw used as data (a dropout mask) decides nothing.
 
-Constants need no assumption: an integer or boolean tensor the model holds (a buffer or tensor
-attribute of at most CONSTANT_LIMIT elements: Encodec's `padding_total`, BatchNorm's
-`num_batches_tracked`) keeps its values (`give_constant`; a model built on meta from a build
+Constants need no assumption: a tensor the model holds (a buffer or tensor attribute of at most
+CONSTANT_LIMIT elements: Encodec's `padding_total`, BatchNorm's `num_batches_tracked`,
+torchvision's cell anchors) keeps its values (`give_constant`; a model built on meta from a build
 function keeps those its build made, build_values.py). One on the meta device with no value is
 marked, and a read of it (or of what it computed) stops with a message naming the buffer.
 
@@ -44,6 +44,7 @@ they held 1 GiB of a 405B rank's capture.
 from __future__ import annotations
 
 import os
+from math import prod
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -151,6 +152,8 @@ class DataValues:
     _sources: dict = field(default_factory=dict)           # (kind, where) -> assumption index
     _groups: dict = field(default_factory=dict)            # (op, where, value) -> name
     _taken: set = field(default_factory=set)
+    _permutations: dict = field(default_factory=dict)      # assumption index -> where drawn
+    _given: int = 0                                        # values set so far (`building`)
     _active: bool = False                                  # some tensor has values
     _deferred: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # _Deferred not yet run
     routers = None   # the ops whose selections are routings (set below the class)
@@ -195,6 +198,20 @@ class DataValues:
 
     def _set(self, t, real, sources) -> None:
         setattr(t, _ATTR, (real, sources))
+        self._given += 1
+
+    @contextmanager
+    def building(self):
+        """Small factories get values inside this block even before any tensor has one: code
+        that builds state reads what it made (bitsandbytes' 8-bit optimizers compute their
+        quantization maps with `linspace(...).tolist()` in `__init__`). After it, values stay
+        on only if the block gave some."""
+        active, given = self._active, self._given
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = active or self._given > given
 
     def _drop(self, t) -> None:
         if hasattr(t, _ATTR):
@@ -215,6 +232,9 @@ class DataValues:
         out, sources = self._run_real(func, args, kwargs)
         if out is None:
             return False, None
+        for i in sources:  # which element a permutation put first is not known, only sizes
+            if i in self._permutations:
+                raise UnknownValueRead(func, Unknown("random", self._permutations[i]))
         self.used.update(sources)
         return True, out
 
@@ -229,7 +249,8 @@ class DataValues:
                 for t in tree_flatten((args, kwargs))[0]:
                     if isinstance(t, torch.Tensor) and _written(func, t, args, kwargs):
                         self._drop(t)
-            if self._draw(func, args, kwargs, out, where) or self._mark_random(out, where):
+            if self._draw(func, args, kwargs, out, where) \
+                    or self._permutation(func, args, out, where) or self._mark_random(out, where):
                 self._active = True  # a number the code may branch on
             return
         if not self.live:
@@ -254,6 +275,25 @@ class DataValues:
             if real is not None:
                 self._attach(outs, [r for r in tree_flatten(real)[0]
                                     if isinstance(r, torch.Tensor)], sources, func, where)
+        elif func in _VALIDITY and outs and _small_factory(func, outs, VALUE_LIMIT) \
+                and (fill := _VALIDITY[func][1](args)) is not None:
+            # a check of values no one knows (`if torch.isnan(h).any():`, a distribution's
+            # argument validation): the values a valid step has, named as an assumption
+            kind, _, detail = _VALIDITY[func]
+            i = self._assumption(kind, _short(where()) or "?", detail)
+            with unset_fake_temporarily(), _one_thread():
+                real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=torch.bool)
+            self._set(outs[0], real, frozenset((i,)))
+            self._active = True
+        elif func in _STATISTICS and isinstance(out, torch.Tensor) and out.dim() == 0 \
+                and out.is_floating_point():
+            # a norm of values no one knows, as a number the step may read: Adafactor's
+            # `max(eps, RMS(p))` with its defaults (scale_parameter) compares a parameter's RMS
+            # with eps = 1e-3
+            i = self._assumption("statistic", _short(where()) or "?", _STATISTIC)
+            with unset_fake_temporarily():
+                self._set(out, torch.ones((), dtype=out.dtype), frozenset((i,)))
+            self._active = True
         elif func in _FINITE_CHECKS and self.value(args[1]) is not None:
             # GradScaler's check of the unscaled gradients writes found_inf only when one is
             # inf or nan: a step is assumed to have finite gradients (found_inf stays 0, the
@@ -262,6 +302,15 @@ class DataValues:
             i = self._assumption("finite gradients", where(), detail)
             real, sources = self.value(args[1])
             self._set(args[1], real, frozenset(sources) | {i})
+        elif func in _OVERWRITES and _small_factory(func, [args[0]]):
+            # x.fill_(v) / x.zero_() on a tensor with no values (`torch.empty(()).fill_(s)`, a
+            # stride in torchvision's anchors): every element is written, so its values are known
+            self._run_deferred()
+            with unset_fake_temporarily(), _one_thread():
+                real = torch.full([self._int(s) for s in args[0].shape], _OVERWRITES[func](args),
+                                  dtype=args[0].dtype)
+            self._set(args[0], real, frozenset())
+            self._active = True
         elif func in _FILLS and outs and _small_factory(func, outs):
             fill = _FILLS[func](args, kwargs)  # ones_like(x): x's values do not matter
             # on one thread, as every value (_one_thread): a fill of more than one grain (32,768
@@ -289,8 +338,9 @@ class DataValues:
         name pinned to one value where the trace specialised any of its symbols."""
         env = self.shape_env
         trace.unbacked = dict(self.names)
-        # a random draw no branch read (a dropout mask) assumed nothing: not named
-        kept = [i for i, a in enumerate(self.assumptions) if a.kind != "random" or i in self.used]
+        # a random draw no branch read (a dropout mask), a norm nothing read, assumed nothing
+        kept = [i for i, a in enumerate(self.assumptions)
+                if a.kind not in _NAMED_IF_READ or i in self.used]
         index = {i: n for n, i in enumerate(kept)}
         trace.assumptions = [replace(self.assumptions[i], decided=i in self.used) for i in kept]
         trace.data_sizes = [replace(d, assumptions=tuple(index[i] for i in d.assumptions))
@@ -310,7 +360,7 @@ class DataValues:
     def give_literal(self, fake, real) -> None:
         """`torch.tensor(data)` made in the step from Python data: an integer or boolean one
         keeps its values (a mask computed with numpy, a list of ids)."""
-        if real.is_floating_point() or real.is_complex() or real.numel() > VALUE_LIMIT:
+        if real.is_complex() or real.numel() > VALUE_LIMIT:
             return
         with unset_fake_temporarily():
             value = real.detach().clone()
@@ -331,13 +381,13 @@ class DataValues:
         self._active = True
 
     def give_constant(self, fake, t, name: str | None) -> None:
-        """A small integer or boolean tensor the model holds (a buffer: Encodec's padding,
+        """A small tensor the model holds (a buffer: Encodec's padding,
         BatchNorm's batch count) keeps its values: the real step computes with them. One on the
         meta device keeps the value its build made (build_values.py), else it is marked
         unknown: a read of it then names it."""
-        if t.is_floating_point() or t.is_complex() or t.numel() > CONSTANT_LIMIT \
-                or isinstance(t, FakeTensor):
-            return
+        if t.is_complex() or t.numel() > CONSTANT_LIMIT or isinstance(t, FakeTensor) \
+                or isinstance(t, torch.nn.Parameter) or t.requires_grad:
+            return  # a parameter is trained, not a constant
         real = build_value(t) if t.device.type == "meta" else t
         self._active = True
         if real is None:
@@ -381,6 +431,24 @@ class DataValues:
             delattr(o, _UNKNOWN)
         return True
 
+    def _permutation(self, func, args, out, where) -> bool:
+        """randperm(n) taken as the identity: what a sampler selects with `perm[:k]` (which of
+        torchvision's positive anchors) has the same sizes under every permutation."""
+        if func not in _PERMUTATIONS or not isinstance(out, torch.Tensor):
+            return False
+        n = self._int(args[0])
+        if n is None or n > VALUE_LIMIT:
+            return False
+        with unset_fake_temporarily():  # called inside the capture's fake mode
+            real = torch.arange(n, dtype=out.dtype)
+        w = _short(where()) or "?"
+        a = self._assumption("random", w, "randperm taken as the identity permutation: the "
+                             "sizes of what it selects are the same under every permutation (a "
+                             "read of its values, as a number, stops)")
+        self._permutations[a] = w
+        self._set(out, real, frozenset((a,)))
+        return True
+
     def _mark_random(self, out, where) -> bool:
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if not outs or not _static_small(outs, RANDOM_LIMIT):
@@ -395,8 +463,8 @@ class DataValues:
 
     def _route(self, func, args, kwargs, out, where) -> bool:
         src = args[0]
-        if not src.is_floating_point():
-            return False
+        if not src.is_floating_point() or self.value(src) is not None:
+            return False  # scores the step knows (a detector's box overlaps) select by value
         index_pos, k, dim = _ROUTERS[func](args, kwargs)
         idx = out[index_pos] if isinstance(out, (tuple, list)) else out
         if not isinstance(idx, torch.Tensor) or idx.numel() == 0 or idx.numel() > VALUE_LIMIT:
@@ -406,7 +474,7 @@ class DataValues:
         shape = [self._int(s) for s in idx.shape]
         if None in shape or experts is None:
             return False
-        tokens = idx.numel() // k if k else 0
+        tokens = prod(shape) // k if k else 0  # shape: ints (an unbacked size at its value)
         if k >= experts or tokens == 0:
             return False  # selecting every candidate (a sort) routes nothing
         routing = self.sizes.routing
@@ -728,12 +796,48 @@ DataValues.routers = frozenset(_ROUTERS)
 # ops that write a flag only when a value is not finite (GradScaler's unscale)
 _FINITE_CHECKS = {aten._amp_foreach_non_finite_check_and_unscale_.default}
 
+_PERMUTATIONS = (aten.randperm.default, aten.randperm.generator)
+
+# checks a valid step passes, on values no one knows: op -> (assumption kind, each element's
+# value, what is assumed). The non-finite tests are false for finite values; `_is_all_true` is
+# torch's assertion primitive (torch.distributions' argument and sample validation,
+# torch._check_tensor_all): a step that runs on passes it.
+_FINITE = "the values are finite (isnan / isinf false, isfinite true): the branch a valid step takes"
+_INF = float("inf")
+_VALIDITY = {  # op -> (kind, args -> each element's value or None where the rule does not apply,
+    #                   what is assumed)
+    aten.isnan.default: ("finite values", lambda a: False, _FINITE),
+    aten.isinf.default: ("finite values", lambda a: False, _FINITE),
+    aten.isposinf.default: ("finite values", lambda a: False, _FINITE),
+    aten.isneginf.default: ("finite values", lambda a: False, _FINITE),
+    aten.isfinite.default: ("finite values", lambda a: True, _FINITE),
+    # torch.isfinite decomposes to `(x == x) * (x.abs() != inf)`; constraints.real checks x == x
+    aten.eq.Tensor: ("finite values", lambda a: True if a[0] is a[1] else None, _FINITE),
+    aten.ne.Tensor: ("finite values", lambda a: False if a[0] is a[1] else None, _FINITE),
+    aten.ne.Scalar: ("finite values", lambda a: True if a[1] in (_INF, -_INF) else None, _FINITE),
+    aten.eq.Scalar: ("finite values", lambda a: False if a[1] in (_INF, -_INF) else None, _FINITE),
+    aten._is_all_true.default: ("validation", lambda a: True, "a validation check passes "
+                                "(torch.distributions' argument checks, torch._check_tensor_all):"
+                                " the step is valid; validate_args=False skips the check"),
+}
+
+# a norm (of a parameter, a gradient, optimizer state) whose input has no values: taken as 1.0
+_STATISTICS = (aten.linalg_vector_norm.default,)
+_STATISTIC = ("a norm of values no one knows (a parameter's RMS, a gradient norm) is taken as 1: "
+              "a comparison with a small threshold (Adafactor's max(eps, RMS)) takes the side of "
+              "a parameter that is not all zeros")
+# assumptions named in the report only where the step read a value they gave
+_NAMED_IF_READ = ("random", "statistic", "finite values", "validation")
+
+# in-place writes of one number to every element (of a tensor whose values were unknown)
+_OVERWRITES = {aten.fill_.Scalar: lambda a: a[1], aten.zero_.default: lambda a: 0}
+
 _FILLS = {aten.ones_like.default: lambda a, k: 1, aten.zeros_like.default: lambda a, k: 0,
           aten.full_like.default: lambda a, k: a[1], aten.new_ones.default: lambda a, k: 1,
           aten.new_zeros.default: lambda a, k: 0, aten.new_full.default: lambda a, k: a[2]}
 
 
-def _small_factory(func, outs) -> bool:
+def _small_factory(func, outs, limit: int = FACTORY_LIMIT) -> bool:
     """A small tensor made from no data (arange(E), full((S, S), -inf)): its values are known."""
     if func in (aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                 aten.new_empty.default, aten.new_empty_strided.default):
@@ -744,7 +848,7 @@ def _small_factory(func, outs) -> bool:
             if not isinstance(s, int):
                 return False
         n += o.numel()
-    return n <= FACTORY_LIMIT
+    return n <= limit
 
 
 def _static_small(outs, limit) -> bool:

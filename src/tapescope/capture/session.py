@@ -190,7 +190,10 @@ class CaptureSession:
             self.state_tensors: list = []  # what a user step's setup made besides optimizers
             self.optimizer = None
             if not program.records_setup:
-                self.optimizer = program.setup(self.fmodel, self.params, opts.device)
+                # recorded as setup, as a step's own setup is: what an optimizer makes when it is
+                # built (bitsandbytes' quantization maps) is memory, and its code may read it
+                with self.tape.phase(0, SETUP), self.values.building():
+                    self.optimizer = program.setup(self.fmodel, self.params, opts.device)
                 if self.optimizer is not None:
                     self.optimizers.append(self.optimizer)
             self.step_model = self.fmodel
@@ -262,10 +265,12 @@ class CaptureSession:
             self.values.give_constant(fake, t, buffers.get(id(t)))
             return fake
 
-        self.isolation = Isolation(
-            module_tensor,
-            lambda t: fake_tensor_like(t, opts.device if t.device.type == "meta" else t.device,
-                                       None))
+        def state_tensor(t):  # in a module's list or dict (torchvision's cell anchors): as above
+            fake = fake_tensor_like(t, opts.device if t.device.type == "meta" else t.device, None)
+            self.values.give_constant(fake, t, None)
+            return fake
+
+        self.isolation = Isolation(module_tensor, state_tensor)
         with tape.unrecorded_through_front():  # ~100 us an op saved per tensor copied
             self.fmodel = self.isolation.copy_model(self.model)
         if self.prepare is not None:
@@ -298,8 +303,7 @@ class CaptureSession:
         given = [x for x in tree_leaves((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, Spec))
                  if isinstance(x, (torch.Tensor, Spec))]
         for i, (x, t) in enumerate(zip(given, inputs)):
-            if (isinstance(x, torch.Tensor) and x.device.type != "meta"
-                    and not x.is_floating_point() and not x.is_complex()):
+            if isinstance(x, torch.Tensor) and x.device.type != "meta":
                 self.values.give_input(t, x, f"input{i}")
         if opts.checkpointing:  # after naming: parameters and modules keep the user's names
             from .checkpointing import apply_policies

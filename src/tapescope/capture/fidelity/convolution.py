@@ -198,23 +198,54 @@ def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_pad
     return backend == "Mkldnn"
 
 
-def _note_slow_kernel(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
-                      groups) -> None:
-    """ATen's own CPU convolutions (ConvolutionMM2d.cpp and kin: a tiny one-sample convolution,
-    a double one) make im2col columns inside the op, which no rule counts yet: say so."""
+def _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+            groups) -> tuple | None:
+    """(stride, padding) of a convolution ATen's Slow2d kernel runs (ConvolutionMM2d.cpp: a
+    tiny one-sample convolution, a double one, bf16 where oneDNN has no bf16 kernel) that the
+    rules model: one group, NCHW-contiguous operands. Else None, and a note where the kernel
+    makes buffers no rule counts (other slow kernels, grouped or channels-last Slow2d, and
+    oneDNN's reduced-precision kernels)."""
     if transposed or x.dim() not in (3, 4, 5) or not x.is_floating_point():
-        return
+        return None
     backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
                                   output_padding, groups)
+    if backend == "Slow2d" and groups == 1 and not _uses_channels_last(x, weight):
+        _, _, stride, padding, _ = _as_2d(x, weight, stride, padding, dilation)
+        return stride, padding
     if backend.startswith("Slow"):
         ctx.note("oneDNN convolution scratch", f"ATen's {backend} kernel (not oneDNN) makes "
                  "im2col columns inside the op: not counted (an estimate)")
+    elif backend == "Mkldnn" and x.dtype != torch.float32:
+        ctx.note("oneDNN convolution scratch", f"oneDNN's {str(x.dtype)[6:]} convolution "
+                 "kernels' reorders and scratchpad are not counted (an estimate)")
+    return None
+
+
+def _columns_bytes(x, weight, stride, padding) -> int:
+    """compute_columns2d (ConvolutionMM2d.cpp): the whole batch's im2col columns, N x
+    (C kh kw) x (oh ow); a 1x1 kernel with unit stride and no padding views the input."""
+    xs, ws = tuple(x.shape), tuple(weight.shape)
+    if len(xs) == 3:  # view1d_as_2d
+        xs, ws = (*xs[:2], 1, xs[2]), (*ws[:2], 1, ws[2])
+    kernel = ws[2:]
+    if all(k == 1 for k in kernel) and all(s == 1 for s in stride) and not any(padding):
+        return 0
+    out = [_conv_output_size(i, k, s, p, 1) for i, k, s, p in zip(xs[2:], kernel, stride, padding)]
+    return xs[0] * xs[1] * prod(kernel) * prod(out) * x.dtype.itemsize
+
+
+def _per_dim(param, dims: int) -> tuple:
+    """ConvUtils.h `expand_param_if_needed`: a one-element stride, padding or dilation holds
+    for every spatial dimension (`padding="valid"` reaches `aten::convolution` as `[0]`)."""
+    param = tuple(param)
+    return param * dims if len(param) == 1 else param
 
 
 def _as_2d(x, weight, stride, padding, dilation):
     """Convolution.cpp `view1d_as_2d`: a 1-D convolution runs as a 2-D one of height 1 (shapes
     only: a rule must not run ops on the fake tensors it is shown)."""
     xs, ws = tuple(x.shape), tuple(weight.shape)
+    stride, padding, dilation = (_per_dim(p, x.dim() - 2) for p in (stride, padding, dilation))
     if x.dim() == 3:
         return ((*xs[:2], 1, xs[2]), (*ws[:2], 1, ws[2]), (1, *stride), (0, *padding),
                 (1, *dilation))
@@ -234,9 +265,10 @@ def convolution_scratch(ctx, func, args, kwargs, out):
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
     if not _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                       groups):
-        _note_slow_kernel(ctx, x, weight, stride, padding, dilation, transposed,
-                          output_padding, groups)
-        return None
+        slow = _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                       groups)
+        return None if slow is None else [Alloc("columns", _columns_bytes(x, weight, *slow)),
+                                          Output(0), Free("columns")]
     cl = _uses_channels_last(x, weight)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
     c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl)
@@ -257,9 +289,17 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
                                     groups, mask)
     if not _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                       groups):
-        _note_slow_kernel(ctx, x, weight, stride, padding, dilation, transposed,
-                          output_padding, groups)
-        return None
+        slow = _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                       groups)
+        if slow is None:
+            return None
+        # _slow2d_backward: grad_input (its per-thread fgrad_input buffers are `new`ed, not the
+        # allocator's), grad_bias, grad_weight, then the whole batch's columns again
+        steps = _copy_if_needed("grad_output", grad_output, False)
+        steps += [Output(i) for i in (0, 2, 1) if mask[i]]
+        if mask[1]:
+            steps += [Alloc("columns", _columns_bytes(x, weight, *slow)), Free("columns")]
+        return steps
     cl = _uses_channels_last(x, weight)
     _note_ambiguous_1d(ctx, x, cl)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)

@@ -54,7 +54,7 @@ from ...errors import passes_user_calls
 
 __all__ = ["Rule", "RULES", "Rules", "RuleSet", "FidelityContext", "FunctionRulesMode", "FUNCTION",
            "FORWARD_OP", "BACKWARD_OP", "OUTPUT", "WORKSPACE", "CHECK", "KERNEL", "STAGES", "ANY_OP",
-           "Alloc", "Free", "Output"]
+           "Alloc", "Free", "Output", "LibraryOp"]
 
 FUNCTION, FORWARD_OP, BACKWARD_OP, OUTPUT = "function", "forward op", "backward op", "output"
 WORKSPACE, CHECK = "workspace", "check"
@@ -76,6 +76,23 @@ class Rule:
 
     def applies_on(self, device_type: str) -> bool:
         return self.devices is None or device_type in self.devices
+
+
+@dataclass(frozen=True)
+class LibraryOp:
+    """A target named by its qualified name ("bitsandbytes::optimizer_update_8bit_blockwise"): an
+    op a library registers when it is imported. Resolved when a capture's RuleSet is built, so
+    tapescope never imports the library itself; a library not imported has no such op, and the
+    rule no target."""
+
+    qualname: str
+
+    def resolve(self) -> list:
+        namespace, name = self.qualname.split("::")
+        if not hasattr(getattr(torch.ops, namespace), name):
+            return []
+        packet = getattr(getattr(torch.ops, namespace), name)
+        return [packet] + [getattr(packet, o) for o in packet.overloads()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +214,9 @@ class RuleSet:
         self.by_stage: dict[str, dict] = {s: {} for s in STAGES}
         self.any_op: dict[str, list] = {s: [] for s in STAGES}
         for r in rules:
-            for t in r.targets:
+            targets = [x for t in r.targets
+                       for x in (t.resolve() if isinstance(t, LibraryOp) else (t,))]
+            for t in targets:
                 if t is ANY_OP:
                     self.any_op[r.stage].append(r.handler)
                 else:
