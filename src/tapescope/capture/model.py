@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..errors import ModelBuildError, SpecError, TapescopeError
 from ..options import check_device_build, resolve_device, resolve_dtype
 from ..torch_compat import post_accumulate_grad_hooks, tensor_backward_hooks, tree_map
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .build_values import BuildValues, keep_build_value
 
 __all__ = ["spec", "Spec", "build_on_meta", "model_of", "fake_copy", "fake_inputs", "resolve_dtype",
@@ -148,9 +149,19 @@ def fake_copy(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) ->
 
 
 def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torch.Tensor:
-    """A fake tensor with t's shape, strides and autograd flags (call inside the fake mode)."""
-    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-    out = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
+    """A fake tensor with t's shape, strides and autograd flags (call inside the fake mode).
+
+    A tensor subclass that wraps inner tensors (torch's traceable wrapper subclasses: torchao's
+    float8 weight `WeightWithDynamicFloat8CastTensor`, say) stays that subclass, its inner
+    tensors made fake: the subclass decides what the real step runs (FSDP2 asks the parameter
+    for `fsdp_pre_all_gather` and all-gathers float8 when it has one), so a plain tensor in its
+    place would trace another step.
+    """
+    if is_traceable_wrapper_subclass(t):
+        out = _wrapper_subclass_like(t, device, dtype)
+    else:
+        dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        out = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
     if isinstance(t, nn.Parameter):
         out = nn.Parameter(out, requires_grad=t.requires_grad)
     elif t.requires_grad:
@@ -163,6 +174,14 @@ def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torc
     if post:
         out._post_accumulate_grad_hooks = type(post)(post)
     return out
+
+
+def _wrapper_subclass_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t`'s subclass rebuilt around fake copies of its inner tensors (the subclass's own
+    flatten/unflatten protocol, as FakeTensorMode.from_tensor and AOTAutograd rebuild one)."""
+    names, context = t.__tensor_flatten__()
+    inner = {name: fake_tensor_like(getattr(t, name), device, dtype) for name in names}
+    return type(t).__tensor_unflatten__(inner, context, t.size(), t.stride())
 
 
 def fake_inputs(inputs: Any, device, dtype: torch.dtype | None, sizes: dict | None = None) -> Any:
