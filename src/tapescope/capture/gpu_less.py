@@ -35,7 +35,7 @@ from ..devices.gpus import GPU, sm_limits
 from ..torch_compat import (DEVICE_CACHING_MODULES, SETUP_ONCE_CACHES, FakeTensorMode,
                             dynamo_device_interface, inductor_constant_folders)
 
-__all__ = ["cuda_answered", "device_properties", "NoDeviceGuard"]
+__all__ = ["cuda_answered", "capability_answered", "device_properties", "NoDeviceGuard"]
 
 
 def device_properties(gpu: GPU) -> SimpleNamespace:
@@ -281,3 +281,23 @@ def cuda_answered(gpu: GPU):
             d.clear()
             d.update(before)
         _clear(caches)
+
+
+# What a library asks before it chooses a kernel path for the GPU (torchtitan's float8 and MX
+# converters: `has_cuda_capability(8, 9)` = is_available() and get_device_capability() >= (8, 9);
+# torchao's `is_sm_at_least_89`): the questions, not the driver calls behind a kernel launch
+_CAPABILITY_QUERIES = ("is_available", "device_count", "current_device", "get_device_capability",
+                       "get_device_properties", "get_device_name", "is_bf16_supported")
+
+
+@contextmanager
+def capability_answered(gpu: GPU):
+    """For the duration of the block, torch.cuda's questions about the device (is there one, its
+    compute capability, properties and name) answer as on `gpu`: the user's build and parallelize
+    code run as on that GPU, where a float8 converter that asks for sm89+ swaps its layers on an
+    H100 and refuses on an A100 with its own message. Nothing else of torch.cuda is replaced
+    (no stream, no allocation), and FakeTensorMode still knows there is no device."""
+    answers = _cuda_answers(gpu, device_properties(gpu))
+    with _attributes(torch.cuda, {name: answers[name] for name in _CAPABILITY_QUERIES}), \
+            _attributes(FakeTensorMode, {"avoid_device_init": _NO_DEVICE}):
+        yield

@@ -14,7 +14,7 @@ from ..torch_compat import post_accumulate_grad_hooks, tensor_backward_hooks, tr
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .build_values import BuildValues, keep_build_value
 
-__all__ = ["spec", "Spec", "build_on_meta", "model_of", "fake_copy", "fake_inputs", "resolve_dtype",
+__all__ = ["spec", "Spec", "build_on_meta", "model_of", "built_for", "fake_copy", "fake_inputs", "resolve_dtype",
            "transformer_blocks"]
 
 @dataclass(frozen=True)
@@ -82,6 +82,24 @@ def model_of(model) -> nn.Module:
     return build_on_meta(model)
 
 
+def built_for(model, options) -> nn.Module:
+    """`model_of` for a profile with these options: a builder of a CUDA profile runs with
+    torch.cuda's device questions answered for the profiled GPU (gpu_less.capability_answered),
+    as the user's code would run on it."""
+    if isinstance(model, nn.Module) or options.device.type != "cuda" or options.gpu is None:
+        return model_of(model)
+    from .gpu_less import capability_answered
+
+    gpu = options.gpu
+    try:
+        with capability_answered(gpu):
+            return model_of(model)
+    except ModelBuildError as e:
+        major, minor = gpu.compute_capability
+        raise ModelBuildError(f"{e}; its questions about the GPU were answered as on the profiled "
+                              f"{gpu.name} (sm{major}{minor}): --gpu names another") from e
+
+
 def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
     """Run a model builder with every new tensor on the meta device: no memory, no init compute.
 
@@ -100,6 +118,8 @@ def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
             with _params_to_meta():
                 model = builder()
         except Exception as second:
+            if type(second) is type(first) and str(second) == str(first):
+                raise _refused_by_the_builder(second) from second
             raise ModelBuildError(
                 f"could not build the model without allocating it: on the meta device it failed with "
                 f"{type(first).__name__}: {first}; building parameter by parameter failed with "
@@ -110,6 +130,18 @@ def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
         raise ModelBuildError(f"the model builder returned {type(model).__name__}, not an nn.Module")
     values.forget_unfollowed(model)
     return model
+
+
+def _refused_by_the_builder(e: Exception) -> ModelBuildError:
+    """The builder's own refusal, met the same way on meta and on the CPU: its message, where it
+    was raised (a float8 converter refusing a GPU without float8, a config check), not a tensor
+    value the meta device could not give."""
+    from ..errors import user_frame_of
+
+    where = user_frame_of(e)
+    message = " ".join(str(e).split())  # one line
+    return ModelBuildError(f"the model builder raised {type(e).__name__}: {message}"
+                           + (f" (at {where})" if where else ""))
 
 
 class _params_to_meta:
