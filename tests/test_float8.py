@@ -1,0 +1,200 @@
+"""float8 training (torchao) GPU-less, against real runs.
+
+Truths: torch 2.14.1 runs `aten._scaled_mm` on the CPU (an emulation: fp32 copies and an fp32
+matmul), so a real CPU step under the profiler gives the allocator's peak of a float8 model; a
+real-tensor FSDP2 step with torch's fake process group gives the collectives' sizes; real gloo
+processes give each rank's peak. Without truth here: the float8 all-gather's per-rank peak (gloo
+cannot all-gather float8: "Invalid scalar type"), and CUDA's own _scaled_mm memory (cuBLASLt's
+workspace is modelled as for any GEMM).
+
+torchao 0.18.0 imports against torch 2.14.1: `pip install --no-deps torchao==0.18.0`.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import tapescope
+from tapescope.validate.real import run_real_steps
+
+from .float8_models import (D_HIDDEN, D_IN, float8_mlp, float8_mlp_bf16_all_gather,
+                            fully_shard_each_linear)
+
+pytest.importorskip("torchao")
+
+BATCH = 64
+
+
+def _build(recipe, **config):
+    def build():
+        return float8_mlp(recipe, **config)
+    return build
+
+
+# float8 GEMMs per linear: output, grad input, grad weight ("gw_hp": the grad weight in bf16)
+@pytest.mark.parametrize("recipe,config,gemms", [
+    ("tensorwise", {}, 6),
+    ("rowwise_with_gw_hp", {}, 4),
+    (None, {"force_recompute_fp8_weight_in_bwd": True}, 6),
+    pytest.param("rowwise", {}, 6, marks=pytest.mark.xfail(strict=True, reason=(
+        "49,152 B (1.2%) under the real peak, in both steps: two fp8 operand copies "
+        "(32,768 + 16,384 B) the real grad-weight mm keeps alive to its end; not found yet"))),
+])
+def test_float8_linear_peak_matches_a_real_cpu_run(recipe, config, gemms):
+    """Each Float8Linear casts its input, weight and gradient to float8 and runs three
+    `_scaled_mm`; the CPU kernel's fp32 copies (fidelity/float8.py) are inside the peak."""
+    build = _build(recipe, **config)
+    p = tapescope.profile(build, tapescope.spec((BATCH, D_IN)), device="cpu", dtype=torch.bfloat16)
+    real = run_real_steps(build, [torch.randn(BATCH, D_IN)], dtype=torch.bfloat16)
+    assert sum(o.name == "aten._scaled_mm.default" for o in p.ops) == gemms
+    # what remains is a few bytes of Python-scalar temporaries (as in test_memory_truth.py)
+    assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 16
+    assert abs(p.peak_bytes - real.peaks[2]) <= 16
+
+
+class _Collectives(TorchDispatchMode):
+    """(kind, bytes) of each collective a real step issues: c10d's ops as FSDP2 calls them; the
+    bytes are the larger of the op's tensors (the gathered output, the scattered input), as
+    tapescope counts them."""
+
+    KINDS = {"all_reduce": "all_reduce", "_allgather_base_": "all_gather",
+             "_reduce_scatter_base_": "reduce_scatter"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        kind = self.KINDS.get(func._opname)
+        if func.namespace in ("c10d", "_c10d_functional") and kind is not None:
+            sizes = [t.numel() * t.element_size() for t in tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)]
+            self.seen.append((kind, max(sizes)))
+        return out
+
+
+def _fake_process_group_step(float8_all_gather: bool) -> list:
+    """One FSDP2 step of the float8 MLP on real CPU tensors, world 2, torch's fake process group
+    (every collective returns at once; the tensors are real, so are their sizes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        model = fully_shard_each_linear(
+            float8_mlp(enable_fsdp_float8_all_gather=float8_all_gather),
+            init_device_mesh("cpu", (2,)))
+        with _Collectives() as log:
+            model(torch.randn(BATCH, D_IN)).sum().backward()
+        return log.seen
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("float8_all_gather", [True, False])
+def test_fsdp_float8_all_gather_bytes_equal_a_fake_process_group_run(float8_all_gather):
+    """`enable_fsdp_float8_all_gather`: FSDP2 gathers each weight in float8 (1 byte an element,
+    after an all-reduce of its 4-byte amax) instead of fp32 (4 bytes); gradients are
+    reduce-scattered in fp32 either way. Profiled GPU-less for an H100."""
+    truth = _fake_process_group_step(float8_all_gather)
+    p = tapescope.profile(lambda: float8_mlp(enable_fsdp_float8_all_gather=float8_all_gather),
+                          tapescope.spec((BATCH, D_IN)), gpu="h100", mesh={"fsdp": 2},
+                          parallelize=fully_shard_each_linear, loss_fn="sum")
+    assert [(c.kind, c.nbytes) for c in p.collectives] == truth
+    weight = D_IN * D_HIDDEN
+    gathered = {n for k, n in truth if k == "all_gather"}
+    assert gathered == ({weight} if float8_all_gather else {weight * 4})
+
+
+def test_float8_fsdp_rank_peaks_equal_gloo_runs():
+    """float8 linears under FSDP2 without the float8 all-gather (fp32 weights gathered, then cast
+    to float8 for each GEMM), two real gloo processes: every rank's first and steady peak to
+    the byte. (gloo cannot all-gather float8, so the float8 all-gather has no such truth.)"""
+    from tapescope.validate.distributed import run_real_distributed
+
+    p = tapescope.profile(float8_mlp_bf16_all_gather, tapescope.spec((BATCH, D_IN)),
+                          device="cpu", mesh={"fsdp": 2}, parallelize=fully_shard_each_linear)
+    real = run_real_distributed(float8_mlp_bf16_all_gather, (torch.randn(BATCH, D_IN),),
+                                mesh={"fsdp": 2}, parallelize=fully_shard_each_linear)
+    for r in real:
+        assert not r.late_frees and r.unstepped == 0
+        assert p.ranks[r.rank].first_step_peak_bytes == r.peaks[1]
+        assert p.ranks[r.rank].peak_bytes == r.peaks[2]
+
+
+def test_scaled_mm_is_refused_on_a_gpu_without_float8():
+    """CUDA's _scaled_mm runs on sm89 and newer (Blas.cpp, _scaled_mm_allowed_device): an A100
+    (sm80) refuses the step with torch's message, in one line; an L4 (sm89) runs it."""
+    build = _build("tensorwise")
+    with pytest.raises(tapescope.TapescopeError) as e:
+        tapescope.profile(build, tapescope.spec((BATCH, D_IN)), gpu="a100", dtype=torch.bfloat16)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "_scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or 8.9" \
+        in message and "sm80" in message
+    p = tapescope.profile(build, tapescope.spec((BATCH, D_IN)), gpu="l4", dtype=torch.bfloat16)
+    assert sum(o.name == "aten._scaled_mm.default" for o in p.ops) == 6
+
+
+def _torchtitan_float8_llama(recipe):
+    """torchtitan's own path: model_registry(flavor, converters=[Float8LinearConverter.Config])
+    converts the model config (the converter asks has_cuda_capability(8, 9) when it is made),
+    then the trainer's sharding config; the debug model with 2 layers, SDPA attention."""
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    cfg = model_registry("debugmodel", attn_backend="varlen",
+                         converters=[Float8LinearConverter.Config(recipe_name=recipe)]).model
+    cfg.layers = cfg.layers[:2]
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_llama3_sharding_config(cfg, enable_sp=True)
+    return cfg.build()
+
+
+def test_torchtitan_float8_converter_asks_the_profiled_gpu():
+    """torchtitan 0.3.0's Float8LinearConverter (rowwise; 0.3.0 has no tensorwise recipe and no
+    float8 all-gather) under its own parallelize_llama with FSDP 2, GPU-less. By hand: each of
+    the 2 layers has 5 linears (fused wqkv, wo, w1, w2, w3), plus lm_head: 11, every dim a
+    multiple of 16, so 11 float8 GEMMs forward and 2 per linear backward (and the ones selective
+    AC recomputes). On an A100 the converter refuses, and the profile says so in one line."""
+    pytest.importorskip("torchtitan")
+    from .test_torchtitan import _loss, _parallelize
+
+    def build():
+        return _torchtitan_float8_llama("rowwise")
+
+    p = tapescope.profile(build, tapescope.spec((2, 128), dtype=torch.long), loss_fn=_loss,
+                          mesh={"fsdp": 2}, parallelize=_parallelize, gpu="h100")
+    gemms = [o.phase for o in p.ops if o.name == "aten._scaled_mm.default"]
+    assert gemms.count("forward") == 11
+    assert gemms.count("backward") >= 22
+    with pytest.raises(tapescope.TapescopeError) as e:
+        tapescope.profile(build, tapescope.spec((2, 128), dtype=torch.long), loss_fn=_loss,
+                          mesh={"fsdp": 2}, parallelize=_parallelize, gpu="a100")
+    message = str(e.value)
+    assert "\n" not in message
+    assert "float8 is only supported on NVIDIA SM89 or later" in message and "sm80" in message
+
+
+def test_a_module_the_model_compiled_runs_eagerly_with_a_printed_line():
+    """A model whose own code called `Module.compile()` (torchtitan's apply_compile), profiled
+    without compile=True: the console says those modules ran eagerly and how to compile them."""
+    from tapescope.report.console import render_summary
+
+    def build():
+        m = float8_mlp("tensorwise")
+        m[0].compile()
+        return m
+
+    p = tapescope.profile(build, tapescope.spec((BATCH, D_IN)), device="cpu")
+    console = Console(record=True, width=200)
+    render_summary(p, console)
+    text = console.export_text()
+    assert "ran eagerly in this profile; pass --compile (compile=True)" in text
