@@ -198,3 +198,28 @@ def test_a_module_the_model_compiled_runs_eagerly_with_a_printed_line():
     render_summary(p, console)
     text = console.export_text()
     assert "ran eagerly in this profile; pass --compile (compile=True)" in text
+
+
+def test_torchtitan_float8_compiled_on_cuda_without_a_gpu():
+    """torchtitan's float8 (rowwise) + `--compile.enable` + FSDP 2, compile=True, GPU-less.
+    Inductor's code calls `_scaled_mm(..., out=buf)`, which torch has no fake kernel for (before:
+    FakeTensorMode ran the real kernel, "Found no NVIDIA driver"). Truths: torchtitan compiles
+    each block with fullgraph=True, so one region shared by both layers and no graph break; by
+    hand, a block has 5 float8 linears (fused wqkv, wo, w1, w2, w3): 5 float8 GEMMs in its
+    forward graph, 2 per linear in its backward (and the ones selective AC recomputes)."""
+    pytest.importorskip("torchtitan")
+    from .test_torchtitan import _loss, _parallelize_compiled
+
+    p = tapescope.profile(lambda: _torchtitan_float8_llama("rowwise"),
+                          tapescope.spec((2, 128), dtype=torch.long), loss_fn=_loss,
+                          mesh={"fsdp": 2}, parallelize=_parallelize_compiled, gpu="h100",
+                          compile=True)
+    c = p.compiled
+    assert c.regions == 1 and not c.graph_breaks
+
+    def gemms(kind):
+        return sum(1 for g in c.graphs if g.kind == kind for n in g.graph.graph.nodes
+                   if n.op == "call_function" and "_scaled_mm" in str(n.target))
+
+    assert gemms("forward") == 5
+    assert gemms("backward") >= 10

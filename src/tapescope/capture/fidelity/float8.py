@@ -4,7 +4,7 @@ have them, and the CPU kernel's scratch.
 torch's meta kernel (`_check_scaled_mm_sizes` in torch/_meta_registrations.py) already follows the
 real kernels' shape, stride and dtype checks (row-major `self`, column-major `mat2`, dimensions
 divisible by 16 on CUDA; tensorwise / rowwise / blockwise scales), so the fake kernel is torch's.
-Two things the real kernels do are not in it:
+Three things the real kernels do are not in it:
 
 - CUDA refuses the op on a GPU without float8 tensor cores (`_scaled_mm_allowed_device`: sm89 and
   newer); a fake tensor has no device to ask, so the profiled GPU answers.
@@ -14,13 +14,18 @@ Two things the real kernels do are not in it:
   inside the op and freed when it returns. A CPU with AMX (Sapphire Rapids and newer) takes
   oneDNN's `mkldnn_scaled_mm` instead when MKLDNN is enabled; that path is not modelled (no
   target ISA here names AMX).
+- torch has no fake kernel for the `out=` overload, which inductor's generated code calls
+  (`extern_kernels._scaled_mm(..., out=buf)`): FakeTensorMode then runs the real kernel on real
+  copies of the inputs, which needs the GPU ("Found no NVIDIA driver"). A KERNEL rule is that
+  fake kernel: torch's own checks (the default overload's meta kernel), then the output written
+  into `out`, as `_scaled_mm_out_cuda` / `_scaled_mm_out_cpu` do.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .registry import CHECK, RULES, WORKSPACE, Alloc, Free, Output
+from .registry import CHECK, KERNEL, RULES, WORKSPACE, Alloc, Free, Output
 
 __all__ = ["scaled_mm_allowed", "FLOAT8_MIN_CAPABILITY"]
 
@@ -88,7 +93,8 @@ def scaled_mm_cpu_emulation(ctx, func, args, kwargs, out):
     for name, t in (("a", mat_a), ("b", mat_b)):  # mat.contiguous(): a copy unless it is
         if not t.is_contiguous():
             steps.append(Alloc(f"{name}.contiguous", _nbytes(t.shape, t.dtype)))
-    steps.append(Output(0))  # resize_output(out, {M, N})
+    if func is aten._scaled_mm.default:  # resize_output(out, {M, N}) allocates it here
+        steps.append(Output(0))
     for name, shape in (("a", (m, k)), ("b", (k, n))):
         # fp32_mat = at::mul(mat_cont.to(kFloat), scale): the widened copy dies with the statement
         steps.append(Alloc(f"{name}.fp32", _nbytes(shape, torch.float32)))
@@ -108,3 +114,19 @@ def scaled_mm_cpu_emulation(ctx, func, args, kwargs, out):
         steps += [Alloc("narrowed", _nbytes((m, n), out_dtype)), Free(last)]
     del bias  # added in place into the fp32 result
     return steps
+
+
+@RULES.register(KERNEL, aten._scaled_mm.out, devices=("cpu", "cuda"),
+                source="aten/src/ATen/native/cuda/Blas.cpp (_scaled_mm_out_cuda), "
+                       "aten/src/ATen/native/Blas.cpp (_scaled_mm_out_cpu)",
+                test="tests/test_float8.py::test_torchtitan_float8_compiled_on_cuda_without_a_gpu")
+def scaled_mm_into_out(ctx, mat_a, mat_b, scale_a, scale_b, bias=None, scale_result=None,
+                       out_dtype=None, use_fast_accum=False, *, out):
+    """`_scaled_mm(..., out=out)`: the default overload's checks and shape, written into `out`."""
+    torch._check(out_dtype is None or out_dtype == out.dtype,
+                 lambda: "out_dtype must match output matrix type")
+    result = aten._scaled_mm.default(mat_a, mat_b, scale_a, scale_b, bias, scale_result,
+                                     out.dtype, use_fast_accum)
+    if out.shape != result.shape:
+        out.resize_(result.shape)  # at::native::resize_output
+    return out
