@@ -223,3 +223,35 @@ def test_torchtitan_float8_compiled_on_cuda_without_a_gpu():
 
     assert gemms("forward") == 5
     assert gemms("backward") >= 10
+
+
+class _NotTraced(torch.nn.Module):
+    """A block whose forward dynamo is told not to trace: torch.compile runs it eagerly (its
+    frame is skipped; dynamo makes no graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(D_IN, D_IN)
+
+    @torch._dynamo.disable
+    def forward(self, x):
+        return self.linear(x).relu()
+
+
+def test_a_compiled_profile_with_no_graph_says_it_ran_eagerly():
+    """compile=True on a model whose compiled blocks dynamo does not trace: by hand, dynamo makes
+    no graph, so the step is the eager one, op for op; the console says so."""
+    from tapescope.report.console import render_summary
+
+    def build():
+        m = torch.nn.Sequential(_NotTraced(), _NotTraced())
+        for block in m:
+            block.compile()
+        return m
+
+    p = tapescope.profile(build, tapescope.spec((8, D_IN)), device="cpu", compile=True)
+    assert p.compiled.regions == 0
+    assert [o.name for o in p.ops] == [o.name for o in p.eager.ops]
+    console = Console(record=True, width=300)
+    render_summary(p, console)
+    assert "dynamo produced no graph for this step" in console.export_text()

@@ -222,6 +222,8 @@ class CaptureSession:
         described = program.describe()
         if described is not None:
             self.facts["step"] = {**described, "optimizers": len(self.optimizers)}
+        if opts.compile is not None and not self.facts["compiled"].regions:
+            self._compiled_nothing()
         notes = self.isolation.notes + self.isolation.leaks(self.model)
         if notes:
             self.facts["isolation_notes"] = notes
@@ -365,6 +367,14 @@ class CaptureSession:
             return
         self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call,
                                         fqns)
+
+    def _compiled_nothing(self) -> None:
+        """compile= was asked and dynamo handed the backend no graph (frames skipped, or code it
+        is told not to trace): the step profiled is the eager one. Said, never silent."""
+        self.isolation.notes.append(
+            "compile: dynamo produced no graph for this step (no frame it traced held an op it "
+            "compiles), so every op ran eagerly and this profile is the eager step's; "
+            "TORCH_LOGS=graph_breaks,dynamo on your own torch.compile run shows why")
 
     def _run_compiled_modules_eagerly(self) -> None:
         """An eager profile of a model whose code compiled some modules (`block.compile()`):
