@@ -40,8 +40,9 @@ def _build(recipe, **config):
     ("rowwise_with_gw_hp", {}, 4),
     (None, {"force_recompute_fp8_weight_in_bwd": True}, 6),
     pytest.param("rowwise", {}, 6, marks=pytest.mark.xfail(strict=True, reason=(
-        "49,152 B (1.2%) under the real peak, in both steps: two fp8 operand copies "
-        "(32,768 + 16,384 B) the real grad-weight mm keeps alive to its end; not found yet"))),
+        "49,152 B (1.2%) under the real peak, in both steps, inside the grad-weight mm (its "
+        "tensorwise GEMM with the scales applied after); the size of two fp8 operand copies "
+        "(32,768 + 16,384 B); cause not found yet"))),
 ])
 def test_float8_linear_peak_matches_a_real_cpu_run(recipe, config, gemms):
     """Each Float8Linear casts its input, weight and gradient to float8 and runs three
