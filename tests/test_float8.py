@@ -256,3 +256,29 @@ def test_a_compiled_profile_with_no_graph_says_it_ran_eagerly():
     console = Console(record=True, width=300)
     render_summary(p, console)
     assert "dynamo produced no graph for this step" in console.export_text()
+
+
+def test_cli_refuses_float8_on_an_a100_in_one_line(tmp_path):
+    """`tapescope profile file.py:build --gpu a100` on a torchao float8 model: exit 1, one
+    `error:` line with torch's refusal and the GPU; --gpu l4 profiles it."""
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    f = tmp_path / "fp8_model.py"
+    f.write_text("import torch.nn as nn\n"
+                 "from torchao.float8 import convert_to_float8_training\n\n\n"
+                 "def build():\n"
+                 "    m = nn.Sequential(nn.Linear(256, 512, bias=False), nn.ReLU(),\n"
+                 "                      nn.Linear(512, 256, bias=False))\n"
+                 "    convert_to_float8_training(m)\n"
+                 "    return m\n")
+    args = ["profile", f"{f}:build", "--input", "64,256", "--dtype", "bf16"]
+    r = CliRunner().invoke(app, [*args, "--gpu", "a100"])
+    assert r.exit_code == 1
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and "compute capability >= 9.0 or 8.9" in errors[0], r.output
+    assert "Traceback" not in r.output
+    r = CliRunner().invoke(app, [*args, "--gpu", "l4"])
+    assert r.exit_code == 0, r.output
