@@ -60,3 +60,50 @@ def test_context_parallel_ring_attention_collectives():
     assert [s for s in seen if s[2] == "forward"] == [("all_gather", kv_gathered, "forward")]
     assert sorted(s for s in seen if s[2] == "backward") == sorted(
         [("all_gather", kv_gathered, "backward")] + [("all_to_all", dkv, "backward")] * CP)
+
+
+def test_torchtitan_llama3_context_parallel_on_cuda_without_a_gpu(monkeypatch):
+    """torchtitan 0.3.0's own CP wiring: ParallelDims with context_parallel_degree 2 and FSDP 2
+    (world 4; FSDP shards over fsdp x cp, as torchtitan does), its parallelize_llama wrapping each
+    SDPA with `apply_cp_to_forward` (DTensor inputs sharded on the sequence, torch's CP
+    dispatcher), spmd_backend "partial_dtensor" (under "spmd_types" torchtitan itself refuses SDPA
+    + CP, in one line). The inputs are one rank's: 64 of the 128 tokens (torchtitan's trainer
+    shards the batch with prepare_context_parallel_input; the rope positions it passes change no
+    size). By hand per layer (16 heads of 16, batch 2): forward one all-gather of cat(k, v) of both
+    ranks, 2 x 2 x (2 x 16 x 64 x 16) bf16 = 262,144 B; backward that again and 2 all-to-alls of
+    the fp32 k/v gradients, 2 x (2 x 16 x 64 x 16) x 4 = 262,144 B."""
+    import contextlib
+
+    import pytest
+
+    pytest.importorskip("torchtitan")
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from .test_torchtitan import _config, _loss, _parallelize_llama
+
+    backend, fsdp, cp = "partial_dtensor", 2, 2
+    monkeypatch.setattr(dist_utils, "_spmd_backend", backend)
+    cfg = _config()
+    train_context = contextlib.ExitStack()
+
+    def parallelize(model, mesh):
+        parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp,
+                                        context_parallel_degree=cp, spmd_backend=backend)
+        dims = ParallelDims.from_config(parallelism, world_size=fsdp * cp)
+        dims.build_mesh()
+        model = _parallelize_llama(model, parallelism, dims)
+        train_context.close()
+        train_context.enter_context(dist_utils.get_spmd_context(parallel_dims=dims)())
+        return model
+
+    with train_context:
+        p = tapescope.profile(cfg.build, tapescope.spec((2, 128 // cp), dtype=torch.long),
+                              loss_fn=_loss, mesh={"fsdp": fsdp, "cp": cp},
+                              parallelize=parallelize, gpu="h100")
+    layers, kv = len(cfg.layers), 2 * 16 * 64 * 16
+    seen = [(c.kind, c.nbytes, c.phase) for c in p.collectives if c.group == "cp"]
+    assert sorted(seen) == sorted([("all_gather", cp * 2 * kv * 2, "forward")] * layers
+                                  + [("all_gather", cp * 2 * kv * 2, "backward")] * layers
+                                  + [("all_to_all", 2 * kv * 4, "backward")] * cp * layers)
