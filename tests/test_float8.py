@@ -282,3 +282,23 @@ def test_cli_refuses_float8_on_an_a100_in_one_line(tmp_path):
     assert "Traceback" not in r.output
     r = CliRunner().invoke(app, [*args, "--gpu", "l4"])
     assert r.exit_code == 0, r.output
+
+
+def test_a_builder_that_asks_for_a_gpu_builds_for_the_named_one():
+    """A CUDA profile's builder sees the named GPU (is_available, its capability): one that puts
+    its tensors on "cuda" when there is a GPU gets them on meta (no driver needed), then the
+    step traced on the GPU. By hand: three 64 x 64 Linears with bias and a 3-float buffer, on
+    cuda:0, as on a machine with that GPU."""
+    def build():
+        assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (8, 9)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64, device="cuda"),
+                                torch.nn.Linear(64, 64).cuda(),
+                                torch.nn.Linear(64, 64).to(torch.device("cuda", 0)))
+        m.register_buffer("scale", torch.ones(3, device="cuda"))
+        return m
+
+    here = torch.cuda.is_available()
+    p = tapescope.profile(build, tapescope.spec((8, 64)), gpu="l4", optimizer=None, steps=1)
+    assert p.device == "cuda:0"
+    assert p.memory.at_peak["parameters"] == 3 * (64 * 64 + 64) * 4
+    assert torch.cuda.is_available() == here  # answered for the build only

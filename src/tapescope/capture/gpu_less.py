@@ -35,7 +35,8 @@ from ..devices.gpus import GPU, sm_limits
 from ..torch_compat import (DEVICE_CACHING_MODULES, SETUP_ONCE_CACHES, FakeTensorMode,
                             dynamo_device_interface, inductor_constant_folders)
 
-__all__ = ["cuda_answered", "capability_answered", "device_properties", "NoDeviceGuard"]
+__all__ = ["cuda_answered", "capability_answered", "cuda_tensors_on_meta", "device_properties",
+           "NoDeviceGuard"]
 
 
 def device_properties(gpu: GPU) -> SimpleNamespace:
@@ -301,3 +302,28 @@ def capability_answered(gpu: GPU):
     with _attributes(torch.cuda, {name: answers[name] for name in _CAPABILITY_QUERIES}), \
             _attributes(FakeTensorMode, {"avoid_device_init": _NO_DEVICE}):
         yield
+
+
+def _on_meta(x):
+    if isinstance(x, torch.device) and x.type == "cuda":
+        return torch.device("meta")
+    if isinstance(x, str) and x.split(":")[0] == "cuda":
+        return "meta"
+    return x
+
+
+class cuda_tensors_on_meta(TorchFunctionMode):
+    """While a CUDA profile's model is built: a tensor the builder puts on "cuda" (it asked
+    `torch.cuda.is_available()` and the profiled GPU said yes) is made on the meta device, as
+    every other tensor of the build is (model.build_on_meta); there is no driver to allocate it,
+    and the fake copy puts the model's tensors on the traced device afterwards."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0].to("meta", non_blocking=kwargs.get("non_blocking", False))
+        if "device" in kwargs:
+            kwargs["device"] = _on_meta(kwargs["device"])
+        if func is torch.Tensor.to:  # t.to("cuda"), t.to(torch.device("cuda", 0), dtype)
+            args = tuple(_on_meta(a) for a in args)
+        return func(*args, **kwargs)

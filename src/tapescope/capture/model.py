@@ -85,14 +85,15 @@ def model_of(model) -> nn.Module:
 def built_for(model, options) -> nn.Module:
     """`model_of` for a profile with these options: a builder of a CUDA profile runs with
     torch.cuda's device questions answered for the profiled GPU (gpu_less.capability_answered),
-    as the user's code would run on it."""
+    as the user's code would run on it, and the tensors it then puts on "cuda" made on meta
+    (gpu_less.cuda_tensors_on_meta)."""
     if isinstance(model, nn.Module) or options.device.type != "cuda" or options.gpu is None:
         return model_of(model)
-    from .gpu_less import capability_answered
+    from .gpu_less import capability_answered, cuda_tensors_on_meta
 
     gpu = options.gpu
     try:
-        with capability_answered(gpu):
+        with capability_answered(gpu), cuda_tensors_on_meta():
             return model_of(model)
     except ModelBuildError as e:
         major, minor = gpu.compute_capability
