@@ -39,14 +39,13 @@ def _build(recipe, **config):
     ("tensorwise", {}, 6),
     ("rowwise_with_gw_hp", {}, 4),
     (None, {"force_recompute_fp8_weight_in_bwd": True}, 6),
-    pytest.param("rowwise", {}, 6, marks=pytest.mark.xfail(strict=True, reason=(
-        "49,152 B (1.2%) under the real peak, in both steps, inside the grad-weight mm (its "
-        "tensorwise GEMM with the scales applied after); the size of two fp8 operand copies "
-        "(32,768 + 16,384 B); cause not found yet"))),
+    ("rowwise", {}, 6),
 ])
 def test_float8_linear_peak_matches_a_real_cpu_run(recipe, config, gemms):
     """Each Float8Linear casts its input, weight and gradient to float8 and runs three
-    `_scaled_mm`; the CPU kernel's fp32 copies (fidelity/float8.py) are inside the peak."""
+    `_scaled_mm`; the CPU kernel's fp32 copies (fidelity/float8.py) are inside the peak, and for
+    rowwise, the fp32 copies of the in-place bf16 x fp32 rescaling after the grad-weight GEMM
+    (fidelity/type_promotion.py)."""
     build = _build(recipe, **config)
     p = tapescope.profile(build, tapescope.spec((BATCH, D_IN)), device="cpu", dtype=torch.bfloat16)
     real = run_real_steps(build, [torch.randn(BATCH, D_IN)], dtype=torch.bfloat16)
@@ -113,18 +112,24 @@ def test_fsdp_float8_all_gather_bytes_equal_a_fake_process_group_run(float8_all_
 
 def test_float8_fsdp_rank_peaks_equal_gloo_runs():
     """float8 linears under FSDP2 without the float8 all-gather (fp32 weights gathered, then cast
-    to float8 for each GEMM), two real gloo processes: every rank's first and steady peak to
-    the byte. (gloo cannot all-gather float8, so the float8 all-gather has no such truth.)"""
-    from tapescope.validate.distributed import run_real_distributed
+    to float8 for each GEMM), real gloo processes: every rank's first and steady peak to the
+    byte. A real peak can be higher in one run than another (gloo's worker threads free a
+    collective's tensors when they let go of them, tests/test_distributed.py), so as there: the
+    job runs 3 times for 3 steps, no observation is below the prediction and one equals it.
+    (gloo cannot all-gather float8, so the float8 all-gather has no such truth.)"""
+    from tapescope.validate.distributed import RealJob, run_real_jobs
 
     p = tapescope.profile(float8_mlp_bf16_all_gather, tapescope.spec((BATCH, D_IN)),
                           device="cpu", mesh={"fsdp": 2}, parallelize=fully_shard_each_linear)
-    real = run_real_distributed(float8_mlp_bf16_all_gather, (torch.randn(BATCH, D_IN),),
-                                mesh={"fsdp": 2}, parallelize=fully_shard_each_linear)
-    for r in real:
-        assert not r.late_frees and r.unstepped == 0
-        assert p.ranks[r.rank].first_step_peak_bytes == r.peaks[1]
-        assert p.ranks[r.rank].peak_bytes == r.peaks[2]
+    job = RealJob(float8_mlp_bf16_all_gather, (torch.randn(BATCH, D_IN),), {"fsdp": 2},
+                  fully_shard_each_linear, steps=3)
+    runs = run_real_jobs([job] * 3)
+    for rank in range(2):
+        assert all(run[rank].unstepped == 0 for run in runs)
+        for predicted, steps in ((p.ranks[rank].first_step_peak_bytes, [1]),
+                                 (p.ranks[rank].peak_bytes, [2, 3])):
+            observed = [run[rank].peaks[s] for run in runs for s in steps]
+            assert min(observed) == predicted, (predicted, sorted(observed))
 
 
 def test_scaled_mm_is_refused_on_a_gpu_without_float8():

@@ -9,7 +9,7 @@ sequence of the real step under torch.profiler, and the allocator's peak).
 from . import (attention, backward, checks, collectives, contiguous,  # noqa: F401
                convolution, cpu_attention, cuda_kernels, data, fake_kernels, layouts, linear,
                float8, literals, losses, matmul, norms, pooling, reductions, rnn,  # registers
-               views)
+               type_promotion, views)
 from .registry import (ANY_OP, BACKWARD_OP, CHECK, FORWARD_OP, FUNCTION, KERNEL, OUTPUT, RULES,
                        WORKSPACE, Alloc, FidelityContext, Free, FunctionRulesMode, Output, Rule,
                        RuleSet)
