@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 from ..errors import ModelBuildError, SpecError, TapescopeError
 from ..options import check_device_build, resolve_device, resolve_dtype
-from ..torch_compat import post_accumulate_grad_hooks, tensor_backward_hooks, tree_map
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from ..torch_compat import (is_wrapper_subclass, post_accumulate_grad_hooks,
+                            tensor_backward_hooks, tree_map)
 from .build_values import BuildValues, keep_build_value
 
 __all__ = ["spec", "Spec", "build_on_meta", "model_of", "built_for", "fake_copy", "fake_inputs", "resolve_dtype",
@@ -190,7 +190,7 @@ def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torc
     for `fsdp_pre_all_gather` and all-gathers float8 when it has one), so a plain tensor in its
     place would trace another step.
     """
-    if is_traceable_wrapper_subclass(t):
+    if is_wrapper_subclass(t):
         out = _wrapper_subclass_like(t, device, dtype)
     else:
         dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
