@@ -20,10 +20,13 @@ cross-entropy (sum over tokens, loss-parallel over the vocabulary under TP) over
 for the model-parallel axes) or full_dtensor (DTensor on every axis: the trainer's
 `parallelize_inputs` makes the tokens DTensors, here in a forward pre-hook and in the loss); all
 three run the same program, so their profiles must agree.
-`--layers N` keeps the first N layers (reduced size).
+`--layers N` keeps the first N layers (reduced size). `--compile` is torchtitan's
+`--compile.enable` (apply_compile: each block `.compile(fullgraph=True)`), profiled with
+compile=True; `--float8 RECIPE` is its float8 converter (`Float8LinearConverter`, "rowwise" or
+"rowwise_with_gw_hp"), made inside the build, where the GPU's capability is the H100's.
 
     python benchmarks/torchtitan_scale.py [--case 8b-fsdp8] [--spmd-backend partial_dtensor]
-        [--layers 8] [--json]
+        [--layers 8] [--compile] [--float8 rowwise] [--json]
 
 Needs torchtitan 0.3.0: `pip install --no-deps torchtitan==0.3.0 spmd_types tyro einops
 docstring_parser typeguard`.
@@ -57,14 +60,25 @@ from torchtitan.models.llama3 import llama3_configs
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-(size, fsdp, tp, batch, seq), backend, layers = json.loads(sys.argv[1])
+(size, fsdp, tp, batch, seq), backend, layers, compiled, float8 = json.loads(sys.argv[1])
 world = fsdp * tp
 dist_utils.set_spmd_backend(backend)  # the trainer's first step: torchtitan reads it per call
 cfg = llama3_configs[size](attn_backend="varlen")
 cfg.layers = cfg.layers[:layers or None]
 for layer in cfg.layers:
     layer.attention.inner_attention = ScaledDotProductAttention.Config()
-set_llama3_sharding_config(cfg, enable_sp=True)
+
+
+def build():
+    # torchtitan's model_registry converts the config before the trainer sets its sharding
+    c = cfg
+    if float8:
+        from torchtitan.components.quantization.float8 import Float8LinearConverter
+        c = Float8LinearConverter(Float8LinearConverter.Config(recipe_name=float8)).convert(c)
+    set_llama3_sharding_config(c, enable_sp=True)
+    return c.build()
+
+
 # the trainer's train_context of the rank being traced, open while tapescope traces its step
 train_context = contextlib.ExitStack()
 traced = {}  # the ParallelDims of the rank being traced
@@ -76,7 +90,8 @@ def parallelize(model, mesh):
     dims = ParallelDims.from_config(parallelism, world_size=world)
     dims.build_mesh()
     model = parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
-                              parallelism=parallelism, compile_config=CompileConfig(),
+                              parallelism=parallelism,
+                              compile_config=CompileConfig(enable=compiled, components=["model"]),
                               ac_config=SelectiveAC.Config(), dump_folder="/tmp")
     train_context.close()  # the previous traced rank's
     train_context.enter_context(dist_utils.get_spmd_context(parallel_dims=dims)())
@@ -98,9 +113,10 @@ def loss(logits, tokens):
 
 wall, cpu = time.perf_counter(), time.process_time()
 with train_context:
-    p = tapescope.profile(cfg.build, tapescope.spec((batch, seq), dtype=torch.long),
+    p = tapescope.profile(build, tapescope.spec((batch, seq), dtype=torch.long),
                           loss_fn=loss, mesh={"fsdp": fsdp, "tp": tp} if tp > 1 else {"fsdp": fsdp},
-                          parallelize=parallelize, device="cuda", gpu="h100")
+                          parallelize=parallelize, device="cuda", gpu="h100",
+                          compile=True if compiled else None)
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
 d = p.distributed
 tp_collectives = [r for r in p.collective_table if r.group == "tp"]
@@ -108,21 +124,27 @@ print(json.dumps({"wall": wall, "cpu": cpu, "ranks": d.mesh.world_size,
                   "traced": len(d.profiles), "classes": [len(c) for c in d.classes.members],
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "ops": len(p.ops), "peak_allocated": p.peak_bytes,
+                  "regions": p.compiled.regions if compiled else None,
+                  "graph_breaks": len(p.compiled.graph_breaks) if compiled else None,
+                  "float8_gemms": sum(o.name.startswith("aten._scaled_mm") for o in p.ops),
                   "tp_collectives": sum(r.count for r in tp_collectives),
                   "tp_bytes": sum(r.count * r.nbytes for r in tp_collectives),
                   "peak_reserved": p.cuda_memory.max_reserved,
-                  "step_s": p.time.seconds,
+                  # no step time for a compiled step yet (issue 33)
+                  "step_s": p.time.seconds if p.time is not None else None,
                   # TP ranks share their batch: each TP group of tp GPUs processes batch x seq
-                  "tokens_per_s_per_gpu": batch * seq / tp / p.time.seconds}))
+                  "tokens_per_s_per_gpu": batch * seq / tp / p.time.seconds
+                  if p.time is not None else None}))
 """
 
 
 BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")
 
 
-def run(name: str, backend: str = "spmd_types", layers: int | None = None) -> dict:
+def run(name: str, backend: str = "spmd_types", layers: int | None = None,
+        compiled: bool = False, float8: str | None = None) -> dict:
     out = subprocess.run([sys.executable, "-c", _CHILD,
-                          json.dumps([CASES[name], backend, layers])],
+                          json.dumps([CASES[name], backend, layers, compiled, float8])],
                          capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
@@ -136,13 +158,19 @@ def main() -> None:
     ap.add_argument("--spmd-backend", choices=BACKENDS, default="spmd_types",
                     help="torchtitan's parallelism.spmd_backend (default: spmd_types, its own)")
     ap.add_argument("--layers", type=int, help="keep only the model's first N layers")
+    ap.add_argument("--compile", action="store_true",
+                    help="torchtitan's --compile.enable, profiled with compile=True")
+    ap.add_argument("--float8", choices=("rowwise", "rowwise_with_gw_hp"),
+                    help="torchtitan's float8 converter with this recipe")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
-    results = {name: run(name, args.spmd_backend, args.layers) for name in args.case or CASES}
+    results = {name: run(name, args.spmd_backend, args.layers, args.compile, args.float8)
+               for name in args.case or CASES}
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"spmd_backend={args.spmd_backend}" + (f", {args.layers} layers" if args.layers else ""))
+    print(f"spmd_backend={args.spmd_backend}" + (f", {args.layers} layers" if args.layers else "")
+          + (", compiled" if args.compile else "") + (f", float8 {args.float8}" if args.float8 else ""))
     print("| case | ranks | traced | wall | CPU | resident | ops/rank | TP collectives | "
           "peak allocated | peak reserved | step | tokens/s/GPU |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -151,8 +179,9 @@ def main() -> None:
         print(f"| {name} | {r['ranks']} | {r['traced']} | {r['wall']:.1f} s | {r['cpu']:.1f} s | "
               f"{r['rss'] / gib:.2f} GiB | {r['ops']:,} | {r['tp_collectives']} | "
               f"{r['peak_allocated'] / gib:.2f} GiB | "
-              f"{r['peak_reserved'] / gib:.2f} GiB | {r['step_s']:.2f} s | "
-              f"{r['tokens_per_s_per_gpu']:,.0f} |")
+              f"{r['peak_reserved'] / gib:.2f} GiB | "
+              + (f"{r['step_s']:.2f} s | {r['tokens_per_s_per_gpu']:,.0f} |"
+                 if r["step_s"] is not None else "- | - |"))
 
 
 if __name__ == "__main__":

@@ -332,10 +332,10 @@ def profile_workload(workload: Workload, options: Options, progress=None) -> Pro
     if options.mesh is not None:
         return _profile_ranks(workload, options, progress)
     if options.symbolic:
-        from .capture.model import model_of
+        from .capture.model import built_for
 
         # built once: at() traces it again outside the formulas' range
-        workload = replace(workload, model=model_of(workload.model))
+        workload = replace(workload, model=built_for(workload.model, options))
     trace, facts = capture(workload, options, progress)
     p = _analyse_captured(trace, facts, workload, options)
     if options.symbolic:
@@ -354,9 +354,9 @@ def profile_workload(workload: Workload, options: Options, progress=None) -> Pro
 
 def _profile_compiled(workload: Workload, options: Options, progress=None) -> Profile:
     """The compiled step, with the eager step beside it (`p.eager`)."""
-    from .capture.model import model_of
+    from .capture.model import built_for
 
-    workload = replace(workload, model=model_of(workload.model))  # built once for both
+    workload = replace(workload, model=built_for(workload.model, options))  # built once for both
     eager = profile_workload(workload, options.but(compile=None), progress)
     if options.mesh is not None:  # every rank class compiled, each with its report
         p = _profile_ranks(workload, options, progress)

@@ -298,7 +298,8 @@ class Options:
             raise TapescopeError("a pipelined profile with compile= is not supported yet; "
                                  "profile the pipeline eagerly (drop --compile)")
         step, setup = _resolve_step(step, setup, loss_fn=loss_fn, accumulate=accumulate,
-                                    amp=amp, compile=compile, mesh=mesh, symbolic=symbolic)
+                                    amp=amp, compile=compile, pipeline=pipeline,
+                                    symbolic=symbolic)
         from .values.sizes import Sizes
 
         return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
@@ -314,7 +315,7 @@ class Options:
         return replace(self, **changes)
 
 
-def _resolve_step(step, setup, *, loss_fn, accumulate, amp, compile, mesh, symbolic):
+def _resolve_step(step, setup, *, loss_fn, accumulate, amp, compile, pipeline, symbolic):
     """The user's step and setup functions (callables, or FILE.py:FN / MODULE:FN), checked
     against the options that only the built-in step has."""
     from .loading import load_function
@@ -334,7 +335,8 @@ def _resolve_step(step, setup, *, loss_fn, accumulate, amp, compile, mesh, symbo
     refused = [(loss_fn is not None, "loss_fn (--loss): your step computes its own loss"),
                (accumulate != 1, "accumulate (--accumulate): accumulate in your step's own loop"),
                (amp is not None, "amp (--amp): open torch.autocast in your step"),
-               (mesh is not None, "mesh (--fsdp/--tp): not supported with a step yet"),
+               (pipeline is not None, "pipeline (--pipeline): a pipeline schedule runs its own "
+                                      "step"),
                (bool(symbolic), "symbolic sizes: not supported with a step yet")]
     for bad, why in refused:
         if bad:

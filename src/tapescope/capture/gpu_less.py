@@ -46,7 +46,8 @@ from ..torch_compat import (DEVICE_CACHING_MODULES, SETUP_ONCE_CACHES, FakeTenso
                             dynamo_device_interface, inductor_constant_folders, inductor_pad_mm,
                             inductor_utils, matmul_allows_tf32)
 
-__all__ = ["cuda_answered", "device_properties", "NoDeviceGuard"]
+__all__ = ["cuda_answered", "capability_answered", "cuda_tensors_on_meta", "device_properties",
+           "NoDeviceGuard"]
 
 
 def device_properties(gpu: GPU) -> SimpleNamespace:
@@ -315,3 +316,48 @@ def cuda_answered(gpu: GPU):
             d.clear()
             d.update(before)
         _clear(caches)
+
+
+# What a library asks before it chooses a kernel path for the GPU (torchtitan's float8 and MX
+# converters: `has_cuda_capability(8, 9)` = is_available() and get_device_capability() >= (8, 9);
+# torchao's `is_sm_at_least_89`): the questions, not the driver calls behind a kernel launch
+_CAPABILITY_QUERIES = ("is_available", "device_count", "current_device", "get_device_capability",
+                       "get_device_properties", "get_device_name", "is_bf16_supported")
+
+
+@contextmanager
+def capability_answered(gpu: GPU):
+    """For the duration of the block, torch.cuda's questions about the device (is there one, its
+    compute capability, properties and name) answer as on `gpu`: the user's build and parallelize
+    code run as on that GPU, where a float8 converter that asks for sm89+ swaps its layers on an
+    H100 and refuses on an A100 with its own message. Nothing else of torch.cuda is replaced
+    (no stream, no allocation), and FakeTensorMode still knows there is no device."""
+    answers = _cuda_answers(gpu, device_properties(gpu))
+    with _attributes(torch.cuda, {name: answers[name] for name in _CAPABILITY_QUERIES}), \
+            _attributes(FakeTensorMode, {"avoid_device_init": _NO_DEVICE}):
+        yield
+
+
+def _on_meta(x):
+    if isinstance(x, torch.device) and x.type == "cuda":
+        return torch.device("meta")
+    if isinstance(x, str) and x.split(":")[0] == "cuda":
+        return "meta"
+    return x
+
+
+class cuda_tensors_on_meta(TorchFunctionMode):
+    """While a CUDA profile's model is built: a tensor the builder puts on "cuda" (it asked
+    `torch.cuda.is_available()` and the profiled GPU said yes) is made on the meta device, as
+    every other tensor of the build is (model.build_on_meta); there is no driver to allocate it,
+    and the fake copy puts the model's tensors on the traced device afterwards."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0].to("meta", non_blocking=kwargs.get("non_blocking", False))
+        if "device" in kwargs:
+            kwargs["device"] = _on_meta(kwargs["device"])
+        if func is torch.Tensor.to:  # t.to("cuda"), t.to(torch.device("cuda", 0), dtype)
+            args = tuple(_on_meta(a) for a in args)
+        return func(*args, **kwargs)

@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 from ..errors import ModelBuildError, SpecError, TapescopeError
 from ..options import check_device_build, resolve_device, resolve_dtype
-from ..torch_compat import post_accumulate_grad_hooks, tensor_backward_hooks, tree_map
+from ..torch_compat import (is_wrapper_subclass, post_accumulate_grad_hooks,
+                            tensor_backward_hooks, tree_map)
 from .build_values import BuildValues, keep_build_value
 
-__all__ = ["spec", "Spec", "build_on_meta", "model_of", "fake_copy", "fake_inputs", "resolve_dtype",
+__all__ = ["spec", "Spec", "build_on_meta", "model_of", "built_for", "fake_copy", "fake_inputs", "resolve_dtype",
            "transformer_blocks"]
 
 @dataclass(frozen=True)
@@ -81,6 +82,25 @@ def model_of(model) -> nn.Module:
     return build_on_meta(model)
 
 
+def built_for(model, options) -> nn.Module:
+    """`model_of` for a profile with these options: a builder of a CUDA profile runs with
+    torch.cuda's device questions answered for the profiled GPU (gpu_less.capability_answered),
+    as the user's code would run on it, and the tensors it then puts on "cuda" made on meta
+    (gpu_less.cuda_tensors_on_meta)."""
+    if isinstance(model, nn.Module) or options.device.type != "cuda" or options.gpu is None:
+        return model_of(model)
+    from .gpu_less import capability_answered, cuda_tensors_on_meta
+
+    gpu = options.gpu
+    try:
+        with capability_answered(gpu), cuda_tensors_on_meta():
+            return model_of(model)
+    except ModelBuildError as e:
+        major, minor = gpu.compute_capability
+        raise ModelBuildError(f"{e}; its questions about the GPU were answered as on the profiled "
+                              f"{gpu.name} (sm{major}{minor}): --gpu names another") from e
+
+
 def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
     """Run a model builder with every new tensor on the meta device: no memory, no init compute.
 
@@ -99,6 +119,8 @@ def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
             with _params_to_meta():
                 model = builder()
         except Exception as second:
+            if type(second) is type(first) and str(second) == str(first):
+                raise _refused_by_the_builder(second) from second
             raise ModelBuildError(
                 f"could not build the model without allocating it: on the meta device it failed with "
                 f"{type(first).__name__}: {first}; building parameter by parameter failed with "
@@ -109,6 +131,18 @@ def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
         raise ModelBuildError(f"the model builder returned {type(model).__name__}, not an nn.Module")
     values.forget_unfollowed(model)
     return model
+
+
+def _refused_by_the_builder(e: Exception) -> ModelBuildError:
+    """The builder's own refusal, met the same way on meta and on the CPU: its message, where it
+    was raised (a float8 converter refusing a GPU without float8, a config check), not a tensor
+    value the meta device could not give."""
+    from ..errors import user_frame_of
+
+    where = user_frame_of(e)
+    message = " ".join(str(e).split())  # one line
+    return ModelBuildError(f"the model builder raised {type(e).__name__}: {message}"
+                           + (f" (at {where})" if where else ""))
 
 
 class _params_to_meta:
@@ -148,9 +182,19 @@ def fake_copy(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) ->
 
 
 def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torch.Tensor:
-    """A fake tensor with t's shape, strides and autograd flags (call inside the fake mode)."""
-    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-    out = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
+    """A fake tensor with t's shape, strides and autograd flags (call inside the fake mode).
+
+    A tensor subclass that wraps inner tensors (torch's traceable wrapper subclasses: torchao's
+    float8 weight `WeightWithDynamicFloat8CastTensor`, say) stays that subclass, its inner
+    tensors made fake: the subclass decides what the real step runs (FSDP2 asks the parameter
+    for `fsdp_pre_all_gather` and all-gathers float8 when it has one), so a plain tensor in its
+    place would trace another step.
+    """
+    if is_wrapper_subclass(t):
+        out = _wrapper_subclass_like(t, device, dtype)
+    else:
+        dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        out = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
     if isinstance(t, nn.Parameter):
         out = nn.Parameter(out, requires_grad=t.requires_grad)
     elif t.requires_grad:
@@ -163,6 +207,14 @@ def fake_tensor_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torc
     if post:
         out._post_accumulate_grad_hooks = type(post)(post)
     return out
+
+
+def _wrapper_subclass_like(t: torch.Tensor, device, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t`'s subclass rebuilt around fake copies of its inner tensors (the subclass's own
+    flatten/unflatten protocol, as FakeTensorMode.from_tensor and AOTAutograd rebuild one)."""
+    names, context = t.__tensor_flatten__()
+    inner = {name: fake_tensor_like(getattr(t, name), device, dtype) for name in names}
+    return type(t).__tensor_unflatten__(inner, context, t.size(), t.stride())
 
 
 def fake_inputs(inputs: Any, device, dtype: torch.dtype | None, sizes: dict | None = None) -> Any:

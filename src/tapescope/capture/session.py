@@ -43,7 +43,7 @@ from .fidelity.libraries import library_branches
 from .hooks import HookRegistry, SavedTensors
 from .isolation import Isolation
 from .rng_state import track_rng_states
-from .model import Spec, fake_inputs, fake_tensor_like, model_of
+from .model import Spec, built_for, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
 from .program import StepRuntime, optimizers_in, state_tensors, step_program, steps_of
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
@@ -71,7 +71,7 @@ def capture(workload: Workload, options: Options, progress=None,
     (a distributed profile's parallelisation) runs on each attempt's fake model; `streams` (a
     StreamLog) says which CUDA stream each op is issued on; `program` is a StepProgram run in
     place of the one the options ask for (a pipelined rank's step, distributed/pipeline.py)."""
-    workload = replace(workload, model=model_of(workload.model))  # built once, for both
+    workload = replace(workload, model=built_for(workload.model, options))  # built once, for both
     try:
         return CaptureSession(workload, options, progress, prepare=prepare, streams=streams,
                               program=program).run()
@@ -155,7 +155,7 @@ class CaptureSession:
         self.progress = progress
         self.prepare = prepare
         self.given_program = program  # a StepProgram; default: the one the options ask for
-        self.model = model_of(workload.model)
+        self.model = built_for(workload.model, options)
         args, kwargs = tuple(workload.args), dict(workload.kwargs or {})
         self.shape_env = None
         if options.symbolic:
@@ -225,6 +225,8 @@ class CaptureSession:
         described = program.describe()
         if described is not None:
             self.facts["step"] = {**described, "optimizers": len(self.optimizers)}
+        if opts.compile is not None and not self.facts["compiled"].regions:
+            self._compiled_nothing()
         notes = self.isolation.notes + self.isolation.leaks(self.model)
         if notes:
             self.facts["isolation_notes"] = notes
@@ -274,7 +276,7 @@ class CaptureSession:
         with tape.unrecorded_through_front():  # ~100 us an op saved per tensor copied
             self.fmodel = self.isolation.copy_model(self.model)
         if self.prepare is not None:
-            with tape.phase(0, SETUP):
+            with tape.phase(0, SETUP), self._capability_answered():
                 self.fmodel = self.prepare(self.fmodel)
                 # what prepare replaced can sit in reference cycles (FSDP2's module <-> state),
                 # freed whenever the collector next runs; a training script's step 1 starts
@@ -370,6 +372,14 @@ class CaptureSession:
         self.step_model = compile_model(self.fmodel, opts.compile, record, self.tape.compiled_call,
                                         fqns)
 
+    def _compiled_nothing(self) -> None:
+        """compile= was asked and dynamo handed the backend no graph (frames skipped, or code it
+        is told not to trace): the step profiled is the eager one. Said, never silent."""
+        self.isolation.notes.append(
+            "compile: dynamo produced no graph for this step (no frame it traced held an op it "
+            "compiles), so every op ran eagerly and this profile is the eager step's; "
+            "TORCH_LOGS=graph_breaks,dynamo on your own torch.compile run shows why")
+
     def _run_compiled_modules_eagerly(self) -> None:
         """An eager profile of a model whose code compiled some modules (`block.compile()`):
         those run eagerly in the private copy (a real compile would run inductor's kernels,
@@ -382,6 +392,16 @@ class CaptureSession:
             f"modules compiled with Module.compile() ({', '.join(names[:3])}"
             f"{', ...' if len(names) > 3 else ''}) ran eagerly in this profile; pass --compile "
             "(compile=True) to profile them compiled, with tapescope's backend")
+
+    def _capability_answered(self):
+        """The user's parallelize asks the GPU what it can do (a float8 converter: sm89+?) as it
+        would on the profiled GPU (gpu_less.capability_answered)."""
+        opts = self.options
+        if opts.device.type != "cuda" or opts.gpu is None:
+            return nullcontext()
+        from .gpu_less import capability_answered
+
+        return capability_answered(opts.gpu)
 
     def _gpu_answered(self):
         """Inductor's CUDA path, GPU-less: the device queries answered for the named GPU

@@ -460,9 +460,28 @@ def _mesh_init(init):
             init(self, device_type, mesh, *args, **kwargs)
         if kept is not None:
             # shared by every mesh derived from this one
-            getattr(self, MESH_RANK_MAP)._tapescope_fake = kept
+            getattr(self, MESH_RANK_MAP)._tapescope_fake = _KeptAlive(kept)
 
     return run
+
+
+class _KeptAlive:
+    """The capture's fake rank map, held by the mesh's real one so that the job's memory keeps
+    it. A copy of the mesh shares it: dynamo's DTensor spec guard deep-copies every DTensorSpec
+    a compiled region sees (guards.py, extract_dtensor_spec), mesh and rank map included, and a
+    copied fake tensor would drag the capture's fake mode (and the fake process group it holds,
+    which cannot be copied: "Tried to deepcopy object ...c10d.ProcessGroup") into the copy."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
 
 
 def _mesh_bookkeeping_on_real_tensors():

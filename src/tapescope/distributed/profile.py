@@ -83,11 +83,11 @@ class DistributedFacts:
 def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     """Trace one rank of each class; returns (the Profile of the rank with the highest peak,
     every rank's RankProfile, DistributedFacts). `analyse(trace, facts) -> Profile`."""
-    from ..capture.model import model_of
+    from ..capture.model import built_for
 
     spec = options.mesh
     # built once: every rank copies the same meta model
-    workload = replace(workload, model=model_of(workload.model))
+    workload = replace(workload, model=built_for(workload.model, options))
     pipelined = pipeline_plan(workload, options) if options.pipeline is not None else None
     measured: list = []
 

@@ -1,0 +1,109 @@
+"""Context parallelism as torch writes it: the user's step wraps forward and backward in
+`torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)`,
+which shards the sequence over the "cp" mesh dimension and runs ring attention in place of SDPA
+(`step=` with `mesh=`), GPU-less for an H100 (CP takes CUDA's attention ops only).
+
+Truth: the collectives of torch's ring attention, derived by hand from its code
+(torch/distributed/tensor/experimental/_context_parallel/_attention.py): forward, the default
+all-gather rotater gathers each rank's `cat(key, value)` once; backward gathers it again, and
+passes the key/value gradients (fp32: `_cp_options.convert_to_f32`) around the ring with an
+all-to-all (`permute_tensor`) at each of its `cp` steps. No real run checks the memory: CP's
+attention ops are CUDA's.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tapescope
+
+HEADS, HEAD_DIM, SEQ, BATCH, CP = 4, 64, 512, 2, 2
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(HEADS * HEAD_DIM, 3 * HEADS * HEAD_DIM, bias=False)
+        self.out = nn.Linear(HEADS * HEAD_DIM, HEADS * HEAD_DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, HEADS * HEAD_DIM))
+
+
+def parallelize(model, mesh):
+    model.cp_mesh = mesh  # what the step's context_parallel shards over
+    return model
+
+
+def step(model, batch, optimizer):
+    from torch.distributed.tensor.experimental import context_parallel
+
+    (x,) = batch
+    with context_parallel(model.cp_mesh, buffers=[x], buffer_seq_dims=[1]):
+        loss = model(x).float().square().mean()
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_context_parallel_ring_attention_collectives():
+    p = tapescope.profile(Attention, tapescope.spec((BATCH, SEQ, HEADS * HEAD_DIM)),
+                          mesh={"cp": CP}, parallelize=parallelize, step=step, gpu="h100",
+                          dtype=torch.bfloat16)
+    local = BATCH * HEADS * (SEQ // CP) * HEAD_DIM  # one rank's keys (or values)
+    kv_gathered = CP * 2 * local * 2                # cat(k, v) of every rank, bf16
+    dkv = 2 * local * 4                             # cat(dk, dv) of this rank, fp32
+    seen = [(c.kind, c.nbytes, c.phase) for c in p.collectives]
+    assert [s for s in seen if s[2] == "forward"] == [("all_gather", kv_gathered, "forward")]
+    assert sorted(s for s in seen if s[2] == "backward") == sorted(
+        [("all_gather", kv_gathered, "backward")] + [("all_to_all", dkv, "backward")] * CP)
+
+
+def test_torchtitan_llama3_context_parallel_on_cuda_without_a_gpu(monkeypatch):
+    """torchtitan 0.3.0's own CP wiring: ParallelDims with context_parallel_degree 2 and FSDP 2
+    (world 4; FSDP shards over fsdp x cp, as torchtitan does), its parallelize_llama wrapping each
+    SDPA with `apply_cp_to_forward` (DTensor inputs sharded on the sequence, torch's CP
+    dispatcher), spmd_backend "partial_dtensor" (under "spmd_types" torchtitan itself refuses SDPA
+    + CP, in one line). The inputs are one rank's: 64 of the 128 tokens (torchtitan's trainer
+    shards the batch with prepare_context_parallel_input; the rope positions it passes change no
+    size). By hand per layer (16 heads of 16, batch 2): forward one all-gather of cat(k, v) of both
+    ranks, 2 x 2 x (2 x 16 x 64 x 16) bf16 = 262,144 B; backward that again and 2 all-to-alls of
+    the fp32 k/v gradients, 2 x (2 x 16 x 64 x 16) x 4 = 262,144 B."""
+    import contextlib
+
+    import pytest
+
+    pytest.importorskip("torchtitan")
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from .test_torchtitan import _config, _loss, _parallelize_llama
+
+    backend, fsdp, cp = "partial_dtensor", 2, 2
+    monkeypatch.setattr(dist_utils, "_spmd_backend", backend)
+    cfg = _config()
+    train_context = contextlib.ExitStack()
+
+    def parallelize(model, mesh):
+        parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp,
+                                        context_parallel_degree=cp, spmd_backend=backend)
+        dims = ParallelDims.from_config(parallelism, world_size=fsdp * cp)
+        dims.build_mesh()
+        model = _parallelize_llama(model, parallelism, dims)
+        train_context.close()
+        train_context.enter_context(dist_utils.get_spmd_context(parallel_dims=dims)())
+        return model
+
+    with train_context:
+        p = tapescope.profile(cfg.build, tapescope.spec((2, 128 // cp), dtype=torch.long),
+                              loss_fn=_loss, mesh={"fsdp": fsdp, "cp": cp},
+                              parallelize=parallelize, gpu="h100")
+    layers, kv = len(cfg.layers), 2 * 16 * 64 * 16
+    seen = [(c.kind, c.nbytes, c.phase) for c in p.collectives if c.group == "cp"]
+    assert sorted(seen) == sorted([("all_gather", cp * 2 * kv * 2, "forward")] * layers
+                                  + [("all_gather", cp * 2 * kv * 2, "backward")] * layers
+                                  + [("all_to_all", 2 * kv * 4, "backward")] * cp * layers)

@@ -1,0 +1,28 @@
+"""`step=` (the user's own training step) with `mesh=` and `parallelize=`: every rank runs the
+user's step on its shards. Truth: two real gloo processes running the same step (the built-in
+step with the same loss: forward, loss, backward, optimizer step, zero_grad, as the user's step
+does), each rank's first and steady peak to the byte. As in tests/test_distributed.py, a real
+peak can be higher in one run (gloo's threads free a collective's tensors late): the job runs 3
+times for 3 steps, no observation is below the prediction and one equals it."""
+
+import torch
+
+import tapescope
+from tapescope.validate.distributed import RealJob, run_real_jobs
+
+from . import distributed_models as dm
+from . import user_step_models as um
+
+
+def test_user_step_under_fsdp_matches_gloo_runs():
+    p = tapescope.profile(dm.build, tapescope.spec((8, 64, dm.D)), mesh={"dp": 2},
+                          parallelize=dm.fsdp, step=um.step)
+    job = RealJob(dm.build, (torch.randn(8, 64, dm.D),), {"dp": 2}, dm.fsdp,
+                  loss_fn=um.square_mean, steps=3)
+    runs = run_real_jobs([job] * 3)
+    for rank in range(2):
+        assert all(run[rank].unstepped == 0 for run in runs)
+        for predicted, steps in ((p.ranks[rank].first_step_peak_bytes, [1]),
+                                 (p.ranks[rank].peak_bytes, [2, 3])):
+            observed = [run[rank].peaks[s] for run in runs for s in steps]
+            assert min(observed) == predicted, (predicted, sorted(observed))
