@@ -77,19 +77,47 @@ def test_a_dropped_profile_leaves_nothing_alive():
     """Once a profile is dropped, the collector frees everything its capture made: the Tape (and
     with it the trace) must not stay reachable from torch's C++ side. A fidelity context that kept
     the backward's last autograd node (an AccumulateGrad, which holds its parameter) did that: each
-    profile of a sweep kept its whole trace alive."""
+    profile of a sweep kept its whole trace alive. Only this test's Tapes are counted: an earlier
+    test's distributed profile can keep its own alive for a while
+    (test_a_dropped_distributed_profile_leaves_nothing_alive)."""
+    from tapescope.capture.tape import Tape
+
+    def tapes() -> list:
+        gc.collect()
+        return [o for o in gc.get_objects() if type(o) is Tape]
+
+    earlier = {id(t) for t in tapes()}
+    for engine in ("python", "torch"):
+        p = profile_spec(tiny(TINY_GPT2), engine=engine)
+        assert p.ops  # something was profiled
+        del p
+        assert [t for t in tapes() if id(t) not in earlier] == [], engine
+
+
+@pytest.mark.xfail(strict=True, reason="known leak, cause not found: after a distributed "
+                   "profile one Tape stays reachable only from torch's C++ side (no Python module "
+                   "holds it) until later profiles release it")
+def test_a_dropped_distributed_profile_leaves_nothing_alive():
     from tapescope.capture.tape import Tape
 
     def tapes():
         gc.collect()
         return sum(type(o) is Tape for o in gc.get_objects())
 
+    def parallelize(m, mesh):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in m:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
+
     before = tapes()
-    for engine in ("python", "torch"):
-        p = profile_spec(tiny(TINY_GPT2), engine=engine)
-        assert p.ops  # something was profiled
-        del p
-        assert tapes() == before, engine
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    p = tapescope.profile(model, tapescope.spec((8, 64)), mesh={"dp": 2},
+                          parallelize=parallelize)
+    assert p.ops
+    del p
+    assert tapes() == before
 
 
 def test_a_compiler_stance_that_hooks_frames_takes_torchs_dynamo_wrapper(monkeypatch):
