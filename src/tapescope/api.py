@@ -387,7 +387,11 @@ def _analyse_captured(trace: Trace, facts: dict, workload: Workload, options: Op
         if trace.symbols:
             from .analysis.symbolic import instantiate, symbolic_profile
 
-            sp, conv = symbolic_profile(trace)
+            try:
+                sp, conv = symbolic_profile(trace)
+            except ValueError as exc:  # a size no formula of the dimensions can carry
+                raise TapescopeError(f"{exc}; profile at fixed sizes instead (without "
+                                     f"--symbolic, or `profile` at each size)") from None
             data_sizes = data_size_report(trace, sp)
             trace = instantiate(trace, conv, trace.hints)
             inputs = [_describe_input(x, trace_hints=sp.hints) for x in workload.args]
