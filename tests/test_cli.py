@@ -139,3 +139,18 @@ def test_explain_makes_samples_a_matrix_product_accepts_and_refuses_with_a_messa
     assert "aten::mm on cpu" in r.output
     r = CliRunner().invoke(app, ["explain", "aten::convolution", "--device", "cpu"])
     assert r.exit_code == 1 and r.output.startswith("error: aten::convolution refused"), r.output
+
+
+def test_fit_where_nothing_fits_says_why_and_what_next():
+    """`fit` at a budget the model state alone exceeds: the reason, by hand (AdamW's two fp32
+    moments and a 4-byte CPU `step` per tensor), and the next commands with what they free."""
+    from tapescope.report.text import fmt_bytes
+
+    n, tensors = _state_numbers(TINY_GPT2)
+    r = CliRunner().invoke(app, ["fit", TINY_GPT2, "--seq", "8", "--budget", "200KiB", "-q"])
+    assert r.exit_code == 1, r.output
+    out = " ".join(r.output.split())
+    assert "nothing fits: batch 1 already needs" in out
+    assert "why: the model's state alone is over the budget of 200.00 KiB" in out
+    assert "--optimizer sgd" in out and "--dtype bf16" in out
+    assert f"frees the {fmt_bytes(8 * n + 4 * tensors)} of optimizer state at the peak" in out

@@ -623,7 +623,9 @@ def fit_cmd(
         from .report.console import render_fit
         from .report.json import fit_dict
 
-        render_fit(r, workload.name, options, out, rows)
+        render_fit(r, workload.name, options, out, rows, invocation=_invocation(
+            "fit", spec, batch, seq, input, loss, dtype, amp, optimizer, gpu=gpu, budget=budget,
+            param_dtype=r.profile.facts.get("param_dtype")))
         _write_json(json_file, fit_dict(r, workload.name, options, rows))
     if r.value is None:
         raise typer.Exit(1)

@@ -415,8 +415,10 @@ def render_diff(a, b, d, console: Console, top: int = 12) -> None:
                       markup=False)
 
 
-def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None:
-    """A fit.FitResult: the formula, its guards, the largest size that fits, and a sweep."""
+def render_fit(r, name: str, options, console: Console, sweep_rows=None,
+               invocation=None) -> None:
+    """A fit.FitResult: the formula, its guards, the largest size that fits, and a sweep; when
+    nothing fits, why (the categories at the smallest size's peak) and the next commands."""
     sp, dim = r.profile.symbolic, r.dim
     shapes = " × ".join("x".join(str(s) for s in i["shape"]) for i in r.profile.inputs
                         if isinstance(i, dict))
@@ -443,6 +445,12 @@ def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None
     if r.value is None:
         console.print(_line(("nothing fits", "red"), f": {dim} {r.probes[0][0]} already needs "
                             f"{fmt_bytes(r.next_peak)}"))
+        from ..analysis.shortfall import Shortfall
+
+        from .advice import next_steps, why
+
+        s = Shortfall(r.budget, r.profile.at(**{dim: r.probes[0][0]}).at_peak)
+        render_next_steps(console, why(s), next_steps(s, invocation) if invocation else [])
     else:
         console.print(_line((f"largest {dim} that fits: {r.value}", "bold green"),
                             f" — peak {fmt_bytes(r.peak_bytes)}, headroom {fmt_bytes(r.headroom)}"))
