@@ -702,7 +702,10 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
                            stage=progress, pp_degrees=pp_degrees)
     best = best_layout(rows)
-    render_layouts(rows, workload.name, gpus, options, out, budget=budget, best=best)
+    render_layouts(rows, workload.name, gpus, options, out, budget=budget, best=best,
+                   invocation=_invocation("fit", spec, batch, seq, inputs, loss, dtype, amp,
+                                          optimizer, gpu=options.gpu.key,
+                                          budget=None if budget is None else f"{budget}B"))
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
                             "budget_bytes": budget, "layouts": [r.to_dict() for r in rows],
                             "best": None if best is None else str(best.layout)})

@@ -307,8 +307,10 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
 
 
 def render_layouts(rows, name: str, gpus: int, options, console: Console,
-                   budget: int | None = None, best=None) -> None:
-    """fit --gpus: one row per (FSDP, TP) layout; `best` (layouts.best_layout) named below."""
+                   budget: int | None = None, best=None, invocation=None) -> None:
+    """fit --gpus: one row per (FSDP, TP) layout; `best` (layouts.best_layout) named below; when
+    none fits, why (the lowest peak per rank, or the one failure every layout met) and what next
+    (`invocation`: how the user asked)."""
     piped = any(r.layout.pp > 1 for r in rows)
     console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: "
                         f"({'PP, ' if piped else ''}FSDP, TP) layouts, "
@@ -355,6 +357,34 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
                             f" {gpus} x {options.gpu.name}" + (f" within {fmt_bytes(budget)}"
                                                               if budget is not None else "")),
                       highlight=False)
+        _render_no_layout(rows, gpus, options, console, budget, invocation)
+
+
+def _render_no_layout(rows, gpus, options, console, budget, invocation) -> None:
+    ran = [r for r in rows if r.peak_bytes is not None]
+    notes = {r.note for r in rows if r.peak_bytes is None}
+    if not ran:
+        reason = (f"no layout ran; every one failed the same way: {notes.pop()}" if len(notes) == 1
+                  else "no layout ran (the reasons are above)")
+        render_next_steps(console, reason, [])
+        return
+    low = min(ran, key=lambda r: r.peak_bytes)
+    target = (f"the budget of {fmt_bytes(budget)}" if budget is not None
+              else f"the {options.gpu.name}'s memory")
+    reason = (f"the lowest peak per rank, {fmt_bytes(low.peak_bytes)} with {low.layout}, is over "
+              f"{target}")
+    steps = []
+    if invocation is not None:
+        where = invocation.where() or ("--gpu", options.gpu.key)
+        steps.append((invocation.cmd("fit", "--gpus", str(gpus * 2), *where),
+                      f"twice the GPUs: FSDP shards the model state over twice the ranks (the "
+                      f"{fmt_bytes(low.peak_bytes)} per rank includes the unsharded activations, "
+                      f"which do not shrink)"))
+        if low.layout.pp == 1 and low.layout.tp == 1:
+            steps.append((invocation.cmd("profile", "--fsdp", str(gpus), "--gpu", options.gpu.key),
+                          f"the per-rank categories of {low.layout}: which part is over, and the "
+                          f"checkpointing or optimizer changes that act on it"))
+    render_next_steps(console, reason, steps)
 
 
 def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
