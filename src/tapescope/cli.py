@@ -219,11 +219,16 @@ def _compile_options(compile, mode, fullgraph, dynamic, budget, compile_optimize
 
 def _check_outputs(**paths) -> dict:
     """Fail now, not after the work, if an output file cannot be written."""
-    from .report.files import check_writable
+    from .report.files import check_writable, same_file_twice
 
     for flag, path in paths.items():
         if path:
             check_writable(path, "--" + flag.replace("_", "-"))
+    twice = same_file_twice(paths)
+    if twice is not None:
+        a, b, path = twice
+        raise TapescopeError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} both name "
+                             f"{path}: the second would overwrite the first; give two files")
     return paths
 
 
