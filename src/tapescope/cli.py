@@ -336,11 +336,13 @@ def _checkpointing(values) -> list:
             try:
                 with open(v) as f:
                     plan = json.load(f)
-            except (OSError, ValueError) as e:
-                raise TapescopeError(f"--checkpoint {v}: cannot read it as JSON ({e})") from None
-            if not isinstance(plan, dict) or "policies" not in plan:
-                raise TapescopeError(f"--checkpoint {v}: not a checkpointing plan (write one with "
-                                     "`tapescope plan SPEC --budget B --json FILE.json`)")
+            except (OSError, ValueError, RecursionError) as e:
+                why = "nested too deeply" if isinstance(e, RecursionError) else e
+                raise TapescopeError(f"--checkpoint {v}: cannot read it as JSON ({why})") from None
+            if not isinstance(plan, dict) or not isinstance(plan.get("policies"), list):
+                raise TapescopeError(f"--checkpoint {v}: not a checkpointing plan, whose "
+                                     "\"policies\" is a list (write one with `tapescope plan "
+                                     "SPEC --budget B --json FILE.json`)")
             policies += plan["policies"]
             continue
         fqn, _, rest = v.partition(":")

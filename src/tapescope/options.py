@@ -341,6 +341,11 @@ def _resolve_checkpointing(checkpointing) -> tuple:
     policies = getattr(checkpointing, "policies", checkpointing)  # a checkpointing Plan
     if isinstance(policies, (str, UnitPolicy)):
         policies = (policies,)
+    if isinstance(policies, dict) and "module" in policies:
+        policies = (policies,)  # one policy written as a dict
+    if not isinstance(policies, (list, tuple)):
+        raise TapescopeError(f"checkpointing= takes a list of policies (module names, (name, "
+                             f"mode) pairs or dicts) or a Plan, not a {type(policies).__name__}")
     return tuple(UnitPolicy.of(p) for p in policies)
 
 
