@@ -228,7 +228,10 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
         return UnsupportedOpError(
             f"{op} {where} cannot run on fake tensors: {exc}. Fix: register a fake implementation "
             f"with torch.library.register_fake('{_op_name(op)}').")
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    # every line: torch's wrappers put the cause after a first line of their own ("Failed to
+    # run stage backward:"), so the first alone says nothing
+    msg = " ".join(line.strip() for line in text.splitlines() if line.strip()) or \
+        type(exc).__name__
     who = "the step" if getattr(exc, "tapescope_phase", None) == "other" else "the model"
     return ModelError(" ".join(filter(None, (f"{who} raised {type(exc).__name__}", where)))
                       + f": {msg}")

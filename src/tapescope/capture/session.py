@@ -45,7 +45,8 @@ from .isolation import Isolation
 from .rng_state import track_rng_states
 from .model import Spec, fake_inputs, fake_tensor_like, model_of
 from .modules import module_names, track_modules
-from .program import StepRuntime, optimizers_in, state_tensors, step_program, steps_of
+from .program import (StepRuntime, optimizers_in, state_tensors, step_program, steps_of,
+                      torch_globals_kept)
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
                       OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, ZERO_GRAD, GuardRecord,
                       Trace)
@@ -323,7 +324,8 @@ class CaptureSession:
     @contextmanager
     def _recording(self):
         rec = self.recorder
-        with self.isolation.shadows(), track_modules(rec.modules, self.names), \
+        with torch_globals_kept(), self.isolation.shadows(), \
+                track_modules(rec.modules, self.names), \
                 rec.saved.active(), rec.hooks.recording(), track_rng_states(rec.tape), \
                 _quiet_fake_tensor_log(), library_branches(rec.tape), \
                 sdpa_composite_of_the_gpu(rec.fidelity), rec.function_rules, self._compiling():
