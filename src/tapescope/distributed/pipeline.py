@@ -517,6 +517,13 @@ class PipelinePlan:
     meta_model: Any = None           # what the shapes were found on, for measure_parallelised
     stage_inputs: tuple = ()
 
+    @property
+    def model_parameters(self) -> int:
+        """The whole model's parameters (a rank's profile counts its stages' only)."""
+        m = self.meta_model
+        m = m if isinstance(m, nn.Module) else m()
+        return sum(p.numel() for p in m.parameters())
+
     def measure_parallelised(self, parallelize, device) -> None:
         """Find the stages' shapes again with each stage parallelised over the other mesh
         dimensions (call in a fake world): what the ranks send each other is their local

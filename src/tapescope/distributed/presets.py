@@ -230,6 +230,8 @@ def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> C
             replicate_with_fsdp()(model, mesh=mesh["dp_replicate"], mp_policy=mp)
         return model
 
+    mixed = mp_dtype is not None and (layout.fsdp > 1 or layout.dp_replicate > 1)
+    parallelize.param_dtype = str(mp_dtype).replace("torch.", "") if mixed else None
     parallelize.__name__ = f"the {layout} preset" + (
         f" with FSDP2 mixed precision {str(mp_dtype).replace('torch.', '')}"
         if mp_dtype is not None and (layout.fsdp > 1 or layout.dp_replicate > 1) else "")

@@ -95,6 +95,8 @@ def _header(p) -> Text:
     precision = p.dtype or "-"
     if f.get("amp"):
         precision += f" + autocast {f['amp']}"
+    if f.get("fsdp_param_dtype"):
+        precision += f" + FSDP2 mixed precision {f['fsdp_param_dtype']}"
     bits = [p.model, p.device + (f" ({p.gpu.name})" if p.gpu is not None else ""), precision,
             " × ".join("x".join(str(s) for s in i["shape"]) for i in p.inputs if isinstance(i, dict)) or "-",
             f"{opt['name']} ({opt['implementation']})" if opt else "no optimizer",
@@ -102,7 +104,9 @@ def _header(p) -> Text:
               if f.get("step") and f["step"]["optimizers"] > 1 else []),
             *([f"your step {f['step']['fn']}"] if (f.get("step") or {}).get("fn") else []),
             *([f"{f['accumulate']} micro-batches per step"] if f.get("accumulate") else []),
-            f"{fmt_count(f.get('parameters', 0))} parameters"]
+            f"{fmt_count(f.get('parameters', 0))} parameters" + (
+                f" on this rank's stages of {fmt_count(f['model_parameters'])}"
+                if f.get("model_parameters") else "")]
     return Text(" · ".join(bits), style="bold")
 
 
@@ -307,14 +311,16 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
 
 
 def render_layouts(rows, name: str, gpus: int, options, console: Console,
-                   budget: int | None = None, best=None, invocation=None) -> None:
+                   budget: int | None = None, best=None, invocation=None,
+                   inputs: str = "") -> None:
     """fit --gpus: one row per (FSDP, TP) layout; `best` (layouts.best_layout) named below; when
     none fits, why (the lowest peak per rank, or the one failure every layout met) and what next
     (`invocation`: how the user asked)."""
     piped = any(r.layout.pp > 1 for r in rows)
     console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: "
                         f"({'PP, ' if piped else ''}FSDP, TP) layouts, "
-                        "each data-parallel rank taking the batch given"), highlight=False)
+                        "each data-parallel rank taking the batch given"
+                        + (f" (inputs {inputs})" if inputs else "")), highlight=False)
     if piped:
         console.print("  pipelined layouts: 1F1B over one micro-batch per sample; their step is "
                       "the schedule's, bubble included", highlight=False, markup=False)

@@ -18,7 +18,7 @@ import torch
 
 from ..analysis.ops import expanded_ops
 from ..capture.model import real_inputs
-from ..capture.program import BuiltinStep, StepRuntime
+from ..capture.program import BuiltinStep, StepRuntime, UserStep
 from .real import _build, run_real_steps
 
 __all__ = ["Validation", "validate", "same_ops"]
@@ -64,12 +64,13 @@ def same_ops(profile, real_names: list[str]) -> tuple[bool, list[str]]:
 
 
 def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, warmup, steps,
-                amp=None, accumulate=1):
+                amp=None, accumulate=1, step=None, setup=None):
     device = torch.device(device)
     m = _build(build, device, dtype)
     args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype,
                                torch.Generator().manual_seed(0))
-    program = BuiltinStep(loss_fn, optimizer, accumulate)
+    program = UserStep(step, setup, optimizer) if step is not None else \
+        BuiltinStep(loss_fn, optimizer, accumulate)
     opt = program.setup(m, list(m.parameters()), device)
     runtime = StepRuntime(phase=lambda step, name: nullcontext())
     if amp is not None:
@@ -96,10 +97,12 @@ def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, 
 
 def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw", device=None,
              dtype=None, amp=None, warmup: int = 2, steps: int = 5, name: str | None = None,
-             gpu=None, accumulate: int = 1, progress=None, stage=None) -> Validation:
+             gpu=None, accumulate: int = 1, progress=None, stage=None, step=None,
+             setup=None) -> Validation:
     """Profile the step, run it for real on `device` (default: the GPU if there is one, else the
     CPU) and compare. Quantities are bytes, except "step time" (seconds). `progress(step,
-    phase)` is told of each traced phase, `stage(message)` of each part begun."""
+    phase)` is told of each traced phase, `stage(message)` of each part begun. step, setup:
+    the user's own step and setup, as profile() takes them (functions or FILE.py:FN)."""
     from ..api import profile
     from ..capture.model import model_of
     from ..errors import DeviceError, TapescopeError
@@ -109,7 +112,8 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, dtype=dtype,
-                             amp=amp, gpu=gpu)
+                             amp=amp, gpu=gpu, step=step, setup=setup)
+    step, setup = options.step, options.setup  # functions, loaded once
     loss_fn, dtype, amp, dev = resolve_loss(loss_fn), options.dtype, options.amp, options.device
     if dev.type == "meta":
         raise DeviceError("validate runs the step for real: use --device cpu or cuda, not meta")
@@ -128,31 +132,33 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
     p = profile(model_of(model), *inputs,
                 loss_fn=loss_fn, input_kwargs=input_kwargs, optimizer=optimizer, device=device,
                 dtype=dtype, amp=amp, name=name, gpu=gpu, accumulate=accumulate,
-                progress=progress)
+                progress=progress, step=step, setup=setup)
     stage(f"running 2 real steps on {dev.type} under the profiler")
     v = Validation(p.model, str(dev), gpu)
     if dev.type == "cpu":
         real = run_real_steps(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
-                              device=dev, dtype=dtype, amp=amp, accumulate=accumulate)
+                              device=dev, dtype=dtype, amp=amp, accumulate=accumulate, step=step,
+                              setup=setup)
         v.rows += [("first-step peak bytes", p.first_step_peak_bytes, real.peaks.get(1)),
                    ("steady peak bytes", p.peak_bytes, real.peaks.get(2))]
         v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
                                                for s, ph, n in real.ops if s == 2 and ph])
         stage(f"timing {warmup} + {steps} real steps")
         t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp,
-                        accumulate)
+                        accumulate, step, setup)
         v.rows.append(("step time", None, t["time"]))
         return v
     # CUDA: a real GPU is present
     real = run_real_steps(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
-                          device=dev, dtype=dtype, amp=amp, accumulate=accumulate)
+                          device=dev, dtype=dtype, amp=amp, accumulate=accumulate, step=step,
+                          setup=setup)
     v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
                                            for s, ph, n in real.ops if s == 2 and ph])
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     stage(f"timing {warmup} + {steps} real steps")
     t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp,
-                    accumulate)
+                    accumulate, step, setup)
     cm = p.cuda_memory
     v.rows += [("steady peak bytes (tensors)", p.peak_bytes, real.peaks.get(2)),
                ("max_memory_allocated (steady)", cm.steady_allocated, t["steady_allocated"]),
