@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..analysis.shortfall import Shortfall
-from ..capture.records import GRADIENT, OPTIMIZER_STATE, SAVED
+from ..capture.records import GRADIENT, OPTIMIZER_STATE, PARAMETER, SAVED
 from .text import fmt_bytes
 
 __all__ = ["Invocation", "why", "next_steps"]
@@ -116,7 +116,8 @@ def _outside_tapescope(s: Shortfall, inv: Invocation, what: str) -> list[tuple[s
     are not among its dependencies), with the bytes it would free, read off this peak's own
     categories: CPU offload of the optimizer state frees all of it; LoRA leaves the frozen
     weights without gradients or optimizer state (the adapters' own, typically under 1% of the
-    parameters, are not subtracted); an 8-bit optimizer keeps one byte per value where a 32-bit
+    parameters, are not counted; the optimizer's temporaries shrink too, not counted either) and
+    needs no fp32 copy of them; an 8-bit optimizer keeps one byte per value where a 32-bit
     Adam keeps four (its per-block scales, 4 B per 256 values in torchao, are added back)."""
     opt = s.at_peak.get(OPTIMIZER_STATE, 0)
     grads = s.at_peak.get(GRADIENT, 0)
@@ -138,7 +139,14 @@ def _outside_tapescope(s: Shortfall, inv: Invocation, what: str) -> list[tuple[s
                      "tapescope)", f"1 byte per moment instead of 4 frees about {fmt_bytes(freed)}: "
                      + verdict(freed)))
     if opt or grads:
-        rows.append(("LoRA adapters on frozen weights (peft; not traced by tapescope)",
-                     f"frozen weights keep no gradients and no optimizer state: up to "
-                     f"{fmt_bytes(opt + grads)} freed: " + verdict(opt + grads)))
+        params = s.at_peak.get(PARAMETER, 0)
+        state = s.state_bytes - opt - grads
+        text = (f"frozen weights keep no gradients and no optimizer state: at least "
+                f"{fmt_bytes(opt + grads)} freed, the model state becomes about {fmt_bytes(state)}")
+        if inv.dtype_fp32 and params:  # frozen weights need no fp32 master copy
+            half = state - params // 2
+            text += (f", {fmt_bytes(half)} with bf16 frozen weights (--dtype bf16), "
+                     + ("within " if half <= s.budget else "still over ") + what)
+        rows.append(("LoRA adapters on frozen weights (peft; examples/lora.py writes them out and "
+                     "tapescope traces it)", text))
     return rows
