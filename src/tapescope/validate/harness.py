@@ -41,17 +41,56 @@ class Validation:
         return None
 
 
+def _repeats(count: int) -> str:
+    return f"(the micro-batch before, {count} more times)"
+
+
+def real_op_names(real, step: int) -> list[str]:
+    """The real step's ops as "phase aten.name", a run of micro-batches read as repeats of the
+    one before (validate/real.py _Sessions) as one line saying how many; the last micro-batch,
+    read in full, is folded into it when it repeats it too."""
+    at = {k: n for s, k, n in real.repeated if s == step}
+    out, block = [], 0
+    for k, (s, ph, name) in enumerate(real.ops + [(None, None, None)]):
+        if k in at:
+            # the micro-batch before: from its forward's start (the ops are in order)
+            j = len(out)
+            while j > 0 and not out[j - 1].startswith("forward"):
+                j -= 1
+            while j > 0 and out[j - 1].startswith("forward"):
+                j -= 1
+            block = len(out) - j
+            out.append(_repeats(at[k]))
+        if s == step and ph:
+            out.append(f"{ph} {name.replace('::', '.')}")
+    # fold the last micro-batch (read in full) into the count when it repeats the block
+    for i, line in enumerate(out):
+        if line.startswith("(the micro-batch before") and block:
+            before, after = out[i - block:i], out[i + 1:i + 1 + block]
+            if before == after:
+                n = int(line.split(", ")[1].split()[0])
+                out[i:i + 1 + block] = [_repeats(n + 1)]
+            break
+    return out
+
+
 def same_ops(profile, real_names: list[str]) -> tuple[bool, list[str]]:
     """Compare a profile's op sequence with the profiler's (names without overload). Known naming
     differences are normalised: reshape takes `view` for tensor subclasses where real tensors take
     `_reshape_alias`, and the clone an in-place op's autograd kernel makes is nested inside that op
-    in the profiler."""
+    in the profiler. Where the real names count a run of repeated micro-batches in one line
+    (`real_op_names`), the profile's repeated micro-batch is written the same way."""
     import difflib
 
-    ops = expanded_ops(profile.ops)  # a repeated micro-batch as often as it ran
+    collapsed = any(n.startswith("(the micro-batch before") for n in real_names)
+    # a repeated micro-batch as often as it ran, or once and a count like the real names
+    ops = _collapsed_ops(profile.ops) if collapsed else expanded_ops(profile.ops)
     fake = []
     for i, op in enumerate(ops):
-        nxt = ops[i + 1] if i + 1 < len(ops) else None
+        if isinstance(op, str):
+            fake.append(op)
+            continue
+        nxt = ops[i + 1] if i + 1 < len(ops) and not isinstance(ops[i + 1], str) else None
         if (op.name == "aten.clone.default" and nxt is not None
                 and nxt.name.split(".")[1].endswith("_")   # an in-place op: div_.Tensor, add_...
                 and nxt.inputs and op.inputs and nxt.inputs[0].value == op.inputs[0].value):
@@ -61,6 +100,25 @@ def same_ops(profile, real_names: list[str]) -> tuple[bool, list[str]]:
     diff = [d for d in difflib.unified_diff(real, fake, "measured", "predicted", lineterm="", n=0)
             if not d.startswith(("---", "+++", "@@"))]
     return not diff, diff[:20]
+
+
+def _collapsed_ops(ops: list) -> list:
+    """The step's ops with each repeated micro-batch once, then a line with how many more times
+    it ran (expanded_ops's blocks, not expanded)."""
+    out, k = [], 0
+    while k < len(ops):
+        op = ops[k]
+        if op.runs == 1:
+            out.append(op)
+            k += 1
+            continue
+        end = k + 1
+        while (end < len(ops) and ops[end].runs == op.runs
+               and ops[end].record.index == ops[end - 1].record.index + 1):
+            end += 1
+        out += ops[k:end] + [_repeats(op.runs - 1)]
+        k = end
+    return out
 
 
 def _time_steps(build, inputs, input_kwargs, loss_fn, optimizer, device, dtype, warmup, steps,
@@ -141,8 +199,7 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
                               setup=setup)
         v.rows += [("first-step peak bytes", p.first_step_peak_bytes, real.peaks.get(1)),
                    ("steady peak bytes", p.peak_bytes, real.peaks.get(2))]
-        v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
-                                               for s, ph, n in real.ops if s == 2 and ph])
+        v.ops_match, v.ops_diff = same_ops(p, real_op_names(real, 2))
         stage(f"timing {warmup} + {steps} real steps")
         t = _time_steps(model, inputs, input_kwargs, loss_fn, optimizer, dev, dtype, warmup, steps, amp,
                         accumulate, step, setup)
@@ -152,8 +209,7 @@ def validate(model, *inputs, loss_fn=None, input_kwargs=None, optimizer="adamw",
     real = run_real_steps(model, inputs, input_kwargs, loss_fn=loss_fn, optimizer=optimizer,
                           device=dev, dtype=dtype, amp=amp, accumulate=accumulate, step=step,
                           setup=setup)
-    v.ops_match, v.ops_diff = same_ops(p, [f"{ph} {n.replace('::', '.')}"
-                                           for s, ph, n in real.ops if s == 2 and ph])
+    v.ops_match, v.ops_diff = same_ops(p, real_op_names(real, 2))
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     stage(f"timing {warmup} + {steps} real steps")
