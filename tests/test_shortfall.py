@@ -54,3 +54,16 @@ def test_the_small_gpu_options_name_the_bytes_they_free():
     # LoRA: 12 KiB of gradients and moments go; the 4 KiB of fp32 weights halve in bf16
     assert "at least 12.00 KiB freed, the model state becomes about 4.00 KiB, 2.00 KiB with " \
            "bf16 frozen weights (--dtype bf16), within the budget" in text
+
+
+def test_at_batch_1_the_next_fit_searches_the_sequence():
+    """A step over the budget at batch 1 has no smaller batch to find: `fit` would answer
+    "nothing fits" again; the sequence length is what is left to search."""
+    from tapescope.report.advice import Invocation, next_steps
+
+    s = shortfall({"parameters": 4, "saved activations": 30, "temporaries": 20}, 40)
+    one = Invocation("profile", "m", ("--batch", "1", "--seq", "2048"))
+    four = Invocation("profile", "m", ("--batch", "4", "--seq", "2048"))
+    assert ("tapescope fit m --batch 1", "the longest sequence that fits at batch 1") in \
+        next_steps(s, one)
+    assert ("tapescope fit m --seq 2048", "the largest batch that fits") in next_steps(s, four)

@@ -43,6 +43,11 @@ class Invocation:
             flags.append(f)
         return " ".join(("tapescope", command, self.spec, *flags, *extra))
 
+    def batch(self) -> int | None:
+        """--batch as given, if it was."""
+        flags = list(self.flags)
+        return int(flags[flags.index("--batch") + 1]) if "--batch" in flags else None
+
     def where(self) -> tuple:
         """--gpu G and --budget B as given, to keep the same memory target."""
         return (("--gpu", self.gpu) if self.gpu else ()) + \
@@ -105,9 +110,13 @@ def next_steps(s: Shortfall, inv: Invocation, *, checkpointed: bool = False,
         out.append(("this command with --amp bf16",
                     f"autocast runs matmuls in bf16: their activations take half the bytes "
                     f"({fmt_bytes(act)} of activations and temporaries at the peak now)"))
-    out.append((inv.cmd("fit", *inv.where(), drop=("--batch",)),
-                "the largest batch that fits" + (" (without checkpointing)" if checkpointed
-                                                 else "")))
+    plain = " (without checkpointing)" if checkpointed else ""
+    if inv.batch() == 1:  # no smaller batch: search the sequence length at batch 1 instead
+        out.append((inv.cmd("fit", *inv.where(), drop=("--seq",)),
+                    "the longest sequence that fits at batch 1" + plain))
+    else:
+        out.append((inv.cmd("fit", *inv.where(), drop=("--batch",)),
+                    "the largest batch that fits" + plain))
     return out
 
 
