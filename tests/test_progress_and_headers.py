@@ -45,3 +45,13 @@ def test_headers_name_fsdp_mixed_precision_and_the_whole_models_parameters():
     from tapescope.report.text import fmt_count
 
     assert f"on this rank's stages of {fmt_count(n)}" in " ".join(r.output.split())
+
+
+def test_a_peak_in_the_optimizer_names_no_module():
+    """AdamW's update runs outside every module: the peak line said "in module -"."""
+    from .conftest import TINY_GPT2
+
+    r = CliRunner().invoke(app, ["profile", TINY_GPT2, "--batch", "1", "--seq", "8", "-q"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if "reached at op" in x)
+    assert "(optimizer) at adam.py:" in line and "in module" not in line

@@ -143,8 +143,10 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     if p.ops:
         op = p.ops[mem.peak_op]
         where = f" at {op.source.filename.rsplit('/', 1)[-1]}:{op.source.lineno}" if op.source else ""
+        # an op outside every module (the optimizer's, a compiled graph's) names no module
+        inside = "" if op.module is None else f" in module {_mod(op.module)}"
         console.print(_line(f"  reached at op {op.index} ", (op.name, "bold"),
-                            f" ({op.phase}) in module {_mod(op.module)}{where}"))
+                            f" ({op.phase}){inside}{where}"))
     for line in assumption_lines(p):
         console.print("  " + line, highlight=False, markup=False)
     cats = Table(box=None, show_header=False, pad_edge=False)
@@ -183,7 +185,9 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
 
     shown = [m for m in mem.modules if m.module not in ("",)][:top]
     mods = _table("Top modules by memory", ("module", "peak while running", "saved for backward"),
-                  [(_mod(m.module), fmt_bytes(m.peak_bytes), fmt_bytes(m.saved_bytes))
+                  # a compiled graph's saved tensors belong to no module: not "0 B"
+                  [(_mod(m.module), fmt_bytes(m.peak_bytes),
+                    "-" if p.compiled is not None else fmt_bytes(m.saved_bytes))
                    for m in shown], console.width)
     total = fl["total"] or 1
     own: dict = {}  # pattern -> {instance fqn -> FLOPs of its own ops}
