@@ -265,17 +265,18 @@ def _best(pieces, vals):
 # ---- turning the trace into polynomials -----------------------------------------------------
 
 def _rounding_kinds() -> dict:
-    from torch.utils._sympy import functions as f
+    from ..torch_compat import sympy_size_functions
 
-    # subclasses first: CleanDiv is a FloorDiv (CeilDiv builds a FloorDiv of base + divisor - 1)
-    return {f.FloorDiv: "floordiv", f.Mod: "mod", f.PythonMod: "mod", f.Max: "max",
-            f.Min: "min", sympy.Max: "max", sympy.Min: "min", sympy.Mod: "mod"}
+    # CleanDiv is a FloorDiv, and CeilDiv builds a FloorDiv of base + divisor - 1
+    (floordiv, mod, python_mod, max_, min_), _ = sympy_size_functions()
+    return {floordiv: "floordiv", mod: "mod", python_mod: "mod", max_: "max", min_: "min",
+            sympy.Max: "max", sympy.Min: "min", sympy.Mod: "mod"}
 
 
 def _pow_by_natural():
-    from torch.utils._sympy.functions import PowByNatural
+    from ..torch_compat import sympy_size_functions
 
-    return PowByNatural
+    return sympy_size_functions()[1]
 
 
 class _Converter:
