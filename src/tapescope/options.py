@@ -280,10 +280,10 @@ class Options:
         pipeline = _resolve_pipeline(pipeline, mesh, accumulate)
         mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine,
                            pipelined=pipeline is not None)
-        if mesh is not None and checkpointing:
-            raise TapescopeError("a distributed profile (mesh=) with a checkpointing plan is not "
-                                 "supported yet; apply checkpointing in your parallelize "
-                                 "function, as torchtitan does")
+        if pipeline is not None and checkpointing:
+            raise TapescopeError("a pipelined profile with a checkpointing plan is not "
+                                 "supported yet; apply checkpointing to each stage in your "
+                                 "parallelize function, as torchtitan does")
         if pipeline is not None and compile is not None:
             raise TapescopeError("a pipelined profile with compile= is not supported yet; "
                                  "profile the pipeline eagerly (drop --compile)")

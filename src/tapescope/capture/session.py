@@ -93,6 +93,13 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
+def _without_wrapper_prefix(fqn: str) -> str:
+    """A parameter's name as the user wrote it: checkpoint_wrapper's inner-module segment removed,
+    as its own state_dict hook does (torch.distributed.algorithms._checkpoint.checkpoint_wrapper,
+    _CHECKPOINT_PREFIX)."""
+    return fqn.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module.", "")
+
+
 @dataclass
 class Recorder:
     """The tape and its collaborators for one trace, wired to each other (see the module doc)."""
@@ -269,6 +276,15 @@ class CaptureSession:
                                        None))
         with tape.unrecorded_through_front():  # ~100 us an op saved per tensor copied
             self.fmodel = self.isolation.copy_model(self.model)
+        wrapped: list = []  # (wrapper, module, fqn) of a plan applied before the parallelisation
+        if self.prepare is not None and opts.checkpointing:
+            # torchtitan's order: activation checkpointing first (apply_ac), then FSDP / TP
+            # shard the wrapped blocks, as a training script applying both writes it
+            from .checkpointing import apply_policies
+
+            apply_policies(self.fmodel, opts.checkpointing,
+                           on_wrap=lambda w, m, fqn: wrapped.append((w, m, fqn)))
+            self.facts["checkpointing"] = [p.to_dict() for p in opts.checkpointing]
         if self.prepare is not None:
             with tape.phase(0, SETUP):
                 self.fmodel = self.prepare(self.fmodel)
@@ -285,12 +301,18 @@ class CaptureSession:
             self.fargs, self.fkwargs = fake_inputs((self.args, self.kwargs), opts.device,
                                                    opts.dtype, sizes)
         self.names = module_names(self.fmodel)
+        if wrapped:  # the plan's wrappers and what they hold keep the user's names
+            self.names = {k: _without_wrapper_prefix(v) for k, v in self.names.items()}
+            for wrapper, module, fqn in wrapped:
+                self.names[id(wrapper)] = self.names[id(module)] = fqn
         self.param_fqn: dict[int, str] = {}
         for fqn, p in self.fmodel.named_parameters(remove_duplicate=False):
+            fqn = _without_wrapper_prefix(fqn) if wrapped else fqn
             self.param_fqn.setdefault(id(p), fqn)
             tape.register(p, fqn, PARAMETER, owner=fqn)
         self.buffer_fqn: dict[int, str] = {}
         for fqn, b in self.fmodel.named_buffers(remove_duplicate=False):
+            fqn = _without_wrapper_prefix(fqn) if wrapped else fqn
             self.buffer_fqn.setdefault(id(b), fqn)
             tape.register(b, fqn, BUFFER, owner=fqn)
         inputs = [x for x in tree_leaves((self.fargs, self.fkwargs)) if isinstance(x, torch.Tensor)]
@@ -302,7 +324,7 @@ class CaptureSession:
             if (isinstance(x, torch.Tensor) and x.device.type != "meta"
                     and not x.is_floating_point() and not x.is_complex()):
                 self.values.give_input(t, x, f"input{i}")
-        if opts.checkpointing:  # after naming: parameters and modules keep the user's names
+        if opts.checkpointing and not wrapped:  # after naming: the user's names stay
             from .checkpointing import apply_policies
 
             def name_wrapper(wrapper, module, fqn):  # the wrapper runs as the module it wraps
