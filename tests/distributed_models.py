@@ -213,3 +213,15 @@ def tp_stage(model, mesh):
 
     tp_plan_for(model)[1](model, mesh["tp"])
     return model
+
+
+def ac_fsdp(model, mesh):
+    """Full activation checkpointing on every block, then FSDP2: torchtitan's order (apply_ac
+    before apply_fsdp), what `--fsdp N --checkpoint plan.json` traces."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    for name, block in list(model.blocks.named_children()):
+        model.blocks.register_module(
+            name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    return fsdp(model, mesh)

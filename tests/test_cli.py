@@ -139,3 +139,49 @@ def test_explain_makes_samples_a_matrix_product_accepts_and_refuses_with_a_messa
     assert "aten::mm on cpu" in r.output
     r = CliRunner().invoke(app, ["explain", "aten::convolution", "--device", "cpu"])
     assert r.exit_code == 1 and r.output.startswith("error: aten::convolution refused"), r.output
+
+
+def test_fit_where_nothing_fits_says_why_and_what_next():
+    """`fit` at a budget the model state alone exceeds: the reason, by hand (AdamW's two fp32
+    moments and a 4-byte CPU `step` per tensor), and the next commands with what they free."""
+    from tapescope.report.text import fmt_bytes
+
+    n, tensors = _state_numbers(TINY_GPT2)
+    r = CliRunner().invoke(app, ["fit", TINY_GPT2, "--seq", "8", "--budget", "200KiB", "-q"])
+    assert r.exit_code == 1, r.output
+    out = " ".join(r.output.split())
+    assert "nothing fits: batch 1 already needs" in out
+    assert "why: the model's state alone is over the budget of 200.00 KiB" in out
+    assert "--optimizer sgd" in out and "--dtype bf16" in out
+    assert f"frees the {fmt_bytes(8 * n + 4 * tensors)} of optimizer state at the peak" in out
+
+
+def test_no_layout_fits_says_why_and_what_next():
+    r = CliRunner().invoke(app, ["fit", TINY_GPT2, "--seq", "8", "--batch", "1", "--gpus", "2",
+                                 "--gpu", "h100", "--budget", "200KiB", "-q"])
+    assert r.exit_code == 1, r.output
+    out = " ".join(r.output.split())
+    assert "No layout fits 2 x NVIDIA H100" in out
+    assert "why: the lowest peak per rank" in out and "with FSDP 2, is over the budget" in out
+    assert "--gpus 4 --gpu h100" in out and "--fsdp 2 --gpu h100" in out
+
+
+def test_a_sequence_longer_than_the_zoo_model_takes_is_refused_once_with_its_override():
+    """The model's own forward refuses it (truth: run it); the refusal comes before any trace,
+    names the override, and the override is accepted."""
+    import time
+
+    from tapescope.zoo import resolve
+
+    spec = "zoo:llama:dim=64,n_layers=1,n_heads=4,n_kv_heads=2,ffn_dim=160,vocab_size=128,max_seq_len=16"
+    model = resolve(spec, batch=1, seq=16).build()
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(app, ["fit", spec, "--seq", "17", "--gpus", "4", "--gpu", "h100"])
+    assert r.exit_code == 1 and time.perf_counter() - t0 < 10
+    line = " ".join(r.output.split())
+    assert line.count("exceeds") == 1 and "zoo:llama's max_seq_len 16" in line
+    override = line.split("with that limit: ")[1].split()[0]
+    assert override.endswith("max_seq_len=17")
+    assert resolve(override, batch=1, seq=17).inputs[0].shape == (1, 17)

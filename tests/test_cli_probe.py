@@ -346,9 +346,18 @@ def test_progress_shows_the_stage_and_the_phase_on_a_terminal(monkeypatch):
     assert "validating m - budget 0.5 (1 of 2) - step 1 forward done" in out
 
 
-@pytest.mark.parametrize("terminal, quiet", [(False, False), (True, True)])
-def test_no_progress_off_a_terminal_or_with_quiet(monkeypatch, terminal, quiet):
-    assert _progress_output(monkeypatch, terminal, quiet) == ""
+def test_progress_off_a_terminal_is_a_plain_line_per_stage(monkeypatch):
+    """A CI log or a pipe: no spinner, but a line per stage and phase (issue 36: validate,
+    budget-sweep, fit --gpus and --compile were silent there for minutes)."""
+    lines = _progress_output(monkeypatch, terminal=False).splitlines()
+    assert lines[-2:] == ["tapescope: validating m - budget 0.5 (1 of 2) (0 s)",
+                          "tapescope: validating m - budget 0.5 (1 of 2) - step 1 forward done (0 s)"]
+    assert "\x1b" not in "".join(lines)  # no terminal control codes in a log
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_no_progress_with_quiet(monkeypatch, terminal):
+    assert _progress_output(monkeypatch, terminal, quiet=True) == ""
 
 
 @pytest.fixture

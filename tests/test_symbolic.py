@@ -130,3 +130,23 @@ def test_ops_inside_another_op_skip_fake_tensor_modes_cache_and_change_nothing(m
     assert (True, False) in seen and (True, True) not in seen  # inside: never cached
     monkeypatch.setattr(Tape, "_uncached", lambda self, *a: fake_dispatch(self, *a))
     assert describe(profile_spec(m, symbolic=("batch", "seq"))) == ours
+
+
+@pytest.mark.parametrize("spec", [TINY_GPT2.replace("block_size=64", "block_size=300"),
+                                  TINY_LLAMA + ",max_seq_len=300"])
+def test_sizes_rounded_to_a_tile_are_exact_at_every_size(spec):
+    """On an A100 the flash attention backward keeps b x h x round128(seq) floats (softmax_d)
+    and the dQ accumulator, rounded to 128 rows: sizes like 16384*((seq + 127)//128), piecewise
+    polynomials of seq. They stay exact on both sides of every tile edge, and fit searches them."""
+    kw = dict(device="cuda", gpu="a100", amp="bf16")
+    p = profile_spec(tiny(spec, batch=2, seq=16), symbolic=("seq",), **kw)
+    assert set(p.facts["sdpa_backends"]) == {"flash"}  # one per layer
+    assert any(a.kind == "floordiv" for a in p.symbolic.aux)
+    for seq in (2, 128, 129, 257):
+        e = p.at(seq=seq)
+        c = profile_spec(tiny(spec, batch=2, seq=seq), **kw)
+        assert (e.peak_bytes, e.first_step_peak_bytes, e.flops) == (
+            c.peak_bytes, c.first_step_peak_bytes, c.flops)
+    r = fit(tiny(spec, batch=2, seq=16).build, *tiny(spec, batch=2, seq=16).inputs, dim="seq",
+            budget="1GiB", loss_fn=tiny(spec).loss_fn, **kw)
+    assert r.value == 300  # the model's own limit (block_size / max_seq_len)

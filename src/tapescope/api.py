@@ -418,8 +418,8 @@ def _analyse_captured(trace: Trace, facts: dict, workload: Workload, options: Op
                 if set(trace.symbols) - set(trace.unbacked.values()):
                     # a named input dimension: its formulas are what was asked for
                     raise TapescopeError(f"the memory is not a formula of the named dimensions: "
-                                         f"{e} (a size the data decides, cut at a bound). Fix: "
-                                         f"profile at concrete sizes (no symbolic=)") from None
+                                         f"{e}. Fix: profile at fixed sizes instead (without "
+                                         f"--symbolic, or `profile` at each size)") from None
                 # sizes the data decides, each with its one value: the step at those values
                 # is exact without formulas (`keep[:100]` of a data-dependent keep is a Min)
                 sp, conv = None, converter(trace)

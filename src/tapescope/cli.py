@@ -34,19 +34,33 @@ _spec_help = ("Model: zoo:gpt2, zoo:llama, torchvision:NAME, timm:NAME, hf:CONFI
 
 @contextmanager
 def _progress(label: str, quiet: bool = False, delay: float = 1.0):
-    """What a long command is doing, on stderr: a spinner, the stage and the time spent, shown
-    once the work takes longer than `delay` seconds; never with --quiet or when stderr is not a
-    terminal (a pipe, a log file, a test). Yields `update`: update(step, phase) from a trace,
-    update(message) from longer work that says which stage it is in (a layout, a budget)."""
+    """What a long command is doing, on stderr, once the work takes longer than `delay` seconds:
+    on a terminal a spinner with the stage and the time spent; elsewhere (a pipe, a CI log) a
+    plain line per stage and traced phase, with the time spent. Never with --quiet. Yields
+    `update`: update(step, phase) from a trace, update(message) from longer work that says which
+    stage it is in (a layout, a budget)."""
     state = {"stage": "", "detail": "", "bar": None, "task": None}
     done = threading.Event()
     lock = threading.Lock()
+    t0 = time.perf_counter()
+    plain = not quiet and not err.is_terminal
+
+    def line():
+        if plain and time.perf_counter() - t0 >= delay:
+            state["printed"] = True
+            err.print(Text(f"tapescope: {text()} ({time.perf_counter() - t0:.0f} s)"),
+                      highlight=False, soft_wrap=True)
 
     def text():
         return Text(" - ".join(x for x in (label, state["stage"], state["detail"]) if x))
 
     def show():
         if done.wait(delay):
+            return
+        if plain:  # the first line, in case the first stage is long
+            with lock:
+                if not done.is_set() and not state.get("printed"):
+                    line()
             return
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -68,9 +82,10 @@ def _progress(label: str, quiet: bool = False, delay: float = 1.0):
         with lock:
             if state["bar"] is not None:
                 state["bar"].update(state["task"], description=text())
+            line()
 
     t = None
-    if not quiet and err.is_terminal:
+    if not quiet:
         t = threading.Thread(target=show, daemon=True)
         t.start()
     try:
@@ -222,11 +237,16 @@ def _compile_options(compile, mode, fullgraph, dynamic, budget, compile_optimize
 
 def _check_outputs(**paths) -> dict:
     """Fail now, not after the work, if an output file cannot be written."""
-    from .report.files import check_writable
+    from .report.files import check_writable, same_file_twice
 
     for flag, path in paths.items():
         if path:
             check_writable(path, "--" + flag.replace("_", "-"))
+    twice = same_file_twice(paths)
+    if twice is not None:
+        a, b, path = twice
+        raise TapescopeError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} both name "
+                             f"{path}: the second would overwrite the first; give two files")
     return paths
 
 
@@ -338,11 +358,13 @@ def _checkpointing(values) -> list:
             try:
                 with open(v) as f:
                     plan = json.load(f)
-            except (OSError, ValueError) as e:
-                raise TapescopeError(f"--checkpoint {v}: cannot read it as JSON ({e})") from None
-            if not isinstance(plan, dict) or "policies" not in plan:
-                raise TapescopeError(f"--checkpoint {v}: not a checkpointing plan (write one with "
-                                     "`tapescope plan SPEC --budget B --json FILE.json`)")
+            except (OSError, ValueError, RecursionError) as e:
+                why = "nested too deeply" if isinstance(e, RecursionError) else e
+                raise TapescopeError(f"--checkpoint {v}: cannot read it as JSON ({why})") from None
+            if not isinstance(plan, dict) or not isinstance(plan.get("policies"), list):
+                raise TapescopeError(f"--checkpoint {v}: not a checkpointing plan, whose "
+                                     "\"policies\" is a list (write one with `tapescope plan "
+                                     "SPEC --budget B --json FILE.json`)")
             policies += plan["policies"]
             continue
         fqn, _, rest = v.partition(":")
@@ -634,7 +656,9 @@ def fit_cmd(
         from .report.console import render_fit
         from .report.json import fit_dict
 
-        render_fit(r, workload.name, options, out, rows)
+        render_fit(r, workload.name, options, out, rows, invocation=_invocation(
+            "fit", spec, batch, seq, input, loss, dtype, amp, optimizer, gpu=gpu, budget=budget,
+            param_dtype=r.profile.facts.get("param_dtype")))
         _write_json(json_file, fit_dict(r, workload.name, options, rows))
     if r.value is None:
         raise typer.Exit(1)
@@ -714,7 +738,12 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
                            stage=progress, pp_degrees=pp_degrees)
     best = best_layout(rows)
-    render_layouts(rows, workload.name, gpus, options, out, budget=budget, best=best)
+    shapes = " × ".join("x".join(str(n) for n in a.shape) for a in workload.args
+                        if getattr(a, "shape", None) is not None)
+    render_layouts(rows, workload.name, gpus, options, out, budget=budget, best=best, inputs=shapes,
+                   invocation=_invocation("fit", spec, batch, seq, inputs, loss, dtype, amp,
+                                          optimizer, gpu=options.gpu.key,
+                                          budget=None if budget is None else f"{budget}B"))
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
                             "budget_bytes": budget, "layouts": [r.to_dict() for r in rows],
                             "best": None if best is None else str(best.layout)})
@@ -775,8 +804,10 @@ def validate_cmd(
                                          help="The device to run on for real (default: a GPU if present)."),
     dtype: Optional[str] = DtypeOpt, amp: Optional[str] = AmpOpt, optimizer: str = OptimOpt,
     input: Optional[List[str]] = InputOpt, loss: Optional[str] = LossOpt,
-    warmup: int = typer.Option(2, "--warmup"), steps: int = typer.Option(5, "--steps"),
-    accumulate: int = AccumulateOpt,
+    warmup: int = typer.Option(2, "--warmup", help="Real steps run before the timed ones (not timed)."),
+    steps: int = typer.Option(5, "--steps", help="Real steps timed after the warm-up (the median is reported)."),
+    accumulate: int = AccumulateOpt, step: Optional[str] = StepOpt,
+    setup: Optional[str] = SetupOpt,
     json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
 ):
     """Predict the step, run it for real on this machine's device, and compare."""
@@ -790,10 +821,12 @@ def validate_cmd(
         m = resolve(spec, batch=batch, seq=seq, inputs=[parse_input(i) for i in input or []])
         with _progress(f"validating {m.name}", quiet) as progress:
             v = validate(m.build, *m.inputs, input_kwargs=m.input_kwargs,
-                         loss_fn=m.loss_fn if loss is None else loss,
+                         # a step computes its own loss: a zoo model's is not used
+                         loss_fn=loss if step is not None else m.loss_fn if loss is None else loss,
                          optimizer=None if optimizer == "none" else optimizer, device=device,
                          dtype=dtype, amp=amp, warmup=warmup, steps=steps, name=m.name,
-                         accumulate=accumulate, progress=progress, stage=progress)
+                         accumulate=accumulate, progress=progress, stage=progress, step=step,
+                         setup=setup)
         render_validation(v, out)
         _write_json(json_file, to_jsonable(v))
 

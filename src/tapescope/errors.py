@@ -233,21 +233,22 @@ def from_trace_failure(exc: BaseException) -> TapescopeError:
         return UnsupportedOpError(
             f"{op} {where} cannot run on fake tensors: {exc}. Fix: register a fake implementation "
             f"with torch.library.register_fake('{_op_name(op)}').")
-    msg = _first_line(exc)
+    msg = _all_lines(exc)
     who = "the step" if getattr(exc, "tapescope_phase", None) == "other" else "the model"
     return ModelError(" ".join(filter(None, (f"{who} raised {type(exc).__name__}", where)))
                       + f": {msg}")
 
 
-def _first_line(exc: BaseException) -> str:
-    """The first line of what `exc` says; for an error torch.compile wraps (dynamo's
-    BackendCompilerFailed: "backend='inductor' raised:" on its first line, the error below it),
-    the wrapped error's, named by its type."""
+def _all_lines(exc: BaseException) -> str:
+    """Every line of what `exc` says, joined: torch's wrappers put the cause after a first line
+    of their own ("Failed to run stage backward:"), so the first alone says nothing; for an error
+    torch.compile wraps, the wrapped error's, named by its type."""
     inner = getattr(exc, "inner_exception", None)
     if isinstance(inner, BaseException):
-        return f"{type(inner).__name__}: {_first_line(inner)}"
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+        return f"{type(inner).__name__}: {_all_lines(inner)}"
+    text = str(exc)
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or \
+        type(exc).__name__
 
 
 # What torch says when a tensor subclass (a fake tensor) is asked for its data.

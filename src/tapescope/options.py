@@ -290,10 +290,10 @@ class Options:
         pipeline = _resolve_pipeline(pipeline, mesh, accumulate)
         mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine,
                            pipelined=pipeline is not None)
-        if mesh is not None and checkpointing:
-            raise TapescopeError("a distributed profile (mesh=) with a checkpointing plan is not "
-                                 "supported yet; apply checkpointing in your parallelize "
-                                 "function, as torchtitan does")
+        if pipeline is not None and checkpointing:
+            raise TapescopeError("a pipelined profile with a checkpointing plan is not "
+                                 "supported yet; apply checkpointing to each stage in your "
+                                 "parallelize function, as torchtitan does")
         if pipeline is not None and compile is not None:
             raise TapescopeError("a pipelined profile with compile= is not supported yet; "
                                  "profile the pipeline eagerly (drop --compile)")
@@ -353,6 +353,11 @@ def _resolve_checkpointing(checkpointing) -> tuple:
     policies = getattr(checkpointing, "policies", checkpointing)  # a checkpointing Plan
     if isinstance(policies, (str, UnitPolicy)):
         policies = (policies,)
+    if isinstance(policies, dict) and "module" in policies:
+        policies = (policies,)  # one policy written as a dict
+    if not isinstance(policies, (list, tuple)):
+        raise TapescopeError(f"checkpointing= takes a list of policies (module names, (name, "
+                             f"mode) pairs or dicts) or a Plan, not a {type(policies).__name__}")
     return tuple(UnitPolicy.of(p) for p in policies)
 
 

@@ -75,7 +75,7 @@ __all__ = [
     "ShapeEnv", "DimDynamic", "statically_known_true", "tree_leaves", "tree_map",
     "tree_flatten", "pytree_node_types", "free_unbacked_symbols", "unset_fake_temporarily",
     "disable_current_modes", "no_dispatch", "disable_torch_dispatch",
-    "sequence_nr", "node_sequence_nr", "current_autograd_node", "use_count", "storage_use_count",
+    "sympy_size_functions", "sequence_nr", "node_sequence_nr", "current_autograd_node", "use_count", "storage_use_count",
     "storage_key", "untyped_storage_key", "is_zerotensor", "node_input_metadata", "tensor_backward_hooks",
     "post_accumulate_grad_hooks", "inductor_cache_dir", "push_saved_tensors_hooks",
     "pop_saved_tensors_hooks",
@@ -108,6 +108,15 @@ __all__ = [
 
 
 # ---- autograd ------------------------------------------------------------------------------------
+
+def sympy_size_functions() -> tuple:
+    """(rounding functions, PowByNatural): the sympy functions ShapeEnv writes sizes with that
+    are no polynomial (FloorDiv, CeilDiv's FloorDiv, Mod, PythonMod, Max, Min) and its natural
+    power (analysis/symbolic.py makes the former variables, the latter a power)."""
+    from torch.utils._sympy import functions as f
+
+    return (f.FloorDiv, f.Mod, f.PythonMod, f.Max, f.Min), f.PowByNatural
+
 
 def sequence_nr() -> int:
     """The sequence number the next autograd node will get (this thread's counter)."""

@@ -63,7 +63,7 @@ def _local_formula(sp, pieces, trace: Trace):
     their sizes: a formula of the data-dependent sizes alone."""
     if not pieces:
         return None
-    vals = tuple(int(sp.hints[n]) for n in sp.names)
+    vals = sp.point(sp.hints)
     from .symbolic import _best
 
     _, piece = _best(pieces, vals)

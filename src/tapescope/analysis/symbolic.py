@@ -9,6 +9,10 @@ sympy polynomials in the dimension names, and:
   "pieces": one live-bytes polynomial each, with the op that reached it) and drop every one that
   another bounds from above on the whole domain (checked on the polynomial's coefficients after
   shifting each variable by its lower bound, which proves p >= q for all sizes, not just sampled ones);
+- a size that rounds (a kernel's workspace rounded up to a tile: `16384*((seq + 127)//128)`) is a
+  piecewise polynomial: each floor division, modulo, max or min becomes one more variable (`_Aux`),
+  computed exactly from the dimensions at every size, and bounded below by its value at the
+  dimensions' lower bounds (it grows with them), which keeps the coefficient proof sound;
 - `at(batch=..., seq=...)` evaluates the pieces, a few multiplications each, so a thousand sizes
   take milliseconds.
 The formulas hold where the trace's guards hold: the ranges ShapeEnv recorded (sizes >= 2, and any
@@ -40,6 +44,35 @@ class Guard:
     expr: str     # in the dimension names, e.g. "seq <= 1024"
     where: str    # the source line that asked
     pins: str | None = None  # the dimension this guard fixes to one value, if it does
+
+
+@dataclass(frozen=True)
+class _Aux:
+    """A rounding function of the dimensions, treated as one more variable of the polynomials:
+    `kind` applied to `args` (polynomials in the variables before it) and `divisor`."""
+
+    symbol: sympy.Symbol
+    expr: sympy.Expr     # the same in the dimension names, for the formulas shown
+    kind: str            # "floordiv", "mod", "max", "min"
+    args: tuple          # polynomials
+    divisor: int | None = None
+    low: int = 0         # its value where every dimension is at its lower bound
+
+    def value(self, vals: tuple) -> int:
+        a = [_eval_exact(p, vals) for p in self.args]
+        if self.kind == "floordiv":
+            return math.floor(a[0] / self.divisor)
+        if self.kind == "mod":
+            return int(a[0] - self.divisor * math.floor(a[0] / self.divisor))
+        return int((max if self.kind == "max" else min)(a))
+
+
+def _extend(aux: tuple, vals: tuple) -> tuple:
+    """The dimensions' values followed by each rounding variable's (in order: each reads only
+    the ones before it)."""
+    for a in aux:
+        vals = vals + (a.value(vals),)
+    return vals
 
 
 @dataclass
@@ -74,11 +107,13 @@ class SymbolicProfile:
     flops_poly: dict             # phase -> polynomial
     ops: list = field(default_factory=list, repr=False)   # the step's op names, for peak ops
     fitted: dict | None = None   # when a dimension was pinned: how the formulas were fitted instead
+    aux: tuple = ()              # _Aux: the rounding variables after the dimensions
 
     # ---- expressions ----------------------------------------------------------------------
 
     def expr(self, poly: dict) -> sympy.Expr:
-        return sympy.Add(*(sympy.Rational(Fraction(c).numerator, Fraction(c).denominator) * sympy.Mul(*(s ** e for s, e in zip(self.symbols, exps)))
+        gens = self.symbols + tuple(a.expr for a in self.aux)
+        return sympy.Add(*(sympy.Rational(Fraction(c).numerator, Fraction(c).denominator) * sympy.Mul(*(s ** e for s, e in zip(gens, exps)))
                            for exps, c in poly.items())) if poly else sympy.Integer(0)
 
     @property
@@ -125,14 +160,16 @@ class SymbolicProfile:
                 return False
         return True
 
-    def _values(self, sizes: dict) -> tuple:
+    def point(self, sizes: dict) -> tuple:
+        """The values the polynomials are evaluated at: the dimensions', then the rounding
+        variables'."""
         missing = [n for n in self.names if n not in sizes]
         if missing:
             raise ValueError(f"give a size for {', '.join(missing)}")
-        return tuple(int(sizes[n]) for n in self.names)
+        return _extend(self.aux, tuple(int(sizes[n]) for n in self.names))
 
     def at(self, **sizes) -> Estimate:
-        vals = self._values(sizes)
+        vals = self.point(sizes)
         best, best_piece = _best(self.pieces, vals)
         first, _ = _best(self.first_pieces, vals)
         return Estimate(dict(zip(self.names, vals)), best, first,
@@ -166,11 +203,12 @@ def fit_pinned(sp: SymbolicProfile, trace_at) -> None:
     idx = [sp.names.index(n) for n in pinned]
     exps = list(itertools.product(range(3), repeat=len(pinned)))
     polys = {}
+    pad = (0,) * len(sp.aux)  # the fitted polynomials read no rounding variable
     for q in data[0]:
         coeffs = _solve([[_mono(pt, pinned, e) for e in exps] for pt in points], [d[q] for d in data])
-        polys[q] = {tuple(e[idx.index(i)] if i in idx else 0 for i in range(len(sp.names))): c
+        polys[q] = {tuple(e[idx.index(i)] if i in idx else 0 for i in range(len(sp.names))) + pad: c
                     for e, c in zip(exps, coeffs) if c}
-    verified = all(_eval(polys[q], tuple(ck[n] for n in sp.names)) == m[q]
+    verified = all(_eval(polys[q], sp.point(ck)) == m[q]
                    for ck in checks for m in [measure(ck)] for q in polys)
     sp.fitted = {"dims": pinned, "traced_at": points, "checked_at": checks, "verified": verified}
     if verified:
@@ -200,7 +238,7 @@ def _solve(a: list, b: list) -> list:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def _eval(poly: dict, vals: tuple) -> int:
+def _eval_exact(poly: dict, vals: tuple) -> Fraction:
     total = Fraction(0)
     for exps, c in poly.items():
         term = c
@@ -208,7 +246,11 @@ def _eval(poly: dict, vals: tuple) -> int:
             if e:
                 term *= v ** e
         total += term
-    return int(total)  # exact: the polynomials take integer values at integer sizes
+    return total
+
+
+def _eval(poly: dict, vals: tuple) -> int:
+    return int(_eval_exact(poly, vals))  # exact: the polynomials take integer values at integer sizes
 
 
 def _best(pieces, vals):
@@ -227,12 +269,33 @@ class NotPolynomial(ValueError):
     Min(100, n), piecewise in n."""
 
 
+def _rounding_kinds() -> dict:
+    from ..torch_compat import sympy_size_functions
+
+    # CleanDiv is a FloorDiv, and CeilDiv builds a FloorDiv of base + divisor - 1
+    (floordiv, mod, python_mod, max_, min_), _ = sympy_size_functions()
+    return {floordiv: "floordiv", mod: "mod", python_mod: "mod", max_: "max", min_: "min",
+            sympy.Max: "max", sympy.Min: "min", sympy.Mod: "mod"}
+
+
+def _pow_by_natural():
+    from ..torch_compat import sympy_size_functions
+
+    return sympy_size_functions()[1]
+
+
 class _Converter:
     """SymInts -> sympy expressions in the dimension names; sizes -> polynomials."""
 
     def __init__(self, trace: Trace):
         self.names = tuple(trace.symbols)
         self.symbols = tuple(sympy.Symbol(n, integer=True, positive=True) for n in self.names)
+        self.aux: list[_Aux] = []
+        self.lows: tuple = ()          # each variable's lower bound (dimensions, then aux)
+        self.lifted: dict = {}
+        self.frozen = False            # set by the first polynomial: no variable may follow it
+        self.kinds = _rounding_kinds()
+        self.nonpoly = tuple(self.kinds) + (_pow_by_natural(),)
         self.rename = {trace.symbols[n]: s for n, s in zip(self.names, self.symbols)}
         by_name = dict(zip(self.names, self.symbols))
         for sym, name in trace.unbacked.items():  # every symbol of a data-dependent size
@@ -253,18 +316,76 @@ class _Converter:
             self.memo[id(x)] = e
         return e
 
+    @property
+    def gens(self) -> tuple:
+        return self.symbols + tuple(a.symbol for a in self.aux)
+
+    def prepare(self, exprs, lows: tuple) -> None:
+        """Give every rounding function in `exprs` its variable, before the first polynomial (all
+        polynomials share one list of variables)."""
+        self.lows = tuple(lows)
+        for e in exprs:
+            if isinstance(e, sympy.Basic):
+                self._lift(e)
+
+    def _lift(self, e):
+        """`e` with each rounding function replaced by its variable (innermost first)."""
+        if e.is_Atom or not e.has(*self.nonpoly):
+            return e
+        out = self.lifted.get(e)
+        if out is not None:
+            return out
+        args = [self._lift(a) for a in e.args]
+        kind = next((k for t, k in self.kinds.items() if isinstance(e, t)), None)
+        if isinstance(e, _pow_by_natural()) and args[1].is_Integer:
+            out = args[0] ** args[1]
+        elif kind is None:
+            out = e.func(*args)
+        else:
+            out = self._variable(e, kind, args)
+        self.lifted[e] = out
+        return out
+
+    def _variable(self, e, kind: str, args: list):
+        if self.frozen:
+            raise NotPolynomial(f"size {e}: a rounding function met after the polynomials were made")
+        divisor = None
+        if kind in ("floordiv", "mod"):
+            args, d = args[:1], args[1]
+            if not (d.is_Integer and d > 0):
+                raise NotPolynomial(f"size {e} divides by {d}, not by a positive integer")
+            divisor = int(d)
+        polys = tuple(self._poly_in(a, self.gens) for a in args)
+        lows = []
+        for a, p in zip(args, polys):
+            # grows with every variable (no negative coefficient once shifted to the lower
+            # bounds): then its value at the lower bounds bounds it below on the whole domain
+            if any(v < 0 for v in _shift(p, self.lows).values()):
+                raise NotPolynomial(f"size {e}: {a} does not grow with the sizes, so it has no "
+                                 f"lower bound to prove the peak's pieces with")
+            lows.append(_eval_exact(p, self.lows))
+        low = 0 if kind == "mod" else (math.floor(lows[0] / divisor) if kind == "floordiv"
+                                       else int((max if kind == "max" else min)(lows)))
+        symbol = sympy.Symbol(f"_r{len(self.aux)}", integer=True)
+        self.aux.append(_Aux(symbol, e, kind, polys, divisor, low))
+        self.lows = self.lows + (low,)
+        return symbol
+
+    def _poly_in(self, e, gens) -> dict:
+        try:  # rational coefficients (L*(L+1)/2 pairs of a causal mask) stay exact
+            return {k: int(v.p) if v.q == 1 else Fraction(int(v.p), int(v.q))
+                    for k, v in sympy.Poly(e, *gens).as_dict().items()}
+        except (sympy.PolynomialError, TypeError) as exc:
+            raise NotPolynomial(f"size {e} is not a polynomial of {', '.join(self.names)}") from exc
+
     def poly(self, e) -> dict:
         if isinstance(e, int):
-            return {(0,) * len(self.names): e} if e else {}
+            return {(0,) * len(self.gens): e} if e else {}
         p = self.polys.get(e)
         if p is None:
-            try:  # rational coefficients (L*(L+1)/2 pairs of a causal mask) stay exact
-                p = {k: int(v.p) if v.q == 1 else Fraction(int(v.p), int(v.q))
-                     for k, v in sympy.Poly(e, *self.symbols).as_dict().items()}
-            except (sympy.PolynomialError, TypeError) as exc:
-                raise NotPolynomial(f"size {e} is not a polynomial of "
-                                    f"{', '.join(self.names)}") from exc
-            self.polys[e] = p
+            lifted = self._lift(e)
+            self.frozen = True
+            p = self.polys[e] = self._poly_in(lifted, self.gens)
         return p
 
 
@@ -450,19 +571,24 @@ def symbolic_profile(trace: Trace) -> tuple[SymbolicProfile, _Converter]:
     categories = storage_categories(trace)
     main = views[max(views)]
     nbytes = [conv.expr(s.nbytes) for s in trace.storages]
-    pieces = _pieces(trace, nbytes, main, conv, categories, lows)
-    first = pieces if main.step == 1 else _pieces(trace, nbytes, views[1], conv, categories, lows)
-    flops: dict = {"forward": {}, "backward": {}, "optimizer": {}}
+    op_flop_exprs = []
     for i in main.ops:
         r = _sympify_op(conv, trace.ops[i])
         f = op_flops(r)
         if f:
-            _add(flops[r.phase], conv.poly(sympy.expand(f) if isinstance(f, sympy.Expr) else int(f)), 1)
+            op_flop_exprs.append((r.phase, sympy.expand(f) if isinstance(f, sympy.Expr) else int(f)))
+    conv.prepare(nbytes + [f for _, f in op_flop_exprs], lows)
+    lows = conv.lows
+    pieces = _pieces(trace, nbytes, main, conv, categories, lows)
+    first = pieces if main.step == 1 else _pieces(trace, nbytes, views[1], conv, categories, lows)
+    flops: dict = {"forward": {}, "backward": {}, "optimizer": {}}
+    for phase, f in op_flop_exprs:
+        _add(flops[phase], conv.poly(f), 1)
     total: dict = {}
     for v in flops.values():
         _add(total, v, 1)
     flops["total"] = total
     return (SymbolicProfile(conv.names, conv.symbols, dict(trace.hints), ranges, guards,
                             specialized, pieces, first, flops,
-                            [trace.ops[i].name for i in main.ops]),
+                            [trace.ops[i].name for i in main.ops], aux=tuple(conv.aux)),
             conv)

@@ -56,10 +56,14 @@ def apply_policies(model: nn.Module, policies, on_wrap=None) -> nn.Module:
         if p.module in seen:
             raise TapescopeError(f"module {p.module!r} is named twice in the checkpointing plan")
         seen.add(p.module)
-        for q in seen:
-            if q != p.module and (p.module.startswith(q + ".") or q.startswith(p.module + ".")):
-                raise TapescopeError(f"checkpointing {q!r} and {p.module!r}: one contains the "
-                                     "other; name disjoint modules")
+    # one containing another: look up each module's ancestors (linear in the plan, not quadratic)
+    for m in seen:
+        parts = m.split(".")
+        for k in range(1, len(parts)):
+            q = ".".join(parts[:k])
+            if q in seen:
+                raise TapescopeError(f"checkpointing {q!r} and {m!r}: one contains the other; "
+                                     "name disjoint modules")
     # find every module first: a plan that does not fit the model leaves it as it was
     targets = []
     for p in policies:

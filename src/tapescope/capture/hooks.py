@@ -142,8 +142,13 @@ class SavedTensors:
     def unpack(self, held: _Held):
         t = held.value
         if t is None:
-            raise RuntimeError("tapescope: a saved tensor was used after its node ran "
-                               "(backward through the graph a second time?)")
+            # PyTorch's own refusal (torch/csrc/autograd/saved_variable.cpp, ERR_BACKWARD_TWICE)
+            raise user_error(RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved "
+                "tensors after they have already been freed). Saved intermediate values of the "
+                "graph are freed when you call .backward() or autograd.grad(). Specify "
+                "retain_graph=True if you need to backward through the graph a second time or "
+                "if you need to access saved tensors after calling backward."))
         if held.saved_as is not None and t._version != held.saved_as[0]:
             raise user_error(RuntimeError(_modified_message(t, *held.saved_as)))
         self._claim(held)
@@ -179,8 +184,13 @@ class SavedTensors:
     def _unpack_wrapped(self, held: _Held):
         unpack = held.unpack
         if unpack is None:
-            raise RuntimeError("tapescope: a saved tensor was used after its node ran "
-                               "(backward through the graph a second time?)")
+            # PyTorch's own refusal (torch/csrc/autograd/saved_variable.cpp, ERR_BACKWARD_TWICE)
+            raise user_error(RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved "
+                "tensors after they have already been freed). Saved intermediate values of the "
+                "graph are freed when you call .backward() or autograd.grad(). Specify "
+                "retain_graph=True if you need to backward through the graph a second time or "
+                "if you need to access saved tensors after calling backward."))
         self._claim(held)
         self._in_hook += 1
         try:

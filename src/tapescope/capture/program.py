@@ -30,6 +30,7 @@ those ops are OTHER. A compiled module inside the model's forward is in FORWARD 
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 
 from contextlib import contextmanager, nullcontext
@@ -41,7 +42,7 @@ import torch.nn as nn
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ..errors import TapescopeError, passes_user_calls
+from ..errors import TapescopeError, passes_user_calls, user_error
 from .optimizers import make_optimizer
 from .records import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from .step import train_step
@@ -171,7 +172,41 @@ def _call_setup(setup, model):
 
 @passes_user_calls
 def _call_step(fn, model, batch, state) -> None:
-    fn(model, batch, state)
+    try:
+        result = fn(model, batch, state)
+    except SystemExit as e:  # the user's sys.exit: a message at its line, not our process ending
+        raise user_error(RuntimeError(
+            f"the step called sys.exit({e.code!r}); a step must return to be profiled")
+        ).with_traceback(e.__traceback__) from None
+    if inspect.isgenerator(result) or inspect.iscoroutine(result) or inspect.isasyncgen(result):
+        close = getattr(result, "close", None) or getattr(result, "aclose", None)
+        if inspect.isgenerator(result) or inspect.iscoroutine(result):
+            close()  # a coroutine never awaited would warn
+        kind = "a generator" if inspect.isgenerator(result) else "an async"
+        raise TapescopeError(f"the step {_qualname(fn)} is {kind} function: calling it runs none "
+                             "of its body, so there is no step to profile; write it as a plain "
+                             "function (def, without yield or async)")
+
+
+@contextmanager
+def torch_globals_kept():
+    """A user's step may set torch's process-wide settings (default dtype, grad mode, threads,
+    deterministic algorithms, fp32 matmul precision), as a training script may; the step's next
+    call sees them, as in the script, but the caller of a profile gets its own back."""
+    saved = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(),
+             torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.get_float32_matmul_precision())
+    try:
+        yield
+    finally:
+        dtype, grad, threads, deterministic, warn_only, precision = saved
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.set_float32_matmul_precision(precision)
 
 
 def optimizers_in(state) -> list:

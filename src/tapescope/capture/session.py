@@ -45,7 +45,8 @@ from .isolation import Isolation
 from .rng_state import track_rng_states
 from .model import Spec, built_for, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
-from .program import StepRuntime, optimizers_in, state_tensors, step_program, steps_of
+from .program import (StepRuntime, optimizers_in, state_tensors, step_program, steps_of,
+                      torch_globals_kept)
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
                       OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, ZERO_GRAD, GuardRecord,
                       Trace)
@@ -90,6 +91,13 @@ def autocast(device: torch.device, dtype: torch.dtype):
     step opens (checkpoint's recomputation, the model's own). The dispatcher's autocast keys
     work on fake CUDA tensors."""
     return torch.autocast(device.type, dtype=dtype)
+
+
+def _without_wrapper_prefix(fqn: str) -> str:
+    """A parameter's name as the user wrote it: checkpoint_wrapper's inner-module segment removed,
+    as its own state_dict hook does (torch.distributed.algorithms._checkpoint.checkpoint_wrapper,
+    _CHECKPOINT_PREFIX)."""
+    return fqn.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module.", "")
 
 
 @dataclass
@@ -275,6 +283,15 @@ class CaptureSession:
         self.isolation = Isolation(module_tensor, state_tensor)
         with tape.unrecorded_through_front():  # ~100 us an op saved per tensor copied
             self.fmodel = self.isolation.copy_model(self.model)
+        wrapped: list = []  # (wrapper, module, fqn) of a plan applied before the parallelisation
+        if self.prepare is not None and opts.checkpointing:
+            # torchtitan's order: activation checkpointing first (apply_ac), then FSDP / TP
+            # shard the wrapped blocks, as a training script applying both writes it
+            from .checkpointing import apply_policies
+
+            apply_policies(self.fmodel, opts.checkpointing,
+                           on_wrap=lambda w, m, fqn: wrapped.append((w, m, fqn)))
+            self.facts["checkpointing"] = [p.to_dict() for p in opts.checkpointing]
         if self.prepare is not None:
             with tape.phase(0, SETUP), self._capability_answered():
                 self.fmodel = self.prepare(self.fmodel)
@@ -291,12 +308,18 @@ class CaptureSession:
             self.fargs, self.fkwargs = fake_inputs((self.args, self.kwargs), opts.device,
                                                    opts.dtype, sizes)
         self.names = module_names(self.fmodel)
+        if wrapped:  # the plan's wrappers and what they hold keep the user's names
+            self.names = {k: _without_wrapper_prefix(v) for k, v in self.names.items()}
+            for wrapper, module, fqn in wrapped:
+                self.names[id(wrapper)] = self.names[id(module)] = fqn
         self.param_fqn: dict[int, str] = {}
         for fqn, p in self.fmodel.named_parameters(remove_duplicate=False):
+            fqn = _without_wrapper_prefix(fqn) if wrapped else fqn
             self.param_fqn.setdefault(id(p), fqn)
             tape.register(p, fqn, PARAMETER, owner=fqn)
         self.buffer_fqn: dict[int, str] = {}
         for fqn, b in self.fmodel.named_buffers(remove_duplicate=False):
+            fqn = _without_wrapper_prefix(fqn) if wrapped else fqn
             self.buffer_fqn.setdefault(id(b), fqn)
             tape.register(b, fqn, BUFFER, owner=fqn)
         inputs = [x for x in tree_leaves((self.fargs, self.fkwargs)) if isinstance(x, torch.Tensor)]
@@ -307,7 +330,7 @@ class CaptureSession:
         for i, (x, t) in enumerate(zip(given, inputs)):
             if isinstance(x, torch.Tensor) and x.device.type != "meta":
                 self.values.give_input(t, x, f"input{i}")
-        if opts.checkpointing:  # after naming: parameters and modules keep the user's names
+        if opts.checkpointing and not wrapped:  # after naming: the user's names stay
             from .checkpointing import apply_policies
 
             def name_wrapper(wrapper, module, fqn):  # the wrapper runs as the module it wraps
@@ -329,7 +352,8 @@ class CaptureSession:
     @contextmanager
     def _recording(self):
         rec = self.recorder
-        with self.isolation.shadows(), track_modules(rec.modules, self.names), \
+        with torch_globals_kept(), self.isolation.shadows(), \
+                track_modules(rec.modules, self.names), \
                 rec.saved.active(), rec.hooks.recording(), track_rng_states(rec.tape), \
                 _quiet_fake_tensor_log(), library_branches(rec.tape), \
                 sdpa_composite_of_the_gpu(rec.fidelity), rec.function_rules, self._compiling():

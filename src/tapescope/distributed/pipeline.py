@@ -213,7 +213,12 @@ def _meta_of(t: torch.Tensor) -> tuple:
 
 @passes_user_calls
 def _split(split, model, stage, num_stages):
-    module = split(model, stage, num_stages)
+    try:
+        module = split(model, stage, num_stages)
+    except TapescopeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's split: a message at its line
+        raise _user_failure(e, f"the pipeline split, making stage {stage} of {num_stages},")
     if not isinstance(module, nn.Module):
         raise TapescopeError(f"the pipeline split returned {type(module).__name__} for stage "
                              f"{stage}; it must return the stage's nn.Module")
@@ -223,6 +228,8 @@ def _split(split, model, stage, num_stages):
 def _run_stage(module, x, stage):
     try:
         return module(*x)
+    except TapescopeError:
+        raise
     except TypeError as e:
         if "'NoneType' object is not callable" in str(e):
             raise TapescopeError(
@@ -230,7 +237,22 @@ def _run_stage(module, x, stage):
                 f"{type(module).__name__}.forward must skip the modules a stage does not hold "
                 "(as torchtitan's models do), or pass your own split (pipeline={'split': fn}, "
                 "CLI --pp-split file.py:fn)") from e
-        raise
+        raise _user_failure(e, f"stage {stage}'s forward")
+    except Exception as e:  # noqa: BLE001 - the model's own code: a message at its line
+        raise _user_failure(e, f"stage {stage}'s forward")
+
+
+def _user_failure(e: BaseException, who: str) -> TapescopeError:
+    """An exception of the user's code (a split, a stage's forward) as one line: where, and all
+    of its message."""
+    from ..errors import ModelError, raised_by_tapescope, user_frame_of
+
+    if raised_by_tapescope(e):
+        return e  # our bug: keep its traceback
+    line = user_frame_of(e)
+    text = " ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__
+    return ModelError(f"{who} raised {type(e).__name__}" + (f" at {line}" if line else "")
+                      + f": {text}")
 
 
 # ---- the loss ------------------------------------------------------------------------------------
@@ -495,6 +517,13 @@ class PipelinePlan:
     meta_model: Any = None           # what the shapes were found on, for measure_parallelised
     stage_inputs: tuple = ()
 
+    @property
+    def model_parameters(self) -> int:
+        """The whole model's parameters (a rank's profile counts its stages' only)."""
+        m = self.meta_model
+        m = m if isinstance(m, nn.Module) else m()
+        return sum(p.numel() for p in m.parameters())
+
     def measure_parallelised(self, parallelize, device) -> None:
         """Find the stages' shapes again with each stage parallelised over the other mesh
         dimensions (call in a fake world): what the ranks send each other is their local
@@ -686,6 +715,15 @@ def pipeline_plan(workload, options) -> PipelinePlan:
     if microbatches < pp and spec.schedule != "gpipe":
         raise TapescopeError(f"schedule {spec.schedule} needs at least as many micro-batches as "
                              f"pipeline ranks ({pp}); got {microbatches}")
+    if batch is not None and batch % microbatches:
+        sizes = [len(c) for c in torch.tensor_split(torch.empty(batch, 0), microbatches)]
+        raise TapescopeError(
+            f"a batch of {batch} does not split into {microbatches} equal micro-batches "
+            f"(torch.tensor_split makes {sizes}); the stages' shapes are fixed for one "
+            f"micro-batch, so the schedule's backward fails on the last ones ('Failed to run "
+            f"stage backward'). Give a batch that is a multiple of the micro-batches, e.g. "
+            f"--batch {batch // microbatches * microbatches or microbatches}, or "
+            f"--microbatches dividing {batch}")
     split = spec.split or split_blocks
     shapes = stage_boundaries(meta_model, stage_inputs, spec, pp, microbatches, split)
     return PipelinePlan(spec, mesh, microbatches, shapes, split, meta_model, stage_inputs)

@@ -189,6 +189,20 @@ def tp_plan_for(model) -> tuple[str, Callable]:
 
 # ---- the preset -------------------------------------------------------------------------------
 
+def _check_shards(model: nn.Module, fsdp: int) -> None:
+    """FSDP2 splits every parameter along dim 0 into one shard per rank (torch.chunk, padded with
+    empty shards: _fsdp_common._chunk_with_empty). With more ranks than the largest parameter has
+    rows, the ranks past it hold no shard of anything, and making the empty shards (one per rank,
+    per parameter, on every rank) is all the work: --fsdp 100000 gave no answer in 91 s."""
+    rows = max((p.shape[0] for p in model.parameters() if p.dim()), default=0)
+    if fsdp > rows:
+        raise TapescopeError(
+            f"--fsdp {fsdp}: FSDP2 shards each parameter along its first dimension, and the "
+            f"largest parameter of {type(model).__name__} has {rows} rows, so ranks "
+            f"{rows + 1}..{fsdp} would hold no shard of any parameter; use --fsdp {rows} or fewer "
+            "(or --dp-replicate for more data parallelism)")
+
+
 def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> Callable:
     """parallelize(model, mesh) for a Layout: TP plan, then FSDP2 per block and at the root (or
     replicate for data parallelism without sharding)."""
@@ -202,6 +216,7 @@ def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> C
         mp = MixedPrecisionPolicy() if mp_dtype is None else \
             MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
         if layout.fsdp > 1:
+            _check_shards(model, layout.fsdp)
             dp = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
             blocks = transformer_blocks(model)
             for i, block in enumerate(blocks):
@@ -215,6 +230,8 @@ def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> C
             replicate_with_fsdp()(model, mesh=mesh["dp_replicate"], mp_policy=mp)
         return model
 
+    mixed = mp_dtype is not None and (layout.fsdp > 1 or layout.dp_replicate > 1)
+    parallelize.param_dtype = str(mp_dtype).replace("torch.", "") if mixed else None
     parallelize.__name__ = f"the {layout} preset" + (
         f" with FSDP2 mixed precision {str(mp_dtype).replace('torch.', '')}"
         if mp_dtype is not None and (layout.fsdp > 1 or layout.dp_replicate > 1) else "")

@@ -157,6 +157,10 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         facts["rank"] = rank
         facts["parallelize"] = None if options.parallelize is None else \
             getattr(options.parallelize, "__name__", str(options.parallelize))
+        # the preset's FSDP2 MixedPrecisionPolicy stands in for --amp: the header says so
+        facts["fsdp_param_dtype"] = getattr(options.parallelize, "param_dtype", None)
+        if pipelined is not None:  # a rank holds its stages: the header also names the model's
+            facts["model_parameters"] = pipelined.model_parameters
         orders[rank] = seen.get("order")
         return analyse(trace, facts), seen["layouts"], groups
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..analysis.shortfall import Shortfall
-from ..capture.records import OPTIMIZER_STATE, SAVED
+from ..capture.records import GRADIENT, OPTIMIZER_STATE, PARAMETER, SAVED
 from .text import fmt_bytes
 
 __all__ = ["Invocation", "why", "next_steps"]
@@ -42,6 +42,11 @@ class Invocation:
                 continue
             flags.append(f)
         return " ".join(("tapescope", command, self.spec, *flags, *extra))
+
+    def batch(self) -> int | None:
+        """--batch as given, if it was."""
+        flags = list(self.flags)
+        return int(flags[flags.index("--batch") + 1]) if "--batch" in flags else None
 
     def where(self) -> tuple:
         """--gpu G and --budget B as given, to keep the same memory target."""
@@ -94,18 +99,63 @@ def next_steps(s: Shortfall, inv: Invocation, *, checkpointed: bool = False,
             out.append(("this command with --dtype bf16",
                         f"bf16 parameters, gradients and optimizer state: about {fmt_bytes(half)}, "
                         f"{verdict} {what}"))
-        return out
+        return out + _outside_tapescope(s, inv, what)
     saved = s.at_peak.get(SAVED, 0)
     if not checkpointed and saved:
         out.append((inv.cmd("plan", *inv.where()),
                     f"activation checkpointing: what to recompute so that the saved activations "
                     f"({fmt_bytes(saved)} at the peak) shrink enough"))
-    if not inv.amp:
+    if not inv.amp and inv.dtype_fp32:  # autocast on bf16 weights adds fp32 copies, saves nothing
         act = sum(b for _, b in s.activations)
         out.append(("this command with --amp bf16",
                     f"autocast runs matmuls in bf16: their activations take half the bytes "
                     f"({fmt_bytes(act)} of activations and temporaries at the peak now)"))
-    out.append((inv.cmd("fit", *inv.where(), drop=("--batch",)),
-                "the largest batch that fits" + (" (without checkpointing)" if checkpointed
-                                                 else "")))
+    plain = " (without checkpointing)" if checkpointed else ""
+    if inv.batch() == 1:  # no smaller batch: search the sequence length at batch 1 instead
+        out.append((inv.cmd("fit", *inv.where(), drop=("--seq",)),
+                    "the longest sequence that fits at batch 1" + plain))
+    else:
+        out.append((inv.cmd("fit", *inv.where(), drop=("--batch",)),
+                    "the largest batch that fits" + plain))
     return out
+
+
+def _outside_tapescope(s: Shortfall, inv: Invocation, what: str) -> list[tuple[str, str]]:
+    """What a user on one small GPU really changes and tapescope cannot trace yet (the libraries
+    are not among its dependencies), with the bytes it would free, read off this peak's own
+    categories: CPU offload of the optimizer state frees all of it; LoRA leaves the frozen
+    weights without gradients or optimizer state (the adapters' own, typically under 1% of the
+    parameters, are not counted; the optimizer's temporaries shrink too, not counted either) and
+    needs no fp32 copy of them; an 8-bit optimizer keeps one byte per value where a 32-bit
+    Adam keeps four (its per-block scales, 4 B per 256 values in torchao, are added back)."""
+    opt = s.at_peak.get(OPTIMIZER_STATE, 0)
+    grads = s.at_peak.get(GRADIENT, 0)
+    rows = []
+
+    def verdict(freed: int) -> str:
+        left = s.peak - freed
+        return f"the peak becomes about {fmt_bytes(left)}, " + (
+            "within " if left <= s.budget else "still over ") + what
+
+    if opt:
+        rows.append(("CPU offload of the optimizer state (torchao CPUOffloadOptimizer, "
+                     "DeepSpeed ZeRO-Offload; not traced by tapescope)",
+                     f"frees the {fmt_bytes(opt)} of optimizer state at the peak: "
+                     + verdict(opt)))
+    if opt and inv.dtype_fp32 and inv.optimizer in (None, "adam", "adamw"):
+        freed = opt * 3 // 4 - opt // 4 // 256 * 4
+        rows.append(("an 8-bit AdamW (bitsandbytes AdamW8bit, torchao AdamW8bit; not traced by "
+                     "tapescope)", f"1 byte per moment instead of 4 frees about {fmt_bytes(freed)}: "
+                     + verdict(freed)))
+    if opt or grads:
+        params = s.at_peak.get(PARAMETER, 0)
+        state = s.state_bytes - opt - grads
+        text = (f"frozen weights keep no gradients and no optimizer state: at least "
+                f"{fmt_bytes(opt + grads)} freed, the model state becomes about {fmt_bytes(state)}")
+        if inv.dtype_fp32 and params:  # frozen weights need no fp32 master copy
+            half = state - params // 2
+            text += (f", {fmt_bytes(half)} with bf16 frozen weights (--dtype bf16), "
+                     + ("within " if half <= s.budget else "still over ") + what)
+        rows.append(("LoRA adapters on frozen weights (peft; examples/lora.py writes them out and "
+                     "tapescope traces it)", text))
+    return rows

@@ -95,6 +95,8 @@ def _header(p) -> Text:
     precision = p.dtype or "-"
     if f.get("amp"):
         precision += f" + autocast {f['amp']}"
+    if f.get("fsdp_param_dtype"):
+        precision += f" + FSDP2 mixed precision {f['fsdp_param_dtype']}"
     bits = [p.model, p.device + (f" ({p.gpu.name})" if p.gpu is not None else ""), precision,
             " × ".join("x".join(str(s) for s in i["shape"]) for i in p.inputs if isinstance(i, dict)) or "-",
             f"{opt['name']} ({opt['implementation']})" if opt else "no optimizer",
@@ -102,7 +104,9 @@ def _header(p) -> Text:
               if f.get("step") and f["step"]["optimizers"] > 1 else []),
             *([f"your step {f['step']['fn']}"] if (f.get("step") or {}).get("fn") else []),
             *([f"{f['accumulate']} micro-batches per step"] if f.get("accumulate") else []),
-            f"{fmt_count(f.get('parameters', 0))} parameters"]
+            f"{fmt_count(f.get('parameters', 0))} parameters" + (
+                f" on this rank's stages of {fmt_count(f['model_parameters'])}"
+                if f.get("model_parameters") else "")]
     return Text(" · ".join(bits), style="bold")
 
 
@@ -139,8 +143,10 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     if p.ops:
         op = p.ops[mem.peak_op]
         where = f" at {op.source.filename.rsplit('/', 1)[-1]}:{op.source.lineno}" if op.source else ""
+        # an op outside every module (the optimizer's, a compiled graph's) names no module
+        inside = "" if op.module is None else f" in module {_mod(op.module)}"
         console.print(_line(f"  reached at op {op.index} ", (op.name, "bold"),
-                            f" ({op.phase}) in module {_mod(op.module)}{where}"))
+                            f" ({op.phase}){inside}{where}"))
     for line in assumption_lines(p):
         console.print("  " + line, highlight=False, markup=False)
     cats = Table(box=None, show_header=False, pad_edge=False)
@@ -179,7 +185,9 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
 
     shown = [m for m in mem.modules if m.module not in ("",)][:top]
     mods = _table("Top modules by memory", ("module", "peak while running", "saved for backward"),
-                  [(_mod(m.module), fmt_bytes(m.peak_bytes), fmt_bytes(m.saved_bytes))
+                  # a compiled graph's saved tensors belong to no module: not "0 B"
+                  [(_mod(m.module), fmt_bytes(m.peak_bytes),
+                    "-" if p.compiled is not None else fmt_bytes(m.saved_bytes))
                    for m in shown], console.width)
     total = fl["total"] or 1
     own: dict = {}  # pattern -> {instance fqn -> FLOPs of its own ops}
@@ -359,12 +367,16 @@ def render_distributed(p, console: Console, top: int = 8) -> None:
 
 
 def render_layouts(rows, name: str, gpus: int, options, console: Console,
-                   budget: int | None = None, best=None) -> None:
-    """fit --gpus: one row per (FSDP, TP) layout; `best` (layouts.best_layout) named below."""
+                   budget: int | None = None, best=None, invocation=None,
+                   inputs: str = "") -> None:
+    """fit --gpus: one row per (FSDP, TP) layout; `best` (layouts.best_layout) named below; when
+    none fits, why (the lowest peak per rank, or the one failure every layout met) and what next
+    (`invocation`: how the user asked)."""
     piped = any(r.layout.pp > 1 for r in rows)
     console.print(_line((name, "bold"), f" on {gpus} x {options.gpu.name}: "
                         f"({'PP, ' if piped else ''}FSDP, TP) layouts, "
-                        "each data-parallel rank taking the batch given"), highlight=False)
+                        "each data-parallel rank taking the batch given"
+                        + (f" (inputs {inputs})" if inputs else "")), highlight=False)
     if piped:
         console.print("  pipelined layouts: 1F1B over one micro-batch per sample; their step is "
                       "the schedule's, bubble included", highlight=False, markup=False)
@@ -413,6 +425,34 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
                             f" {gpus} x {options.gpu.name}" + (f" within {fmt_bytes(budget)}"
                                                               if budget is not None else "")),
                       highlight=False)
+        _render_no_layout(rows, gpus, options, console, budget, invocation)
+
+
+def _render_no_layout(rows, gpus, options, console, budget, invocation) -> None:
+    ran = [r for r in rows if r.peak_bytes is not None]
+    notes = {r.note for r in rows if r.peak_bytes is None}
+    if not ran:
+        reason = (f"no layout ran; every one failed the same way: {notes.pop()}" if len(notes) == 1
+                  else "no layout ran (the reasons are above)")
+        render_next_steps(console, reason, [])
+        return
+    low = min(ran, key=lambda r: r.peak_bytes)
+    target = (f"the budget of {fmt_bytes(budget)}" if budget is not None
+              else f"the {options.gpu.name}'s memory")
+    reason = (f"the lowest peak per rank, {fmt_bytes(low.peak_bytes)} with {low.layout}, is over "
+              f"{target}")
+    steps = []
+    if invocation is not None:
+        where = invocation.where() or ("--gpu", options.gpu.key)
+        steps.append((invocation.cmd("fit", "--gpus", str(gpus * 2), *where),
+                      f"twice the GPUs: FSDP shards the model state over twice the ranks (the "
+                      f"{fmt_bytes(low.peak_bytes)} per rank includes the unsharded activations, "
+                      f"which do not shrink)"))
+        if low.layout.pp == 1 and low.layout.tp == 1:
+            steps.append((invocation.cmd("profile", "--fsdp", str(gpus), "--gpu", options.gpu.key),
+                          f"the per-rank categories of {low.layout}: which part is over, and the "
+                          f"checkpointing or optimizer changes that act on it"))
+    render_next_steps(console, reason, steps)
 
 
 def render_ops(p, console: Console, phases=("forward", "backward")) -> None:
@@ -473,8 +513,10 @@ def render_diff(a, b, d, console: Console, top: int = 12) -> None:
                       markup=False)
 
 
-def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None:
-    """A fit.FitResult: the formula, its guards, the largest size that fits, and a sweep."""
+def render_fit(r, name: str, options, console: Console, sweep_rows=None,
+               invocation=None) -> None:
+    """A fit.FitResult: the formula, its guards, the largest size that fits, and a sweep; when
+    nothing fits, why (the categories at the smallest size's peak) and the next commands."""
     sp, dim = r.profile.symbolic, r.dim
     shapes = " × ".join("x".join(str(s) for s in i["shape"]) for i in r.profile.inputs
                         if isinstance(i, dict))
@@ -501,6 +543,12 @@ def render_fit(r, name: str, options, console: Console, sweep_rows=None) -> None
     if r.value is None:
         console.print(_line(("nothing fits", "red"), f": {dim} {r.probes[0][0]} already needs "
                             f"{fmt_bytes(r.next_peak)}"))
+        from ..analysis.shortfall import Shortfall
+
+        from .advice import next_steps, why
+
+        s = Shortfall(r.budget, r.profile.at(**{dim: r.probes[0][0]}).at_peak)
+        render_next_steps(console, why(s), next_steps(s, invocation) if invocation else [])
     else:
         console.print(_line((f"largest {dim} that fits: {r.value}", "bold green"),
                             f" — peak {fmt_bytes(r.peak_bytes)}, headroom {fmt_bytes(r.headroom)}"))

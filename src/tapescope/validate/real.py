@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 import gc
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -52,6 +53,10 @@ class RealStep:
     # step -> bytes of program allocations freed by another thread than the step's (program_only):
     # a backend thread dropped the last reference, at a moment that varies from run to run
     late_frees: dict = field(default_factory=dict)
+    base: int = 0                                    # the allocator's total before the run
+    # micro-batches run for real whose events were read and dropped (_Sessions): (step, index in
+    # `ops` where they would stand, how many, each verified to repeat the micro-batch before)
+    repeated: list = field(default_factory=list)
 
     def scratch_at_peak(self, step: int) -> tuple[int, str | None]:
         """Bytes alive at the step's peak that the op running then allocated and frees before
@@ -81,6 +86,39 @@ class RealStep:
     def op_names(self, step: int, phases=("forward", "backward", "optimizer")) -> list[str]:
         """The step's aten ops as tapescope names them without overload: 'aten.mm'."""
         return [n.replace("::", ".") for s, p, n in self.ops if s == step and p in phases]
+
+    def merge(self, later: "RealStep", keep: bool, step: int) -> None:
+        """Add a later profiler session's reading. keep=False: only its peaks, and its ops
+        counted as repeats of the micro-batch before it when they are (else kept in full)."""
+        for s, v in later.peaks.items():
+            self.peaks[s] = max(self.peaks.get(s, v), v)
+        for s, v in later.late_frees.items():
+            self.late_frees[s] = self.late_frees.get(s, 0) + v
+        if not keep:
+            last = self._last_micro_batch(step)
+            n = len(last)
+            if n and len(later.ops) % n == 0 and all(
+                    later.ops[i:i + n] == last for i in range(0, len(later.ops), n)):
+                if self.repeated and self.repeated[-1][1] == len(self.ops):
+                    s_, at, count = self.repeated[-1]
+                    self.repeated[-1] = (s_, at, count + len(later.ops) // n)
+                else:
+                    self.repeated.append((step, len(self.ops), len(later.ops) // n))
+                return
+        shift = len(self.ops)
+        self.ops += later.ops
+        if keep:
+            self.events += [replace(e, top_op=None if e.top_op is None else e.top_op + shift)
+                            for e in later.events]
+
+    def _last_micro_batch(self, step: int) -> list:
+        """The ops of the last micro-batch read so far: from the last forward phase's start."""
+        k = len(self.ops)
+        while k > 0 and self.ops[k - 1][1] != "forward":
+            k -= 1
+        while k > 0 and self.ops[k - 1][1] == "forward" and self.ops[k - 1][0] == step:
+            k -= 1
+        return self.ops[k:]
 
 
 def _build(model, device, dtype):
@@ -122,39 +160,118 @@ def run_real_steps(model, inputs=(), input_kwargs=None, *, loss_fn=None, optimiz
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        prof, graphs = _profiled_steps(program, model, inputs, input_kwargs, device, dtype,
+        real, graphs = _profiled_steps(program, model, inputs, input_kwargs, device, dtype,
                                        forward_context, steps, gen, activities, compile)
     finally:
         if was_enabled:
             gc.enable()
-    real = _read_allocations(prof, device)
     real.compiled_graphs = graphs
     return real
 
 
+class _Sessions:
+    """The profiler over the whole run, in sessions: with gradient accumulation over N > 4
+    micro-batches, the session is read and a new one begun after the third micro-batch, every
+    EVERY micro-batches after it and before the last, so that the events held stay bounded (every
+    micro-batch's events were kept: 0.7 s and 3.5 MB each, and --accumulate 20000 was killed at
+    12.8 GB). Every micro-batch runs for real; the middle ones' sessions keep their peaks (the
+    allocator's total is the same counter across sessions) and their ops only as a count of
+    micro-batches verified to repeat the one before, op for op (`RealStep.repeated`)."""
+
+    EVERY = 8
+
+    def __init__(self, activities, device):
+        self.activities, self.device = activities, device
+        self.result: RealStep | None = None
+        self.prof = None
+        self.step = 0           # the step running now
+        self.began_in = 0       # the step the current session began in
+        self.detailed = True    # the current session's events are kept
+        self.marker = None      # the open "tapescope::step{N}" record_function
+
+    @contextmanager
+    def step_marker(self, step: int):
+        """The step's record_function, closed and opened again around each new session: a
+        record_function must end in the session it began in (its end reaches the profiler's
+        state of that session; one that outlived its session crashed the process)."""
+        self.step = step
+        self._open()
+        try:
+            yield
+        finally:
+            self._close()
+
+    def _open(self) -> None:
+        self.marker = record_function(f"tapescope::step{self.step}")
+        self.marker.__enter__()
+
+    def _close(self) -> None:
+        if self.marker is not None:
+            self.marker.__exit__(None, None, None)
+            self.marker = None
+
+    def start(self) -> None:
+        # record_shapes: the recorded inputs tell an op's overload (and so how it is dispatched)
+        self.prof = profile(activities=self.activities, profile_memory=True, record_shapes=True)
+        self.prof.start()
+        self.began_in = self.step
+
+    def read(self) -> None:
+        self.prof.stop()
+        base = None if self.result is None else self.result.base
+        got = _read_allocations(self.prof, self.device, step=self.began_in, base=base)
+        # the profile object sits in reference cycles, and the garbage collector is off during
+        # the run (run_real_steps): let go of its results by hand, or every session's events
+        # stay (7 MB a micro-batch on a tiny GPT-2)
+        inner = getattr(self.prof, "profiler", None)
+        if inner is not None and hasattr(inner, "kineto_results"):
+            inner.kineto_results = None
+        self.prof.profiler = None
+        self.prof = None
+        if self.result is None:
+            self.result = got
+        else:
+            self.result.merge(got, self.detailed, self.began_in)
+
+    def micro_batch_done(self, i: int, n: int) -> bool:
+        if n > 4 and (i == 3 or i == n - 1 or (i > 3 and (i - 3) % self.EVERY == 0)):
+            self._close()
+            self.read()
+            self.detailed = i == n - 1  # the last micro-batch, the optimizer: read in full
+            self.start()
+            self._open()
+        return False  # a real run never stops early
+
+
 def _profiled_steps(program, model, inputs, input_kwargs, device, dtype, forward_context, steps,
                     gen, activities, compile):
-    # record_shapes: the recorded inputs tell an op's overload (and so how it is dispatched)
     graphs: list = []
-    with quiet_native_logs(), \
-            profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
-        with record_function("tapescope::step0"):
-            m = _build(model, device, dtype)
-            args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype, gen)
-            state = program.setup(m, list(m.parameters()), device)
-            m, state = _compiled(m, state, compile, graphs)
+    sessions = _Sessions(activities, device)
+    with quiet_native_logs():
+        sessions.start()
+        try:
+            with record_function("tapescope::step0"):
+                m = _build(model, device, dtype)
+                args, kwargs = real_inputs((tuple(inputs), input_kwargs or {}), device, dtype,
+                                           gen)
+                state = program.setup(m, list(m.parameters()), device)
+                m, state = _compiled(m, state, compile, graphs)
 
-        def phase(step, name):
-            return record_function(f"tapescope::phase::{name}")
+            def phase(step, name):
+                return record_function(f"tapescope::phase::{name}")
 
-        runtime = StepRuntime(phase=phase, **(
-            {"forward_context": forward_context} if forward_context else {}))
-        with _compile_config(compile), steps_of(program, runtime):
-            for s in range(1, steps + 1):
-                with record_function(f"tapescope::step{s}"):
-                    # zero_grad included: the phase "zero_grad", where the loss dies
-                    program.run(m, args, kwargs, state, s, runtime)
-    return prof, graphs
+            runtime = StepRuntime(phase=phase, micro_batch_done=sessions.micro_batch_done, **(
+                {"forward_context": forward_context} if forward_context else {}))
+            with _compile_config(compile), steps_of(program, runtime):
+                for s in range(1, steps + 1):
+                    with sessions.step_marker(s):
+                        # zero_grad included: the phase "zero_grad", where the loss dies
+                        program.run(m, args, kwargs, state, s, runtime)
+        except BaseException:
+            sessions.prof.stop()
+            raise
+        sessions.read()
+    return sessions.result, graphs
 
 
 def _compiled(model, opt, options, graphs: list):
@@ -251,7 +368,8 @@ def _overload_name(name: str, inputs=()) -> str:
     return getattr(packet, "default" if "default" in names else names[0]).name()
 
 
-def _read_allocations(prof, device: torch.device, program_only: bool = False) -> RealStep:
+def _read_allocations(prof, device: torch.device, program_only: bool = False, step: int = 0,
+                      base: int | None = None) -> RealStep:
     """The allocator's events in time order, live bytes and each step's peak.
 
     program_only: count only the program's tensors: allocations made by the thread that runs the
@@ -261,6 +379,9 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False) ->
     sometimes where the profiler does not see it; the allocator's total includes them at moments
     that vary from run to run. A GPU backend (NCCL) allocates no tensors. Live bytes are then the
     running sum of the program's allocations and their frees, matched by address.
+
+    step, base: for a profiler session begun inside a step (_Sessions): the step it began in
+    (its marker opened before the session) and the allocator's total before the first session.
     """
     from ..torch_compat import profiler_event_tree, profiler_event_types
 
@@ -299,19 +420,21 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False) ->
             walk(c, step, phase, inside_op)
 
     for root in profiler_event_tree(prof):
-        walk(root, 0, None, False)
+        walk(root, step, None, False)
     raw.sort(key=lambda r: r[0])
     if program_only:
         raw = _program_allocations(raw, step_threads, collective_ptrs)
     if not raw:
+        out.base = base or 0
+        walk = None  # noqa: F841 - the cycle through it, as below
         return out
-    base = raw[0][2] - raw[0][1]
+    out.base = base = raw[0][2] - raw[0][1] if base is None else base
     level = {}
     running = 0
-    step = phase = None
+    first_step, phase = step, None
     for _, size, total, e, top, ptr in raw:
         if e is not None:
-            step, phase, op = _context(e)
+            step, phase, op = _context(e, first_step)
         if total is None:  # a free a backend thread made, at the step the program was in
             op = None
             out.late_frees[step] = out.late_frees.get(step, 0) - size
@@ -323,6 +446,11 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False) ->
     # a step's peak is at least what was alive when it began
     for step, start in level.items():
         out.peaks[step] = max(out.peaks[step], start)
+    # the profiler's events die now, while their session is alive: `walk` refers to itself (a
+    # cycle that would keep `raw` for the garbage collector, which may run after the session is
+    # gone, and an event outliving its session crashes the process)
+    raw.clear()
+    walk = None  # noqa: F841
     return out
 
 
@@ -376,8 +504,8 @@ def _inside_collective(e) -> bool:
     return False
 
 
-def _context(e):
-    step, phase, op = 0, None, None
+def _context(e, step: int = 0):
+    phase, op = None, None
     p = e.parent
     while p is not None:
         name = p.name

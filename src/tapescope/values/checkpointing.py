@@ -40,18 +40,28 @@ class UnitPolicy:
     @classmethod
     def of(cls, x) -> "UnitPolicy":
         """A UnitPolicy from itself, an fqn (full), an (fqn, mode[, save_ops]) tuple or a dict."""
+        bad = TapescopeError(f"cannot read a checkpointing policy from {_short(x)}: give a "
+                             "module name, (name, 'full' | 'selective'[, ops]), "
+                             "{'module': name, 'mode': ..., 'save_ops': [...]} or a UnitPolicy")
         if isinstance(x, UnitPolicy):
             p = x
         elif isinstance(x, str):
             p = cls(x)
         elif isinstance(x, dict):
-            p = cls(x["module"], x.get("mode", FULL), tuple(x.get("save_ops", ())))
+            if "module" not in x or set(x) - {"module", "mode", "save_ops"}:
+                raise bad
+            p = cls(x["module"], x.get("mode", FULL), x.get("save_ops", ()))
         elif isinstance(x, (tuple, list)) and 1 <= len(x) <= 3:
             mode = x[1] if len(x) > 1 else FULL
-            p = cls(x[0], mode, tuple(x[2]) if len(x) > 2 else ())
+            p = cls(x[0], mode, x[2] if len(x) > 2 else ())
         else:
-            raise TapescopeError(f"cannot read a checkpointing policy from {x!r}: give a module "
-                                 "name, (name, 'full' | 'selective') or a UnitPolicy")
+            raise bad
+        # the plan may come from a file: every field of the type it must have
+        if not isinstance(p.module, str) or not isinstance(p.mode, str) or \
+                not isinstance(p.save_ops, (tuple, list)) or \
+                not all(isinstance(o, str) for o in p.save_ops):
+            raise bad
+        p = cls(p.module, p.mode, tuple(p.save_ops))
         if p.mode not in MODES:
             raise TapescopeError(f"checkpointing mode must be one of {MODES}, got {p.mode!r} "
                                  f"for module {p.module!r}")
@@ -60,6 +70,12 @@ class UnitPolicy:
         for name in p.save_ops:
             resolve_op(name)
         return p
+
+
+def _short(x) -> str:
+    import reprlib
+
+    return reprlib.repr(x)  # bounded in depth and length: the plan may be any JSON
 
 
 def resolve_op(name: str):

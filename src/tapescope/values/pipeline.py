@@ -99,6 +99,9 @@ def pipeline_spec(value) -> PipelineSpec | None:
                              f"{type(value).__name__}")
     if spec is None:
         return None
+    if not isinstance(spec.schedule, str):
+        raise TapescopeError(f"pipeline schedule must be a schedule's name ({', '.join(SCHEDULES)}),"
+                             f" got {spec.schedule!r}")
     name = spec.schedule.lower().replace("_", "-")
     if name.startswith("schedule"):  # torch's class names: Schedule1F1B, ScheduleZBVZeroBubble
         name = name[len("schedule"):]

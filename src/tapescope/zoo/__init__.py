@@ -89,10 +89,20 @@ def _with_options(config, options: dict, what: str):
 
 # ---- zoo ----------------------------------------------------------------------------------------
 
+def _check_seq(name: str, options: dict, seq, key: str, limit: int) -> None:
+    """The model refuses a longer sequence in its forward, the same for every size and layout:
+    refuse it here, once, with the override that accepts it."""
+    if seq is not None and seq > limit:
+        spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in {**options, key: seq}.items())
+        raise SpecError(f"--seq {seq} exceeds {name}'s {key} {limit} (its forward refuses longer "
+                        f"sequences); to train at {seq}, ask for the model with that limit: {spec}")
+
+
 def _gpt2(name, options, batch, seq):
     from .gpt2 import GPT2, GPT2Config
 
     c = _with_options(GPT2Config(), options, name)
+    _check_seq(name, options, seq, "block_size", c.block_size)
     seq = seq or c.block_size
     tokens = make_spec((batch or 8, seq), dtype=torch.int64, high=c.vocab_size, dims=("batch", "seq"))
     return ModelSpec(name, lambda: GPT2(c), (tokens, tokens))
@@ -103,6 +113,7 @@ def _llama(name, options, batch, seq):
 
     base = PRESETS[name.split(":", 1)[1]]
     c = _with_options(base, options, name)
+    _check_seq(name, options, seq, "max_seq_len", c.max_seq_len)
     seq = seq or min(c.max_seq_len, 2048)
     tokens = make_spec((batch or 4, seq), dtype=torch.int64, high=c.vocab_size, dims=("batch", "seq"))
     return ModelSpec(name, lambda: Llama(c), (tokens, tokens))

@@ -1,0 +1,45 @@
+"""A checkpointing plan under FSDP2 (`profile --fsdp 2 --checkpoint plan.json`, refused before):
+tapescope checkpoints the named blocks, then the parallelisation shards them, torchtitan's order.
+Truth: the same step run for real in one gloo process per rank, its parallelize function
+wrapping the blocks in checkpoint_wrapper before fully_shard."""
+
+import pytest
+
+import tapescope
+from tapescope.validate.distributed import RealJob, run_real_jobs
+
+from . import distributed_models as dm
+
+SCALAR_TEMPS = 16  # the CPU kernels' Python-scalar temporaries (README, Accuracy)
+
+
+@pytest.fixture(scope="module")
+def real():
+    jobs = [RealJob(dm.build, (dm.INPUT,), {"dp": 2}, par, steps=3)
+            for par in (dm.ac_fsdp, dm.ac_fsdp, dm.fsdp)]
+    return run_real_jobs(jobs)
+
+
+def test_a_checkpointing_plan_under_fsdp_matches_the_real_processes(real):
+    p = tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=dm.fsdp,
+                          checkpointing=["blocks.0", "blocks.1"])
+    ops = p.distributed.profiles[p.ranks[0].traced_as].ops
+    assert any(op.recompute for op in ops)
+    assert {op.module for op in ops if op.recompute} <= {
+        "blocks.0", "blocks.0.up", "blocks.0.down", "blocks.1", "blocks.1.up", "blocks.1.down"}
+    for rank in p.ranks:
+        for step, pred in ((1, rank.first_step_peak_bytes), (2, rank.peak_bytes)):
+            seen = [(run[rank.rank].peaks[s], run[rank.rank].late_frees.get(s, 0))
+                    for run in real[:2] for s in ([1] if step == 1 else [2, 3])]
+            assert all(peak >= pred - SCALAR_TEMPS for peak, _ in seen), (pred, seen)
+            assert any(peak <= pred + late + SCALAR_TEMPS for peak, late in seen), (pred, seen)
+    # checkpointing lowers each real rank's steady peak against the plain FSDP run
+    assert all(c.peaks[2] < f.peaks[2] for c, f in zip(real[0], real[2]))
+
+
+def test_a_plan_with_a_pipeline_is_refused_with_what_to_do():
+    from tapescope.errors import TapescopeError
+
+    with pytest.raises(TapescopeError, match="pipelined profile with a checkpointing plan"):
+        tapescope.profile(dm.pipeline_llama, *dm.PIPELINE_INPUTS, mesh={"pp": 2},
+                          checkpointing=["layers.0"])
