@@ -642,7 +642,15 @@ def test_a_size_cut_at_a_bound_follows_the_mask_advice():
     assert [s.value for s in p.data_sizes.sizes] == [T // 2]
 
 
-def test_a_size_cut_at_a_bound_with_named_dimensions_is_a_message():
+def test_a_size_cut_at_a_bound_with_named_dimensions_is_a_formula():
+    """Min(10, n) with n a data size is one more variable of the formulas (analysis/symbolic.py's
+    rounding variables): exact on both sides of the bound, as concrete traces at each size."""
     x = tapescope.spec((T, D), dims=("batch", None))
-    with pytest.raises(TapescopeError, match="not a formula of the named dimensions.*Fix:"):
-        tapescope.profile(_FirstKept, x, sizes={"mask": 0.5}, symbolic=("batch",))
+    sp = tapescope.profile(_FirstKept, x, sizes={"mask": 0.5}, symbolic=("batch",)).symbolic
+    kept = [n for n in sp.names if n != "batch"]
+    assert len(kept) == 1
+    for batch in (4, 16, 40, 64):   # n = batch / 2: under 10, then over it
+        concrete = tapescope.profile(_FirstKept, tapescope.spec((batch, D)), sizes={"mask": 0.5})
+        at = sp.at(batch=batch, **{kept[0]: batch // 2})
+        assert (at.peak_bytes, at.first_step_peak_bytes) == \
+            (concrete.peak_bytes, concrete.first_step_peak_bytes), batch
