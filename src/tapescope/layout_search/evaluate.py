@@ -115,24 +115,31 @@ def _block_fqns(module) -> list[str]:
 
 
 def _parallelize(candidate: Candidate, mp_dtype):
-    """parallelize(model, mesh): the checkpointing mode on every block of what this rank holds
-    (torchtitan applies activation checkpointing before FSDP, in its parallelize), then the
-    layout's preset. tapescope's checkpointing option does not combine with a mesh: a
-    distributed step's checkpointing is the parallelize function's business, as in torchtitan."""
+    """parallelize(model, mesh) in torchtitan's order (models/llama3/parallelize.py): tensor
+    parallelism, then the checkpointing mode on every block of what this rank holds, then FSDP
+    (checkpointing first would hide the blocks' submodules from the TP plan's paths).
+    tapescope's checkpointing option does not combine with a mesh: a distributed step
+    checkpoints in its parallelize, as torchtitan's does."""
+    from dataclasses import replace
+
     from ..checkpointing.policy import UnitPolicy, apply_policies
-    from ..distributed.presets import preset_parallelize
+    from ..distributed.presets import preset_parallelize, tp_plan_for
 
     mode = CHECKPOINTING[candidate.checkpointing]
-    preset = preset_parallelize(candidate.layout, mp_dtype) \
-        if candidate.layout.parallelised else None
+    layout = candidate.layout
+    data = replace(layout, tp=1, pp=1)  # the preset's FSDP / replicate part alone
+    preset = preset_parallelize(data, mp_dtype) if data.parallelised else None
 
     def parallelize(model, mesh):
+        if layout.tp > 1:
+            _, plan = tp_plan_for(model)
+            plan(model, mesh["tp"])
         if mode is not None:
             how, save = mode
             apply_policies(model, [UnitPolicy(f, how, save) for f in _block_fqns(model)])
         return preset(model, mesh) if preset is not None else model
 
-    parallelize.__name__ = f"{candidate.label()}"
+    parallelize.__name__ = candidate.label()
     return parallelize
 
 
