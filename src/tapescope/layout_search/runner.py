@@ -6,9 +6,20 @@ Two rules prune, each a consequence of traces already made, never a formula stan
 - memory grows with the micro-batch within a chain (one layout, checkpointing mode, schedule):
   once a micro-batch runs out of memory on some rank, every larger one of the chain is out, and a
   chain whose smallest micro-batch does not fit is out whole;
+- memory grows with the micro-batches accumulated: a step of `steps` micro-batches runs the
+  one-micro-batch step's forward and backward first, then more of them into gradients that are
+  already there, then the same optimizer step. A candidate that accumulates is first screened
+  with its one-micro-batch step (a fraction of its trace); when that runs out of memory the
+  candidate does too, and the screen's rank, op and category are its reason;
+- memory grows as sharding shrinks: HSDP holds more of the parameters, gradients and optimizer
+  state on each rank than FSDP over all its data-parallel ranks, and the same activations. An
+  HSDP candidate waits for its FSDP twin and is out when that one is out of memory;
 - at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
   forward ops: when a mode with less recompute fits there, the heavier one is not traced (it is
   listed as dominated, naming the candidate that fits).
+
+The brute-force search checks each rule: every candidate the rules rule out runs out of memory
+(or is slower than the candidate that dominates it) when traced (tests/test_search.py).
 
 `brute_force=True` traces every candidate instead (benchmarks/search_speed.py compares the two).
 
@@ -23,7 +34,7 @@ import json
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import TapescopeError
 from .evaluate import ERROR, FITS, OOM, Outcome, Source, evaluate
@@ -160,6 +171,8 @@ class _Grid:
         self.outcome: dict = {}     # Candidate -> Outcome
         self.pruned: dict = {}      # Candidate -> reason
         self.started: set = set()
+        self.screens: dict = {}     # one-micro-batch step -> its Outcome (never listed)
+        self.all = {c for ch in grid.chains.values() for c in ch}
 
     def _ooms(self, c: Candidate | None) -> bool:
         """Known not to fit (traced out of memory, or ruled out by a smaller micro-batch)."""
@@ -207,8 +220,29 @@ class _Grid:
                         continue  # wait: a lighter mode may fit at this size
                     if i and not (chain[i - 1] in self.outcome or chain[i - 1] in self.pruned):
                         continue  # wait: the smaller micro-batch may run out
+                    if c.layout.dp_replicate > 1:
+                        twin = replace(c, layout=replace(c.layout, dp_replicate=1, fsdp=c.layout
+                                                         .fsdp * c.layout.dp_replicate))
+                        if twin in self.all:
+                            if self._ooms(twin):
+                                self.pruned[c] = (f"out of memory: {twin.label()} already runs "
+                                                  "out, and HSDP shards less")
+                                continue
+                            if twin not in self.outcome and twin not in self.pruned:
+                                continue  # wait for the FSDP twin
+                    if c.layout.pp == 1 and c.steps > 1:
+                        screen = replace(c, steps=1)
+                        o = self.screens.get(screen)
+                        if o is None:
+                            if screen not in self.started:
+                                ready.append(screen)
+                            continue
+                        if o.status == OOM:
+                            self.pruned[c] = ("out of memory already in its one-micro-batch "
+                                              f"step: {o.reason}")
+                            continue
                     ready.append(c)
-        return ready
+        return list(dict.fromkeys(ready))
 
     def left(self) -> int:
         return sum(1 for ch in self.chains.values() for c in ch
@@ -235,8 +269,11 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
 
     def record(o: Outcome):
         nonlocal best
-        grid.outcome[o.candidate] = o
         store.put(o)
+        if o.candidate not in grid.all:  # a screen: its own step, not a candidate
+            grid.screens[o.candidate] = o
+            return
+        grid.outcome[o.candidate] = o
         if o.fits and o.tokens_per_second and (best is None or
                                                o.tokens_per_second > best.tokens_per_second):
             best = o
@@ -249,7 +286,7 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
                 hit = store.get(c)
                 if hit is not None:
                     record(hit)
-            ready = [c for c in ready if c not in grid.outcome]
+            ready = [c for c in ready if c not in grid.outcome and c not in grid.screens]
             if not ready and not running:
                 if grid.update(brute_force):
                     continue
@@ -271,6 +308,9 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     finally:
         pool.close()
     evaluated = [grid.outcome[c] for ch in grid.chains.values() for c in ch if c in grid.outcome]
+    reasons = {o.reason for o in evaluated}
+    if evaluated and all(o.status == ERROR for o in evaluated) and len(reasons) == 1:
+        raise TapescopeError(f"every candidate failed the same way: {reasons.pop()}")
     pruned = [(c, grid.pruned[c]) for ch in grid.chains.values() for c in ch if c in grid.pruned]
     return SearchResult(source, space, evaluated, pruned, list(grid.skipped),
                         time.perf_counter() - start, pool.name)
