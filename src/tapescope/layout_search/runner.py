@@ -51,6 +51,7 @@ class Progress:
     running: int
     best: Outcome | None
     last: Outcome | None      # the outcome just in (None: a start or prune notice)
+    screen: bool = False      # `last` is a one-micro-batch screen, not a listed candidate
 
 
 @dataclass
@@ -242,7 +243,12 @@ class _Grid:
                                               f"step: {o.reason}")
                             continue
                     ready.append(c)
-        return list(dict.fromkeys(ready))
+        # the layouts that split the model most first (the likeliest to fit, so that a best
+        # is known early), cheap screens and small micro-batches before the rest
+        return sorted(dict.fromkeys(ready), key=lambda c: (
+            -c.layout.tp * c.layout.pp, c.layout.dp_replicate, c.layout.pp,
+            RECOMPUTE_ORDER.index(c.checkpointing), c in self.all,
+            c.micro_batch))
 
     def left(self) -> int:
         return sum(1 for ch in self.chains.values() for c in ch
@@ -262,16 +268,17 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     running: dict = {}   # Future -> Candidate
     best: Outcome | None = None
 
-    def tell(last):
+    def tell(last, screen=False):
         if progress is not None:
             progress(Progress(len(grid.outcome), len(grid.pruned), grid.left() - len(running),
-                              len(running), best, last))
+                              len(running), best, last, screen))
 
     def record(o: Outcome):
         nonlocal best
         store.put(o)
         if o.candidate not in grid.all:  # a screen: its own step, not a candidate
             grid.screens[o.candidate] = o
+            tell(o, screen=True)
             return
         grid.outcome[o.candidate] = o
         if o.fits and o.tokens_per_second and (best is None or

@@ -75,7 +75,10 @@ def progress_line(p) -> str:
     if o is not None:
         what = f"{o.tokens_per_second:,.0f} tokens/s" if o.fits and o.tokens_per_second \
             else o.status
-        parts.append(f"{o.candidate.label()}: {what} ({o.trace_seconds:.1f} s"
+        name = o.candidate.label()
+        if p.screen:
+            name = f"screen {name} (its one-micro-batch step)"
+        parts.append(f"{name}: {what} ({o.trace_seconds:.1f} s"
                      + (", cached" if o.cached else "") + ")")
     if p.best is not None:
         parts.append(f"best {p.best.candidate.label()} ({p.best.tokens_per_second:,.0f} tokens/s)")
