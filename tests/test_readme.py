@@ -16,7 +16,9 @@ does not change what is shown:
 - the pipeline example traces 4 ranks of the default Llama: a 4-layer Llama of width 64, README's
   pipeline flags kept;
 - fit --gpus profiles each (FSDP, TP) layout: a 2-layer Llama on 8 GPUs instead of Llama-70B on
-  64 (the 70B run takes minutes; its layouts table is the same command's output).
+  64 (the 70B run takes minutes; its layouts table is the same command's output);
+- search traces every candidate: README's Llama narrowed to width 64 and a 128-token
+  vocabulary, in this process (--workers 1; Ray with its 2 workers).
 Every other command runs exactly as README writes it.
 """
 
@@ -99,6 +101,17 @@ COMMANDS = {
     "tapescope fit zoo:llama-70b --gpus 64 --gpu h100 --amp bf16": (
         f"tapescope fit {TINY_LLAMA} --gpus 8 --gpu h100 --amp bf16",
         ["on 8 x NVIDIA H100", "FSDP 8", "FSDP 4 x TP 2", "global batch", "Best layout: "], []),
+    "tapescope search zoo:llama:n_layers=2 --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
+    "--pp 1,2 --checkpointing none,full": (
+        f"tapescope search {TINY_LLAMA} --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
+        "--pp 1,2 --checkpointing none,full --workers 1",
+        ["on 4 x h100-sxm", "Fits on every rank, fastest first", "Best: ", "torchtitan:",
+         "[parallelism]", "torchrun"], []),
+    "tapescope search zoo:llama:n_layers=2 --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
+    "--pp 1,2 --checkpointing none,full --ray local": (
+        f"tapescope search {TINY_LLAMA} --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
+        "--pp 1,2 --checkpointing none,full --ray local --workers 2",
+        ["on 4 x h100-sxm", "Ray at local", "Best: "], []),
 }
 
 
