@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from ..errors import TapescopeError
 from .space import CHECKPOINTING, Candidate
 
@@ -189,7 +191,7 @@ def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcom
     try:
         workload, options = candidate_options(source, candidate)
         p = profile_workload(workload, options)
-        out = _outcome(p, candidate, global_tokens)
+        out = _outcome(p, candidate, global_tokens, source.amp or source.dtype)
     except TapescopeError as e:
         out = Outcome(candidate, ERROR, reason=str(e).split("\n")[0])
     return Outcome(**{**{f: getattr(out, f) for f in out.__dataclass_fields__},
@@ -204,7 +206,7 @@ def _rank_memory(q, ranks: tuple) -> RankMemory:
                       cm.oom_at if cm.oom else None, top)
 
 
-def _outcome(p, candidate: Candidate, global_tokens: int) -> Outcome:
+def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outcome:
     dist = p.distributed
     if dist is None:
         ranks = (_rank_memory(p, (0,)),)
@@ -228,10 +230,7 @@ def _outcome(p, candidate: Candidate, global_tokens: int) -> Outcome:
         bubble = max(pipelined.time.bubble.values(), default=0.0)
     elif timed:
         seconds = max(rt.seconds for _, rt in timed)
-    # the job's MFU: each rank's FLOPs (its step's mfu x its own time) over the job's step
-    world = sum(n for n, _ in timed)
-    mfu = sum(n * rt.mfu * rt.seconds for n, rt in timed) / seconds / world \
-        if seconds and world else None
+    mfu = _mfu(p, ranks, seconds, compute_dtype)
     band = getattr(t, "band", None) if t is not None else None
     if band is not None and seconds and t.seconds:
         band = tuple(b * seconds / t.seconds for b in band)  # the same share of the step
@@ -239,6 +238,22 @@ def _outcome(p, candidate: Candidate, global_tokens: int) -> Outcome:
                    global_tokens / seconds if seconds else None, mfu,
                    max((rt.exposed_comm for _, rt in timed), default=None), bubble,
                    "" if seconds else "no step time for this step (its time model is missing)")
+
+
+def _mfu(p, ranks, seconds, compute_dtype) -> float | None:
+    """The job's model FLOPs utilisation: every rank's FLOPs less what checkpointing
+    recomputes, over the job's step at the dense peak of the dtype the matmuls run in (the
+    mixed-precision dtype, else the parameters'), the same peak for every candidate."""
+    from ..analysis.kernel_cost import TENSOR_CORE
+    from ..options import resolve_dtype
+
+    dtype = resolve_dtype(compute_dtype) if compute_dtype else None
+    peak = p.gpu.peak(TENSOR_CORE.get(dtype or torch.float32, "fp32")) if p.gpu else None
+    if not seconds or not peak:
+        return None
+    work = sum(len(r.ranks) * (q.flops["total"] - q.recompute_flops)
+               for r, q in zip(ranks, _traced(p)))
+    return work / sum(len(r.ranks) for r in ranks) / seconds / peak
 
 
 def _traced(p) -> list:
