@@ -752,7 +752,7 @@ def search_cmd(
 
     with _user_errors():
         _check_outputs(json=json_file)
-        from .layout_search import result_dict, search
+        from .layout_search import result_dict, search, winner_commands
         from .report.search import progress_line, render_search
 
         modes = tuple(m.strip() for m in checkpointing.split(",") if m.strip())
@@ -768,7 +768,7 @@ def search_cmd(
                    compile=(False, True) if compile else (False,), max_steps=max_steps,
                    workers=workers if workers is not None else (os.cpu_count() or 1),
                    ray=ray, cache=cache, brute_force=brute_force, progress=show)
-        render_search(r, out, top=top)
+        render_search(r, out, top=top, commands=winner_commands(r))
         _write_json(json_file, result_dict(r))
     if r.winner is None:
         raise typer.Exit(1)

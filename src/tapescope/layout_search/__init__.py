@@ -16,7 +16,7 @@ from .space import CHECKPOINTING, Candidate, SearchSpace, candidate_grid, layout
 
 __all__ = ["search", "profile_candidate", "SearchResult", "SearchSpace", "Candidate", "Outcome",
            "RankMemory", "Source", "Progress", "CHECKPOINTING", "candidate_grid", "layouts_of",
-           "result_dict"]
+           "result_dict", "winner_commands"]
 
 
 def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: int | None = None,
@@ -81,19 +81,28 @@ def profile_candidate(source: Source, candidate: Candidate):
     return profile_workload(workload, options)
 
 
+def winner_commands(r: SearchResult) -> dict | None:
+    """The winner as commands: tapescope's profile line, a torchtitan TOML and its launch line."""
+    from .config import tapescope_command, torchtitan_command, torchtitan_toml
+
+    w = r.winner
+    if w is None:
+        return None
+    return {"tapescope": tapescope_command(r.source, w.candidate),
+            "torchtitan_toml": torchtitan_toml(r.source, w.candidate, r.space.global_batch),
+            "torchtitan_command": torchtitan_command(r.source, w.candidate, r.space.global_batch,
+                                                     r.space.gpus_per_node)}
+
+
 def result_dict(r: SearchResult) -> dict:
     """Everything the search found, as JSON data."""
-    from .config import tapescope_command, torchtitan_command, torchtitan_toml
     from ..report.json import to_jsonable
 
     w = r.winner
     winner = None
     if w is not None:
         winner = {"label": w.candidate.label(), "candidate": w.candidate.to_dict(),
-                  "tapescope": tapescope_command(r.source, w.candidate),
-                  "torchtitan_toml": torchtitan_toml(r.source, w.candidate, r.space.global_batch),
-                  "torchtitan_command": torchtitan_command(
-                      r.source, w.candidate, r.space.global_batch, r.space.gpus_per_node)}
+                  **winner_commands(r)}
     return to_jsonable({
         "model": r.source.spec, "gpus": r.space.gpus, "gpu": r.source.gpu,
         "global_batch": r.space.global_batch, "seq": r.source.seq, "amp": r.source.amp,

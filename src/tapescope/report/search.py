@@ -21,9 +21,9 @@ def _rate(o) -> str:
     return text
 
 
-def render_search(r, console: Console, top: int = 10) -> None:
-    from ..layout_search.config import tapescope_command, torchtitan_command, torchtitan_toml
-
+def render_search(r, console: Console, top: int = 10, commands: dict | None = None) -> None:
+    """`r` a layout_search.SearchResult; `commands` the winner's (layout_search.winner_commands):
+    tapescope, torchtitan_toml, torchtitan_command."""
     s = r.space
     console.print(Text.assemble((r.source.spec, "bold"),
                                 f" on {s.gpus} x {r.source.gpu}, global batch {s.global_batch}"
@@ -61,11 +61,11 @@ def render_search(r, console: Console, top: int = 10) -> None:
         return
     console.print(Text.assemble(("Best: ", "bold"), w.candidate.label(),
                                 f", {w.tokens_per_second:,.0f} tokens/s"))
-    console.print(Text("  " + tapescope_command(r.source, w.candidate)))
-    console.print("torchtitan:", highlight=False, markup=False)
-    console.print(Text(torchtitan_toml(r.source, w.candidate, s.global_batch).rstrip()))
-    console.print(Text(torchtitan_command(r.source, w.candidate, s.global_batch,
-                                          s.gpus_per_node)))
+    if commands:
+        console.print(Text("  " + commands["tapescope"]))
+        console.print("torchtitan:", highlight=False, markup=False)
+        console.print(Text(commands["torchtitan_toml"].rstrip()))
+        console.print(Text(commands["torchtitan_command"]))
 
 
 def progress_line(p) -> str:
