@@ -109,6 +109,8 @@ def result_dict(r: SearchResult) -> dict:
         "workers": r.workers, "seconds": r.seconds,
         "ranked": [o.to_dict() for o in r.ranked],
         "rejected": [o.to_dict() for o in r.rejected],
+        "fits_untimed": [o.to_dict() for o in r.outcomes
+                         if o.fits and not o.tokens_per_second],
         "pruned": [{"label": c.label(), "candidate": c.to_dict(), "reason": why}
                    for c, why in r.pruned],
         "skipped": [{"label": c.label(), "candidate": c.to_dict(), "reason": why}
