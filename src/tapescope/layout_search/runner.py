@@ -14,6 +14,9 @@ Two rules prune, each a consequence of traces already made, never a formula stan
 - memory grows as sharding shrinks: HSDP holds more of the parameters, gradients and optimizer
   state on each rank than FSDP over all its data-parallel ranks, and the same activations. An
   HSDP candidate waits for its FSDP twin and is out when that one is out of memory;
+- checkpointing saves memory: each layout (with its schedule) is probed first with the most
+  recompute at the smallest micro-batch, its least memory; when that runs out, the whole layout
+  is out;
 - at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
   forward ops: when a mode with less recompute fits there, the heavier one is not traced (it is
   listed as dominated, naming the candidate that fits).
@@ -191,13 +194,29 @@ class _Grid:
         ready = []
         for family in self.families.values():
             modes = [m for m in RECOMPUTE_ORDER if m in family]
+            if brute_force:
+                ready += [c for m in modes for c in family[m] if self._open(c)]
+                continue
+            # the family's probe: the most recompute at the smallest micro-batch, its least
+            # memory; when even that runs out, nothing of the family fits
+            probe = family[modes[-1]][0]
+            if probe in self.started:
+                continue
+            if self._open(probe):
+                if len(modes) > 1:
+                    ready += self._gate(probe)
+                    continue
+            elif self._ooms(probe):
+                for m in modes:
+                    for c in family[m]:
+                        if self._open(c):
+                            self.pruned[c] = (f"out of memory: even {probe.label()} (the most "
+                                              "recompute, the smallest micro-batch) runs out")
+                continue
             for k, ac in enumerate(modes):
                 chain = family[ac]
                 for i, c in enumerate(chain):
-                    if c in self.outcome or c in self.pruned or c in self.started:
-                        continue
-                    if brute_force:
-                        ready.append(c)
+                    if not self._open(c):
                         continue
                     before = chain[:i]
                     oom = next((b for b in before if self._ooms(b)), None)
@@ -205,7 +224,7 @@ class _Grid:
                         self.pruned[c] = (f"out of memory: micro-batch {oom.micro_batch} of "
                                           "this layout and mode already runs out")
                         continue
-                    failed = next((b for b in before if b in self.outcome
+                    failed = next((b for b in before + [probe] if b in self.outcome
                                    and self.outcome[b].status == ERROR), None)
                     if failed is not None:
                         self.pruned[c] = f"not profiled: {self.outcome[failed].reason}"
@@ -221,34 +240,38 @@ class _Grid:
                         continue  # wait: a lighter mode may fit at this size
                     if i and not (chain[i - 1] in self.outcome or chain[i - 1] in self.pruned):
                         continue  # wait: the smaller micro-batch may run out
-                    if c.layout.dp_replicate > 1:
-                        twin = replace(c, layout=replace(c.layout, dp_replicate=1, fsdp=c.layout
-                                                         .fsdp * c.layout.dp_replicate))
-                        if twin in self.all:
-                            if self._ooms(twin):
-                                self.pruned[c] = (f"out of memory: {twin.label()} already runs "
-                                                  "out, and HSDP shards less")
-                                continue
-                            if twin not in self.outcome and twin not in self.pruned:
-                                continue  # wait for the FSDP twin
-                    if c.layout.pp == 1 and c.steps > 1:
-                        screen = replace(c, steps=1)
-                        o = self.screens.get(screen)
-                        if o is None:
-                            if screen not in self.started:
-                                ready.append(screen)
-                            continue
-                        if o.status == OOM:
-                            self.pruned[c] = ("out of memory already in its one-micro-batch "
-                                              f"step: {o.reason}")
-                            continue
-                    ready.append(c)
+                    ready += self._gate(c)
         # the layouts that split the model most first (the likeliest to fit, so that a best
         # is known early), cheap screens and small micro-batches before the rest
         return sorted(dict.fromkeys(ready), key=lambda c: (
             -c.layout.tp * c.layout.pp, c.layout.dp_replicate, c.layout.pp,
-            RECOMPUTE_ORDER.index(c.checkpointing), c in self.all,
-            c.micro_batch))
+            c in self.all, c.micro_batch, RECOMPUTE_ORDER.index(c.checkpointing)))
+
+    def _open(self, c: Candidate) -> bool:
+        return c not in self.outcome and c not in self.pruned and c not in self.started
+
+    def _gate(self, c: Candidate) -> list:
+        """The last rules before tracing `c`: an HSDP candidate waits for its FSDP twin, an
+        accumulating one for its one-micro-batch screen. What to trace now ([] to wait)."""
+        if c.layout.dp_replicate > 1:
+            twin = replace(c, layout=replace(c.layout, dp_replicate=1,
+                                             fsdp=c.layout.fsdp * c.layout.dp_replicate))
+            if twin in self.all:
+                if self._ooms(twin):
+                    self.pruned[c] = (f"out of memory: {twin.label()} already runs out, and "
+                                      "HSDP shards less")
+                    return []
+                if twin not in self.outcome and twin not in self.pruned:
+                    return []  # wait for the FSDP twin
+        if c.layout.pp == 1 and c.steps > 1:
+            screen = replace(c, steps=1)
+            o = self.screens.get(screen)
+            if o is None:
+                return [] if screen in self.started else [screen]
+            if o.status == OOM:
+                self.pruned[c] = f"out of memory already in its one-micro-batch step: {o.reason}"
+                return []
+        return [c]
 
     def left(self) -> int:
         return sum(1 for ch in self.chains.values() for c in ch
