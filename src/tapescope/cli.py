@@ -756,18 +756,20 @@ def search_cmd(
         from .report.search import progress_line, render_search
 
         modes = tuple(m.strip() for m in checkpointing.split(",") if m.strip())
-        show = None
-        if not quiet:
+        with _progress(f"searching the layouts of {gpus} x {gpu} for {spec}", quiet) as update:
             def show(p):
-                err.print(Text(progress_line(p)), highlight=False, soft_wrap=True)
-        r = search(spec, gpus=gpus, gpu=gpu, global_batch=global_batch, seq=seq,
-                   amp=None if amp.lower() in ("none", "fp32") else amp, dtype=dtype,
-                   optimizer=optimizer, pp=_ints(pp, "--pp"), tp=_ints(tp, "--tp"), hsdp=hsdp,
-                   checkpointing=modes,
-                   schedules=tuple(x.strip() for x in schedule.split(",") if x.strip()),
-                   compile=(False, True) if compile else (False,), max_steps=max_steps,
-                   workers=workers if workers is not None else (os.cpu_count() or 1),
-                   ray=ray, cache=cache, brute_force=brute_force, progress=show)
+                if err.is_terminal:  # the spinner's line: done / pruned / left, the best so far
+                    update(progress_line(p))
+                elif not quiet:      # a log: one plain line per candidate
+                    err.print(Text(progress_line(p)), highlight=False, soft_wrap=True)
+            r = search(spec, gpus=gpus, gpu=gpu, global_batch=global_batch, seq=seq,
+                       amp=None if amp.lower() in ("none", "fp32") else amp, dtype=dtype,
+                       optimizer=optimizer, pp=_ints(pp, "--pp"), tp=_ints(tp, "--tp"),
+                       hsdp=hsdp, checkpointing=modes,
+                       schedules=tuple(x.strip() for x in schedule.split(",") if x.strip()),
+                       compile=(False, True) if compile else (False,), max_steps=max_steps,
+                       workers=workers if workers is not None else (os.cpu_count() or 1),
+                       ray=ray, cache=cache, brute_force=brute_force, progress=show)
         render_search(r, out, top=top, commands=winner_commands(r))
         _write_json(json_file, result_dict(r))
     if r.winner is None:
