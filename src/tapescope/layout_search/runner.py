@@ -241,11 +241,12 @@ class _Grid:
                     if i and not (chain[i - 1] in self.outcome or chain[i - 1] in self.pruned):
                         continue  # wait: the smaller micro-batch may run out
                     ready += self._gate(c)
-        # the layouts that split the model most first (the likeliest to fit, so that a best
-        # is known early), cheap screens and small micro-batches before the rest
+        # cheap and likely first, so that a best is known early: no pipeline before pipelines
+        # (a pipelined candidate traces every stage's micro-batches), the most tensor
+        # parallelism first (the least memory per rank), screens and small micro-batches first
         return sorted(dict.fromkeys(ready), key=lambda c: (
-            -c.layout.tp * c.layout.pp, c.layout.dp_replicate, c.layout.pp,
-            c in self.all, c.micro_batch, RECOMPUTE_ORDER.index(c.checkpointing)))
+            c.layout.pp, -c.layout.tp, c.layout.dp_replicate, c in self.all, c.micro_batch,
+            RECOMPUTE_ORDER.index(c.checkpointing)))
 
     def _open(self, c: Candidate) -> bool:
         return c not in self.outcome and c not in self.pruned and c not in self.started
