@@ -198,21 +198,26 @@ class _Grid:
                 ready += [c for m in modes for c in family[m] if self._open(c)]
                 continue
             # the family's probe: the most recompute at the smallest micro-batch, its least
-            # memory; when even that runs out, nothing of the family fits
+            # memory (its one-micro-batch screen when it accumulates); when even that runs out,
+            # nothing of the family fits
             probe = family[modes[-1]][0]
-            if probe in self.started:
-                continue
-            if self._open(probe):
-                if len(modes) > 1:
-                    ready += self._gate(probe)
+            if len(modes) > 1:
+                screen = replace(probe, steps=1) if probe.layout.pp == 1 and probe.steps > 1 \
+                    else None
+                check = self.screens.get(screen) if screen is not None else \
+                    self.outcome.get(probe)
+                if self._ooms(probe) or check is not None and check.status == OOM:
+                    for m in modes:
+                        for c in family[m]:
+                            if self._open(c):
+                                self.pruned[c] = (f"out of memory: even {probe.label()} (the "
+                                                  "most recompute, the smallest micro-batch) "
+                                                  "runs out")
                     continue
-            elif self._ooms(probe):
-                for m in modes:
-                    for c in family[m]:
-                        if self._open(c):
-                            self.pruned[c] = (f"out of memory: even {probe.label()} (the most "
-                                              "recompute, the smallest micro-batch) runs out")
-                continue
+                if check is None:
+                    if probe not in self.started and screen not in self.started:
+                        ready += self._gate(probe)
+                    continue
             for k, ac in enumerate(modes):
                 chain = family[ac]
                 for i, c in enumerate(chain):

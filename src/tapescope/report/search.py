@@ -74,7 +74,7 @@ def progress_line(p) -> str:
     o = p.last
     if o is not None:
         what = f"{o.tokens_per_second:,.0f} tokens/s" if o.fits and o.tokens_per_second \
-            else o.status
+            and not p.screen else o.status
         name = o.candidate.label()
         if p.screen:
             name = f"screen {name} (its one-micro-batch step)"
