@@ -340,6 +340,9 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
                     o = f.result()
                 except TapescopeError as e:
                     o = Outcome(c, ERROR, reason=str(e).split("\n")[0])
+                except Exception as e:  # noqa: BLE001 - a worker died or a trace crashed:
+                    # that candidate is unprofiled, the search goes on and says why
+                    o = Outcome(c, ERROR, reason=f"{type(e).__name__}: {e}".split("\n")[0])
                 record(o)
     finally:
         pool.close()
