@@ -34,7 +34,8 @@ LAYERS = (
     ("api", ("tapescope.api",)),
     # What is built on profiles: fit, fit --gpus, the checkpointing planner, sweeps, validation.
     ("applications", ("tapescope.fit", "tapescope.layouts", "tapescope.sweeps",
-                      "tapescope.checkpointing", "tapescope.validate", "tapescope.calibration")),
+                      "tapescope.checkpointing", "tapescope.validate", "tapescope.calibration",
+                      "tapescope.layout_search")),
     # The command line, and the package's own lazy facade.
     ("cli", ("tapescope.cli", "tapescope")),
 )

@@ -20,6 +20,8 @@ does not change what is shown:
 - the 24 GB walk-through: Llama 3 8B's own widths with 4 layers (profile) or 2 (fit) of its 32,
   whose model state is over the RTX 4090 all the same, and examples/lora.py's `build_small` (4
   layers). `fit` exits 1 there, as README says: EXIT_CODES.
+- search traces every candidate: README's Llama narrowed to width 64 and a 128-token
+  vocabulary, in this process (--workers 1; Ray with its 2 workers).
 Every other command runs exactly as README writes it.
 """
 
@@ -122,6 +124,17 @@ COMMANDS = {
         "1,2048:int64 --gpu 4090 --dtype bf16",
         ["bfloat16 · 1x2048 × 1x2048", "On NVIDIA GeForce RTX 4090: max_memory_allocated",
          ": fits", "activation checkpointing recomputes"], []),
+    "tapescope search zoo:llama:n_layers=2 --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
+    "--pp 1,2 --checkpointing none,full": (
+        f"tapescope search {TINY_LLAMA} --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
+        "--pp 1,2 --checkpointing none,full --workers 1",
+        ["on 4 x h100-sxm", "Fits on every rank, fastest first", "Best: ", "torchtitan:",
+         "[parallelism]", "torchrun"], []),
+    "tapescope search zoo:llama:n_layers=2 --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
+    "--pp 1,2 --checkpointing none,full --ray local": (
+        f"tapescope search {TINY_LLAMA} --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
+        "--pp 1,2 --checkpointing none,full --ray local --workers 2",
+        ["on 4 x h100-sxm", "Ray at local", "Best: "], []),
 }
 
 # README commands that answer with exit status 1 (README says so next to them)

@@ -10,10 +10,10 @@ only needs the command line) answers without importing torch.
 
 from .version import __version__
 
-__all__ = ["profile", "Profile", "plan_checkpointing", "Plan", "spec", "Spec", "CompileOptions",
-           "Sizes", "TapescopeError", "calibrate", "Calibration", "__version__"]
+__all__ = ["profile", "Profile", "search", "plan_checkpointing", "Plan", "spec", "Spec",
+           "CompileOptions", "Sizes", "TapescopeError", "calibrate", "Calibration", "__version__"]
 
-_LAZY = {"profile": ".api", "Profile": ".api", "spec": ".capture.model", "Spec": ".capture.model",
+_LAZY = {"profile": ".api", "search": ".layout_search", "Profile": ".api", "spec": ".capture.model", "Spec": ".capture.model",
          "TapescopeError": ".errors", "CompileOptions": ".options",
          "Sizes": ".values.sizes", "calibrate": ".calibration",
          "Calibration": ".devices.calibration",

@@ -797,6 +797,74 @@ def calibrate_cmd(
         out.print(Text(f"wrote {out_file}"))
 
 
+def _ints(text, flag) -> tuple | None:
+    """'1,2,4' -> (1, 2, 4); None stays None (the search's default)."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise TapescopeError(f"cannot read {flag} {text!r}: give degrees >= 1, e.g. 1,2,4")
+    return values
+
+
+@app.command("search")
+def search_cmd(
+    spec: str = SpecArg,
+    gpus: int = typer.Option(..., "--gpus", help="GPUs of the job."),
+    gpu: str = typer.Option("h100", "--gpu", help="Their kind (h100, a100, ...)."),
+    global_batch: int = typer.Option(..., "--global-batch", help="Samples per optimizer step of the whole job."),
+    seq: Optional[int] = SeqOpt,
+    amp: str = typer.Option("bf16", "--amp", help="FSDP2 mixed precision (torchtitan's default bf16); none for fp32."),
+    dtype: Optional[str] = DtypeOpt, optimizer: str = OptimOpt,
+    pp: Optional[str] = typer.Option(None, "--pp", help="Pipeline degrees to try, e.g. 1,2,4 (default: powers of two up to 8)."),
+    tp: Optional[str] = typer.Option(None, "--tp", help="Tensor-parallel degrees to try (default: powers of two within a node)."),
+    hsdp: bool = typer.Option(True, "--hsdp/--no-hsdp", help="Also HSDP, shard groups of one and two nodes."),
+    checkpointing: str = typer.Option("none,selective,full", "--checkpointing", help="Activation checkpointing modes to try on every block."),
+    schedule: str = typer.Option("1f1b", "--pp-schedule", help="Pipeline schedules to try, e.g. 1f1b,gpipe."),
+    compile: bool = typer.Option(False, "--compile", help="Also try each candidate compiled."),
+    max_steps: int = typer.Option(16, "--max-steps", help="Most micro-batches per step a candidate may trace."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Local worker processes (default: the CPU cores)."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Run candidates on this Ray cluster (local: start one here)."),
+    cache: Optional[str] = typer.Option(None, "--cache", help="A file of finished candidates: an interrupted search resumes from it."),
+    brute_force: bool = typer.Option(False, "--brute-force", help="Trace every candidate (no pruning)."),
+    top: int = typer.Option(10, "--top", help="Rows of the table."),
+    json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
+):
+    """The layout, micro-batch split and activation checkpointing that train fastest on N GPUs,
+    each candidate traced on every rank class; the winner as commands to run.
+
+    Exits 1 when no candidate fits."""
+    import os
+
+    with _user_errors():
+        _check_outputs(json=json_file)
+        from .layout_search import result_dict, search, winner_commands
+        from .report.search import progress_line, render_search
+
+        modes = tuple(m.strip() for m in checkpointing.split(",") if m.strip())
+        with _progress(f"searching the layouts of {gpus} x {gpu} for {spec}", quiet) as update:
+            def show(p):
+                if err.is_terminal:  # the spinner's line: done / pruned / left, the best so far
+                    update(progress_line(p))
+                elif not quiet:      # a log: one plain line per candidate
+                    err.print(Text(progress_line(p)), highlight=False, soft_wrap=True)
+            r = search(spec, gpus=gpus, gpu=gpu, global_batch=global_batch, seq=seq,
+                       amp=None if amp.lower() in ("none", "fp32") else amp, dtype=dtype,
+                       optimizer=optimizer, pp=_ints(pp, "--pp"), tp=_ints(tp, "--tp"),
+                       hsdp=hsdp, checkpointing=modes,
+                       schedules=tuple(x.strip() for x in schedule.split(",") if x.strip()),
+                       compile=(False, True) if compile else (False,), max_steps=max_steps,
+                       workers=workers if workers is not None else (os.cpu_count() or 1),
+                       ray=ray, cache=cache, brute_force=brute_force, progress=show)
+        render_search(r, out, top=top, commands=winner_commands(r))
+        _write_json(json_file, result_dict(r))
+    if r.winner is None:
+        raise typer.Exit(1)
+
+
 @app.command("validate")
 def validate_cmd(
     spec: str = SpecArg, batch: Optional[int] = BatchOpt, seq: Optional[int] = SeqOpt,

@@ -1,0 +1,276 @@
+"""One candidate, profiled: every rank class traced with the candidate's own flags, its memory on
+the GPU (the caching allocator replayed per rank class), its step time and throughput.
+
+This is what a worker process (or a Ray task) runs, so everything crossing it is picklable: the
+model travels as its spec text (`Source`, resolved in the worker: a model-building lambda does not
+pickle) and the answer is an `Outcome` of plain values. Nothing here is a formula of another
+candidate: a candidate is only ever called fitting after its own trace.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..errors import TapescopeError
+from .space import CHECKPOINTING, Candidate
+
+__all__ = ["Source", "RankMemory", "Outcome", "evaluate", "candidate_options"]
+
+FITS, OOM, ERROR = "fits", "oom", "error"
+
+
+@dataclass(frozen=True)
+class Source:
+    """The workload as the CLI names it: a spec (zoo:llama-70b, hf:..., file.py:fn) and the
+    sizes and precision of the step."""
+
+    spec: str
+    seq: int | None = None
+    gpu: str = "h100"
+    amp: str | None = "bf16"
+    dtype: str | None = None
+    optimizer: str = "adamw"
+
+    def workload(self, batch: int):
+        from ..options import Workload
+        from ..zoo import resolve
+
+        m = resolve(self.spec, batch=batch, seq=self.seq, inputs=[])
+        return Workload(m.build, tuple(m.inputs), dict(m.input_kwargs), m.name), m.loss_fn
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank class's memory on the GPU."""
+
+    ranks: tuple              # the ranks of the class (first: the one traced)
+    peak_bytes: int           # tensors alive at the steady step's peak
+    reserved_bytes: int | None  # what nvidia-smi would show (None: out of memory)
+    capacity: int
+    oom_at: str | None = None   # the op (and phase) where the allocator ran out
+    top_category: str | None = None  # the largest category at the peak
+
+    @property
+    def headroom(self) -> int | None:
+        return None if self.reserved_bytes is None else self.capacity - self.reserved_bytes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    candidate: Candidate
+    status: str                          # FITS, OOM or ERROR
+    ranks: tuple = ()                    # RankMemory per rank class
+    step_seconds: float | None = None
+    step_band: tuple | None = None       # (low, high) seconds, when the time model gives one
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    exposed_comm_seconds: float | None = None
+    bubble: float | None = None          # pipelined: the largest share of the schedule a rank waits
+    reason: str = ""                     # why it does not fit / could not be profiled
+    trace_seconds: float = 0.0
+    cached: bool = field(default=False, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.status == FITS
+
+    @property
+    def worst(self) -> RankMemory | None:
+        """The rank class with the least headroom (or the one out of memory)."""
+        if not self.ranks:
+            return None
+        return max(self.ranks, key=lambda r: (r.reserved_bytes is None, r.reserved_bytes or 0,
+                                              r.peak_bytes))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["candidate"] = self.candidate.to_dict()
+        d["label"] = self.candidate.label()
+        for r in d["ranks"]:
+            r["ranks"] = list(r["ranks"])
+            r["headroom_bytes"] = None if r["reserved_bytes"] is None else \
+                r["capacity"] - r["reserved_bytes"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Outcome":
+        from ..distributed.presets import Layout
+
+        c = dict(d["candidate"])
+        layout = Layout(**{k: c.pop(k) for k in ("fsdp", "tp", "dp_replicate", "pp")})
+        ranks = tuple(RankMemory(**{**{k: v for k, v in r.items() if k != "headroom_bytes"},
+                                    "ranks": tuple(r["ranks"])}) for r in d["ranks"])
+        kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
+                and k not in ("candidate", "ranks", "cached", "step_band")}
+        band = tuple(d["step_band"]) if d.get("step_band") else None
+        return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True, **kept)
+
+
+def _block_fqns(module) -> list[str]:
+    from ..capture.model import transformer_blocks
+
+    names = {id(m): n for n, m in module.named_modules()}
+    return [names[id(b)] for b in transformer_blocks(module)]
+
+
+def _parallelize(candidate: Candidate, mp_dtype):
+    """parallelize(model, mesh) in torchtitan's order (models/llama3/parallelize.py): tensor
+    parallelism, then the checkpointing mode on every block of what this rank holds, then FSDP
+    (checkpointing first would hide the blocks' submodules from the TP plan's paths).
+    tapescope's checkpointing option does not combine with a mesh: a distributed step
+    checkpoints in its parallelize, as torchtitan's does."""
+    from dataclasses import replace
+
+    from ..checkpointing.policy import UnitPolicy, apply_policies
+    from ..distributed.presets import preset_parallelize, tp_plan_for
+
+    mode = CHECKPOINTING[candidate.checkpointing]
+    layout = candidate.layout
+    data = replace(layout, tp=1, pp=1)  # the preset's FSDP / replicate part alone
+    preset = preset_parallelize(data, mp_dtype) if data.parallelised else None
+
+    def parallelize(model, mesh):
+        if layout.tp > 1:
+            _, plan = tp_plan_for(model)
+            plan(model, mesh["tp"])
+        if mode is not None:
+            how, save = mode
+            apply_policies(model, [UnitPolicy(f, how, save) for f in _block_fqns(model)])
+        return preset(model, mesh) if preset is not None else model
+
+    parallelize.__name__ = candidate.label()
+    return parallelize
+
+
+def candidate_options(source: Source, candidate: Candidate):
+    """(Workload, Options) that profile `candidate` exactly as `profile` would with the flags
+    of layout_search/config.py's command line."""
+    from ..options import Options, resolve_dtype
+    from ..values.mesh import mesh_spec
+
+    layout = candidate.layout
+    pipelined = layout.pp > 1
+    # a pipeline splits the rank's batch into its micro-batches; otherwise one micro-batch is
+    # traced per accumulation step
+    workload, loss = source.workload(candidate.rank_batch if pipelined else candidate.micro_batch)
+    sharded = layout.fsdp > 1 or layout.dp_replicate > 1
+    mp = resolve_dtype(source.amp) if sharded and source.amp else None
+    single = layout.world_size == 1
+    options = Options.create(
+        loss_fn=loss, optimizer=None if source.optimizer == "none" else source.optimizer,
+        device="cuda", gpu=source.gpu, dtype=source.dtype,
+        amp=None if mp is not None else source.amp,
+        accumulate=1 if pipelined else candidate.steps,
+        mesh=None if single else mesh_spec(layout.mesh),
+        parallelize=None if single else _parallelize(candidate, mp),
+        pipeline={"schedule": candidate.schedule, "microbatches": candidate.steps}
+        if pipelined else None,
+        checkpointing=_single_device_policies(workload, candidate) if single else (),
+        compile=True if candidate.compile else None)
+    return workload, options
+
+
+def _single_device_policies(workload, candidate):
+    mode = CHECKPOINTING[candidate.checkpointing]
+    if mode is None:
+        return ()
+    from ..capture.model import model_of
+    from ..checkpointing.policy import UnitPolicy
+
+    return tuple(UnitPolicy(f, mode[0], mode[1]) for f in _block_fqns(model_of(workload.model)))
+
+
+def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcome:
+    """Profile `candidate`; `global_tokens`: tokens of one optimizer step of the whole job."""
+    from ..api import profile_workload
+
+    start = time.perf_counter()
+    try:
+        workload, options = candidate_options(source, candidate)
+        p = profile_workload(workload, options)
+        out = _outcome(p, candidate, global_tokens, source.amp or source.dtype)
+    except TapescopeError as e:
+        out = Outcome(candidate, ERROR, reason=str(e).split("\n")[0])
+    return Outcome(**{**{f: getattr(out, f) for f in out.__dataclass_fields__},
+                      "trace_seconds": time.perf_counter() - start})
+
+
+def _rank_memory(q, ranks: tuple) -> RankMemory:
+    cm = q.cuda_memory
+    at_peak = q.memory.at_peak
+    top = max(at_peak, key=at_peak.get) if at_peak else None
+    return RankMemory(ranks, q.peak_bytes, None if cm.oom else cm.nvidia_smi, cm.capacity,
+                      cm.oom_at if cm.oom else None, top)
+
+
+def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outcome:
+    dist = p.distributed
+    if dist is None:
+        ranks = (_rank_memory(p, (0,)),)
+    else:
+        ranks = tuple(_rank_memory(q, _class_of(r, dist.classes.members))
+                      for r, q in sorted(dist.profiles.items()))
+    oom = [r for r in ranks if r.reserved_bytes is None]
+    if oom:
+        r = oom[0]
+        return Outcome(candidate, OOM, ranks, reason=(
+            f"rank {r.ranks[0]} (and {len(r.ranks) - 1} like it) runs out of "
+            f"{_gib(r.capacity)} at {r.oom_at}; largest at its peak: {r.top_category}"))
+    t = p.time
+    pipelined = dist.pipeline if dist is not None else None
+    # every traced rank's own step: the job's step waits for the slowest (its collectives hold
+    # the others); a pipeline's is the schedule's, bubble included
+    timed = [(len(r.ranks), q.time) for r, q in zip(ranks, _traced(p)) if q.time is not None]
+    seconds = bubble = None
+    if pipelined is not None and pipelined.time is not None:
+        seconds = pipelined.time.seconds
+        bubble = max(pipelined.time.bubble.values(), default=0.0)
+    elif timed:
+        seconds = max(rt.seconds for _, rt in timed)
+    mfu = _mfu(p, ranks, seconds, compute_dtype)
+    band = getattr(t, "band", None) if t is not None else None
+    if band is not None and seconds and t.seconds:
+        band = tuple(b * seconds / t.seconds for b in band)  # the same share of the step
+    return Outcome(candidate, FITS, ranks, seconds, band,
+                   global_tokens / seconds if seconds else None, mfu,
+                   max((rt.exposed_comm for _, rt in timed), default=None), bubble,
+                   "" if seconds else "no step time for this step (its time model is missing)")
+
+
+def _mfu(p, ranks, seconds, compute_dtype) -> float | None:
+    """The job's model FLOPs utilisation: every rank's FLOPs less what checkpointing
+    recomputes, over the job's step at the dense peak of the dtype the matmuls run in (the
+    mixed-precision dtype, else the parameters'), the same peak for every candidate."""
+    from ..analysis.kernel_cost import TENSOR_CORE
+    from ..options import resolve_dtype
+
+    dtype = resolve_dtype(compute_dtype) if compute_dtype else None
+    peak = p.gpu.peak(TENSOR_CORE.get(dtype or torch.float32, "fp32")) if p.gpu else None
+    if not seconds or not peak:
+        return None
+    work = sum(len(r.ranks) * (q.flops["total"] - q.recompute_flops)
+               for r, q in zip(ranks, _traced(p)))
+    return work / sum(len(r.ranks) for r in ranks) / seconds / peak
+
+
+def _traced(p) -> list:
+    """The Profile of each traced rank, in rank order (the profile itself on one device)."""
+    if p.distributed is None:
+        return [p]
+    return [q for _, q in sorted(p.distributed.profiles.items())]
+
+
+def _class_of(rank: int, members) -> tuple:
+    for m in members:
+        if rank in m:
+            return (rank, *sorted(set(m) - {rank}))
+    return (rank,)
+
+
+def _gib(n: int) -> str:
+    from ..report.text import fmt_bytes
+
+    return fmt_bytes(n)

@@ -1,0 +1,355 @@
+"""The search loop: which candidates to trace, in what order, on which workers, and which the
+traces already rule out.
+
+Two rules prune, each a consequence of traces already made, never a formula standing in for one:
+
+- memory grows with the micro-batch within a chain (one layout, checkpointing mode, schedule):
+  once a micro-batch runs out of memory on some rank, every larger one of the chain is out, and a
+  chain whose smallest micro-batch does not fit is out whole;
+- memory grows with the micro-batches accumulated: a step of `steps` micro-batches runs the
+  one-micro-batch step's forward and backward first, then more of them into gradients that are
+  already there, then the same optimizer step. A candidate that accumulates is first screened
+  with its one-micro-batch step (a fraction of its trace); when that runs out of memory the
+  candidate does too, and the screen's rank, op and category are its reason;
+- memory grows as sharding shrinks: HSDP holds more of the parameters, gradients and optimizer
+  state on each rank than FSDP over all its data-parallel ranks, and the same activations. An
+  HSDP candidate waits for its FSDP twin and is out when that one is out of memory;
+- checkpointing saves memory: each layout (with its schedule) is probed first with the most
+  recompute at the smallest micro-batch, its least memory; when that runs out, the whole layout
+  is out;
+- at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
+  forward ops: when a mode with less recompute fits there, the heavier one is not traced (it is
+  listed as dominated, naming the candidate that fits).
+
+The brute-force search checks each rule: every candidate the rules rule out runs out of memory
+(or is slower than the candidate that dominates it) when traced (tests/test_search.py).
+
+`brute_force=True` traces every candidate instead (benchmarks/search_speed.py compares the two).
+
+Workers: in this process (workers=1), local processes (concurrent.futures, the default), or a
+Ray cluster (layout_search/ray_pool.py). A cache file keeps each finished candidate's outcome, one JSON
+line each, so that a search stopped half way resumes where it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field, replace
+
+from ..errors import TapescopeError
+from .evaluate import ERROR, FITS, OOM, Outcome, Source, evaluate
+from .space import RECOMPUTE_ORDER, Candidate, SearchSpace, candidate_grid
+
+__all__ = ["SearchResult", "Progress", "run_search", "InProcess", "LocalPool"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    pruned: int
+    left: int
+    running: int
+    best: Outcome | None
+    last: Outcome | None      # the outcome just in (None: a start or prune notice)
+    screen: bool = False      # `last` is a one-micro-batch screen, not a listed candidate
+
+
+@dataclass
+class SearchResult:
+    source: Source
+    space: SearchSpace
+    outcomes: list                                    # Outcome, every candidate traced
+    pruned: list = field(default_factory=list)        # (Candidate, reason): ruled out by a trace
+    skipped: list = field(default_factory=list)       # (Candidate, reason): outside the limits
+    seconds: float = 0.0
+    workers: str = ""
+
+    @property
+    def ranked(self) -> list:
+        """The candidates that fit on every rank, most tokens per second first."""
+        timed = [o for o in self.outcomes if o.fits and o.tokens_per_second]
+        return sorted(timed, key=lambda o: (-o.tokens_per_second, o.candidate.key()))
+
+    @property
+    def winner(self) -> Outcome | None:
+        r = self.ranked
+        return r[0] if r else None
+
+    @property
+    def rejected(self) -> list:
+        return [o for o in self.outcomes if not o.fits]
+
+
+# ---- workers -----------------------------------------------------------------------------------
+
+class InProcess:
+    """Candidates one after another in this process (workers=1; the tests' default)."""
+
+    name = "this process"
+    slots = 1
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            f.set_exception(e)
+        return f
+
+    def close(self) -> None:
+        pass
+
+
+class LocalPool:
+    """Local worker processes (spawned: a forked copy of a process that has run torch's
+    threads can hang)."""
+
+    def __init__(self, workers: int):
+        import multiprocessing
+
+        self.slots = workers
+        self.name = f"{workers} local processes"
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+    def submit(self, fn, *args) -> Future:
+        return self.pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- the cache ---------------------------------------------------------------------------------
+
+class Cache:
+    """Outcomes of finished candidates, one JSON line each, keyed by the workload, the tapescope
+    version and the candidate: a second search with the same source reads them back."""
+
+    def __init__(self, path: str | None, source: Source, global_tokens: int):
+        from ..version import __version__
+
+        self.path = path
+        self.prefix = json.dumps({"source": asdict(source), "tokens": global_tokens,
+                                  "version": __version__}, sort_keys=True, default=str)
+        self.known: dict = {}
+        if path and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut short by an interrupted write
+                    if entry.get("workload") == self.prefix:
+                        o = Outcome.from_dict(entry["outcome"])
+                        self.known[o.candidate.key()] = o
+
+    def get(self, c: Candidate) -> Outcome | None:
+        return self.known.get(c.key())
+
+    def put(self, o: Outcome) -> None:
+        if not self.path or o.cached:
+            return
+        from ..report.json import to_jsonable
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"workload": self.prefix, "outcome": to_jsonable(o.to_dict())})
+                    + "\n")
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+
+class _Grid:
+    """Each cell's state: an Outcome, a pruning reason, or nothing yet."""
+
+    def __init__(self, space: SearchSpace):
+        grid = candidate_grid(space)
+        self.skipped = grid.skipped
+        self.chains = grid.chains
+        # chains of one layout, schedule and compile setting by checkpointing mode
+        self.families: dict = {}
+        for key, chain in grid.chains.items():
+            layout, ac, schedule, compiled = key
+            self.families.setdefault((layout, schedule, compiled), {})[ac] = chain
+        self.outcome: dict = {}     # Candidate -> Outcome
+        self.pruned: dict = {}      # Candidate -> reason
+        self.started: set = set()
+        self.screens: dict = {}     # one-micro-batch step -> its Outcome (never listed)
+        self.all = {c for ch in grid.chains.values() for c in ch}
+
+    def _ooms(self, c: Candidate | None) -> bool:
+        """Known not to fit (traced out of memory, or ruled out by a smaller micro-batch)."""
+        if c is None:
+            return True
+        o = self.outcome.get(c)
+        return o is not None and o.status == OOM or c in self.pruned and \
+            self.pruned[c].startswith("out of memory")
+
+    def _at(self, family: dict, ac: str, mb: int) -> Candidate | None:
+        return next((c for c in family.get(ac, ()) if c.micro_batch == mb), None)
+
+    def update(self, brute_force: bool) -> list:
+        """Apply the pruning rules; the cells that can be traced now, in order."""
+        ready = []
+        for family in self.families.values():
+            modes = [m for m in RECOMPUTE_ORDER if m in family]
+            if brute_force:
+                ready += [c for m in modes for c in family[m] if self._open(c)]
+                continue
+            # the family's probe: the most recompute at the smallest micro-batch, its least
+            # memory (its one-micro-batch screen when it accumulates); when even that runs out,
+            # nothing of the family fits
+            probe = family[modes[-1]][0]
+            if len(modes) > 1:
+                screen = replace(probe, steps=1) if probe.layout.pp == 1 and probe.steps > 1 \
+                    else None
+                check = self.screens.get(screen) if screen is not None else \
+                    self.outcome.get(probe)
+                if self._ooms(probe) or check is not None and check.status == OOM:
+                    for m in modes:
+                        for c in family[m]:
+                            if self._open(c):
+                                self.pruned[c] = (f"out of memory: even {probe.label()} (the "
+                                                  "most recompute, the smallest micro-batch) "
+                                                  "runs out")
+                    continue
+                if check is None:
+                    if probe not in self.started and screen not in self.started:
+                        ready += self._gate(probe)
+                    continue
+            for k, ac in enumerate(modes):
+                chain = family[ac]
+                for i, c in enumerate(chain):
+                    if not self._open(c):
+                        continue
+                    before = chain[:i]
+                    oom = next((b for b in before if self._ooms(b)), None)
+                    if oom is not None:
+                        self.pruned[c] = (f"out of memory: micro-batch {oom.micro_batch} of "
+                                          "this layout and mode already runs out")
+                        continue
+                    failed = next((b for b in before + [probe] if b in self.outcome
+                                   and self.outcome[b].status == ERROR), None)
+                    if failed is not None:
+                        self.pruned[c] = f"not profiled: {self.outcome[failed].reason}"
+                        continue
+                    lighter = [self._at(family, m, c.micro_batch) for m in modes[:k]]
+                    fit = next((x for x in lighter if x in self.outcome
+                                and self.outcome[x].fits), None)
+                    if fit is not None:
+                        self.pruned[c] = (f"dominated: {fit.label()} fits with less "
+                                          "recompute")
+                        continue
+                    if not all(self._ooms(x) for x in lighter):
+                        continue  # wait: a lighter mode may fit at this size
+                    if i and not (chain[i - 1] in self.outcome or chain[i - 1] in self.pruned):
+                        continue  # wait: the smaller micro-batch may run out
+                    ready += self._gate(c)
+        # cheap and likely first, so that a best is known early: no pipeline before pipelines
+        # (a pipelined candidate traces every stage's micro-batches), the most tensor
+        # parallelism first (the least memory per rank), screens and small micro-batches first
+        return sorted(dict.fromkeys(ready), key=lambda c: (
+            c.layout.pp, -c.layout.tp, c.layout.dp_replicate, c in self.all, c.micro_batch,
+            RECOMPUTE_ORDER.index(c.checkpointing)))
+
+    def _open(self, c: Candidate) -> bool:
+        return c not in self.outcome and c not in self.pruned and c not in self.started
+
+    def _gate(self, c: Candidate) -> list:
+        """The last rules before tracing `c`: an HSDP candidate waits for its FSDP twin, an
+        accumulating one for its one-micro-batch screen. What to trace now ([] to wait)."""
+        if c.layout.dp_replicate > 1:
+            twin = replace(c, layout=replace(c.layout, dp_replicate=1,
+                                             fsdp=c.layout.fsdp * c.layout.dp_replicate))
+            if twin in self.all:
+                if self._ooms(twin):
+                    self.pruned[c] = (f"out of memory: {twin.label()} already runs out, and "
+                                      "HSDP shards less")
+                    return []
+                if twin not in self.outcome and twin not in self.pruned:
+                    return []  # wait for the FSDP twin
+        if c.layout.pp == 1 and c.steps > 1:
+            screen = replace(c, steps=1)
+            o = self.screens.get(screen)
+            if o is None:
+                return [] if screen in self.started else [screen]
+            if o.status == OOM:
+                self.pruned[c] = f"out of memory already in its one-micro-batch step: {o.reason}"
+                return []
+        return [c]
+
+    def left(self) -> int:
+        return sum(1 for ch in self.chains.values() for c in ch
+                   if c not in self.outcome and c not in self.pruned)
+
+
+def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | None = None,
+               brute_force: bool = False, progress=None, seq_tokens: int | None = None
+               ) -> SearchResult:
+    """Trace the candidates of `space` (or every one, `brute_force`), pruning with what the
+    traces prove. `progress(Progress)` is told of each outcome."""
+    start = time.perf_counter()
+    pool = pool or InProcess()
+    tokens = space.global_batch * (seq_tokens or 1)
+    grid = _Grid(space)
+    store = Cache(cache, source, tokens)
+    running: dict = {}   # Future -> Candidate
+    best: Outcome | None = None
+
+    def tell(last, screen=False):
+        if progress is not None:
+            progress(Progress(len(grid.outcome), len(grid.pruned), grid.left() - len(running),
+                              len(running), best, last, screen))
+
+    def record(o: Outcome):
+        nonlocal best
+        store.put(o)
+        if o.candidate not in grid.all:  # a screen: its own step, not a candidate
+            grid.screens[o.candidate] = o
+            tell(o, screen=True)
+            return
+        grid.outcome[o.candidate] = o
+        if o.fits and o.tokens_per_second and (best is None or
+                                               o.tokens_per_second > best.tokens_per_second):
+            best = o
+        tell(o)
+
+    try:
+        while True:
+            ready = grid.update(brute_force)
+            for c in ready:
+                hit = store.get(c)
+                if hit is not None:
+                    record(hit)
+            ready = [c for c in ready if c not in grid.outcome and c not in grid.screens]
+            if not ready and not running:
+                if grid.update(brute_force):
+                    continue
+                break
+            for c in ready[:max(0, 2 * pool.slots - len(running))]:
+                grid.started.add(c)
+                running[pool.submit(evaluate, source, c, tokens)] = c
+            if not running:
+                continue
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for f in done:
+                c = running.pop(f)
+                grid.started.discard(c)
+                try:
+                    o = f.result()
+                except TapescopeError as e:
+                    o = Outcome(c, ERROR, reason=str(e).split("\n")[0])
+                except Exception as e:  # noqa: BLE001 - a worker died or a trace crashed:
+                    # that candidate is unprofiled, the search goes on and says why
+                    o = Outcome(c, ERROR, reason=f"{type(e).__name__}: {e}".split("\n")[0])
+                record(o)
+    finally:
+        pool.close()
+    evaluated = [grid.outcome[c] for ch in grid.chains.values() for c in ch if c in grid.outcome]
+    reasons = {o.reason for o in evaluated}
+    if evaluated and all(o.status == ERROR for o in evaluated) and len(reasons) == 1:
+        raise TapescopeError(f"every candidate failed the same way: {reasons.pop()}")
+    pruned = [(c, grid.pruned[c]) for ch in grid.chains.values() for c in ch if c in grid.pruned]
+    return SearchResult(source, space, evaluated, pruned, list(grid.skipped),
+                        time.perf_counter() - start, pool.name)
