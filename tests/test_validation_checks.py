@@ -81,8 +81,22 @@ STEPS = {  # name -> (build, the assumption kinds the step must name)
 }
 
 
+@pytest.fixture
+def distributions_validate():
+    """torch.distributions validates its arguments by default, until a process first runs
+    torch.compile: dynamo's TorchPatcher then turns the default off for good
+    (`Distribution.set_default_validate_args(False)`, torch/_dynamo/eval_frame.py). These steps
+    are a process that has not compiled; the default is restored after."""
+    from torch.distributions import Distribution
+
+    kept = Distribution._validate_args
+    Distribution.set_default_validate_args(True)
+    yield
+    Distribution.set_default_validate_args(kept)
+
+
 @pytest.mark.parametrize("name", STEPS)
-def test_validation_checks_take_the_valid_branch(name):
+def test_validation_checks_take_the_valid_branch(name, distributions_validate):
     build, kinds = STEPS[name]
     inputs = tuple(x.to("meta") if x.is_floating_point() else x for x in _inputs(name))
     p = tapescope.profile(build, *inputs, optimizer="adamw")
