@@ -193,6 +193,13 @@ class Tape(SizeFreeCacheCheck):
         # the default stream)
         self.streams = None
 
+    def __deepcopy__(self, memo):
+        """The tape itself: a fake tensor's `__dict__` names its mode, and `copy.deepcopy` of a
+        model (an EMA made in a step's setup) copies that dict. A second mode would hold the copy
+        ("Mixing fake modes NYI" at its first op with the model); the copy's storage is made by
+        the tensor's own clone, recorded here as any allocation."""
+        return self
+
     @property
     def current_phase(self) -> str:
         """The phase being recorded (forward, backward, optimizer)."""
