@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 import tapescope  # noqa: E402
 from tapescope.analysis.collectives import collectives  # noqa: E402
-from tapescope.analysis.time_band import profile_band  # noqa: E402
+from tapescope.analysis.time_band import band_for, profile_band  # noqa: E402
 from tapescope.analysis.timing import estimate_step_time  # noqa: E402
 from tapescope.devices.gpus import Interconnect, get_gpu, interconnect, usable_memory_bytes  # noqa: E402
 from tapescope.zoo.llama import Attention, Llama, LlamaConfig  # noqa: E402
@@ -770,7 +770,8 @@ def _trace(row, layers: int) -> dict:
         t = estimate_step_time(p.ops, p.trace, gpu, comm, {c.op: c.stream for c in items},
                                compiled=p.compiled_schedule)
         out.update(seconds=t.seconds, exposed_comm=t.exposed_comm, comm=t.comm,
-                   kind=profile_band(p).kind)
+                   kind=profile_band(p, step_time=t).kind, mechanisms=t.mechanisms,
+                   bound=t.bound)
     else:
         m = p.cuda_memory
         out.update(allocated=m.max_allocated, reserved=m.max_reserved, oom=m.oom)
@@ -778,8 +779,15 @@ def _trace(row, layers: int) -> dict:
 
 
 def _line(a: dict, b: dict, layers: int, lo: int) -> dict:
-    return {k: (a[k] + (layers - lo) * (b[k] - a[k]) if isinstance(a[k], (int, float)) and
-                not isinstance(a[k], bool) else b[k]) for k in a}
+    """Each number (and each number of a dict of them: the mechanisms' seconds) on the line
+    through its values at `lo` and `lo + 1` blocks, at `layers` blocks."""
+    def at(x, y):
+        if isinstance(x, dict):
+            return {k: at(x.get(k, 0.0), y.get(k, 0.0)) for k in {*x, *y}}
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return x + (layers - lo) * (y - x)
+        return y
+    return {k: at(a[k], b[k]) for k in a}
 
 
 def predict(row) -> dict:
@@ -824,24 +832,33 @@ def _error(pred, pub):
     return pred / pub - 1
 
 
-def in_band(row, res, errors: dict) -> str:
-    """Whether a step-time row's published figure lies inside the error band its kind shows
-    (the calibration rows' spread of that kind, the row itself left out): "yes", "no", or "-"
-    (no calibration row of its kind, or not a step-time row)."""
+def row_band(row, res):
+    """The error band the row's step time shows (analysis/time_band.py): its mechanisms'
+    weighted uncertainty at full depth, widened by the calibration rows of its kind (a
+    calibration row's own error left out of its band); None for a row without a step time."""
     if row.metric != "tokens/s/GPU" or not isinstance(res.get("value"), float):
-        return "-"
-    others = [e for name, e in errors.get(res.get("kind"), {}).items() if name != row.name]
-    if not others:
+        return None
+    return band_for(res["kind"], res.get("mechanisms"), res["seconds"],
+                    res["kind"].startswith("distributed"), leave_out=row.name)
+
+
+def in_band(row, res, errors: dict | None = None) -> str:
+    """Whether a step-time row's published figure lies inside the error band it shows: "yes"
+    or "no" with the band (time errors), "-" for a row without a step time."""
+    band = row_band(row, res)
+    if band is None or band.low is None:
         return "-"
     # the row's own time error, t_pred / t_true - 1 = published rate / predicted rate - 1: the
     # true time lies in the band when that error is one the band allows
     err = row.published / res["value"] - 1
-    return "yes" if min(others) <= err <= max(others) else "no"
+    alone = "" if band.rows else ", mechanisms alone"
+    return (f"{'yes' if band.low <= err <= band.high else 'no'} ({err:+.1%} in "
+            f"{band.low:+.1%} to {band.high:+.1%}{alone})")
 
 
 def table(rows, results, errors: dict | None = None) -> str:
     errors = calibration_errors(rows, results) if errors is None else errors
-    lines = ["| row | GPU | metric | published | predicted | error | role | inside its band | "
+    lines = ["| row | GPU | metric | published | predicted | error | role | true time inside the band it shows | "
              "how it is built |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -883,8 +900,10 @@ def summary(rows, results) -> str:
         marks = [in_band(r, results[r.name], errors) for r in rows
                  if r.name in results and r.role == role and r.metric == "tokens/s/GPU"]
         if marks:
-            out.append(f"- step time, {role} rows inside the error band of their kind: "
-                       f"{marks.count('yes')} of {len(marks)} ({marks.count('-')} with no "
+            yes = sum(m.startswith("yes") for m in marks)
+            alone = sum("mechanisms alone" in m for m in marks)
+            out.append(f"- step time, {role} rows inside the error band they show: {yes} of "
+                       f"{len(marks)} ({alone} with a band from the mechanisms alone, no "
                        "calibration row of their kind" + (", each row left out of its own band"
                                                           if role == "calibration" else "") + ")")
     # compiled against eager where a source publishes both for one setup: the speed-up

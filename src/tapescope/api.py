@@ -156,7 +156,7 @@ class Profile:
         t = estimate_step_time(self.ops, self.trace, self.gpu, comm, streams, calibration,
                                self.compiled_schedule)
         # the error measured on published runs of its kind (none for times a file calibrated)
-        t.band = profile_band(self, calibrated=calibration is not None)
+        t.band = profile_band(self, calibrated=calibration is not None, step_time=t)
         return t
 
     @cached_property

@@ -31,6 +31,17 @@ inputs (a reader of its output waits for it). While a collective runs it holds N
 of the GPU's SMs, and compute overlapped with it runs on the others (slower by that share).
 `exposed_comm` is the time compute waited on collectives; `comm_overlap` the share of
 communication hidden behind compute.
+
+The host: each op costs it its dispatch (HOST_OP_S, HOST_VIEW_S), and some ops carry Python the
+trace does not record (PYTHON_HOST_S: FSDP2's per-group all-gather work). When the host has not
+yet issued a kernel its stream could run, the GPU waits (`host_wait`, by phase); a phase is
+host-bound when it waits so for half its time or more, and the step's `bound` names what its
+wall time goes to most: the compute stream's kernels ("gpu"), waiting for the host ("host") or
+for collectives ("communication").
+
+Each second of the compute stream is attributed to the mechanism that priced it, and the waits
+to the host or the collectives (`mechanisms`): the error band weighs each mechanism's
+uncertainty by them (analysis/time_band.py).
 """
 
 from __future__ import annotations
@@ -41,9 +52,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..capture.records import Trace
-from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, NCCL_SMS
+from ..capture.records import op_name
+from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, NCCL_SMS, PYTHON_HOST_S
+from ..devices.uncertainty import COLLECTIVES, HOST
 from .kernel_cost import TENSOR_CORE, kernel_of, kernel_time, on_gpu
 from .op_classes import launches_kernel, op_class
+from .time_band import mechanism_of
 
 __all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
 
@@ -66,7 +80,7 @@ class StepTime:
     op_seconds: list = field(repr=False, default_factory=list)   # per op, GPU time (all runs)
     mfu: float = 0.0
     calibrated: bool = False
-    bound: str = ""                 # "gpu", or "host" when the GPU idles half the step or more
+    bound: str = ""                 # what the wall time goes to most: "gpu", "host", "communication"
     recompute: float = 0.0          # GPU seconds of ops recomputed by activation checkpointing
     comm: float = 0.0               # seconds of collectives on the interconnect
     exposed_comm: float = 0.0       # seconds compute waited for collectives
@@ -74,6 +88,11 @@ class StepTime:
     # set by the profile that knows its kind
     band: object = None
     calibration: str | None = None  # the calibration file that priced it (Calibration.label)
+    # seconds of the step priced by each mechanism (devices/uncertainty.py names): the compute
+    # stream's kernels by what priced them, the waits for the host and for collectives
+    mechanisms: dict = field(default_factory=dict)
+    host_wait: dict = field(default_factory=dict)   # phase -> seconds the GPU waited for the host
+    host_bound_phases: tuple = ()   # phases that waited for the host half their time or more
 
     @property
     def comm_overlap(self) -> float:
@@ -83,7 +102,8 @@ class StepTime:
     def to_dict(self) -> dict:
         d = {"seconds": self.seconds, "gpu_busy": self.gpu_busy, "host": self.host,
              "by_phase": self.by_phase, "mfu": self.mfu, "calibrated": self.calibrated,
-             "bound": self.bound, "recompute": self.recompute}
+             "bound": self.bound, "recompute": self.recompute, "mechanisms": self.mechanisms,
+             "host_wait": self.host_wait, "host_bound_phases": list(self.host_bound_phases)}
         if self.comm:
             d.update(comm=self.comm, exposed_comm=self.exposed_comm,
                      comm_overlap=self.comm_overlap)
@@ -153,6 +173,8 @@ class _Schedule:
         self.first = 0             # the first of them not over before the compute stream's time
         # totals
         self.busy = self.recompute = self.comm_total = self.exposed = 0.0
+        self.mechanisms: dict = {}    # mechanism -> compute-stream seconds it priced
+        self.host_wait: dict = {}     # phase -> seconds the compute stream waited for the host
         self.calibrated = True
         self.op_seconds: list = []
         self.model_dtype = None
@@ -173,11 +195,11 @@ class _Schedule:
             return
         t = 0.0
         if kernel:
-            t = self.price(op)
+            t, mechanism = self.price(op)
             if op.record.stream:
                 self.side_stream(op, t, after)
                 return
-            t = self.compute_stream(op, t, marks, after)
+            t = self.compute_stream(op, t, marks, after, mechanism)
         elif marks:   # no kernel: the stream's next kernel waits for these events
             self.held[op.record.stream] = marks
         stream = op.record.stream
@@ -194,6 +216,7 @@ class _Schedule:
         kernel = launches_kernel(op.record.func) and on_gpu(op, self.storages)
         if host_s is None:
             host_s = self.host_op_s if kernel else HOST_VIEW_S
+        host_s += PYTHON_HOST_S.get(op_name(op.record.func).rsplit(".", 1)[0], 0.0)
         self.host += host_s * op.runs
         self.total_flops += op.total_flops or 0
         return kernel
@@ -205,13 +228,26 @@ class _Schedule:
             else op.record.waits
         return marks, max((self.end.get(w, 0.0) for w in marks), default=0.0)
 
-    def price(self, op) -> float:
-        """The op's kernel time (analysis.kernel_cost), times its runs."""
-        t, measured = kernel_seconds(op, self.gpu, self.storages, self.calibration)
+    def price(self, op) -> tuple[float, str]:
+        """The op's kernel time (analysis.kernel_cost), times its runs, and the mechanism that
+        priced it (analysis.time_band.mechanism_of)."""
+        kernel = kernel_of(op, self.storages)
+        t, measured = kernel_time(kernel, self.gpu, self.calibration)
         self.calibrated &= measured
         if op_class(op.record.func) == "matmul" and self.model_dtype is None and op.inputs:
             self.model_dtype = op.inputs[0].dtype
-        return t * op.runs
+        return t * op.runs, mechanism_of(kernel, self.gpu.arch)
+
+    def wait_for_host(self, phase: str) -> float:
+        """When the compute stream can start its next kernel: after its previous one and the
+        host's launch; the time it idles for the launch is the host's (`host_wait`)."""
+        if self.host > self.gpu_t:
+            self.host_wait[phase] = self.host_wait.get(phase, 0.0) + self.host - self.gpu_t
+            return self.host
+        return self.gpu_t
+
+    def priced(self, mechanism: str, t: float) -> None:
+        self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0.0) + t
 
     def _inputs_done(self, op) -> list:
         return [*(self.written.get(r.storage, 0.0) for r in op.inputs),
@@ -249,11 +285,11 @@ class _Schedule:
         self.op_seconds.append(t)
         self.close_phase(op.phase, max(self.gpu_t, self.host, done))
 
-    def compute_stream(self, op, t: float, marks, after: float) -> float:
+    def compute_stream(self, op, t: float, marks, after: float, mechanism: str) -> float:
         """The compute stream: after the previous kernel and the host's launch, its inputs and
         its events; the wait is exposed communication when a collective held it up. Runs on the
         SMs collectives leave free while they run. Returns its (stretched) time."""
-        start = max(self.gpu_t, self.host)
+        start = self.wait_for_host(op.phase)
         waits = max((max(self.ready.get(r.storage, 0.0), self.written.get(r.storage, 0.0))
                      for r in op.inputs), default=0.0) if self.dataflow else 0.0
         waits = max(waits, after)
@@ -268,6 +304,7 @@ class _Schedule:
             t = _stretched(start, t, self.intervals, self.slow, self.first)
         self.gpu_t = start + t
         self.busy += t
+        self.priced(mechanism, t)
         if op.recompute:
             self.recompute += t
         if self.dataflow:
@@ -285,7 +322,7 @@ class _Schedule:
         t *= launch.runs
         self.calibrated &= measured
         self.total_flops += launch.kernel.flops * launch.runs
-        start = max(self.gpu_t, self.host)
+        start = self.wait_for_host(launch.phase)
         if self.dataflow:
             waits = max((max(self.ready.get(s, 0.0), self.written.get(s, 0.0))
                          for s in launch.args), default=0.0)
@@ -295,6 +332,7 @@ class _Schedule:
                 start = waits
         self.gpu_t = start + t
         self.busy += t
+        self.priced(mechanism_of(launch.kernel, self.gpu.arch), t)
         if self.dataflow:
             for s in launch.writes:
                 self.written[s] = self.gpu_t
@@ -329,12 +367,27 @@ class _Schedule:
         gpu = self.gpu
         peak = gpu.peak(TENSOR_CORE.get(self.model_dtype, "fp32")) or gpu.peak("fp32")
         mfu = (self.total_flops / total / peak) if total and peak else 0.0
-        # host-bound: the GPU waits for launches more than half the step
+        if self.host >= total and self.host > self.gpu_t and self.phase_end:
+            # the host issues the step's last ops after the GPU ran out of work: a host tail
+            last = max(self.phase_end, key=self.phase_end.get)
+            self.host_wait[last] = self.host_wait.get(last, 0.0) + self.host - self.gpu_t
+        waited = sum(self.host_wait.values())
+        mechanisms = dict(self.mechanisms)
+        if waited:
+            mechanisms[HOST] = waited
+        if self.exposed:
+            mechanisms[COLLECTIVES] = self.exposed
+        compute = sum(self.mechanisms.values())
+        bound = max((("gpu", compute), ("host", waited), ("communication", self.exposed)),
+                    key=lambda kv: kv[1])[0]
+        host_bound = tuple(phase for phase, span in by_phase.items()
+                           if span > 0 and self.host_wait.get(phase, 0.0) >= span / 2)
         return StepTime(total, self.busy, self.host, by_phase, self.op_seconds, mfu,
-                        self.calibrated, "gpu" if self.busy >= total / 2 else "host",
-                        self.recompute, self.comm_total, self.exposed,
+                        self.calibrated, bound, self.recompute, self.comm_total, self.exposed,
                         calibration=(self.calibration.label if self.calibration is not None
-                                     else None))
+                                     else None),
+                        mechanisms=mechanisms, host_wait=dict(self.host_wait),
+                        host_bound_phases=host_bound)
 
 
 def _occupy(intervals: list, a: float, b: float) -> int:

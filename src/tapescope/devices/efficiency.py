@@ -13,8 +13,8 @@ from dataclasses import dataclass
 __all__ = ["Efficiency", "PRIORS", "MEASURED", "efficiency_for", "MATMUL_CEILING", "GEMM_TILES",
            "gemm_tile_utilization", "matmul_ceiling", "ATTENTION", "attention_efficiency",
            "MATMUL_CEILING_FP8", "ACHIEVABLE_BANDWIDTH", "achievable_bandwidth", "SUSTAINED_SHARE", "sustained_clock", "ATTENTION_CURVES",
-           "attention_curve_share",
-           "NCCL_SMS", "ELEMENTWISE_BANDWIDTH"]
+           "attention_curve_share", "attention_provenance",
+           "NCCL_SMS", "ELEMENTWISE_BANDWIDTH", "PYTHON_HOST_S", "FSDP2_ALL_GATHER_HOST_S"]
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,33 @@ PRIORS = {
 }
 
 # GPU-side cost of one kernel (launch latency and tail), and host-side cost of dispatching one op
-# in eager PyTorch (Python binding, dispatcher, autograd bookkeeping, launch call).
+# in eager PyTorch (Python binding, dispatcher, autograd bookkeeping, launch call): priors, round
+# figures. For scale: PyTorch's own launch study (meta-pytorch/tritonbench PR #1017, GB200 host)
+# measured 6.8-9.1 us for one compiled kernel's launch from Python without the dispatcher or
+# autograd (analysis/compiled_time.py), so an eager op's 9 us is at the low end of what an op
+# that also goes through the dispatcher and autograd costs; devices/uncertainty.py carries the
+# host's uncertainty as a prior.
 KERNEL_OVERHEAD_S = 3e-6
 HOST_OP_S = 9e-6
 HOST_VIEW_S = 3e-6
+
+# ---- host work the trace does not record: Python around some ops -------------------------------
+# FSDP2's per-group host cost. One all-gather of a group (`foreach_all_gather`: the parameters'
+# cast to the compute dtype, the copy-in, the collective's issue) costs the host 0.37 ms on
+# Llama3-8B's blocks (pytorch/pytorch PR #133369, "[FSDP2] Added eager fast-path for fp32->bf16
+# param cast", 2024-08: "(New) on Llama3-8B (0.37 ms CPU overhead for all-gather)", 0.46 ms
+# before the fast path; 0.996 ms with float8 all-gather). The fast path is the code torch 2.14
+# runs: the trace records it as two empty tensors, one split and one _foreach_copy_, the
+# `fsdp.all_gather_copy_in` and the collective, which the schedule already charges 3 x HOST_OP_S +
+# 3 x HOST_VIEW_S. The rest, FSDP2's Python (hooks, per-parameter bookkeeping, stream and event
+# calls), is charged to the group's copy-in op. A user's report of the same kind: pytorch/pytorch
+# issue #173680 (torch 2.10, a model of many small groups): `FSDP::pre_forward` about 1 ms per
+# group, 50% of the step, the GPU mostly idle. No published figure was found for the
+# reduce-scatter's side (`foreach_reduce`): nothing is added there.
+FSDP2_ALL_GATHER_HOST_S = 0.37e-3
+PYTHON_HOST_S = {
+    "fsdp.all_gather_copy_in": FSDP2_ALL_GATHER_HOST_S - 3 * HOST_OP_S - 3 * HOST_VIEW_S,
+}
 
 
 # (GPU catalogue key, op class) -> Efficiency measured on that GPU (gpu, torch and date set).
@@ -218,6 +241,22 @@ def attention_curve_share(backend, arch, direction, causal, seq) -> float | None
         return None
     r = _on_curve(ratio[0], seq) / _on_curve(ratio[1], seq)
     return _on_curve(other, seq) * (r if causal else 1 / r) * 1e12 / ATTENTION_PEAK
+
+
+def attention_provenance(op_name: str, arch: str | None, shape: tuple | None = None) -> str:
+    """Where attention_efficiency's figure for this call comes from: "curve" (a point of a
+    published curve, or between two of its neighbouring points), "interpolated" (a curve known
+    only at its ends, or derived from the other mask's curve), "flat" (a flat figure), or "none"."""
+    backend = _backend(op_name)
+    direction = "backward" if "backward" in op_name else "forward"
+    if shape is not None:
+        causal = bool(shape.causal)
+        curve = ATTENTION_CURVES.get((backend, arch, direction, causal))
+        if curve is not None:
+            return "interpolated" if None in curve else "curve"
+        if attention_curve_share(backend, arch, direction, causal, shape.seq_k) is not None:
+            return "interpolated"
+    return "flat" if (backend, arch, direction) in ATTENTION else "none"
 
 
 def attention_efficiency(op_name: str, arch: str | None, shape: tuple | None = None

@@ -231,11 +231,11 @@ def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outc
     elif timed:
         seconds = max(rt.seconds for _, rt in timed)
     mfu = _mfu(p, ranks, seconds, compute_dtype)
-    # the time model's error band (analysis.time_band.TimeBand: the spread of its error on the
-    # calibration runs of this kind) as (low, high) seconds of this candidate's step
+    # the time model's error band (analysis.time_band.TimeBand: its mechanisms' uncertainty and
+    # the spread of its error on the calibration runs of this kind) as (low, high) seconds
     tb = getattr(t, "band", None) if t is not None else None
     band = ((seconds * (1 + tb.low), seconds * (1 + tb.high))
-            if tb is not None and tb.rows and seconds else None)
+            if tb is not None and tb.low is not None and seconds else None)
     return Outcome(candidate, FITS, ranks, seconds, band,
                    global_tokens / seconds if seconds else None, mfu,
                    max((rt.exposed_comm for _, rt in timed), default=None), bubble,

@@ -244,8 +244,10 @@ def _render_cuda(p, console: Console, invocation=None) -> None:
                       "not ops the per-op roofline sees", highlight=False, markup=False)
         return
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.by_phase.items())
-    console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound), MFU "
-                        f"{t.mfu:.0%}", (_calibration_note(t), "dim")))
+    host_bound = (f", host-bound in {', '.join(t.host_bound_phases)}"
+                  if t.host_bound_phases and t.bound != "host" else "")
+    console.print(_line(f"  step time {t.seconds * 1e3:.1f} ms ({phases}; {t.bound}-bound"
+                        f"{host_bound}), MFU {t.mfu:.0%}", (_calibration_note(t), "dim")))
     if t.band is not None:
         console.print(f"  step time error: {t.band.text()}", highlight=False, markup=False)
 
