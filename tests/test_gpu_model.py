@@ -413,3 +413,43 @@ def test_collective_spans_merge_where_they_overlap():
     assert _occupy(spans, 1.5, 1.8) == 1 and spans[1] == (1.5, 1.8)
     assert _occupy(spans, 0.5, 2.5) == 0 and spans == [(0.0, 3.0), (3.0, 4.0)]
     assert _occupy(spans, -1.0, 5.0) == 0 and spans == [(-1.0, 5.0)]
+
+
+def test_bound_names_what_the_wall_time_goes_to_most():
+    """`bound`: the compute stream's kernels, the GPU waiting for the host, or compute waiting
+    for a collective, whichever takes most of the step. A step of tiny ops waits for the host in
+    every phase; an op that reads a 10 ms all-gather's output waits for it (communication)."""
+    tiny = tapescope.profile(lambda: OneMatmul(8), tapescope.spec((8, 8)), device="cuda",
+                             gpu="h100", optimizer="adamw")
+    t = estimate_step_time(tiny.ops, tiny.trace, get_gpu("h100"))
+    assert t.bound == "host" and set(t.host_bound_phases) == set(t.by_phase)
+    assert sum(t.host_wait.values()) > t.seconds / 2
+
+    gpu = get_gpu("h100")
+    gather = _elementwise(0, torch.ops.c10d._allgather_base_.default, 0, (1,), (2,), 1 << 20)
+    reader = _elementwise(1, torch.ops.aten.add.Tensor, 0, (2, 3), (4,), 1 << 20)
+    c = 0.01
+    t = estimate_step_time([gather, reader], SimpleNamespace(storages={}), gpu, {0: c})
+    # the reader is issued at 2 host ops and waits until the collective ends at HOST_OP_S + c
+    assert t.exposed_comm == pytest.approx(c - HOST_OP_S)
+    assert t.bound == "communication" and t.host_bound_phases == ()
+
+
+def test_fsdp2_all_gather_carries_its_python_host_cost(monkeypatch):
+    """Each FSDP2 all-gather costs the host 0.37 ms in all (pytorch PR #133369, Llama3-8B): the
+    traced ops of its span are charged their dispatch (3 launching ops, 3 that launch none), the
+    rest once per group at its copy-in: the host's time grows by exactly that per all-gather."""
+    import tapescope.analysis.timing as timing
+    from tapescope.devices.efficiency import HOST_VIEW_S
+
+    from . import distributed_models as dm
+
+    p = tapescope.profile(dm.build, dm.INPUT, mesh={"dp": 2}, parallelize=dm.fsdp, device="cuda",
+                          gpu="h100")
+    gathers = sum(1 for op in p.ops if op.name == "fsdp.all_gather_copy_in.default")
+    assert gathers >= 2
+    with_python = estimate_step_time(p.ops, p.trace, p.gpu)
+    monkeypatch.setattr(timing, "PYTHON_HOST_S", {})
+    without = estimate_step_time(p.ops, p.trace, p.gpu)
+    assert with_python.host - without.host == \
+        pytest.approx(gathers * (0.37e-3 - 3 * HOST_OP_S - 3 * HOST_VIEW_S))

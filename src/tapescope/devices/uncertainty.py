@@ -53,9 +53,9 @@ MECHANISMS = {
     # are within 0.03%. As time errors: 1 / 1.074 - 1 = -6.9% to +0.0%.
     GEMM_LARGE: Uncertainty(-0.069, 0.0, "Azure's cuBLASLt GEMM tables, the 14 rows with every "
                             "dimension >= 4096 (11 not fitted): TFLOP/s +0.3% to +7.4%"),
-    # the same tables' other 11 rows (1024^3, 2048^3, 1024 x 2145 x 1024, 802816 x 192 x 768):
+    # the same tables' other 12 rows (1024^3, 2048^3, 1024 x 2145 x 1024, 802816 x 192 x 768):
     # TFLOP/s -11.6% (A100 2048^3) to +35.3% (H200 802816 x 192 x 768); time +13.1% to -26.1%
-    GEMM_OTHER: Uncertainty(-0.261, 0.131, "Azure's cuBLASLt GEMM tables, the 11 rows with a "
+    GEMM_OTHER: Uncertainty(-0.261, 0.131, "Azure's cuBLASLt GEMM tables, the 12 rows with a "
                             "dimension < 4096: TFLOP/s -11.6% to +35.3%"),
     # FlashAttention-3 paper's curves as transcribed from a third-party extraction (published_
     # runs.md says to check them against the figures; not done): a round prior for the reading
