@@ -25,7 +25,9 @@ constant was fitted to them: devices/efficiency.py's constants come from publish
 microbenchmarks; they were used to choose between mechanisms, e.g. which ops run on FSDP2's
 side streams); every other row is held out. `--write-doc` also writes the calibration rows'
 step-time errors, by kind of step, into src/tapescope/devices/time_bands.py: the error band
-every predicted time shows (analysis/time_band.py). Korthikanti's and Megatron's rows were
+every predicted time shows, widened by the uncertainty of its mechanisms (analysis/time_band.py;
+the band's column marks whether the published figure lies inside the band that row shows).
+Korthikanti's and Megatron's rows were
 changed once after their first predictions (the program, not a constant; said at each). The single-GPU rows are built with the runs' own
 model code (lit-gpt's GPT + LoRA, torchtune's modules), re-expressed from their sources, not
 tuned to the published figures.
@@ -1002,8 +1004,8 @@ def main(argv=None):
         # from the first, every row of the second is a check it was never tuned on)
         text = "\n\n".join(
             f"{title}:\n\n" + table([r for r in ROWS if r.role == role], cache, errors)
-            for title, role in (("Calibration rows (chose between mechanisms; their errors are "
-                                 "the error bands)", "calibration"),
+            for title, role in (("Calibration rows (chose between mechanisms; their errors "
+                                 "widen the error bands of their kind)", "calibration"),
                                 ("Held-out rows (never used to choose or set anything)",
                                  "held out"))) + "\n\n" + summary(ROWS, cache)
         doc = open(DOC).read()
