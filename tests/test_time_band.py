@@ -56,6 +56,9 @@ def test_band_by_hand_from_the_calibration_rows_and_the_mechanisms():
         assert alone.low == pytest.approx(0.6 * -0.069 + 0.3 * -0.15 + 0.1 * -0.5)
         assert "mechanisms' uncertainty alone: no published run of this kind (single GPU, " \
             "compiled)" in alone.text()
+        # a time priced from a calibration file: the same ranges, said to be the unmeasured ones
+        assert "priced without a measurement" in \
+            band_for(time_kind(False, False, True), seconds, 1.0).text()
         unknown = band_for(time_kind(False, True))
         assert unknown.n == 0 and unknown.low is None
         assert "no published run of this kind (single GPU, compiled)" in unknown.text()

@@ -96,8 +96,13 @@ class TimeBand:
             hi = max(e for _, e in self.rows)
             return (f"published runs like this one ({self.kind}): {lo:+.0%} to {hi:+.0%}, "
                     f"n={self.n}, widened by its mechanisms' uncertainty")
-        return (f"from its mechanisms' uncertainty alone: no published run of this kind "
-                f"({self.kind}) is in the calibration set")
+        why = (f"from its mechanisms' uncertainty alone: no published run of this kind "
+               f"({self.kind}) is in the calibration set")
+        if self.kind.endswith("calibrated from a file"):
+            # the ranges are the uncalibrated model's: wider than a kernel priced from its own
+            # measurement can be off
+            why += "; the ranges are those of kernels priced without a measurement"
+        return why
 
     def text(self) -> str:
         if self.low is None:
