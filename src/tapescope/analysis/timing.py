@@ -51,8 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..capture.records import Trace
-from ..capture.records import op_name
+from ..capture.records import Trace, op_name
 from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, NCCL_SMS, PYTHON_HOST_S
 from ..devices.uncertainty import COLLECTIVES, HOST
 from .kernel_cost import TENSOR_CORE, kernel_of, kernel_time, on_gpu
