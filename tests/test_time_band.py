@@ -187,3 +187,22 @@ def test_fit_layouts_carry_the_band_of_their_kind(tmp_path):
     assert rows and all(kind in row["error_band"] for row in rows)
     for row in rows:   # each layout's own band (its mechanisms' shares differ), on the console
         assert f"tokens/s error: {row['error_band']}" in " ".join(r.output.split())
+
+
+def test_attention_kernels_are_attributed_by_where_their_figure_comes_from():
+    """A point of a complete published curve (cuDNN on Hopper), a curve known at its ends only
+    (FlashAttention-2) or derived from the other mask's, a flat figure (Ampere), or nothing."""
+    from tapescope.analysis.kernel_cost import AttentionShape
+    from tapescope.devices.efficiency import attention_provenance
+
+    causal = AttentionShape(32, 4096, 4096, 128, True)
+    full = AttentionShape(32, 4096, 4096, 128, False)
+    cudnn = "aten._scaled_dot_product_cudnn_attention.default"
+    cudnn_bwd = "aten._scaled_dot_product_cudnn_attention_backward.default"
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    assert attention_provenance(cudnn, "hopper", causal) == "curve"
+    assert attention_provenance(cudnn_bwd, "hopper", full) == "curve"
+    assert attention_provenance(cudnn_bwd, "hopper", causal) == "interpolated"   # from the mask ratio
+    assert attention_provenance(flash, "hopper", causal) == "interpolated"
+    assert attention_provenance(flash, "ampere", causal) == "flat"
+    assert attention_provenance(flash, "volta", causal) == "none"
