@@ -27,8 +27,8 @@ side streams); every other row is held out. `--write-doc` also writes the calibr
 step-time errors, by kind of step, into src/tapescope/devices/time_bands.py: the error band
 every predicted time shows, widened by the uncertainty of its mechanisms (analysis/time_band.py;
 the band's column marks whether the published figure lies inside the band that row shows).
-Korthikanti's and Megatron's rows were
-changed once after their first predictions (the program, not a constant; said at each). The single-GPU rows are built with the runs' own
+Korthikanti's and Megatron's rows were changed once after their first predictions (the
+program, not a constant; said at each). The single-GPU rows are built with the runs' own
 model code (lit-gpt's GPT + LoRA, torchtune's modules), re-expressed from their sources, not
 tuned to the published figures.
 torchtitan's, torchao's and the Ultra-Scale Playbook's tables are never used.

@@ -202,7 +202,8 @@ def test_attention_kernels_are_attributed_by_where_their_figure_comes_from():
     flash = "aten._scaled_dot_product_flash_attention.default"
     assert attention_provenance(cudnn, "hopper", causal) == "curve"
     assert attention_provenance(cudnn_bwd, "hopper", full) == "curve"
-    assert attention_provenance(cudnn_bwd, "hopper", causal) == "interpolated"   # from the mask ratio
+    # the causal backward is derived from the non-causal one by the forward's mask ratio
+    assert attention_provenance(cudnn_bwd, "hopper", causal) == "interpolated"
     assert attention_provenance(flash, "hopper", causal) == "interpolated"
     assert attention_provenance(flash, "ampere", causal) == "flat"
     assert attention_provenance(flash, "volta", causal) == "none"

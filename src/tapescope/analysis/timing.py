@@ -79,7 +79,7 @@ class StepTime:
     op_seconds: list = field(repr=False, default_factory=list)   # per op, GPU time (all runs)
     mfu: float = 0.0
     calibrated: bool = False
-    bound: str = ""                 # what the wall time goes to most: "gpu", "host", "communication"
+    bound: str = ""                 # what the wall time goes to most: gpu, host, communication
     recompute: float = 0.0          # GPU seconds of ops recomputed by activation checkpointing
     comm: float = 0.0               # seconds of collectives on the interconnect
     exposed_comm: float = 0.0       # seconds compute waited for collectives
