@@ -102,7 +102,7 @@ __all__ = [
     "dtensor_meta_propagation", "sharding_decisions", "strided_shard_flag_propagation",
     "mesh_strategy_expansion",
     "foreach_strategy_expansion",
-    "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED", "engine_grad_mode",
+    "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED", "patched", "engine_grad_mode",
     "dynamo_disable_is_a_call", "disable_dynamo",
 ]
 
@@ -1274,3 +1274,71 @@ PATCHED = (
     Patched("torch.distributed.distributed_c10d", ("isend", "irecv"), "distributed/fidelity.py",
             "likewise (P2POp compares the op with them by identity)"),
 )
+
+
+# ---- the one way a catalogued attribute is set -----------------------------------------------
+
+_NO_OWN_ENTRY = object()   # the owner had no entry of its own: what it inherits shows through
+
+
+def _loaded(dotted: str):
+    """The module, class or object `dotted` names if its module is imported, else None (an
+    object not loaded yet cannot be the one being patched; nothing is imported here)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        obj = sys.modules.get(".".join(parts[:i]))
+        if obj is not None:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr, None)
+            return obj
+    return None
+
+
+def _catalogued_names(owner, wanted) -> set:
+    """Which of the names `wanted` PATCHED lists for `owner` (the very object)."""
+    out = set()
+    for p in PATCHED:
+        if not wanted.isdisjoint(p.names) and _loaded(p.owner) is owner:
+            out.update(p.names)
+    return out & wanted
+
+
+def _is_config_module(owner) -> bool:
+    from torch.utils._config_module import ConfigModule
+
+    return isinstance(owner, ConfigModule)
+
+
+@_contextmanager
+def patched(owner, **values):
+    """Set `owner.NAME = value` for each of `values` while the block runs, then put back each
+    as it was, error or not: an entry the owner held itself gets its very object back (a
+    classmethod as stored, not as bound); one it inherited or lacked is deleted again, so that
+    what shows through is what did before. A torch config module (inductor's, functorch's) is
+    patched by its own `patch`, which keeps its record of user overrides right.
+
+    The one way tapescope sets an attribute of torch or of a library it drives, here as in
+    `mem_tracker`'s single `__enter__`: each (owner, name) must be in PATCHED, and
+    tests/test_patches.py fails on any setattr or attribute assignment to torch elsewhere.
+    Patches nest: an inner block restores the outer block's value."""
+    unknown = set(values) - _catalogued_names(owner, set(values))
+    if unknown:
+        raise RuntimeError(f"tapescope: {getattr(owner, '__name__', owner)!s}."
+                           f"{', '.join(sorted(unknown))} is not in torch_compat.PATCHED: add "
+                           "an entry saying who sets it and why")
+    if _is_config_module(owner):
+        with owner.patch(**values):
+            yield
+        return
+    own = vars(owner)
+    saved = {name: own.get(name, _NO_OWN_ENTRY) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for name, was in saved.items():
+            if was is not _NO_OWN_ENTRY:
+                setattr(owner, name, was)
+            elif name in vars(owner):
+                delattr(owner, name)

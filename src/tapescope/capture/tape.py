@@ -36,7 +36,8 @@ from ..torch_compat import (MARKERS_RUN_AS_THEY_ARE, FakeTensor, SizeFreeCacheCh
                             current_autograd_node, disable_dynamo,
                             disable_torch_function, dynamo_disable_is_a_call,
                             fake_mode_handles_directly, is_wrapper_subclass, kernel_invocation,
-                            node_sequence_nr, sequence_nr, storage_key, untyped_storage_key)
+                            node_sequence_nr, patched, sequence_nr, storage_key,
+                            untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
 from .records import (BACKWARD, FORWARD, OTHER, WORKSPACE, Frame, KernelLaunch, OpRecord,
@@ -401,11 +402,8 @@ class Tape(SizeFreeCacheCheck):
             self.storage_resized(st, before)
             return out
 
-        torch.UntypedStorage.resize_ = resize_
-        try:
+        with patched(torch.UntypedStorage, resize_=resize_):
             yield
-        finally:
-            torch.UntypedStorage.resize_ = original
 
     def register(self, t: torch.Tensor, name: str, role: str | None = None,
                  owner: str | None = None) -> int:
