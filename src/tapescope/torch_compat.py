@@ -102,7 +102,8 @@ __all__ = [
     "dtensor_meta_propagation", "sharding_decisions", "strided_shard_flag_propagation",
     "mesh_strategy_expansion",
     "foreach_strategy_expansion",
-    "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED", "patched", "engine_grad_mode",
+    "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED", "patched", "Shortcut",
+    "SHORTCUTS", "engine_grad_mode",
     "dynamo_disable_is_a_call", "disable_dynamo",
 ]
 
@@ -1146,10 +1147,14 @@ def select_conv_backend(x, weight, stride, padding, dilation, transposed, output
 # questions itself (the C++ engine's graph-task queries, CUDA's device queries without a GPU),
 # sees what no dispatch mode sees (hooks kept in C++, `UntypedStorage.resize_`) or runs a branch
 # as the eager step does (DTensor's `_are_we_tracing`). Each is set by the module named in `by`
-# inside a `with` block that restores it on exit, error or not; the list is here so that one can
-# see them all, and tests/test_patches.py checks that after a normal, a failing, a GPU-less CUDA,
-# a compiled and a distributed profile each is the very object it was before, and that while a
-# profile runs nothing else under torch is changed. Not listed, because not fixed attributes:
+# through `patched` (below), the one context manager that sets a catalogued attribute and
+# restores it on exit, error or not, and refuses one this list lacks; the list is here so that
+# one can see them all, and tests/test_patches.py checks that after a normal, a failing, a
+# GPU-less CUDA, a compiled and a distributed profile each is the very object it was before,
+# that while a profile runs nothing else under torch is changed, and (an AST check) that no
+# module sets an attribute of torch any other way. Decisions of torch that tapescope's dispatch
+# copies without setting anything are catalogued beside them (SHORTCUTS). Not listed, because
+# not fixed attributes:
 # capture/isolation.py binds the globals and class attributes the *model's* code names to private
 # copies (restored the same way), and the global module / optimizer-step hooks capture/modules.py
 # and capture/program.py register through torch's public API (removed on exit).
@@ -1273,6 +1278,43 @@ PATCHED = (
             "point-to-point works hold their tensors, as gloo's and NCCL's do"),
     Patched("torch.distributed.distributed_c10d", ("isend", "irecv"), "distributed/fidelity.py",
             "likewise (P2POp compares the op with them by identity)"),
+)
+
+
+
+@_dataclass(frozen=True)
+class Shortcut:
+    """A decision of torch's that tapescope's own dispatch makes itself, the same way and
+    faster. Nothing of torch is set (there is nothing for `patched` to apply), but the copy is
+    catalogued here beside the patches: `copies` names torch's code, `by` where tapescope
+    copies it. tests/test_torch_compat.py checks each against torch's own code on this
+    install, so that a torch whose decision changed fails there, not in a profile's numbers."""
+
+    name: str
+    copies: str
+    by: str
+    why: str
+
+
+SHORTCUTS = (
+    Shortcut("prim.device", "torch/_subclasses/fake_tensor.py: _device_handler, "
+             "FakeTensorMode's handler of prim.device",
+             "capture/tape.py: _device_answer, from Tape.__torch_dispatch__",
+             "`t.device` asked from C++ (~2,300 times a GPT-2 profile), answered without the "
+             "~3 us of FakeTensorMode's dispatch; never recorded, no side effect"),
+    Shortcut("foreign subclass", "torch/_subclasses/fake_tensor.py: _check_for_subclass_arg "
+             "(FakeTensorMode._dispatch_impl returns NotImplemented for such an argument)",
+             "capture/tape.py: _foreign_subclass, from Tape._declined",
+             "every op of a parallelised step meets a DTensor first: NotImplemented without "
+             "the ~30 us FakeTensorMode spends reaching it (a cache key tried, arguments "
+             "flattened)"),
+    Shortcut("_should_skip_dynamo", "torch/utils/_python_dispatch.py: "
+             "TorchDispatchMode.__init_subclass__ wraps __torch_dispatch__ in "
+             "torch._disable_dynamo unless _should_skip_dynamo() is False",
+             "capture/tape.py: Tape._should_skip_dynamo, Tape.__torch_dispatch__ "
+             "(dynamo_disable_is_a_call)",
+             "the wrapper (~0.4 us an op, two more frames under every source-line walk) taken "
+             "only where it does more than call: a compiled region runs, or a stance says so"),
 )
 
 

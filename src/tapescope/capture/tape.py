@@ -59,6 +59,13 @@ _NOT_OP_NAMESPACES = ("prim", "profiler")  # metadata queries and record_functio
 _PLAIN_TYPES = frozenset((FakeTensor, torch.Tensor))
 
 
+def _device_answer(t: FakeTensor) -> torch.device:
+    """`prim.device` of a fake tensor as FakeTensorMode answers it (fake_tensor.py,
+    `_device_handler`): meta inside a kernel invocation, else its fake device
+    (torch_compat.SHORTCUTS)."""
+    return _META if t.fake_mode.in_kernel_invocation else t.fake_device
+
+
 def _foreign_subclass(t: type) -> bool:
     """Whether an argument of type `t` makes FakeTensorMode decline an op: fake_tensor.py's
     `_check_for_subclass_arg`, on the type (it reads nothing else of the argument)."""
@@ -529,7 +536,7 @@ class Tape(SizeFreeCacheCheck):
             # `t.device` asked from C++ (~2,300 times a GPT-2 profile): FakeTensorMode's own answer
             # (fake_tensor.py, _device_handler), without the ~3 us of its dispatch; never recorded,
             # no side effect, so answered before the question of torch's dynamo wrapper
-            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+            return _device_answer(args[0])
         if dynamo_disable_is_a_call():
             return self._torch_dispatch(func, types, args, kwargs)
         return _TORCH_DISPATCH_DYNAMO_DISABLED(self, func, types, args, kwargs)
