@@ -397,3 +397,21 @@ def test_patched_refuses_what_the_catalogue_does_not_list_and_restores():
     with patched(cls, maybe_clear_saved_tensors=lambda ctx: None):
         assert "maybe_clear_saved_tensors" in vars(cls)
     assert ("maybe_clear_saved_tensors" not in vars(cls)) is inherited
+
+
+def test_patched_imports_nothing():
+    """Looking an owner up in the catalogue reads only loaded modules: patching torch.cuda
+    must not import torch._dynamo (the catalogue also lists dynamo's CudaInterface), which
+    torch's lazy module __getattr__ would do on a plain getattr."""
+    import subprocess
+
+    code = ("import sys, torch\n"
+            "from tapescope.torch_compat import patched\n"
+            "assert 'torch._dynamo' not in sys.modules\n"
+            "with patched(torch.cuda, is_available=lambda: True):\n"
+            "    pass\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -1321,6 +1321,7 @@ SHORTCUTS = (
 # ---- the one way a catalogued attribute is set -----------------------------------------------
 
 _NO_OWN_ENTRY = object()   # the owner had no entry of its own: what it inherits shows through
+_ModuleType = type(sys)
 
 
 def _loaded(dotted: str):
@@ -1331,7 +1332,9 @@ def _loaded(dotted: str):
         obj = sys.modules.get(".".join(parts[:i]))
         if obj is not None:
             for attr in parts[i:]:
-                obj = getattr(obj, attr, None)
+                # a module's own entries only: its __getattr__ would import (torch._dynamo)
+                obj = vars(obj).get(attr) if isinstance(obj, _ModuleType) else \
+                    getattr(obj, attr, None)
             return obj
     return None
 
