@@ -400,15 +400,16 @@ def test_patched_refuses_what_the_catalogue_does_not_list_and_restores():
 
 
 def test_patched_imports_nothing():
-    """Looking an owner up in the catalogue reads only loaded modules: patching torch.cuda
-    must not import torch._dynamo (the catalogue also lists dynamo's CudaInterface), which
-    torch's lazy module __getattr__ would do on a plain getattr."""
+    """Looking an owner up in the catalogue reads only loaded modules: patching
+    torch.cuda.current_device must not import torch._dynamo (the catalogue also lists dynamo's
+    CudaInterface.current_device), which torch's lazy module __getattr__ would do on a plain
+    getattr (it did, before the lookup read modules' own entries only)."""
     import subprocess
 
     code = ("import sys, torch\n"
             "from tapescope.torch_compat import patched\n"
             "assert 'torch._dynamo' not in sys.modules\n"
-            "with patched(torch.cuda, is_available=lambda: True):\n"
+            "with patched(torch.cuda, current_device=lambda: 0):\n"
             "    pass\n"
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
