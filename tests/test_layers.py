@@ -23,7 +23,7 @@ LAYERS = (
               "tapescope.loading", "tapescope.version", "tapescope.devices")),
     # The value types an option holds (a checkpointing policy, a mesh, sizes, allocator settings).
     ("option values", ("tapescope.values", "tapescope.losses")),
-    ("options", ("tapescope.options",)),
+    ("options", ("tapescope.options", "tapescope.option_table")),
     ("capture", ("tapescope.capture",)),
     ("analysis", ("tapescope.analysis",)),
     # Example models; distributed's TP presets know their layers.

@@ -243,3 +243,176 @@ def test_every_catalogued_owner_resolves():
             continue
         missing += [f"{p.owner}.{n}" for n in p.names if not hasattr(owner, n)]
     assert not missing, missing
+
+
+# ---- nothing outside the catalogue's context manager sets an attribute of torch -------------
+
+_SRC = __import__("pathlib").Path(tapescope.__file__).parent
+_LIBRARY_ROOTS = ("torch", "triton", "transformers")
+
+# setattr with a name computed at run time, on objects that are not torch's: each says whose
+# object it is (a test cannot tell an instance from a class, so it is named here)
+_DYNAMIC_SETATTR = {
+    ("capture/checkpointing.py", "apply_policies"): "the traced copy of the user's model",
+    ("capture/isolation.py", "shadows"): "the model's own globals and class attributes, bound "
+                                         "to private copies (the catalogue's note)",
+    ("capture/data_values.py", "alias"): "a fake tensor: tapescope's value tags",
+    ("distributed/pipeline.py", "_backward_actions_as_phases"): "the traced rank's "
+                                                                "PipelineStage instances",
+}
+
+
+def _imported_from_libraries(tree) -> tuple[set, set]:
+    """(names a module imports from torch, triton or transformers; the torch_compat getters
+    it imports)."""
+    import ast
+
+    getters, names = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names
+                      if a.name.split(".")[0] in _LIBRARY_ROOTS}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module.split(".")[0] in _LIBRARY_ROOTS:
+                names |= {a.asname or a.name for a in node.names}
+            elif module.endswith("torch_compat"):
+                getters |= {a.asname or a.name for a in node.names}
+    return names, getters
+
+
+def _bound_by_getters(function, getters: set) -> set:
+    """Names a function binds to what a torch_compat getter returns (`engine, names =
+    graph_task_queries()`, `for cls, name in mesh_rank_tensor_methods()`): torch objects."""
+    import ast
+
+    def targets(t):
+        if isinstance(t, ast.Name):
+            yield t.id
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            for e in t.elts:
+                yield from targets(e)
+
+    names = set()
+    for node in ast.walk(function):
+        value = node.value if isinstance(node, ast.Assign) else \
+            node.iter if isinstance(node, ast.For) else None
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
+                and value.func.id in getters:
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                names |= set(targets(t))
+    return names
+
+
+def _root(node):
+    import ast
+
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.value if not isinstance(node, ast.Call) else node.func
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _constant_name(node) -> bool:
+    """A string literal, or a module constant (`_VALUE_ATTR`): a fixed attribute name."""
+    import ast
+
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) or \
+        isinstance(node, ast.Name) and node.id.strip("_").replace("_", "").isupper()
+
+
+def patch_sites(path) -> list[str]:
+    """Where a module sets or deletes an attribute of a torch object itself: an assignment to
+    or deletion of `X.attr` (or setattr / delattr of X) with X bound to torch, or a setattr
+    whose attribute name is computed, outside the exceptions above."""
+    import ast
+
+    tree = ast.parse(path.read_text(), str(path))
+    imported, getters = _imported_from_libraries(tree)
+    rel = path.relative_to(_SRC).as_posix()
+    out = []
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
+                                                             ast.AsyncFunctionDef))]
+    by_getters = {f: _bound_by_getters(f, getters) for f in functions}
+
+    def enclosing_function(node):
+        inner = [f for f in functions if f.lineno <= node.lineno <= f.end_lineno]
+        return min(inner, key=lambda f: f.end_lineno - f.lineno) if inner else None
+
+    def enclosing(node):
+        f = enclosing_function(node)
+        return None if f is None else f.name
+
+    for node in ast.walk(tree):
+        f = enclosing_function(node) if isinstance(node, (ast.Assign, ast.AugAssign,
+                                                          ast.AnnAssign, ast.Delete,
+                                                          ast.Call)) else None
+        bound = imported | set().union(*(by_getters[g] for g in functions
+                                         if f is not None and g.lineno <= f.lineno
+                                         and f.end_lineno <= g.end_lineno))
+        written = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            for t in getattr(node, "targets", None) or [node.target]:
+                elts = t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]
+                written += [e for e in elts if isinstance(e, ast.Attribute)]
+            if any(_root(w.value) in bound for w in written):
+                out.append(f"{rel}:{node.lineno}: sets an attribute of torch")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("setattr", "delattr") and node.args:
+            if _root(node.args[0]) in bound:
+                out.append(f"{rel}:{node.lineno}: {node.func.id} on torch")
+            elif len(node.args) > 1 and not _constant_name(node.args[1]) \
+                    and (rel, enclosing(node)) not in _DYNAMIC_SETATTR:
+                out.append(f"{rel}:{node.lineno}: {node.func.id} with a computed name in "
+                           f"{enclosing(node)}")
+    return out
+
+
+def test_torch_is_patched_only_through_the_catalogue():
+    """Every attribute of torch a profile sets goes through torch_compat.patched, which refuses
+    what PATCHED does not list and restores each: no module sets one itself."""
+    sites = []
+    for path in sorted(_SRC.rglob("*.py")):
+        if path.name != "torch_compat.py":
+            sites += patch_sites(path)
+    assert not sites, "set these through torch_compat.patched (and list them in PATCHED):\n" + \
+        "\n".join(sites)
+
+
+def test_patched_refuses_what_the_catalogue_does_not_list_and_restores():
+    from tapescope.torch_compat import patched
+
+    with pytest.raises(RuntimeError, match="not in torch_compat.PATCHED"):
+        with patched(torch, manual_seed=lambda *a: None):
+            pass
+    assert "manual_seed" in vars(torch)
+    original = vars(torch)["get_rng_state"]
+    with pytest.raises(ValueError):
+        with patched(torch, get_rng_state=lambda: None):
+            assert torch.get_rng_state() is None
+            raise ValueError("the block fails")
+    assert vars(torch)["get_rng_state"] is original
+    # an inherited entry (a C method of BackwardCFunction's base) shows through again
+    cls = torch.autograd.function.BackwardCFunction
+    inherited = "maybe_clear_saved_tensors" not in vars(cls)
+    with patched(cls, maybe_clear_saved_tensors=lambda ctx: None):
+        assert "maybe_clear_saved_tensors" in vars(cls)
+    assert ("maybe_clear_saved_tensors" not in vars(cls)) is inherited
+
+
+def test_patched_imports_nothing():
+    """Looking an owner up in the catalogue reads only loaded modules: patching
+    torch.cuda.current_device must not import torch._dynamo (the catalogue also lists dynamo's
+    CudaInterface.current_device), which torch's lazy module __getattr__ would do on a plain
+    getattr (it did, before the lookup read modules' own entries only)."""
+    import subprocess
+
+    code = ("import sys, torch\n"
+            "from tapescope.torch_compat import patched\n"
+            "assert 'torch._dynamo' not in sys.modules\n"
+            "with patched(torch.cuda, current_device=lambda: 0):\n"
+            "    pass\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -279,3 +279,85 @@ def test_kernel_invocation_sets_and_restores_what_torchs_manager_does(nested):
         return seen
 
     assert states(compat.kernel_invocation) == states(in_kernel_invocation_manager)
+
+
+# ---- the shortcuts: torch's decisions tapescope's dispatch makes itself (SHORTCUTS) ----------
+
+def _check_prim_device():
+    """Truth: FakeTensorMode's own prim.device handler, inside and outside a kernel
+    invocation, for a cpu and a cuda fake tensor."""
+    from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS
+
+    from tapescope.capture.tape import _device_answer
+
+    handler = _DISPATCH_META_HANDLERS[torch.ops.prim.device.default]
+    mode = compat.FakeTensorMode()
+    for device in ("cpu", "cuda"):
+        with mode:
+            t = torch.empty(2, device=device)
+        for inside in (False, True):
+            mode.in_kernel_invocation = inside
+            try:
+                assert _device_answer(t) == handler((t,)), (device, inside)
+            finally:
+                mode.in_kernel_invocation = False
+
+
+def _check_foreign_subclass():
+    """Truth: fake_tensor.py's `_check_for_subclass_arg` on one argument of each kind: plain,
+    fake, a Parameter, a metadata-only Parameter subclass, a wrapper subclass (TwoTensor) and
+    a Parameter of one."""
+    from torch._subclasses.fake_tensor import _check_for_subclass_arg
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from tapescope.capture.tape import _foreign_subclass
+
+    class MyParameter(torch.nn.Parameter):
+        pass
+
+    plain = torch.ones(2)
+    with compat.FakeTensorMode() as mode:
+        fake = torch.ones(2)
+    two = TwoTensor(torch.ones(2), torch.ones(2))
+    examples = [plain, fake, torch.nn.Parameter(plain.clone()), MyParameter(plain.clone()),
+                two, torch.nn.Parameter(two)]
+    del mode
+    for x in examples:
+        assert _foreign_subclass(type(x)) == _check_for_subclass_arg(x), type(x)
+    assert any(_foreign_subclass(type(x)) for x in examples)  # both answers occur
+
+
+def _check_should_skip_dynamo():
+    """Truth: TorchDispatchMode.__init_subclass__ on two fresh modes: it wraps a mode's
+    __torch_dispatch__ unless _should_skip_dynamo() is False; Tape's is left its own (its
+    dispatch takes the wrapper itself where it does more than call)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tapescope.capture import tape
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+    wrapped = type("Wrapped", (TorchDispatchMode,), {"__torch_dispatch__": dispatch})
+    skipped = type("Skipped", (TorchDispatchMode,), {
+        "__torch_dispatch__": dispatch, "_should_skip_dynamo": classmethod(lambda cls: False)})
+    assert getattr(wrapped.__dict__["__torch_dispatch__"], "__wrapped__", None) is dispatch
+    assert skipped.__dict__["__torch_dispatch__"] is dispatch
+    own = tape.Tape.__dict__["__torch_dispatch__"]
+    assert getattr(own, "__wrapped__", None) is None and own.__code__ is tape._TORCH_DISPATCH_CODE
+    # what it takes instead, where the wrapper does more than call: torch's own wrapper
+    assert tape._TORCH_DISPATCH_DYNAMO_DISABLED.__wrapped__ is tape.Tape._torch_dispatch
+
+
+_SHORTCUT_CHECKS = {"prim.device": _check_prim_device,
+                    "foreign subclass": _check_foreign_subclass,
+                    "_should_skip_dynamo": _check_should_skip_dynamo}
+
+
+def test_every_shortcut_has_its_check():
+    assert {s.name for s in compat.SHORTCUTS} == set(_SHORTCUT_CHECKS)
+
+
+@pytest.mark.parametrize("name", sorted(_SHORTCUT_CHECKS))
+def test_shortcut_decides_as_torch_does(name):
+    _SHORTCUT_CHECKS[name]()

@@ -13,6 +13,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -23,8 +24,17 @@ from .analysis.steps import step_views
 from .capture.records import BACKWARD, FORWARD, OPTIMIZER, Trace
 from .capture.session import capture
 from .errors import TapescopeError
-from .options import Options, Workload
+from .option_table import OPTIONS, profile_options_doc
+from .options import CompileOptions, Options, Workload
 from .torch_compat import tree_map
+
+if TYPE_CHECKING:  # the option values' types, for the signature
+    from .devices.calibration import Calibration
+    from .devices.gpus import GPU
+    from .values.allocator import AllocatorConfig
+    from .values.mesh import MeshSpec
+    from .values.pipeline import PipelineSpec
+    from .values.sizes import Sizes
 
 __all__ = ["profile", "profile_workload", "Profile"]
 
@@ -231,13 +241,20 @@ class Profile:
         return profile_dict(self, with_ops, with_timeline)
 
 
-def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=None,
-            amp=None, steps: int = 2, accumulate: int = 1, input_kwargs: dict | None = None,
-            name: str | None = None, engine: str = "python", symbolic=(), gpu=None,
-            alloc_conf=None, checkpointing=(), sizes=None, threads: int | None = None,
-            cpu_isa: str | None = None, progress=None, compile=None, mesh=None,
-            parallelize=None, step=None, setup=None, pipeline=None,
-            calibration=None) -> Profile:
+def profile(model, *inputs, loss_fn: Callable | str | None = None,
+            optimizer: str | type | Callable | None = "adamw",
+            device: str | torch.device | None = None, gpu: str | GPU | None = None,
+            dtype: str | torch.dtype | None = None, amp: str | torch.dtype | None = None,
+            steps: int = 2, accumulate: int = 1, engine: str = "python",
+            symbolic: str | tuple = (), alloc_conf: str | AllocatorConfig | None = None,
+            checkpointing: list | tuple = (),
+            compile: bool | dict | CompileOptions | None = None, threads: int | None = None,
+            cpu_isa: str | None = None, mesh: dict | MeshSpec | None = None,
+            parallelize: Callable | None = None, sizes: Sizes | dict | None = None,
+            step: Callable | str | None = None, setup: Callable | str | None = None,
+            pipeline: str | dict | PipelineSpec | None = None,
+            calibration: str | Calibration | None = None, input_kwargs: dict | None = None,
+            name: str | None = None, progress: Callable | None = None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 
     model: an nn.Module (any device, meta included; it is not modified) or a function that builds one
@@ -245,84 +262,17 @@ def profile(model, *inputs, loss_fn=None, optimizer="adamw", device=None, dtype=
     inputs: tensors (real or meta) or `tapescope.spec(shape, dtype=...)`; `input_kwargs` for keyword
         inputs. A tensor given with values keeps them where the step reads them (a mask, a
         label, a target box: named in the report as an assumption "input").
-    loss_fn: `loss_fn(output, *inputs) -> scalar`. Default: a scalar output is the loss; else an
-        output's scalar `.loss`; else the sum of the floating-point outputs.
-    optimizer: "sgd", "adam", "adamw" (torch defaults, with the foreach/fused choice torch makes on
-        `device`), an Optimizer class, a function params -> optimizer, or None (no optimizer step).
-    device: "cpu", "cuda" or "meta" - the device whose kernels and autograd formulas are traced.
-        Default: "cuda" when a `gpu` is named, else "cpu".
-    gpu: for device="cuda", the GPU whose kernel choices to follow ("h100", "a100", "l4", ...;
-        default H100): attention backends depend on its compute capability.
-    dtype: cast floating-point parameters and inputs (e.g. torch.bfloat16 or "bf16").
-    amp: run forward and loss under torch.autocast with this dtype ("bf16", "fp16"): mixed
-        precision with fp32 parameters (works for device="cuda" without a GPU).
-    steps: 2 (default) reports the steady state, with optimizer state alive; 1 the first step.
-    accumulate: gradient accumulation over this many micro-batches per optimizer step: forward,
-        `loss / accumulate` and backward each time (the same inputs), then one optimizer step
-        and zero_grad, as a training loop runs them.
-    engine: "python" (default) runs backward with tapescope's own engine, which needs no GPU;
-        "torch" calls loss.backward() (needs a GPU for device="cuda").
-    symbolic: names of input dimensions to keep symbolic, e.g. ("batch", "seq"): one trace then
-        gives memory and FLOPs as formulas (`p.symbolic`) and `p.at(batch=..., seq=...)`. The
-        report itself is for the sizes the inputs have. Name dimensions with spec(..., dims=...).
-    alloc_conf: CUDA caching-allocator settings for the predicted torch.cuda figures, written as
-        PYTORCH_ALLOC_CONF is ("expandable_segments:True,max_split_size_mb:512"); default: the
-        environment's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF.
-    threads, cpu_isa: the CPU a cpu profile's kernel workspaces are sized for ("avx2",
-        "avx512"; intra-op threads); default: this machine's (`p.facts["cpu"]` says which).
-    checkpointing: activation checkpointing to apply to the traced copy of the model: a plan from
-        `tapescope.plan_checkpointing`, or module names / (name, "full" | "selective") pairs /
-        checkpointing.UnitPolicy values. The model itself is not modified.
-    sizes: what sizes that depend on tensor values are assumed to be (`tapescope.Sizes`):
-        a mixture of experts' routing, "balanced" (default: tokens x top-k / experts per
-        expert), "worst" (every token to one expert) or shares per expert; and
-        {"mask": fraction} for boolean masks no routing decides. Such sizes stay symbols:
-        `p.symbolic` has the memory as a formula of them, `p.at(name=...)` evaluates it, and
-        `p.trace.assumptions` / the report name every assumption used.
-    step: your own training step, `step(model, batch, optimizer)`, run as written on the fake
-        model instead of the built-in one (README "Your own training step"): `batch` is the
-        inputs (a tuple; the input_kwargs dict when only those are given), `optimizer` the one
-        `optimizer=` names (or None). Every op it runs is traced: phases forward (the model's
-        modules), backward (`loss.backward()`, `torch.autograd.backward` / `grad`, run by
-        tapescope's engine), optimizer (any optimizer's `step()`, also inside a backward hook)
-        and other (the rest: the loss, clipping, an EMA). Both steps are traced in full.
-    setup: `setup(model) -> state`, run once before step 1 (recorded as setup); its result is
-        what `step` gets as `optimizer`: several optimizers, a scheduler, an EMA's weights.
-        Tensors it holds outside optimizers count as optimizer state.
+    name: the model's name in the report (default: its class's or function's).
     progress: progress(step, phase) is called as each phase of each step is traced.
-    compile: profile the step as `torch.compile(model, ...)` runs it: True, or a dict /
-        `tapescope.CompileOptions` (mode, fullgraph, dynamic, backend, activation_memory_budget,
-        optimizer). torch.compile's own pipeline runs on fake tensors (capture/compiled.py); the
-        Profile is the compiled step's, `p.eager` the same step run eagerly, `p.compiled` what
-        the compiler did (saved and recomputed tensors, graph breaks, FLOPs with recompute).
-    mesh: {"dp": 8, "tp": 8}: profile every rank of a job on this device mesh (names and sizes,
-        outermost first, as init_device_mesh takes them; world size = their product), in this
-        process, with torch's fake process group. `parallelize(model, mesh)` applies your
-        torch.distributed code (fully_shard, parallelize_module, replicate, HSDP ...) to the
-        model and returns it, as your training script does. `p.peak_bytes` is the highest
-        rank's, `p.ranks` every rank's; ranks whose shards have the same shapes are traced once.
-        Inputs are one rank's.
-    pipeline: pipeline parallelism over the mesh's "pp" dimension (mesh={"pp": 4, ...}): a
-        schedule name ("gpipe", "1f1b", "interleaved-1f1b", ...) or {"schedule": ...,
-        "microbatches": M, "stages_per_rank": V, "split": fn}. torch.distributed.pipelining's
-        own stages and schedule run on each rank (docs/distributed.md); the inputs are the first
-        stage's, then the target of the last stage's `loss_fn(output, target)`. `split(model,
-        stage, num_stages) -> module` makes a stage; default: the model's block list split
-        evenly, embeddings on the first stage, norm and output on the last.
-    calibration: a file `tapescope calibrate` wrote on a GPU of this kind (or its Calibration):
-        the step time is priced from its measurements (README "Calibrate on your own GPU");
-        default: the file TAPESCOPE_CALIBRATION names, for CUDA profiles. Given without gpu=
-        or device=, the profile is of the file's GPU.
     """
-    options = Options.create(loss_fn=loss_fn, optimizer=optimizer, device=device, gpu=gpu,
-                             dtype=dtype, amp=amp, steps=steps, engine=engine, symbolic=symbolic,
-                             alloc_conf=alloc_conf, checkpointing=checkpointing, compile=compile,
-                             threads=threads, cpu_isa=cpu_isa, mesh=mesh,
-                             parallelize=parallelize, sizes=sizes, accumulate=accumulate,
-                             step=step, setup=setup, pipeline=pipeline,
-                             calibration=calibration)
+    given = locals()  # every option's keyword, passed on as given (option_table.OPTIONS)
+    options = Options.create(**{o.name: given[o.name] for o in OPTIONS})
     return profile_workload(Workload(model, tuple(inputs), dict(input_kwargs or {}), name),
                             options, progress)
+
+
+if profile.__doc__:  # (none under python -OO) the options' paragraphs, from their declaration
+    profile.__doc__ = profile.__doc__.rstrip() + "\n" + profile_options_doc() + "\n    "
 
 
 def profile_workload(workload: Workload, options: Options, progress=None) -> Profile:

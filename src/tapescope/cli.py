@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.text import Text
 
 from .errors import TapescopeError
+from .option_table import OPTION
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="See a whole PyTorch training step before it runs.")
@@ -258,27 +259,26 @@ def _write_json(path: str | None, data) -> None:
         out.print(Text(f"wrote {path}"))
 
 
+def option_flag(name: str):
+    """The typer option of an option set by one flag, from its declaration (option_table.py)."""
+    o = OPTION[name]
+    return typer.Option(o.default, *o.flags, help=o.help)
+
+
 SpecArg = typer.Argument(DEFAULT_SPEC, help=_spec_help, show_default=True)
 BatchOpt = typer.Option(None, "--batch", "-b", help="Batch size (default: the model's).")
 SeqOpt = typer.Option(None, "--seq", "-s", help="Sequence length (image size for vision models).")
-DeviceOpt = typer.Option(None, "--device", "-d",
-                         help="cpu, cuda or meta: whose kernels to trace (default: cuda with --gpu, else cpu).")
-DtypeOpt = typer.Option(None, "--dtype", help="fp32, bf16 or fp16: cast the model (default: the model's).")
-AmpOpt = typer.Option(None, "--amp", help="bf16 or fp16: mixed precision (torch.autocast), fp32 weights.")
-GpuOpt = typer.Option(None, "--gpu", help="With --device cuda: the GPU whose kernels to follow (h100, a100, l4, ...).")
-OptimOpt = typer.Option("adamw", "--optimizer", "-o", help="adamw, adam, sgd or none.")
-StepsOpt = typer.Option(2, "--steps", help="2: steady state with optimizer state; 1: first step.")
+DeviceOpt = option_flag("device")
+DtypeOpt = option_flag("dtype")
+AmpOpt = option_flag("amp")
+GpuOpt = option_flag("gpu")
+OptimOpt = option_flag("optimizer")
+StepsOpt = option_flag("steps")
 InputOpt = typer.Option(None, "--input", "-i", help="An input shape, e.g. 4,128 or 4,128:int64; repeat for several.")
-LossOpt = typer.Option(None, "--loss", help="sum, mean, cross-entropy (of the model's logits) or "
-                                            "FILE.py:FN / MODULE:FN called as FN(output, *inputs) "
-                                            "(default: the model's own loss, else the sum of its outputs).")
+LossOpt = option_flag("loss_fn")
 JsonOpt = typer.Option(None, "--json", help="Write the result as JSON to this file.")
-ThreadsOpt = typer.Option(None, "--threads",
-                          help="CPU: the intra-op threads kernels size per-thread scratch for "
-                               "(default: this machine's).")
-CpuIsaOpt = typer.Option(None, "--cpu-isa",
-                         help="CPU: avx2 or avx512, the ISA oneDNN picks kernels for "
-                              "(default: this machine's).")
+ThreadsOpt = option_flag("threads")
+CpuIsaOpt = option_flag("cpu_isa")
 FsdpOpt = typer.Option(1, "--fsdp", help="FSDP2 over N ranks: every block and the root sharded (torchtitan's wrap).")
 TpOpt = typer.Option(1, "--tp", help="Tensor parallel over M ranks, with the architecture's Megatron-style plan.")
 HsdpOpt = typer.Option(1, "--hsdp", help="With --fsdp: replicate the shards R times (HSDP); alone, DDP over R ranks.")
@@ -319,15 +319,9 @@ def _pipeline(schedule, microbatches, split) -> dict | None:
     return out
 
 
-StepOpt = typer.Option(None, "--step",
-                       help="FILE.py:FN / MODULE:FN, your own training step FN(model, batch, "
-                            "optimizer), run as written in place of the built-in one.")
-SetupOpt = typer.Option(None, "--setup",
-                        help="With --step: FILE.py:FN / MODULE:FN, FN(model) -> what the step gets "
-                             "as its optimizer (several optimizers, a scheduler, an EMA).")
-AccumulateOpt = typer.Option(1, "--accumulate",
-                             help="Gradient accumulation: micro-batches per optimizer step (each "
-                                  "runs forward, loss / N and backward on the given inputs).")
+StepOpt = option_flag("step")
+SetupOpt = option_flag("setup")
+AccumulateOpt = option_flag("accumulate")
 RoutingOpt = typer.Option(None, "--routing",
                           help="Mixture-of-experts routing to assume: balanced (default: tokens x "
                                "top-k / experts each), worst (every token to one expert) or shares "
@@ -335,13 +329,8 @@ RoutingOpt = typer.Option(None, "--routing",
 MaskOpt = typer.Option(None, "--mask-fraction",
                        help="Fraction of elements a boolean mask keeps (x[x > 0], nonzero) where "
                             "no routing decides it.")
-AllocConfOpt = typer.Option(None, "--alloc-conf",
-                            help="CUDA caching-allocator settings as PYTORCH_ALLOC_CONF writes them, "
-                                 "e.g. expandable_segments:True (default: the environment's).")
-CalibrationOpt = typer.Option(
-    None, "--calibration",
-    help="A file `tapescope calibrate` wrote on a GPU of this kind: price the step time from its "
-         "measurements (default: $TAPESCOPE_CALIBRATION; without --gpu, the file's GPU).")
+AllocConfOpt = option_flag("alloc_conf")
+CalibrationOpt = option_flag("calibration")
 CheckpointOpt = typer.Option(
     None, "--checkpoint",
     help="Checkpoint a module (repeat): MODULE (full), MODULE:selective:OP,OP (keep those aten "

@@ -13,11 +13,21 @@ import importlib.util
 
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .errors import DeviceError, TapescopeError
+
+if TYPE_CHECKING:  # the resolved values' types (imported where resolved: options stay light)
+    from .devices.calibration import Calibration
+    from .devices.cpu import CpuTarget
+    from .devices.gpus import GPU
+    from .values.allocator import AllocatorConfig
+    from .values.checkpointing import UnitPolicy
+    from .values.mesh import MeshSpec
+    from .values.pipeline import PipelineSpec
+    from .values.sizes import Sizes
 
 __all__ = ["Workload", "Options", "CompileOptions", "ENGINES", "DEFAULT_GPU", "resolve_device",
            "resolve_dtype", "check_device_build", "unbuilt_device_types"]
@@ -142,7 +152,7 @@ class Workload:
     args / kwargs: tensors (real or meta) or `tapescope.spec(...)`, in any nest of containers.
     """
 
-    model: Any
+    model: torch.nn.Module | Callable[[], torch.nn.Module]
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     name: str | None = None
@@ -198,112 +208,65 @@ class Options:
     """
 
     loss_fn: Callable | None = None
-    optimizer: Any = "adamw"
+    optimizer: str | type | Callable | None = "adamw"
     device: torch.device = torch.device("cpu")
-    gpu: Any = None
+    gpu: GPU | None = None
     dtype: torch.dtype | None = None
     amp: torch.dtype | None = None
     steps: int = 2
     accumulate: int = 1
     engine: str = "python"
-    symbolic: tuple = ()
-    alloc_conf: Any = None
-    checkpointing: tuple = ()
+    symbolic: tuple[str, ...] = ()
+    alloc_conf: AllocatorConfig | None = None
+    checkpointing: tuple[UnitPolicy, ...] = ()
     compile: CompileOptions | None = None
-    cpu: Any = None
-    mesh: Any = None
+    cpu: CpuTarget | None = None
+    mesh: MeshSpec | None = None
     parallelize: Callable | None = None
-    sizes: Any = None
+    sizes: Sizes | None = None
     step: Callable | None = None
     setup: Callable | None = None
-    pipeline: Any = None
-    calibration: Any = None
+    pipeline: PipelineSpec | None = None
+    calibration: Calibration | None = None
 
     @classmethod
-    def create(cls, *, loss_fn=None, optimizer="adamw", device=None, gpu=None, dtype=None,
-               amp=None, steps: int = 2, engine: str = "python", symbolic=(),
-               alloc_conf=None, checkpointing=(), compile=None, threads: int | None = None,
-               cpu_isa: str | None = None, mesh=None, parallelize=None, sizes=None,
-               accumulate: int = 1, step=None, setup=None, pipeline=None,
-               calibration=None) -> "Options":
-        """Check and resolve every option; a bad one raises a TapescopeError that says why."""
+    def create(cls, *, loss_fn: Callable | str | None = None,
+               optimizer: str | type | Callable | None = "adamw",
+               device: str | torch.device | None = None, gpu: str | GPU | None = None,
+               dtype: str | torch.dtype | None = None, amp: str | torch.dtype | None = None,
+               steps: int = 2, accumulate: int = 1, engine: str = "python",
+               symbolic: str | tuple = (), alloc_conf: str | AllocatorConfig | None = None,
+               checkpointing: list | tuple = (),
+               compile: bool | dict | CompileOptions | None = None, threads: int | None = None,
+               cpu_isa: str | None = None, mesh: dict | MeshSpec | None = None,
+               parallelize: Callable | None = None, sizes: Sizes | dict | None = None,
+               step: Callable | str | None = None, setup: Callable | str | None = None,
+               pipeline: str | dict | PipelineSpec | None = None,
+               calibration: str | Calibration | None = None) -> "Options":
+        """Check and resolve every option (declared in option_table.py); a bad one raises a
+        TapescopeError that says why. The checks run in this order, the first failing one
+        speaks: what runs the step (device, GPU, calibration), precision, the optimizer and
+        the counts, compile, the CPU target, parallelism, the user's own step."""
         from .losses import resolve_loss
+        from .values.sizes import Sizes
 
         loss_fn = resolve_loss(loss_fn)
-        calibration, given = _resolve_calibration(calibration)
-        if given and gpu is None and (device is None or str(device).startswith("cuda")):
-            gpu = _calibrated_gpu_key(calibration, "--calibration (calibration=)")  # the file's
-        dev = resolve_device(device, gpu)
-        check_device_build(dev)
-        gpu_entry = None
-        if dev.type == "cuda":
-            gpu_entry = _resolve_gpu(gpu or DEFAULT_GPU)
-        elif gpu is not None:
-            gpu_entry = _resolve_gpu(gpu)  # a budget or a name for the report, kernels of `dev`
-        calibration = _check_calibration(calibration, given, dev, gpu_entry)
-        try:
-            dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
-        except ValueError as e:
-            raise TapescopeError(str(e)) from None
-        for what, d in (("dtype", dtype), ("amp", amp)):
-            if d is not None and not d.is_floating_point:
-                raise TapescopeError(f"{what} must be a floating-point type, got {d}")
-        if optimizer is not None and not callable(optimizer):
-            from .values.optimizers import OPTIMIZERS
-
-            if not isinstance(optimizer, str) or optimizer.lower() not in (*OPTIMIZERS, "none"):
-                raise TapescopeError(
-                    f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}, none, "
-                    "an Optimizer class or a function params -> optimizer")
-        if steps not in (1, 2):
-            raise TapescopeError(f"steps must be 1 (first step only) or 2 (steady state), got {steps}")
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-            raise TapescopeError(f"accumulate must be a whole number of micro-batches >= 1, "
-                                 f"got {accumulate!r}")
-        if engine not in ENGINES:
-            raise TapescopeError(f"engine must be one of {ENGINES}, got {engine!r}")
-        if isinstance(symbolic, str):
-            symbolic = (symbolic,)
-        compile = CompileOptions.of(compile)
-        if compile is not None and compile.backend == "inductor" and dev.type == "cuda" \
-                and importlib.util.find_spec("triton") is None:
-            raise TapescopeError(
-                "compiling a CUDA step with inductor generates Triton kernels: install triton "
-                "(pip install triton), or use --compile-backend aot_eager "
-                "(compile={'backend': 'aot_eager'}) for AOTAutograd's graphs run op by op")
-        if compile is not None and compile.optimizer:
-            raise TapescopeError(
-                "compile optimizer=True is not modelled yet: when dynamo compiles optimizer.step it "
-                "creates the optimizer's state while compiling (OptimizerVariable runs _init_group "
-                "at trace time), outside the ops tapescope records, so the steady state would miss "
-                "it; profile the compiled model with the optimizer run eagerly (the default)")
-        if compile is not None and symbolic:
-            raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
-                                 "compile with dynamic=True to see the graphs torch.compile makes)")
-        if (cpu_isa is not None or threads is not None) and dev.type != "cpu":
-            given = " and ".join(f for f, v in (("--cpu-isa (cpu_isa=)", cpu_isa),
-                                                ("--threads (threads=)", threads)) if v is not None)
-            verb = "describe" if " and " in given else "describes"
-            raise TapescopeError(f"{given} {verb} the CPU whose kernels a cpu step runs; a "
-                                 f"{dev.type} step runs none of them: drop {given.split(' (')[0]}"
-                                 ", or trace with --device cpu")
+        dev, gpu_entry, calibration = _resolve_target(device, gpu, calibration)
+        dtype, amp = _resolve_precision(dtype, amp)
+        _check_optimizer(optimizer)
+        _check_counts(steps, accumulate, engine)
+        symbolic = (symbolic,) if isinstance(symbolic, str) else tuple(symbolic or ())
+        compile = _resolve_compile(compile, dev, symbolic)
+        _check_cpu_target(cpu_isa, threads, dev)
         pipeline = _resolve_pipeline(pipeline, mesh, accumulate)
         mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine,
                            pipelined=pipeline is not None)
-        if pipeline is not None and checkpointing:
-            raise TapescopeError("a pipelined profile with a checkpointing plan is not "
-                                 "supported yet; apply checkpointing to each stage in your "
-                                 "parallelize function, as torchtitan does")
-        if pipeline is not None and compile is not None:
-            raise TapescopeError("a pipelined profile with compile= is not supported yet; "
-                                 "profile the pipeline eagerly (drop --compile)")
+        _check_pipelined(pipeline, checkpointing, compile)
         step, setup = _resolve_step(step, setup, loss_fn=loss_fn, accumulate=accumulate,
                                     amp=amp, compile=compile, pipeline=pipeline,
                                     symbolic=symbolic)
-        from .values.sizes import Sizes
-
         return cls(loss_fn=loss_fn, optimizer=optimizer, device=dev, gpu=gpu_entry, dtype=dtype,
-                   amp=amp, steps=steps, engine=engine, symbolic=tuple(symbolic or ()),
+                   amp=amp, steps=steps, engine=engine, symbolic=symbolic,
                    alloc_conf=_resolve_alloc_conf(alloc_conf),
                    checkpointing=_resolve_checkpointing(checkpointing), compile=compile,
                    cpu=_resolve_cpu(cpu_isa, threads), mesh=mesh, parallelize=parallelize,
@@ -313,6 +276,99 @@ class Options:
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""
         return replace(self, **changes)
+
+
+def _resolve_target(device, gpu, calibration):
+    """(device, GPU catalogue entry or None, Calibration or None): what runs the step. A
+    calibration file given without a GPU names the GPU; a cuda step without one is an H100's."""
+    calibration, given = _resolve_calibration(calibration)
+    if given and gpu is None and (device is None or str(device).startswith("cuda")):
+        gpu = _calibrated_gpu_key(calibration, "--calibration (calibration=)")  # the file's
+    dev = resolve_device(device, gpu)
+    check_device_build(dev)
+    gpu_entry = None
+    if dev.type == "cuda":
+        gpu_entry = _resolve_gpu(gpu or DEFAULT_GPU)
+    elif gpu is not None:
+        gpu_entry = _resolve_gpu(gpu)  # a budget or a name for the report, kernels of `dev`
+    return dev, gpu_entry, _check_calibration(calibration, given, dev, gpu_entry)
+
+
+def _resolve_precision(dtype, amp) -> tuple:
+    """(dtype, amp) as torch dtypes, each floating-point or None."""
+    try:
+        dtype, amp = resolve_dtype(dtype), resolve_dtype(amp)
+    except ValueError as e:
+        raise TapescopeError(str(e)) from None
+    for what, d in (("dtype", dtype), ("amp", amp)):
+        if d is not None and not d.is_floating_point:
+            raise TapescopeError(f"{what} must be a floating-point type, got {d}")
+    return dtype, amp
+
+
+def _check_optimizer(optimizer) -> None:
+    if optimizer is not None and not callable(optimizer):
+        from .values.optimizers import OPTIMIZERS
+
+        if not isinstance(optimizer, str) or optimizer.lower() not in (*OPTIMIZERS, "none"):
+            raise TapescopeError(
+                f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}, none, "
+                "an Optimizer class or a function params -> optimizer")
+
+
+def _check_counts(steps, accumulate, engine) -> None:
+    if steps not in (1, 2):
+        raise TapescopeError(f"steps must be 1 (first step only) or 2 (steady state), got {steps}")
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise TapescopeError(f"accumulate must be a whole number of micro-batches >= 1, "
+                             f"got {accumulate!r}")
+    if engine not in ENGINES:
+        raise TapescopeError(f"engine must be one of {ENGINES}, got {engine!r}")
+
+
+def _resolve_compile(compile, dev: torch.device, symbolic: tuple) -> CompileOptions | None:
+    """The CompileOptions of a compiled profile, refused where it cannot be traced."""
+    compile = CompileOptions.of(compile)
+    if compile is None:
+        return None
+    if compile.backend == "inductor" and dev.type == "cuda" \
+            and importlib.util.find_spec("triton") is None:
+        raise TapescopeError(
+            "compiling a CUDA step with inductor generates Triton kernels: install triton "
+            "(pip install triton), or use --compile-backend aot_eager "
+            "(compile={'backend': 'aot_eager'}) for AOTAutograd's graphs run op by op")
+    if compile.optimizer:
+        raise TapescopeError(
+            "compile optimizer=True is not modelled yet: when dynamo compiles optimizer.step it "
+            "creates the optimizer's state while compiling (OptimizerVariable runs _init_group "
+            "at trace time), outside the ops tapescope records, so the steady state would miss "
+            "it; profile the compiled model with the optimizer run eagerly (the default)")
+    if symbolic:
+        raise TapescopeError("a compiled profile is for concrete sizes: drop symbolic=... (or "
+                             "compile with dynamic=True to see the graphs torch.compile makes)")
+    return compile
+
+
+def _check_cpu_target(cpu_isa, threads, dev: torch.device) -> None:
+    """cpu_isa and threads describe a CPU's kernels: refused for a step that runs none."""
+    if (cpu_isa is not None or threads is not None) and dev.type != "cpu":
+        given = " and ".join(f for f, v in (("--cpu-isa (cpu_isa=)", cpu_isa),
+                                            ("--threads (threads=)", threads)) if v is not None)
+        verb = "describe" if " and " in given else "describes"
+        raise TapescopeError(f"{given} {verb} the CPU whose kernels a cpu step runs; a "
+                             f"{dev.type} step runs none of them: drop {given.split(' (')[0]}"
+                             ", or trace with --device cpu")
+
+
+def _check_pipelined(pipeline, checkpointing, compile) -> None:
+    """What a pipelined profile does not support yet."""
+    if pipeline is not None and checkpointing:
+        raise TapescopeError("a pipelined profile with a checkpointing plan is not "
+                             "supported yet; apply checkpointing to each stage in your "
+                             "parallelize function, as torchtitan does")
+    if pipeline is not None and compile is not None:
+        raise TapescopeError("a pipelined profile with compile= is not supported yet; "
+                             "profile the pipeline eagerly (drop --compile)")
 
 
 def _resolve_step(step, setup, *, loss_fn, accumulate, amp, compile, pipeline, symbolic):

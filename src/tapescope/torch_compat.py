@@ -102,7 +102,8 @@ __all__ = [
     "dtensor_meta_propagation", "sharding_decisions", "strided_shard_flag_propagation",
     "mesh_strategy_expansion",
     "foreach_strategy_expansion",
-    "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED", "engine_grad_mode",
+    "mesh_rank_tensor_methods", "MESH_RANK_MAP", "Patched", "PATCHED", "patched", "Shortcut",
+    "SHORTCUTS", "engine_grad_mode",
     "dynamo_disable_is_a_call", "disable_dynamo",
 ]
 
@@ -1146,10 +1147,14 @@ def select_conv_backend(x, weight, stride, padding, dilation, transposed, output
 # questions itself (the C++ engine's graph-task queries, CUDA's device queries without a GPU),
 # sees what no dispatch mode sees (hooks kept in C++, `UntypedStorage.resize_`) or runs a branch
 # as the eager step does (DTensor's `_are_we_tracing`). Each is set by the module named in `by`
-# inside a `with` block that restores it on exit, error or not; the list is here so that one can
-# see them all, and tests/test_patches.py checks that after a normal, a failing, a GPU-less CUDA,
-# a compiled and a distributed profile each is the very object it was before, and that while a
-# profile runs nothing else under torch is changed. Not listed, because not fixed attributes:
+# through `patched` (below), the one context manager that sets a catalogued attribute and
+# restores it on exit, error or not, and refuses one this list lacks; the list is here so that
+# one can see them all, and tests/test_patches.py checks that after a normal, a failing, a
+# GPU-less CUDA, a compiled and a distributed profile each is the very object it was before,
+# that while a profile runs nothing else under torch is changed, and (an AST check) that no
+# module sets an attribute of torch any other way. Decisions of torch that tapescope's dispatch
+# copies without setting anything are catalogued beside them (SHORTCUTS). Not listed, because
+# not fixed attributes:
 # capture/isolation.py binds the globals and class attributes the *model's* code names to private
 # copies (restored the same way), and the global module / optimizer-step hooks capture/modules.py
 # and capture/program.py register through torch's public API (removed on exit).
@@ -1274,3 +1279,111 @@ PATCHED = (
     Patched("torch.distributed.distributed_c10d", ("isend", "irecv"), "distributed/fidelity.py",
             "likewise (P2POp compares the op with them by identity)"),
 )
+
+
+
+@_dataclass(frozen=True)
+class Shortcut:
+    """A decision of torch's that tapescope's own dispatch makes itself, the same way and
+    faster. Nothing of torch is set (there is nothing for `patched` to apply), but the copy is
+    catalogued here beside the patches: `copies` names torch's code, `by` where tapescope
+    copies it. tests/test_torch_compat.py checks each against torch's own code on this
+    install, so that a torch whose decision changed fails there, not in a profile's numbers."""
+
+    name: str
+    copies: str
+    by: str
+    why: str
+
+
+SHORTCUTS = (
+    Shortcut("prim.device", "torch/_subclasses/fake_tensor.py: _device_handler, "
+             "FakeTensorMode's handler of prim.device",
+             "capture/tape.py: _device_answer, from Tape.__torch_dispatch__",
+             "`t.device` asked from C++ (~2,300 times a GPT-2 profile), answered without the "
+             "~3 us of FakeTensorMode's dispatch; never recorded, no side effect"),
+    Shortcut("foreign subclass", "torch/_subclasses/fake_tensor.py: _check_for_subclass_arg "
+             "(FakeTensorMode._dispatch_impl returns NotImplemented for such an argument)",
+             "capture/tape.py: _foreign_subclass, from Tape._declined",
+             "every op of a parallelised step meets a DTensor first: NotImplemented without "
+             "the ~30 us FakeTensorMode spends reaching it (a cache key tried, arguments "
+             "flattened)"),
+    Shortcut("_should_skip_dynamo", "torch/utils/_python_dispatch.py: "
+             "TorchDispatchMode.__init_subclass__ wraps __torch_dispatch__ in "
+             "torch._disable_dynamo unless _should_skip_dynamo() is False",
+             "capture/tape.py: Tape._should_skip_dynamo, Tape.__torch_dispatch__ "
+             "(dynamo_disable_is_a_call)",
+             "the wrapper (~0.4 us an op, two more frames under every source-line walk) taken "
+             "only where it does more than call: a compiled region runs, or a stance says so"),
+)
+
+
+# ---- the one way a catalogued attribute is set -----------------------------------------------
+
+_NO_OWN_ENTRY = object()   # the owner had no entry of its own: what it inherits shows through
+_ModuleType = type(sys)
+
+
+def _loaded(dotted: str):
+    """The module, class or object `dotted` names if its module is imported, else None (an
+    object not loaded yet cannot be the one being patched; nothing is imported here)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        obj = sys.modules.get(".".join(parts[:i]))
+        if obj is not None:
+            for attr in parts[i:]:
+                # a module's own entries only: its __getattr__ would import (torch._dynamo)
+                obj = vars(obj).get(attr) if isinstance(obj, _ModuleType) else \
+                    getattr(obj, attr, None)
+            return obj
+    return None
+
+
+def _catalogued_names(owner, wanted) -> set:
+    """Which of the names `wanted` PATCHED lists for `owner` (the very object)."""
+    out = set()
+    for p in PATCHED:
+        if not wanted.isdisjoint(p.names) and _loaded(p.owner) is owner:
+            out.update(p.names)
+    return out & wanted
+
+
+def _is_config_module(owner) -> bool:
+    from torch.utils._config_module import ConfigModule
+
+    return isinstance(owner, ConfigModule)
+
+
+@_contextmanager
+def patched(owner, **values):
+    """Set `owner.NAME = value` for each of `values` while the block runs, then put back each
+    as it was, error or not: an entry the owner held itself gets its very object back (a
+    classmethod as stored, not as bound); one it inherited or lacked is deleted again, so that
+    what shows through is what did before. A torch config module (inductor's, functorch's) is
+    patched by its own `patch`, which keeps its record of user overrides right.
+
+    The one way tapescope sets an attribute of torch or of a library it drives, here as in
+    `mem_tracker`'s single `__enter__`: each (owner, name) must be in PATCHED, and
+    tests/test_patches.py fails on any setattr or attribute assignment to torch elsewhere.
+    Patches nest: an inner block restores the outer block's value."""
+    unknown = set(values) - _catalogued_names(owner, set(values))
+    if unknown:
+        raise RuntimeError(f"tapescope: {getattr(owner, '__name__', owner)!s}."
+                           f"{', '.join(sorted(unknown))} is not in torch_compat.PATCHED: add "
+                           "an entry saying who sets it and why")
+    if _is_config_module(owner):
+        with owner.patch(**values):
+            yield
+        return
+    own = vars(owner)
+    saved = {name: own.get(name, _NO_OWN_ENTRY) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for name, was in saved.items():
+            if was is not _NO_OWN_ENTRY:
+                setattr(owner, name, was)
+            elif name in vars(owner):
+                delattr(owner, name)

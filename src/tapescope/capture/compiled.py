@@ -53,7 +53,8 @@ from ..options import CompileOptions
 from .gpu_less import NoDeviceGuard
 from ..torch_compat import (INDUCTOR_KERNEL_COMPILERS, aot_autograd, compile_configs,
                             dynamo_callback_handler, dynamo_skip_frame, function_modes_suspended,
-                            inductor_async_compile, inductor_compilers, inductor_mode_options)
+                            inductor_async_compile, inductor_compilers, inductor_mode_options,
+                            patched)
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compile_blocks",
            "compiling", "input_name", "trampoline", "APPROXIMATIONS"]
@@ -168,16 +169,9 @@ def _kernels_not_compiled():
     compiles made inside this block are affected.
     """
     AsyncCompile = inductor_async_compile()
-    saved = {}
-    for name in INDUCTOR_KERNEL_COMPILERS:
-        if name in AsyncCompile.__dict__:
-            saved[name] = AsyncCompile.__dict__[name]
-            setattr(AsyncCompile, name, _no_kernel)
-    try:
+    with patched(AsyncCompile, **{name: _no_kernel for name in INDUCTOR_KERNEL_COMPILERS
+                                  if name in AsyncCompile.__dict__}):
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(AsyncCompile, name, fn)
 
 
 def _empty_strided(device_type: str):
@@ -399,8 +393,9 @@ def compiling(options: CompileOptions, unrecorded=None):
         functorch["activation_memory_budget"] = options.activation_memory_budget
     with ExitStack() as stack:
         stack.enter_context(_quiet_compiler())
-        stack.enter_context(inductor_config.patch(force_disable_caches=True, compile_threads=1))
-        stack.enter_context(functorch_config.patch(**functorch))
+        stack.enter_context(patched(inductor_config, force_disable_caches=True,
+                                    compile_threads=1))
+        stack.enter_context(patched(functorch_config, **functorch))
         stack.enter_context(_kernels_not_compiled())
         if unrecorded is not None:
             stack.enter_context(_unrecorded_while_compiling(unrecorded))

@@ -34,7 +34,7 @@ from collections import defaultdict
 
 import torch
 
-from ..torch_compat import (engine_grad_mode, graph_task_keep_graph_query, is_zerotensor,
+from ..torch_compat import (engine_grad_mode, graph_task_keep_graph_query, is_zerotensor, patched,
                             node_input_metadata, node_sequence_nr, post_accumulate_grad_hooks,
                             set_graph_task_id, statically_known_true, storage_use_count,
                             tensor_backward_hooks, use_count, without_torch_function)
@@ -186,28 +186,20 @@ class PythonEngine:
         # buffers") finds none when our engine runs, and the C++ answer is then True. The graph
         # task loss.backward() creates has keep_graph=False: answer that while we run.
         module, name = graph_task_keep_graph_query()
-        keep_graph = getattr(module, name)
-        setattr(module, name, (lambda: True) if retain_graph else _graph_not_kept)
-        try:
+        with patched(module, **{name: (lambda: True) if retain_graph else _graph_not_kept}):
             self._backward(_roots(tensors, grad_tensors), bool(retain_graph))
-        finally:
-            setattr(module, name, keep_graph)
 
     def _backward(self, roots: list, keep_graph: bool) -> None:
         # run_backward's variable_list of gradients (_make_grads' ones for a scalar root) holds
         # them until the engine returns
         for _, _, g in roots:
             self._hold(g)
-        reentrant = torch.autograd.backward  # a backward inside a node runs here too
-        torch.autograd.backward = self._reentrant_backward
-        # hooks may ask the C++ engine about its graph task (FSDP2 queues its final callback)
-        try:
-            with standing_in(GraphTask([n for n, _, _ in roots], self._dependencies)) \
-                    as graph_task:
-                self._run(roots, keep_graph=keep_graph)
-                graph_task.run_final_callbacks()
-        finally:
-            torch.autograd.backward = reentrant
+        # a backward inside a node runs here too; hooks may ask the C++ engine about its graph
+        # task (FSDP2 queues its final callback)
+        with patched(torch.autograd, backward=self._reentrant_backward), \
+                standing_in(GraphTask([n for n, _, _ in roots], self._dependencies)) as graph_task:
+            self._run(roots, keep_graph=keep_graph)
+            graph_task.run_final_callbacks()
         for _, _, g in roots:
             self._drop(g)
 

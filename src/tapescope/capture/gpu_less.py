@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from ..devices.gpus import GPU, sm_limits
 from ..torch_compat import (DEVICE_CACHING_MODULES, SETUP_ONCE_CACHES, FakeTensorMode,
                             dynamo_device_interface, inductor_constant_folders, inductor_pad_mm,
-                            inductor_utils, matmul_allows_tf32)
+                            inductor_utils, matmul_allows_tf32, patched)
 
 __all__ = ["cuda_answered", "capability_answered", "cuda_tensors_on_meta", "device_properties",
            "NoDeviceGuard"]
@@ -206,21 +206,6 @@ def _clear(caches) -> None:
         fn.cache_clear()
 
 
-@contextmanager
-def _attributes(target, values: dict):
-    saved = {name: target.__dict__[name] for name in values if name in target.__dict__}
-    for name, value in values.items():
-        setattr(target, name, value)
-    try:
-        yield
-    finally:
-        for name in values:
-            if name in saved:
-                setattr(target, name, saved[name])
-            else:
-                delattr(target, name)
-
-
 class _ConstantsOnCPU(TorchFunctionMode):
     """Inductor's constant folding computes the values of constant subgraphs with real tensors on
     their device (`aten.full([1], v, device=cuda)`, then pointwise ops on them) to replace them by
@@ -294,24 +279,22 @@ def cuda_answered(gpu: GPU):
     worker = (device_interface.caching_worker_device_properties,
               device_interface.caching_worker_current_devices)
     saved_worker = [dict(d) for d in worker]
-    saved_driver = triton_driver._active
     caches = _cached_functions()
     _clear(caches)
     try:
-        with _attributes(torch.cuda, answers), \
-                _attributes(device_interface.CudaInterface, interface), \
-                _attributes(FakeTensorMode, {"avoid_device_init": _NO_DEVICE}), \
-                _attributes(inductor_utils(), _datasheet_answers(gpu)), \
-                _attributes(inductor_pad_mm(), _PAD_MM_UNMEASURED), \
+        with patched(torch.cuda, **answers), \
+                patched(device_interface.CudaInterface, **interface), \
+                patched(FakeTensorMode, avoid_device_init=_NO_DEVICE), \
+                patched(inductor_utils(), **_datasheet_answers(gpu)), \
+                patched(inductor_pad_mm(), **_PAD_MM_UNMEASURED), \
                 ExitStack() as stack:
             for cls, methods in _constant_folders():
-                stack.enter_context(_attributes(cls, methods))
+                stack.enter_context(patched(cls, **methods))
             worker[0]["cuda"] = [props]
             worker[1]["cuda"] = 0
-            triton_driver._active = _triton_driver(gpu, props)
+            stack.enter_context(patched(triton_driver, _active=_triton_driver(gpu, props)))
             yield props
     finally:
-        triton_driver._active = saved_driver
         for d, before in zip(worker, saved_worker):
             d.clear()
             d.update(before)
@@ -333,8 +316,8 @@ def capability_answered(gpu: GPU):
     H100 and refuses on an A100 with its own message. Nothing else of torch.cuda is replaced
     (no stream, no allocation), and FakeTensorMode still knows there is no device."""
     answers = _cuda_answers(gpu, device_properties(gpu))
-    with _attributes(torch.cuda, {name: answers[name] for name in _CAPABILITY_QUERIES}), \
-            _attributes(FakeTensorMode, {"avoid_device_init": _NO_DEVICE}):
+    with patched(torch.cuda, **{name: answers[name] for name in _CAPABILITY_QUERIES}), \
+            patched(FakeTensorMode, avoid_device_init=_NO_DEVICE):
         yield
 
 

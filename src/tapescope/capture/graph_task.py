@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 from torch.autograd.variable import Variable
 
-from ..torch_compat import graph_task_queries
+from ..torch_compat import graph_task_queries, patched
 
 __all__ = ["GraphTask", "standing_in"]
 
@@ -74,17 +74,10 @@ def standing_in(task: GraphTask):
     """Answer the C++ engine's GraphTask queries for `task` while the block runs."""
     real_engine = Variable.__dict__["_execution_engine"]
     engine, (id_name, will_name) = graph_task_queries()
-    real_id, real_will = getattr(engine, id_name), getattr(engine, will_name)
 
     def will_execute(node):
         return node is not None and node in task.nodes
 
-    Variable._execution_engine = _EngineProxy(real_engine, task)
-    setattr(engine, id_name, lambda: task.id)
-    setattr(engine, will_name, will_execute)
-    try:
+    with patched(Variable, _execution_engine=_EngineProxy(real_engine, task)), \
+            patched(engine, **{id_name: lambda: task.id, will_name: will_execute}):
         yield task
-    finally:
-        Variable._execution_engine = real_engine
-        setattr(engine, id_name, real_id)
-        setattr(engine, will_name, real_will)

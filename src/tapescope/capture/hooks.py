@@ -43,8 +43,8 @@ from torch.autograd.function import BackwardCFunction
 
 from ..errors import user_error
 from ..torch_compat import (mark_internal_saved_tensors_hooks, node_hook_registrar, node_sequence_nr,
-                            pop_saved_tensors_hooks, push_saved_tensors_hooks, sequence_nr,
-                            storage_key)
+                            patched, pop_saved_tensors_hooks, push_saved_tensors_hooks,
+                            sequence_nr, storage_key)
 from .tape import _VALUE_ATTR, Tape
 
 __all__ = ["SavedTensors", "HookRegistry", "VARIABLE_INPUTS"]
@@ -260,13 +260,13 @@ class SavedTensors:
             saved.release_unpacked()
 
         push_saved_tensors_hooks(pack, unpack)
-        cls.__enter__, cls.__exit__ = wrapped_enter, wrapped_exit
-        BackwardCFunction.maybe_clear_saved_tensors = maybe_clear_saved_tensors
         try:
-            yield
+            # (maybe_clear_saved_tensors is a C method BackwardCFunction inherits: it shows
+            # through again on exit)
+            with patched(cls, __enter__=wrapped_enter, __exit__=wrapped_exit), \
+                    patched(BackwardCFunction, maybe_clear_saved_tensors=maybe_clear_saved_tensors):
+                yield
         finally:
-            del BackwardCFunction.maybe_clear_saved_tensors  # the C method shows through again
-            cls.__enter__, cls.__exit__ = enter, exit_
             pop_saved_tensors_hooks()
 
 
@@ -398,18 +398,9 @@ class HookRegistry:
             mark_variable_inputs(cls, args, out)
             return out
 
-        torch.Tensor.register_hook = register_hook
-        torch.Tensor.retain_grad = retain_grad
-        BackwardCFunction.register_hook = node_hook
-        BackwardCFunction.register_prehook = node_prehook
-        setattr(registrar, registrar_name, staticmethod(file_hook))
-        torch.autograd.Function.apply = classmethod(apply)
-        try:
+        with patched(torch.Tensor, register_hook=register_hook, retain_grad=retain_grad), \
+                patched(BackwardCFunction, register_hook=node_hook,
+                        register_prehook=node_prehook), \
+                patched(registrar, **{registrar_name: staticmethod(file_hook)}), \
+                patched(torch.autograd.Function, apply=classmethod(apply)):
             yield self
-        finally:
-            setattr(registrar, registrar_name, orig_filing)
-            torch.Tensor.register_hook = orig_register_hook
-            torch.Tensor.retain_grad = orig_retain_grad
-            BackwardCFunction.register_hook = orig_node_hook
-            BackwardCFunction.register_prehook = orig_node_prehook
-            torch.autograd.Function.apply = orig_apply

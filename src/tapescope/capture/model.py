@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from ..errors import ModelBuildError, SpecError, TapescopeError
 from ..options import check_device_build, resolve_device, resolve_dtype
-from ..torch_compat import (is_wrapper_subclass, post_accumulate_grad_hooks,
+from ..torch_compat import (is_wrapper_subclass, patched, post_accumulate_grad_hooks,
                             tensor_backward_hooks, tree_map)
 from .build_values import BuildValues, keep_build_value
 
@@ -150,9 +150,7 @@ class _params_to_meta:
     init_empty_weights, which we do not depend on for this one function)."""
 
     def __enter__(self):
-        self._reg_p = nn.Module.register_parameter
-        self._reg_b = nn.Module.register_buffer
-        reg_p, reg_b = self._reg_p, self._reg_b
+        reg_p, reg_b = nn.Module.register_parameter, nn.Module.register_buffer
 
         def register_parameter(mod, name, param):
             reg_p(mod, name, param)
@@ -164,13 +162,13 @@ class _params_to_meta:
             reg_b(mod, name, tensor if tensor is None else
                   keep_build_value(tensor.to("meta"), tensor), persistent)
 
-        nn.Module.register_parameter = register_parameter
-        nn.Module.register_buffer = register_buffer
+        self._patch = patched(nn.Module, register_parameter=register_parameter,
+                              register_buffer=register_buffer)
+        self._patch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        nn.Module.register_parameter = self._reg_p
-        nn.Module.register_buffer = self._reg_b
+        self._patch.__exit__(*exc)
 
 
 def fake_copy(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:

@@ -43,6 +43,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from ..errors import TapescopeError, passes_user_calls, user_error
+from ..torch_compat import patched
 from .optimizers import make_optimizer
 from .records import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from .step import train_step
@@ -332,17 +333,16 @@ def phase_marks(model: nn.Module, step: int, runtime: StepRuntime):
     if own:
         hooks = _PhaseHooks().__enter__()
     hooks.marks = (pre, post, step_pre, step_post)
-    torch.autograd.backward, torch.autograd.grad = backward, grad
-    enter(OTHER)
-    try:
-        yield backward_phase
-    finally:
-        torch.autograd.backward, torch.autograd.grad = torch_backward, torch_grad
-        hooks.marks = None
-        if own:
-            hooks.__exit__(None, None, None)
-        while opened:  # an error left phases open (an optimizer step raised, say)
-            leave()
+    with patched(torch.autograd, backward=backward, grad=grad):
+        enter(OTHER)
+        try:
+            yield backward_phase
+        finally:
+            hooks.marks = None
+            if own:
+                hooks.__exit__(None, None, None)
+            while opened:  # an error left phases open (an optimizer step raised, say)
+                leave()
 
 
 class _PhaseHooks:

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..torch_compat import patched
+
 __all__ = ["track_rng_states"]
 
 
@@ -32,8 +34,5 @@ def track_rng_states(tape):
         tape.adopt(state)
         return state
 
-    torch.get_rng_state = get_rng_state
-    try:
+    with patched(torch, get_rng_state=get_rng_state):
         yield
-    finally:
-        torch.get_rng_state = original

@@ -32,7 +32,7 @@ from ..losses import describe_loss, grad_tensors, sum_of
 from ..errors import (DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope,
                       source_dirs)
 from ..options import Options, Workload
-from ..torch_compat import (DimDynamic, FakeTensorMode, ShapeEnv, constant_source,
+from ..torch_compat import (DimDynamic, FakeTensorMode, ShapeEnv, constant_source, patched,
                             hook_guard_locations, pytree_node_types, shape_env_facts, tree_leaves,
                             tree_map, user_source_location, without_torch_function)
 from .data_values import DataValues
@@ -474,11 +474,8 @@ class CaptureSession:
                                 only_inputs, allow_unused, is_grads_batched, materialize_grads)
             return engine.grad(outputs, inputs, grad_outputs, bool(allow_unused))
 
-        torch.autograd.grad = grad
-        try:
+        with patched(torch.autograd, grad=grad):
             yield
-        finally:
-            torch.autograd.grad = original
 
     def _trace_steps(self) -> None:
         trace, opt = self.trace, self.optimizer

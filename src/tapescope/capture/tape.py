@@ -36,7 +36,8 @@ from ..torch_compat import (MARKERS_RUN_AS_THEY_ARE, FakeTensor, SizeFreeCacheCh
                             current_autograd_node, disable_dynamo,
                             disable_torch_function, dynamo_disable_is_a_call,
                             fake_mode_handles_directly, is_wrapper_subclass, kernel_invocation,
-                            node_sequence_nr, sequence_nr, storage_key, untyped_storage_key)
+                            node_sequence_nr, patched, sequence_nr, storage_key,
+                            untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
 from .records import (BACKWARD, FORWARD, OTHER, WORKSPACE, Frame, KernelLaunch, OpRecord,
@@ -56,6 +57,13 @@ _NOT_OP_NAMESPACES = ("prim", "profiler")  # metadata queries and record_functio
 # an op whose tensor types are all among these is FakeTensorMode's (else a subclass handles it);
 # a set test, not a generator over `types`: it runs for every op (classes hash by identity)
 _PLAIN_TYPES = frozenset((FakeTensor, torch.Tensor))
+
+
+def _device_answer(t: FakeTensor) -> torch.device:
+    """`prim.device` of a fake tensor as FakeTensorMode answers it (fake_tensor.py,
+    `_device_handler`): meta inside a kernel invocation, else its fake device
+    (torch_compat.SHORTCUTS)."""
+    return _META if t.fake_mode.in_kernel_invocation else t.fake_device
 
 
 def _foreign_subclass(t: type) -> bool:
@@ -401,11 +409,8 @@ class Tape(SizeFreeCacheCheck):
             self.storage_resized(st, before)
             return out
 
-        torch.UntypedStorage.resize_ = resize_
-        try:
+        with patched(torch.UntypedStorage, resize_=resize_):
             yield
-        finally:
-            torch.UntypedStorage.resize_ = original
 
     def register(self, t: torch.Tensor, name: str, role: str | None = None,
                  owner: str | None = None) -> int:
@@ -531,7 +536,7 @@ class Tape(SizeFreeCacheCheck):
             # `t.device` asked from C++ (~2,300 times a GPT-2 profile): FakeTensorMode's own answer
             # (fake_tensor.py, _device_handler), without the ~3 us of its dispatch; never recorded,
             # no side effect, so answered before the question of torch's dynamo wrapper
-            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+            return _device_answer(args[0])
         if dynamo_disable_is_a_call():
             return self._torch_dispatch(func, types, args, kwargs)
         return _TORCH_DISPATCH_DYNAMO_DISABLED(self, func, types, args, kwargs)

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..torch_compat import accelerator_query
+from ..torch_compat import accelerator_query, patched
 
 __all__ = ["cuda_without_gpu", "StreamLog"]
 
@@ -157,18 +157,8 @@ def cuda_without_gpu(compute_capability: tuple = (9, 0)):
         "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
         "set_rng_state": lambda new_state, device="cuda": None,
     }
-    saved = {name: getattr(torch.cuda, name) for name in replaced}
-    saved_accel = torch.accelerator.current_stream
     accelerator, get_name = accelerator_query()
-    saved_get = getattr(accelerator, get_name)
-    for name, fn in replaced.items():
-        setattr(torch.cuda, name, fn)
-    torch.accelerator.current_stream = lambda device=None: log.current
-    setattr(accelerator, get_name, lambda: torch.device("cuda"))
-    try:
+    with patched(torch.cuda, **replaced), \
+            patched(torch.accelerator, current_stream=lambda device=None: log.current), \
+            patched(accelerator, **{get_name: lambda: torch.device("cuda")}):
         yield log
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.cuda, name, fn)
-        torch.accelerator.current_stream = saved_accel
-        setattr(accelerator, get_name, saved_get)

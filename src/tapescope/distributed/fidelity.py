@@ -63,12 +63,13 @@
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from ..capture.records import TensorRef
 from ..errors import TapescopeError
+from ..torch_compat import patched
 
 __all__ = ["eager_distributed", "decisions_shared_by_ranks", "SharedDecisions"]
 
@@ -85,13 +86,16 @@ class _ArgsSpecs:
         self.args_spec = specs
 
 
+@contextmanager
 def _strided_flag_once_per_op():
-    """Patch `_propagate_use_strided_shard_flag` (see point 5); returns the undo."""
+    """`_propagate_use_strided_shard_flag` once per op, and the expansions memoised, for the
+    block (see point 5)."""
     from ..torch_compat import StridedShard, strided_shard_flag_propagation
 
     site = strided_shard_flag_propagation()
     if site is None:
-        return lambda: None
+        yield
+        return
     module, name = site
     original = getattr(module, name)
     last: list = [None, None]  # (op_schema, its summary): the children of one op come together
@@ -111,24 +115,22 @@ def _strided_flag_once_per_op():
         except AttributeError:  # a torch whose function reads more of the schema
             return original(op_strategy, op_schema)
 
-    setattr(module, name, propagate_flag)
-    restore_expand = _expansions_memoised()
-
-    def restore():
-        setattr(module, name, original)
+    try:
+        with patched(module, **{name: propagate_flag}), _expansions_memoised():
+            yield
+    finally:
         last[0] = last[1] = None
-        restore_expand()
-
-    return restore
 
 
+@contextmanager
 def _expansions_memoised():
-    """Memoise `expand_to_full_mesh_op_strategy` for the capture (see point 5); the undo."""
+    """`expand_to_full_mesh_op_strategy` memoised for the block (see point 5)."""
     from ..torch_compat import mesh_strategy_expansion
 
     site = mesh_strategy_expansion()
     if site is None:
-        return lambda: None
+        yield
+        return
     module, name = site
     original = getattr(module, name)
     memo: dict = {}
@@ -147,22 +149,22 @@ def _expansions_memoised():
             found = memo[key] = original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
         return found
 
-    setattr(module, name, expand)
-
-    def restore():
-        setattr(module, name, original)
+    try:
+        with patched(module, **{name: expand}):
+            yield
+    finally:
         memo.clear()
 
-    return restore
 
-
+@contextmanager
 def _foreach_elements_once():
-    """Expand a foreach op's distinct elements only (see point 5); returns the undo."""
+    """A foreach op's distinct elements expanded only, for the block (see point 5)."""
     from ..torch_compat import foreach_strategy_expansion
 
     site = foreach_strategy_expansion()
     if site is None:
-        return lambda: None
+        yield
+        return
     module, name, tuple_strategy, op_schema_type = site
     original = getattr(module, name)
 
@@ -180,8 +182,8 @@ def _foreach_elements_once():
 
         return expanded
 
-    setattr(module, name, expand)
-    return lambda: setattr(module, name, original)
+    with patched(module, **{name: expand}):
+        yield
 
 
 def _distinct_elements(op_schema, output_tensor_meta, tuple_strategy, op_schema_type):
@@ -243,11 +245,10 @@ def decisions_shared_by_ranks():
     def propagate(self, op_schema):
         return shared.decide(self, op_schema)
 
-    setattr(propagator, name, propagate)
     try:
-        yield shared
+        with patched(propagator, **{name: propagate}):
+            yield shared
     finally:
-        setattr(propagator, name, compute)
         shared.forget()
 
 
@@ -484,31 +485,26 @@ class _KeptAlive:
         return self
 
 
+@contextmanager
 def _mesh_bookkeeping_on_real_tensors():
-    """Wrap DeviceMesh's rank-tensor methods to run outside the fake mode; returns the undo."""
+    """DeviceMesh's rank-tensor methods run outside the fake mode, for the block."""
     from ..torch_compat import mesh_rank_tensor_methods
 
-    saved = []
-    for cls, name in mesh_rank_tensor_methods():
-        attr = cls.__dict__[name]
-        if name == "__init__":
-            new = _mesh_init(attr)
-        elif isinstance(attr, staticmethod):
-            new = staticmethod(_real(attr.__func__))
-        elif isinstance(attr, property):
-            new = property(_real(attr.fget), attr.fset, attr.fdel, attr.__doc__)
-        elif callable(attr):
-            new = _real(attr)
-        else:
-            continue
-        saved.append((cls, name, attr))
-        setattr(cls, name, new)
-
-    def restore():
-        for cls, name, attr in saved:
-            setattr(cls, name, attr)
-
-    return restore
+    with ExitStack() as stack:
+        for cls, name in mesh_rank_tensor_methods():
+            attr = cls.__dict__[name]
+            if name == "__init__":
+                new = _mesh_init(attr)
+            elif isinstance(attr, staticmethod):
+                new = staticmethod(_real(attr.__func__))
+            elif isinstance(attr, property):
+                new = property(_real(attr.fget), attr.fset, attr.fdel, attr.__doc__)
+            elif callable(attr):
+                new = _real(attr)
+            else:
+                continue
+            stack.enter_context(patched(cls, **{name: new}))
+        yield
 
 
 @contextmanager
@@ -518,10 +514,6 @@ def eager_distributed(decisions: SharedDecisions | None = None):
     from ..capture.tape import Tape
     from ..torch_compat import active_fake_mode, dtensor_meta_propagation, dtensor_tracing_checks
 
-    saved = []
-    for mod, name in dtensor_tracing_checks():
-        saved.append((mod, name, getattr(mod, name)))
-        setattr(mod, name, _not_tracing)
     propagator, propagate_name = dtensor_meta_propagation()
     propagate = propagator.__dict__[propagate_name]
 
@@ -532,25 +524,19 @@ def eager_distributed(decisions: SharedDecisions | None = None):
         with tape.unrecorded():
             return propagate(self, op_schema)
 
-    setattr(propagator, propagate_name, propagate_unrecorded)
-    restore_mesh = _mesh_bookkeeping_on_real_tensors()
-    restore_flag = _strided_flag_once_per_op()
-    restore_foreach = _foreach_elements_once()
-    restore_p2p = _p2p_works_hold_their_tensors()
-    _clear_dtensor_caches()
-    if decisions is not None:
-        decisions.begin_rank()
-    try:
-        yield
-    finally:
+    with ExitStack() as stack:
+        for mod, name in dtensor_tracing_checks():
+            stack.enter_context(patched(mod, **{name: _not_tracing}))
+        stack.enter_context(patched(propagator, **{propagate_name: propagate_unrecorded}))
+        stack.enter_context(_mesh_bookkeeping_on_real_tensors())
+        stack.enter_context(_strided_flag_once_per_op())
+        stack.enter_context(_foreach_elements_once())
+        stack.enter_context(_p2p_works_hold_their_tensors())
         _clear_dtensor_caches()
-        restore_p2p()
-        restore_foreach()
-        restore_flag()
-        restore_mesh()
-        setattr(propagator, propagate_name, propagate)
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
+        stack.callback(_clear_dtensor_caches)  # first on the way out
+        if decisions is not None:
+            decisions.begin_rank()
+        yield
 
 
 class _HeldWork:
@@ -579,9 +565,10 @@ class _HeldWork:
         return getattr(self.work, name)
 
 
+@contextmanager
 def _p2p_works_hold_their_tensors():
     """Make torch.distributed.isend / irecv return works that hold their tensors (_HeldWork)
-    while a capture runs; returns the function that restores them. The same wrapper is set
+    while the block runs. The same wrapper is set
     on torch.distributed and distributed_c10d: P2POp and batch_isend_irecv compare an op with
     `isend` / `irecv` by identity."""
     import torch.distributed as dist
@@ -598,14 +585,5 @@ def _p2p_works_hold_their_tensors():
         return p2p
 
     wrapped = {name: holding(fn) for name, fn in originals.items()}
-    before = {name: getattr(dist, name) for name in originals}
-    for name, fn in wrapped.items():
-        setattr(c10d, name, fn)
-        setattr(dist, name, fn)
-
-    def restore():
-        for name, fn in originals.items():
-            setattr(c10d, name, fn)
-            setattr(dist, name, before[name])
-
-    return restore
+    with patched(c10d, **wrapped), patched(dist, **wrapped):
+        yield

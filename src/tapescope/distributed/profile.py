@@ -21,6 +21,7 @@ import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -82,139 +83,200 @@ class DistributedFacts:
 
 def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     """Trace one rank of each class; returns (the Profile of the rank with the highest peak,
-    every rank's RankProfile, DistributedFacts). `analyse(trace, facts) -> Profile`."""
+    every rank's RankProfile, DistributedFacts). `analyse(trace, facts) -> Profile`.
+
+    The phases: build the model once (every rank copies the same meta model), trace rank 0 (or
+    one rank per pipeline coordinate) to learn the rank classes, trace each class's
+    representative, then spread each representative's memory and time to its members."""
     from ..capture.model import built_for
 
-    spec = options.mesh
-    # built once: every rank copies the same meta model
     workload = replace(workload, model=built_for(workload.model, options))
-    pipelined = pipeline_plan(workload, options) if options.pipeline is not None else None
-    measured: list = []
+    job = _RankJob(workload, options, analyse, progress)
+    # (what each trace makes is frozen before the next; all of it released on return; DTensor's
+    # sharding decisions are the same for every rank, made once: fidelity.py, point 4)
+    with _collector_kept_to_each_rank() as rank_starts, decisions_shared_by_ranks() as decisions:
+        job.rank_starts, job.decisions = rank_starts, decisions
+        classes = job.rank_classes()
+        for rep in classes.representatives:
+            if rep not in job.profiles:
+                job.trace_timed(rep)
+        return job.result(classes)
 
-    def parallelize(module, rank, device_mesh):
-        if options.parallelize is None:
-            return module
-        try:
-            out = options.parallelize(module, device_mesh)
-        except TapescopeError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the user's parallelisation failed
-            raise _parallelize_failed(e, options.parallelize, rank) from e
-        if out is None:
-            out = module  # parallelised in place
-        if not isinstance(out, torch.nn.Module):
-            fn = getattr(options.parallelize, "__name__", "parallelize")
-            raise TapescopeError(
-                f"{fn}(model, mesh) returned {type(out).__name__} {_short_repr(out)}; return "
-                "the parallelised model (an nn.Module) or None when it changes the model in "
-                "place")
-        _refuse_ddp(out)
-        return out
 
-    def trace_rank(rank: int):
+@dataclass
+class _RankJob:
+    """The ranks of one distributed profile as they are traced: what each traced rank gave
+    (its Profile, process groups, pipeline order, trace times), filled by `trace_timed`."""
+
+    workload: Workload
+    options: Options
+    analyse: Callable                   # analyse(trace, facts) -> Profile
+    progress: Callable | None = None
+    pipelined: object = None            # distributed.pipeline.PipelinePlan of a pipelined step
+    rank_starts: Callable | None = None  # _collector_kept_to_each_rank's, set while tracing
+    decisions: object = None            # decisions_shared_by_ranks's, likewise
+    measured: bool = False              # a pipeline's stage shapes found (once, on one rank)
+    profiles: dict = field(default_factory=dict)     # traced rank -> Profile
+    group_maps: dict = field(default_factory=dict)   # traced rank -> process groups
+    orders: dict = field(default_factory=dict)       # traced rank -> its pipeline order
+    seconds: dict = field(default_factory=dict)
+    cpu: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.options.pipeline is not None:
+            self.pipelined = pipeline_plan(self.workload, self.options)
+
+    @property
+    def spec(self) -> MeshSpec:
+        return self.options.mesh
+
+    def rank_classes(self) -> RankClasses:
+        """The rank classes, from the first rank's trace (a pipeline's: one trace per pipeline
+        coordinate, as its stages differ in their modules, and the classes of the other
+        dimensions within it); warns first when they cannot be proven."""
+        if self.pipelined is None:
+            classes = rank_classes(self.spec, self.trace_timed(0))
+        else:
+            classes = self.pipelined.classes(self.spec, self.trace_timed)
+        if not classes.provable and self.spec.world_size > 1:
+            self._warn_every_rank_traced()
+        return classes
+
+    def _warn_every_rank_traced(self) -> None:
+        """Said before the long part starts, with what it will cost."""
+        n, first = self.spec.world_size, self.seconds[0]
+        note = (f"cannot prove which ranks run the same step (a parameter's device mesh has no "
+                f"layout over the world's ranks: torch older than 2.9, or a mesh that leaves "
+                f"ranks out): tracing each of the {n} ranks, about "
+                f"{first * (n - 1):.0f} s more (rank 0 took {first:.1f} s)")
+        warnings.warn(note, stacklevel=4)
+        if self.progress is not None:
+            self.progress(note)
+
+    def trace_timed(self, rank: int):
+        """Trace `rank`, keeping its Profile and times; returns its parameters' shard layouts."""
+        start, start_cpu = time.perf_counter(), time.process_time()
+        self.rank_starts()
+        self.profiles[rank], layouts, self.group_maps[rank] = self.trace_rank(rank)
+        self.seconds[rank] = time.perf_counter() - start
+        self.cpu[rank] = time.process_time() - start_cpu
+        return layouts
+
+    def trace_rank(self, rank: int):
+        """One rank's step in its fake world: (its Profile, shard layouts, process groups)."""
+        options, spec = self.options, self.spec
         seen: dict = {}
         program = None
-
-        def prepare(fmodel):
-            if pipelined is None:
-                out = parallelize(fmodel, rank, device_mesh)
-            else:  # this rank's stages, each parallelised over the other dimensions
-                if options.parallelize is not None and not measured:
-                    # the shapes between stages are the parallelised stages' (found once)
-                    pipelined.measure_parallelised(lambda m: parallelize(m, rank, device_mesh),
-                                                   options.device)
-                    measured.append(True)
-                program.shapes = pipelined.shapes
-                out = pipelined.stage_modules(fmodel, program.stages,
-                                               lambda m: parallelize(m, rank, device_mesh))
-            seen["layouts"] = shard_layouts(out, spec)
-            seen["sharded"] = _sharded_names(out)
-            return out
-
         standin = nullcontext()
         if options.device.type == "cuda":
             from .cuda_standin import cuda_without_gpu
 
             standin = cuda_without_gpu(options.gpu.compute_capability)
-        with standin as streams, eager_distributed(decisions), \
+        with standin as streams, eager_distributed(self.decisions), \
                 fake_world(spec, rank, options.device.type) as device_mesh:
-            if pipelined is not None:
-                program = pipelined.program(rank, device_mesh, options.loss_fn,
-                                            options.optimizer)
+            if self.pipelined is not None:
+                program = self.pipelined.program(rank, device_mesh, options.loss_fn,
+                                                 options.optimizer)
+
+            def prepare(fmodel):
+                return self.prepare(fmodel, rank, device_mesh, program, seen)
+
             # (capture retries a step whose sizes depend on data - an MoE's routing - with
             # values, as for one device; the fake world stays up for the retry)
-            trace, facts = capture(workload, options, progress, prepare=prepare, streams=streams,
-                                   program=program)
+            trace, facts = capture(self.workload, options, self.progress, prepare=prepare,
+                                   streams=streams, program=program)
             if program is not None:
                 seen["order"] = program.order
             groups = process_groups(spec)
             facts["collective_groups"] = collective_groups(trace)
-        facts["process_groups"] = {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
-                                          "ranks": list(g.ranks)} for name, g in groups.items()}
         sharded = {sid for sid, fqn in trace.storage_owner.items() if fqn in seen["sharded"]}
         assign_roles(trace, sharded)
-        facts["mesh"] = spec.as_dict()
-        facts["rank"] = rank
-        facts["parallelize"] = None if options.parallelize is None else \
-            getattr(options.parallelize, "__name__", str(options.parallelize))
-        # the preset's FSDP2 MixedPrecisionPolicy stands in for --amp: the header says so
-        facts["fsdp_param_dtype"] = getattr(options.parallelize, "param_dtype", None)
-        if pipelined is not None:  # a rank holds its stages: the header also names the model's
-            facts["model_parameters"] = pipelined.model_parameters
-        orders[rank] = seen.get("order")
-        return analyse(trace, facts), seen["layouts"], groups
+        _add_rank_facts(facts, options, rank, groups, self.pipelined)
+        self.orders[rank] = seen.get("order")
+        return self.analyse(trace, facts), seen["layouts"], groups
 
-    # (what each trace makes is frozen before the next; all of it released on return; DTensor's
-    # sharding decisions are the same for every rank, made once: fidelity.py, point 4)
-    with _collector_kept_to_each_rank() as rank_starts, decisions_shared_by_ranks() as decisions:
-        seconds, cpu = {}, {}
-        profiles, group_maps, orders = {}, {}, {}
+    def prepare(self, fmodel, rank: int, device_mesh, program, seen: dict):
+        """The rank's model as the user's parallelize makes it (a pipeline rank's: its stages,
+        each parallelised over the other dimensions); notes its shard layouts in `seen`."""
+        def parallelize(module):
+            return _parallelized(module, self.options.parallelize, rank, device_mesh)
 
-        def trace_timed(rank: int):
-            start, start_cpu = time.perf_counter(), time.process_time()
-            rank_starts()
-            profiles[rank], layouts, group_maps[rank] = trace_rank(rank)
-            seconds[rank], cpu[rank] = time.perf_counter() - start, time.process_time() - start_cpu
-            return layouts
-
-        if pipelined is None:
-            classes = rank_classes(spec, trace_timed(0))
+        if self.pipelined is None:
+            out = parallelize(fmodel)
         else:
-            # the stages differ in their modules, so each pipeline rank's step is its own: one
-            # trace per pipeline coordinate, and the classes of the other dimensions within it
-            classes = pipelined.classes(spec, trace_timed)
-        if not classes.provable and spec.world_size > 1:
-            # said before the long part starts, with what it will cost
-            note = (f"cannot prove which ranks run the same step (a parameter's device mesh has no "
-                    f"layout over the world's ranks: torch older than 2.9, or a mesh that leaves "
-                    f"ranks out): tracing each of the {spec.world_size} ranks, about "
-                    f"{seconds[0] * (spec.world_size - 1):.0f} s more (rank 0 took "
-                    f"{seconds[0]:.1f} s)")
-            warnings.warn(note, stacklevel=2)
-            if progress is not None:
-                progress(note)
-        for rep in classes.representatives:
-            if rep not in profiles:
-                trace_timed(rep)
+            if self.options.parallelize is not None and not self.measured:
+                # the shapes between stages are the parallelised stages' (found once)
+                self.pipelined.measure_parallelised(parallelize, self.options.device)
+                self.measured = True
+            program.shapes = self.pipelined.shapes
+            out = self.pipelined.stage_modules(fmodel, program.stages, parallelize)
+        seen["layouts"] = shard_layouts(out, self.spec)
+        seen["sharded"] = _sharded_names(out)
+        return out
 
+    def result(self, classes: RankClasses):
+        """(the highest-peak rank's Profile, every rank's RankProfile, DistributedFacts)."""
+        spec, profiles = self.spec, self.profiles
         ranks = []
         for rep, members in zip(classes.representatives, classes.members):
             p = profiles[rep]
-            p.distributed = DistributedFacts(spec, classes, group_maps[rep], {})  # its collectives
-            at_peak = {k: v for k, v in p.memory.at_peak.items() if v}
-            t = p.time
-            for r in members:
-                ranks.append(RankProfile(r, spec.coordinate(r), p.peak_bytes,
-                                         p.first_step_peak_bytes, at_peak, rep,
-                                         None if t is None else t.seconds,
-                                         None if t is None else t.mfu,
-                                         None if pipelined is None else pipelined.stages_of(r)))
+            # its own collectives: the facts of its process groups
+            p.distributed = DistributedFacts(spec, classes, self.group_maps[rep], {})
+            ranks += _member_profiles(p, rep, members, spec, self.pipelined)
         ranks.sort(key=lambda r: r.rank)
         top = max(profiles, key=lambda r: (profiles[r].peak_bytes, -r))
-        facts = DistributedFacts(spec, classes, group_maps[top], profiles, seconds, cpu)
-        if pipelined is not None:
-            facts.pipeline = pipelined.report(ranks, profiles, orders)
+        facts = DistributedFacts(spec, classes, self.group_maps[top], profiles, self.seconds,
+                                 self.cpu)
+        if self.pipelined is not None:
+            facts.pipeline = self.pipelined.report(ranks, profiles, self.orders)
         return profiles[top], ranks, facts
+
+
+def _member_profiles(p, rep: int, members, spec: MeshSpec, pipelined) -> list:
+    """The RankProfile of each member of a class, from its representative's Profile `p`."""
+    at_peak = {k: v for k, v in p.memory.at_peak.items() if v}
+    t = p.time
+    return [RankProfile(r, spec.coordinate(r), p.peak_bytes, p.first_step_peak_bytes, at_peak,
+                        rep, None if t is None else t.seconds, None if t is None else t.mfu,
+                        None if pipelined is None else pipelined.stages_of(r))
+            for r in members]
+
+
+def _add_rank_facts(facts: dict, options: Options, rank: int, groups: dict, pipelined) -> None:
+    """What a rank's report says beyond one device's facts: its mesh, rank and groups."""
+    facts["process_groups"] = {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
+                                      "ranks": list(g.ranks)} for name, g in groups.items()}
+    facts["mesh"] = options.mesh.as_dict()
+    facts["rank"] = rank
+    facts["parallelize"] = None if options.parallelize is None else \
+        getattr(options.parallelize, "__name__", str(options.parallelize))
+    # the preset's FSDP2 MixedPrecisionPolicy stands in for --amp: the header says so
+    facts["fsdp_param_dtype"] = getattr(options.parallelize, "param_dtype", None)
+    if pipelined is not None:  # a rank holds its stages: the header also names the model's
+        facts["model_parameters"] = pipelined.model_parameters
+
+
+def _parallelized(module, fn, rank: int, device_mesh):
+    """The user's `fn(module, device_mesh)` on one simulated rank, checked: its failure named
+    with the rank and the user's line, a non-module result or DDP refused."""
+    if fn is None:
+        return module
+    try:
+        out = fn(module, device_mesh)
+    except TapescopeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's parallelisation failed
+        raise _parallelize_failed(e, fn, rank) from e
+    if out is None:
+        out = module  # parallelised in place
+    if not isinstance(out, torch.nn.Module):
+        name = getattr(fn, "__name__", "parallelize")
+        raise TapescopeError(
+            f"{name}(model, mesh) returned {type(out).__name__} {_short_repr(out)}; return "
+            "the parallelised model (an nn.Module) or None when it changes the model in "
+            "place")
+    _refuse_ddp(out)
+    return out
 
 
 @contextmanager

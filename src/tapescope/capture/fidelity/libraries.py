@@ -26,7 +26,7 @@ stay on, as it would there, or a recomputation runs in fp32 where its forward ra
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -129,16 +129,13 @@ LIBRARY_BRANCHES = (
 @contextmanager
 def library_branches(tape, branches=LIBRARY_BRANCHES):
     """The libraries' own fake-tensor questions answered as for the eager step, for this block."""
-    done = []
-    try:
+    from ...torch_compat import patched
+
+    with ExitStack() as stack:
         for b in branches:
             module = sys.modules.get(b.module)
             if module is None or not hasattr(module, b.attribute):
                 continue
             original = getattr(module, b.attribute)
-            setattr(module, b.attribute, b.answer(original, tape))
-            done.append((module, b.attribute, original))
+            stack.enter_context(patched(module, **{b.attribute: b.answer(original, tape)}))
         yield
-    finally:
-        for module, attribute, original in reversed(done):
-            setattr(module, attribute, original)
