@@ -21,7 +21,7 @@ import tapescope
 from tapescope.analysis.memory import LiveGroup, LiveTensor, MemoryReport, ModuleMemory
 from tapescope.analysis.ops import Op
 from tapescope.api import Profile
-from tapescope.capture.records import CATEGORIES, Frame, StorageRecord, Trace
+from tapescope.capture.records import CATEGORIES, Frame, RunFacts, StorageRecord, Trace
 from tapescope.report.downsample import downsample
 from tapescope.report.html import render_html, write_html
 from tapescope.report.png import write_png
@@ -497,7 +497,7 @@ def synthetic_profile(layers: int) -> Profile:
     peak = total[peak_op]
     assert peak == max(total)
 
-    trace = Trace()
+    trace = Trace(step2="reused")
     for layer in range(layers):
         for suffix, nbytes in (("weight", 64), ("bias", 16)):
             sid = len(trace.storages)
@@ -518,9 +518,9 @@ def synthetic_profile(layers: int) -> Profile:
     return Profile(model="synthetic deep MLP", device="cpu", dtype=None,
                    inputs=[{"shape": [1, 4], "dtype": "float32"}], steps=2, ops=ops, memory=memory,
                    first_step_peak_bytes=peak - 2 * param * layers,
-                   facts={"parameters": 20 * layers,
-                          "optimizer": {"name": "AdamW", "implementation": "for-loop"},
-                          "amp": None, "step2": "reused"},
+                   run=RunFacts(parameters=20 * layers, param_dtype=None,
+                                optimizer={"name": "AdamW", "implementation": "for-loop"},
+                                amp=None),
                    trace=trace)
 
 

@@ -27,7 +27,6 @@ import torch
 from ..capture.session import capture
 from ..errors import TapescopeError
 from ..options import Options, Workload
-from .categories import assign_roles
 from .fidelity import decisions_shared_by_ranks, eager_distributed
 from .groups import collective_groups, process_groups
 from .mesh import MeshSpec, fake_world
@@ -59,17 +58,38 @@ class RankProfile:
                 "stages": None if self.stages is None else list(self.stages)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistributedFacts:
-    """What a distributed profile knows beyond one rank's trace."""
+    """What a distributed profile knows beyond one rank's trace: the rank's place in the job
+    (built as its capture ends), and for the Profile the job returns, the whole job (its rank
+    classes, every traced rank's Profile, their tracing times; `with_job`)."""
 
     mesh: MeshSpec
-    classes: RankClasses
-    groups: dict                            # group name -> GroupInfo (of the reported rank)
+    rank: int
+    groups: dict               # group name -> GroupInfo: every process group this rank is in
+    collective_groups: dict    # op index -> the name of the group each collective ran on
+    parallelize: str | None    # the name of the user's parallelize function
+    # the dtype FSDP2's MixedPrecisionPolicy computes in, as the preset says (it stands in for
+    # --amp: the report's header says so); None without a preset that says
+    fsdp_param_dtype: object = None
+    model_parameters: int | None = None   # a pipelined rank: the whole model's (its stages hold part)
+    classes: RankClasses | None = None    # the job's
     profiles: dict = field(default_factory=dict, repr=False)   # traced rank -> Profile
     trace_seconds: dict = field(default_factory=dict)     # traced rank -> seconds to trace it
     trace_cpu_seconds: dict = field(default_factory=dict)  # ... this process's CPU time
     pipeline: object = None    # distributed.pipeline.PipelineReport of a pipelined profile
+
+    def as_facts(self) -> dict:
+        """The rank's facts by name, as `Profile.facts` has them."""
+        out = {"collective_groups": self.collective_groups,
+               "process_groups": {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
+                                         "ranks": list(g.ranks)}
+                                  for name, g in self.groups.items()},
+               "mesh": self.mesh.as_dict(), "rank": self.rank, "parallelize": self.parallelize,
+               "fsdp_param_dtype": self.fsdp_param_dtype}
+        if self.model_parameters is not None:
+            out["model_parameters"] = self.model_parameters
+        return out
 
     def to_dict(self) -> dict:
         return {"mesh": self.mesh.as_dict(), "world_size": self.mesh.world_size,
@@ -82,7 +102,8 @@ class DistributedFacts:
 
 def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     """Trace one rank of each class; returns (the Profile of the rank with the highest peak,
-    every rank's RankProfile, DistributedFacts). `analyse(trace, facts) -> Profile`."""
+    every rank's RankProfile, the job's DistributedFacts).
+    `analyse(trace, run_facts, distributed_facts) -> Profile`."""
     from ..capture.model import built_for
 
     spec = options.mesh
@@ -128,7 +149,6 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
                 out = pipelined.stage_modules(fmodel, program.stages,
                                                lambda m: parallelize(m, rank, device_mesh))
             seen["layouts"] = shard_layouts(out, spec)
-            seen["sharded"] = _sharded_names(out)
             return out
 
         standin = nullcontext()
@@ -148,32 +168,27 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
             if program is not None:
                 seen["order"] = program.order
             groups = process_groups(spec)
-            facts["collective_groups"] = collective_groups(trace)
-        facts["process_groups"] = {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
-                                          "ranks": list(g.ranks)} for name, g in groups.items()}
-        sharded = {sid for sid, fqn in trace.storage_owner.items() if fqn in seen["sharded"]}
-        assign_roles(trace, sharded)
-        facts["mesh"] = spec.as_dict()
-        facts["rank"] = rank
-        facts["parallelize"] = None if options.parallelize is None else \
-            getattr(options.parallelize, "__name__", str(options.parallelize))
-        # the preset's FSDP2 MixedPrecisionPolicy stands in for --amp: the header says so
-        facts["fsdp_param_dtype"] = getattr(options.parallelize, "param_dtype", None)
-        if pipelined is not None:  # a rank holds its stages: the header also names the model's
-            facts["model_parameters"] = pipelined.model_parameters
+            by_op = collective_groups(trace)
+        place = DistributedFacts(
+            spec, rank, groups, by_op,
+            parallelize=None if options.parallelize is None else
+            getattr(options.parallelize, "__name__", str(options.parallelize)),
+            fsdp_param_dtype=getattr(options.parallelize, "param_dtype", None),
+            # a rank holds its stages: the header also names the model's
+            model_parameters=None if pipelined is None else pipelined.model_parameters)
         orders[rank] = seen.get("order")
-        return analyse(trace, facts), seen["layouts"], groups
+        return analyse(trace, facts, place), seen["layouts"]
 
     # (what each trace makes is frozen before the next; all of it released on return; DTensor's
     # sharding decisions are the same for every rank, made once: fidelity.py, point 4)
     with _collector_kept_to_each_rank() as rank_starts, decisions_shared_by_ranks() as decisions:
         seconds, cpu = {}, {}
-        profiles, group_maps, orders = {}, {}, {}
+        profiles, orders = {}, {}
 
         def trace_timed(rank: int):
             start, start_cpu = time.perf_counter(), time.process_time()
             rank_starts()
-            profiles[rank], layouts, group_maps[rank] = trace_rank(rank)
+            profiles[rank], layouts = trace_rank(rank)
             seconds[rank], cpu[rank] = time.perf_counter() - start, time.process_time() - start_cpu
             return layouts
 
@@ -200,7 +215,6 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         ranks = []
         for rep, members in zip(classes.representatives, classes.members):
             p = profiles[rep]
-            p.distributed = DistributedFacts(spec, classes, group_maps[rep], {})  # its collectives
             at_peak = {k: v for k, v in p.memory.at_peak.items() if v}
             t = p.time
             for r in members:
@@ -211,10 +225,11 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
                                          None if pipelined is None else pipelined.stages_of(r)))
         ranks.sort(key=lambda r: r.rank)
         top = max(profiles, key=lambda r: (profiles[r].peak_bytes, -r))
-        facts = DistributedFacts(spec, classes, group_maps[top], profiles, seconds, cpu)
-        if pipelined is not None:
-            facts.pipeline = pipelined.report(ranks, profiles, orders)
-        return profiles[top], ranks, facts
+        job = replace(profiles[top].distributed, classes=classes, profiles=profiles,
+                      trace_seconds=seconds, trace_cpu_seconds=cpu,
+                      pipeline=None if pipelined is None else
+                      pipelined.report(ranks, profiles, orders))
+        return profiles[top], ranks, job
 
 
 @contextmanager
@@ -284,14 +299,6 @@ def _parallelize_failed(e: Exception, fn, rank: int) -> TapescopeError:
     return TapescopeError(
         f"parallelize ({getattr(fn, '__name__', fn)}) failed on simulated rank {rank}{where}: "
         f"{type(e).__name__}: {e}.{why}")
-
-
-def _sharded_names(model) -> set:
-    """Names of the parameters that are shards (a DTensor sharded on some mesh dimension)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    return {fqn for fqn, p in model.named_parameters(remove_duplicate=False)
-            if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)}
 
 
 def _short_repr(x, limit: int = 40) -> str:
