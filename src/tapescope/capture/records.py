@@ -56,7 +56,7 @@ SAVED, TEMPORARY = "saved activations", "temporaries"
 # scratch a real kernel allocates and frees inside one op (capture/fidelity: WORKSPACE rules)
 WORKSPACE = "kernel workspace"
 CATEGORIES = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT, SAVED, TEMPORARY, WORKSPACE)
-# Roles only a distributed step has (distributed/categories.py): the shard of a parameter a rank
+# Roles only a distributed step has (capture/distributed_roles.py): the shard of a parameter a rank
 # keeps, the full parameter it gathers for compute, and the flat buffers collectives use.
 SHARDED_PARAMETER, UNSHARDED_PARAMETER = "sharded parameters", "unsharded parameters"
 ALL_GATHER_BUFFER, REDUCE_SCATTER_BUFFER = "all-gather buffers", "reduce-scatter buffers"
