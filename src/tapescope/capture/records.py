@@ -19,6 +19,7 @@ __all__ = [
     "OPTIMIZER",
     "PHASES",
     "OTHER",
+    "BUILDS_GRAPH",
     "ZERO_GRAD",
     "TensorRef",
     "Frame",
@@ -42,6 +43,9 @@ PHASES = (FORWARD, BACKWARD, OPTIMIZER)
 # a user's own step (capture/program.py): its ops outside the model's forward, the backward and
 # an optimizer's step (computing the loss, clipping gradients, an EMA of the weights)
 OTHER = "other"
+# phases whose ops may record autograd nodes: each op gets the sequence number, module and line
+# (a user's step computes its loss in its own code, phase OTHER)
+BUILDS_GRAPH = (FORWARD, OTHER)
 # the label of the optimizer-phase segment that ends a step: the gradient reset, and the loss's end
 ZERO_GRAD = "zero_grad"
 SETUP = "setup"  # step 0: work done on the model before the first step (parallelising it)
