@@ -5,7 +5,7 @@ tooltip names ops, the peak is marked where the profile says, the module table s
 hostile module name stays text, and a 100k-op step opens in under 3 seconds.
 """
 
-import copy
+import dataclasses
 import json
 import os
 import random
@@ -397,8 +397,7 @@ def test_screenshot(browser, gpt2, gpt2_html):
 # ---- without a browser ------------------------------------------------------------------------
 
 def test_json_is_escaped_for_its_script_element(gpt2):
-    hostile = copy.copy(gpt2)
-    hostile.model = "</script><!--<script>&amp;\u2028"
+    hostile = dataclasses.replace(gpt2, model="</script><!--<script>&amp;\u2028")
     text = render_html(hostile)
     data = text[text.index('id="tapescope-data">'):]
     data = data[:data.index("</script>")]
