@@ -73,6 +73,36 @@ def test_profile_is_built_only_in_analyse():
     assert set(calls) == {("src/tapescope/api.py", "analyse")}, calls
 
 
+_MUTATORS = {"append", "extend", "insert", "add", "update", "pop", "clear", "discard", "remove",
+             "setdefault"}
+
+
+def _trace_field(node) -> bool:
+    """`trace.<field>` or `trace.<field>[...]`: a field of a variable named trace."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+        and node.value.id == "trace"
+
+
+def test_trace_is_written_only_by_capture():
+    """Outside capture/, no code assigns a field of a `trace` or changes one in place (the
+    symbolic analysis makes a new Trace with dataclasses.replace)."""
+    found = []
+    for path, tree in _trees():
+        if "capture" in path.relative_to(ROOT).parts:
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            if any(_trace_field(t) for t in targets):
+                found.append(_where(path, node))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in _MUTATORS and _trace_field(node.func.value):
+                found.append(_where(path, node))
+    assert not found, found
+
+
 def test_trace_roles_are_assigned_only_by_capture():
     """Nothing outside capture/ writes a storage's roles or imports the role rules."""
     found = []
