@@ -39,7 +39,7 @@ def main():
         peak = real.peaks[args.step]
         predicted = p.first_step_peak_bytes if args.step == 1 else p.peak_bytes
         print(f"{m.name}: step {args.step} peak measured {peak:,} predicted {predicted:,} "
-              f"({(predicted - peak) / peak:+.3%}); {p.facts.get('cpu')}")
+              f"({(predicted - peak) / peak:+.3%}); {p.run.cpu}")
         ops = [o for o in compare_ops(p, real, args.step)
                if abs(o.measured_excess - o.predicted_excess) >= args.min_bytes]
         ops.sort(key=lambda o: -abs(o.measured_excess - o.predicted_excess))
@@ -49,7 +49,7 @@ def main():
             print(f"| {o.position} | {o.phase} | {o.name} | {o.measured_excess:,} | "
                   f"{o.predicted_excess:,} | {o.predicted_excess - o.measured_excess:+,} | "
                   f"{peak - o.measured_peak:,} |")
-        for topic, texts in (p.facts.get("heuristics") or {}).items():
+        for topic, texts in p.run.heuristics.items():
             for text in texts:
                 print(f"estimate: {topic}: {text}")
         print()

@@ -767,7 +767,8 @@ def _trace(row, layers: int) -> dict:
             ic = Interconnect(base.intra_node, base.intra_kind, row.network_bps / base.gpus_per_node,
                               f"{row.network_bps * 8 / 1e9:.0f} Gb/s per node", base.gpus_per_node,
                               row.source)
-        items = collectives(p.ops, p.facts, gpu, ic) if row.mesh else []
+        items = collectives(p.ops, p.distributed.groups, p.distributed.collective_groups, gpu,
+                            ic) if row.mesh else []
         comm = {c.op: c.seconds for c in items} or None
         t = estimate_step_time(p.ops, p.trace, gpu, comm, {c.op: c.stream for c in items},
                                compiled=p.compiled_schedule)

@@ -78,7 +78,7 @@ m = resolve({spec!r}, batch={batch}, seq={seq})
 t = time.perf_counter()
 p = tapescope.profile(m.build, *m.inputs, loss_fn=m.loss_fn)
 print(json.dumps(dict(seconds=time.perf_counter() - t, ops=len(p.ops), peak=p.peak_bytes,
-      params=p.facts["parameters"], rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
+      params=p.run.parameters, rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -93,7 +93,7 @@ def test_calibrated_kernel_times_are_the_files_figures(calibrated):
     times = {}
     for op, t in zip(p.ops, p.time.op_seconds):
         if launches_kernel(op.record.func):
-            times.setdefault((op.phase, op.name, tuple(map(tuple, op.input_shapes))), t)
+            times.setdefault((op.phase, op.name, tuple(tuple(t.shape) for t in op.inputs)), t)
     mm = "aten.mm.default"
     by_gemm = {("forward", mm, ((2048, 512), (512, 1536))): dict(m=2048, n=1536, k=512),
                ("forward", mm, ((2048, 512), (512, 512))): dict(m=2048, n=512, k=512),

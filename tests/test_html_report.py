@@ -5,7 +5,7 @@ tooltip names ops, the peak is marked where the profile says, the module table s
 hostile module name stays text, and a 100k-op step opens in under 3 seconds.
 """
 
-import copy
+import dataclasses
 import json
 import os
 import random
@@ -21,7 +21,7 @@ import tapescope
 from tapescope.analysis.memory import LiveGroup, LiveTensor, MemoryReport, ModuleMemory
 from tapescope.analysis.ops import Op
 from tapescope.api import Profile
-from tapescope.capture.records import CATEGORIES, Frame, StorageRecord, Trace
+from tapescope.capture.records import CATEGORIES, Frame, RunFacts, StorageRecord, Trace
 from tapescope.report.downsample import downsample
 from tapescope.report.html import render_html, write_html
 from tapescope.report.png import write_png
@@ -397,8 +397,7 @@ def test_screenshot(browser, gpt2, gpt2_html):
 # ---- without a browser ------------------------------------------------------------------------
 
 def test_json_is_escaped_for_its_script_element(gpt2):
-    hostile = copy.copy(gpt2)
-    hostile.model = "</script><!--<script>&amp;\u2028"
+    hostile = dataclasses.replace(gpt2, model="</script><!--<script>&amp;\u2028")
     text = render_html(hostile)
     data = text[text.index('id="tapescope-data">'):]
     data = data[:data.index("</script>")]
@@ -497,7 +496,7 @@ def synthetic_profile(layers: int) -> Profile:
     peak = total[peak_op]
     assert peak == max(total)
 
-    trace = Trace()
+    trace = Trace(step2="reused")
     for layer in range(layers):
         for suffix, nbytes in (("weight", 64), ("bias", 16)):
             sid = len(trace.storages)
@@ -518,9 +517,9 @@ def synthetic_profile(layers: int) -> Profile:
     return Profile(model="synthetic deep MLP", device="cpu", dtype=None,
                    inputs=[{"shape": [1, 4], "dtype": "float32"}], steps=2, ops=ops, memory=memory,
                    first_step_peak_bytes=peak - 2 * param * layers,
-                   facts={"parameters": 20 * layers,
-                          "optimizer": {"name": "AdamW", "implementation": "for-loop"},
-                          "amp": None, "step2": "reused"},
+                   run=RunFacts(parameters=20 * layers, param_dtype=None,
+                                optimizer={"name": "AdamW", "implementation": "for-loop"},
+                                amp=None),
                    trace=trace)
 
 

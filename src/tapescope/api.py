@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Callable
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +23,7 @@ from .analysis.memory import MemoryReport, memory_report, peak_bytes, storage_ca
 from .analysis.modules import ancestors, module_rollup
 from .analysis.ops import OpCosts, step_ops
 from .analysis.steps import step_views
-from .capture.records import BACKWARD, FORWARD, OPTIMIZER, Trace
+from .capture.records import BACKWARD, FORWARD, OPTIMIZER, RunFacts, Trace
 from .capture.session import capture
 from .errors import TapescopeError
 from .option_table import OPTIONS, profile_options_doc
@@ -39,12 +41,15 @@ if TYPE_CHECKING:  # the option values' types, for the signature
 __all__ = ["profile", "profile_workload", "Profile"]
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Profile:
     """What one training step does, op by op, with its FLOPs and memory.
 
     The op table, FLOPs and `memory` describe the steady-state step (step 2, optimizer state
     present) when `steps=2`, else the first step. `first_step_peak_bytes` is the first step's peak.
+
+    Built once, by `analyse`, and frozen: the analyses the report needs later are computed from
+    these fields when first asked (the cached properties below).
     """
 
     model: str
@@ -55,7 +60,7 @@ class Profile:
     ops: list                    # Op
     memory: MemoryReport
     first_step_peak_bytes: int
-    facts: dict = field(default_factory=dict)
+    run: RunFacts                # what the capture learned besides the trace (`facts`: as a dict)
     trace: Trace | None = field(default=None, repr=False)
     symbolic: object = field(default=None, repr=False)  # analysis.symbolic.SymbolicProfile
     # analysis.data_sizes.DataSizeReport: the assumptions data-dependent sizes were given, the
@@ -70,10 +75,33 @@ class Profile:
     # the trace of the rank with the highest peak
     ranks: list | None = None
     distributed: object = field(default=None, repr=False)
+    # what analyse computed on the way that the lazy analyses reuse (the first step's memory)
+    op_costs: OpCosts | None = field(default=None, repr=False)
+    storage_categories: dict | None = field(default=None, repr=False)
+    # a symbolic profile: traces the step again at sizes {dimension: size} (at(), outside the
+    # formulas' range) and returns that Profile
+    retrace: Callable | None = field(default=None, repr=False)
 
     @property
     def peak_bytes(self):
         return self.memory.peak_bytes
+
+    @cached_property
+    def facts(self) -> Mapping:
+        """What the run taught besides the op table, as a read-only dict by name (the JSON's
+        "facts"): `run`'s fields (RunFacts.as_dict), "step2" (how the steady step was obtained:
+        "reused", "traced"), "data_sizes" (analysis.data_sizes' report), "compile" (the compile
+        options of a compiled step) and a distributed rank's place in its job
+        (DistributedFacts.as_facts). Kept for the documented keys; code reads the typed fields."""
+        out = self.run.as_dict()
+        out["step2"] = self.trace.step2
+        if self.data_sizes is not None:
+            out["data_sizes"] = self.data_sizes.to_dict()
+        if self.compiled is not None:
+            out["compile"] = self.options.compile.to_dict()
+        if self.distributed is not None:
+            out.update(self.distributed.as_facts())
+        return MappingProxyType(out)
 
     @cached_property
     def first_step_memory(self) -> MemoryReport:
@@ -81,8 +109,8 @@ class Profile:
         if self.steps == 1:
             return self.memory
         view = step_views(self.trace)[1]
-        ops = step_ops(self.trace, view, self._costs)
-        return memory_report(self.trace, view, ops, self._categories)
+        ops = step_ops(self.trace, view, self.op_costs)
+        return memory_report(self.trace, view, ops, self.storage_categories)
 
     @cached_property
     def flops(self) -> dict:
@@ -136,7 +164,7 @@ class Profile:
 
         if self.options is not None and self.options.gpu is not None:
             return self.options.gpu
-        return get_gpu(self.facts["gpu"]) if self.facts.get("gpu") else None
+        return get_gpu(self.run.gpu) if self.run.gpu else None
 
     @cached_property
     def cuda_memory(self):
@@ -188,7 +216,8 @@ class Profile:
         if self.distributed is None:
             return []
         calibration = self.options.calibration if self.options is not None else None
-        return collectives(self.ops, self.facts, self.gpu, calibration=calibration)
+        return collectives(self.ops, self.distributed.groups, self.distributed.collective_groups,
+                           self.gpu, calibration=calibration)
 
     @cached_property
     def collective_table(self) -> list:
@@ -219,9 +248,9 @@ class Profile:
         full = {**sp.hints, **sp.specialized, **sizes}
         if sp.valid(full):
             return sp.at(**full)
-        if self._retrace is None:
+        if self.retrace is None:
             raise TapescopeError(f"sizes {sizes} are outside the range of the formulas {sp.ranges}")
-        p = self._retrace(full)
+        p = self.retrace(full)
         return Estimate(full, p.peak_bytes, p.first_step_peak_bytes, dict(p.flops),
                         dict(p.memory.at_peak), p.memory.peak_op)
 
@@ -281,24 +310,24 @@ def profile_workload(workload: Workload, options: Options, progress=None) -> Pro
         return _profile_compiled(workload, options, progress)
     if options.mesh is not None:
         return _profile_ranks(workload, options, progress)
+    retrace = None
     if options.symbolic:
         from .capture.model import built_for
 
         # built once: at() traces it again outside the formulas' range
         workload = replace(workload, model=built_for(workload.model, options))
-    trace, facts = capture(workload, options, progress)
-    p = _analyse_captured(trace, facts, workload, options)
-    if options.symbolic:
+
         def retrace(sizes):
             resized = replace(workload, args=_resize(workload.args, sizes),
                               kwargs=_resize(workload.kwargs, sizes))
             return profile_workload(resized, options.but(symbolic=()))
 
-        p._retrace = retrace
-        if p.symbolic.specialized:
-            from .analysis.symbolic import fit_pinned
+    trace, facts = capture(workload, options, progress)
+    p = _analyse_captured(trace, facts, workload, options, retrace=retrace)
+    if options.symbolic and p.symbolic.specialized:
+        from .analysis.symbolic import fit_pinned
 
-            fit_pinned(p.symbolic, retrace)
+        fit_pinned(p.symbolic, retrace)
     return p
 
 
@@ -309,30 +338,27 @@ def _profile_compiled(workload: Workload, options: Options, progress=None) -> Pr
     workload = replace(workload, model=built_for(workload.model, options))  # built once for both
     eager = profile_workload(workload, options.but(compile=None), progress)
     if options.mesh is not None:  # every rank class compiled, each with its report
-        p = _profile_ranks(workload, options, progress)
-        p.eager = eager
-        return p
+        return _profile_ranks(workload, options, progress, eager=eager)
     trace, facts = capture(workload, options, progress)
     with _gc_paused():
-        p = analyse(trace, facts, model=workload.display_name, options=options,
-                    inputs=[_describe_input(x) for x in workload.args])
-        _add_compiled_report(p)
-    p.eager = eager
-    return p
+        return analyse(trace, facts, model=workload.display_name, options=options,
+                       inputs=[_describe_input(x) for x in workload.args], eager=eager)
 
 
-def _add_compiled_report(p: Profile) -> None:
-    """`p.compiled` from what compiling recorded (the capture's facts["compiled"])."""
-    from .analysis.compiled import compiled_report
+def analyse(trace: Trace, facts: RunFacts, *, model: str, options: Options, inputs,
+            symbolic=None, data_sizes=None, retrace=None, distributed=None, ranks=None,
+            eager: Profile | None = None, of: Profile | None = None) -> Profile:
+    """The Profile of a captured step: the op table and memory report of the traced steps (pure
+    functions of the trace), a compiled step's report, and what the caller computed around them
+    (a symbolic profile's formulas, a distributed rank's place in its job, the eager step beside
+    a compiled one). The one place a Profile is made.
 
-    record = p.facts.pop("compiled")
-    p.facts["compile"] = p.options.compile.to_dict()
-    views = step_views(p.trace)
-    p.compiled = compiled_report(record, p.trace, views[max(views)], p.ops)
-
-
-def analyse(trace: Trace, facts: dict, *, model: str, options: Options, inputs) -> Profile:
-    """The op table and memory report of the traced steps (pure functions of the trace)."""
+    of: a Profile of the same trace already analysed (a distributed job's reported rank): its
+    analyses are kept, with this job's `ranks` and `distributed` facts."""
+    if of is not None:
+        kept = {f.name: getattr(of, f.name) for f in fields(Profile)}
+        return Profile(**{**kept, "ranks": ranks, "distributed": distributed,
+                          "eager": eager if eager is not None else of.eager})
     views = step_views(trace)
     categories = storage_categories(trace)
     costs = OpCosts(trace)
@@ -340,19 +366,25 @@ def analyse(trace: Trace, facts: dict, *, model: str, options: Options, inputs) 
     ops = step_ops(trace, main, costs)
     memory = memory_report(trace, main, ops, categories)
     first_peak = memory.peak_bytes if main.step == 1 else peak_bytes(trace, views[1])
-    facts = dict(facts, step2=trace.step2)
+    compiled = None
+    if facts.compiled is not None:  # what compiling recorded, as its report
+        from .analysis.compiled import compiled_report
+
+        compiled = compiled_report(facts.compiled, trace, main, ops)
     dtype = options.dtype  # the cast asked for, else the parameters' own
-    p = Profile(model=model, device=str(options.device),
-                dtype=facts.get("param_dtype") if dtype is None else str(dtype).replace("torch.", ""),
-                inputs=inputs, steps=main.step, ops=ops, memory=memory,
-                first_step_peak_bytes=first_peak, facts=facts, trace=trace, options=options)
-    p._costs, p._categories, p._retrace = costs, categories, None
-    return p
+    return Profile(model=model, device=str(options.device),
+                   dtype=facts.param_dtype if dtype is None else str(dtype).replace("torch.", ""),
+                   inputs=inputs, steps=main.step, ops=ops, memory=memory,
+                   first_step_peak_bytes=first_peak, run=facts, trace=trace,
+                   symbolic=symbolic, data_sizes=data_sizes, options=options,
+                   compiled=compiled, eager=eager, ranks=ranks, distributed=distributed,
+                   op_costs=costs, storage_categories=categories, retrace=retrace)
 
 
-def _analyse_captured(trace: Trace, facts: dict, workload: Workload, options: Options) -> Profile:
+def _analyse_captured(trace: Trace, facts: RunFacts, workload: Workload, options: Options,
+                      **around) -> Profile:
     """`analyse`, with the formulas of a trace that has symbols (named dimensions, or sizes the
-    data decides) evaluated at their values."""
+    data decides) evaluated at their values. `around`: analyse's other arguments."""
     inputs = [_describe_input(x) for x in workload.args]
     sp = None
     with _gc_paused():  # analysis makes many small objects and no cycles: no collection needed
@@ -379,25 +411,22 @@ def _analyse_captured(trace: Trace, facts: dict, workload: Workload, options: Op
             inputs = [_describe_input(x, trace_hints=hints) for x in workload.args]
         else:
             data_sizes = data_size_report(trace, None)
-        p = analyse(trace, facts, model=workload.display_name, options=options, inputs=inputs)
-    p.symbolic, p.data_sizes = sp, data_sizes
-    if data_sizes is not None:
-        p.facts["data_sizes"] = data_sizes.to_dict()
-    return p
+        return analyse(trace, facts, model=workload.display_name, options=options,
+                       inputs=inputs, symbolic=sp, data_sizes=data_sizes, **around)
 
 
-def _profile_ranks(workload: Workload, options: Options, progress=None) -> Profile:
+def _profile_ranks(workload: Workload, options: Options, progress=None,
+                   eager: Profile | None = None) -> Profile:
+    """Every rank class of the job traced and analysed (distributed/profile.py); the Profile of
+    the rank with the highest peak, with every rank's memory and the job's facts."""
     from .distributed.profile import profile_ranks
 
-    def analyse_rank(trace, facts):
-        p = _analyse_captured(trace, facts, workload, options)
-        if options.compile is not None:
-            _add_compiled_report(p)
-        return p
+    def analyse_rank(trace, facts, distributed):
+        return _analyse_captured(trace, facts, workload, options, distributed=distributed)
 
-    p, ranks, dist = profile_ranks(workload, options, analyse_rank, progress)
-    p.ranks, p.distributed = ranks, dist
-    return p
+    top, ranks, job = profile_ranks(workload, options, analyse_rank, progress)
+    return analyse(top.trace, top.run, model=top.model, options=options, inputs=top.inputs,
+                   ranks=ranks, distributed=job, eager=eager, of=top)
 
 
 def _describe_input(x, trace_hints=None) -> object:

@@ -426,7 +426,7 @@ def profile_cmd(
         # the next commands start from one device; a parallelised step's are not written yet
         invocation = None if p.distributed is not None else _invocation(
             "profile", spec, batch, seq, input, loss, dtype, amp, optimizer, gpu=gpu_name,
-            param_dtype=p.facts.get("param_dtype"))
+            param_dtype=p.run.param_dtype)
         render_summary(p, out, top=top, invocation=invocation)
         if p.compiled is not None:
             render_compiled(p, out, top=top)
@@ -647,7 +647,7 @@ def fit_cmd(
 
         render_fit(r, workload.name, options, out, rows, invocation=_invocation(
             "fit", spec, batch, seq, input, loss, dtype, amp, optimizer, gpu=gpu, budget=budget,
-            param_dtype=r.profile.facts.get("param_dtype")))
+            param_dtype=r.profile.run.param_dtype))
         _write_json(json_file, fit_dict(r, workload.name, options, rows))
     if r.value is None:
         raise typer.Exit(1)
@@ -687,7 +687,7 @@ def plan_cmd(
         render_plan(plan, workload.name, options, out, invocation=_invocation(
             "plan", spec, batch, seq, input, loss, dtype, amp, optimizer,
             gpu=gpu or (options.gpu.key if options.gpu is not None else None), budget=budget,
-            param_dtype=plan.profile.facts.get("param_dtype") if plan.profile else None))
+            param_dtype=plan.profile.run.param_dtype if plan.profile else None))
         _write_json(json_file, plan.to_dict())
         if code_file:
             from .report.files import write_text

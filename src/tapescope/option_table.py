@@ -114,7 +114,7 @@ OPTIONS = (
             "--activation-memory-budget", "--compile-optimizer", "--compile-backend")),
     Option("threads", "int | None", None,
            "the intra-op threads a cpu profile's kernel workspaces are sized for; default: this "
-           "machine's (`p.facts[\"cpu\"]` says which).",
+           "machine's (`p.run.cpu` says which).",
            ("--threads",),
            "CPU: the intra-op threads kernels size per-thread scratch for (default: this "
            "machine's).", field="cpu"),

@@ -3,7 +3,7 @@
 A collective is an op of the `c10d` or `_c10d_functional` namespace in the trace (FSDP2 issues
 c10d ops through the process group; DTensor issues functional ones). Capture records, per
 collective op, the process group it ran on, and per group the mesh dimensions it spans and its
-global ranks (`facts["collective_groups"]`, `facts["process_groups"]`, distributed/profile.py).
+global ranks (`DistributedFacts.collective_groups` and `.groups`, distributed/profile.py).
 
 Bytes are the collective's size as nccl-tests count it: the gathered output of an all-gather, the
 input of a reduce-scatter, the tensor of an all-reduce or broadcast. Time is the ring algorithm's
@@ -212,15 +212,15 @@ def measured_seconds(kind: str, nbytes: int, n: int, calibration) -> float | Non
     return p.seconds * (nbytes * traffic(n)) / (p.bytes * traffic(p.ranks))
 
 
-def collectives(ops: list, facts: dict, gpu=None, ic=None, calibration=None) -> list[Collective]:
+def collectives(ops: list, groups: dict, by_op: dict, gpu=None, ic=None,
+                calibration=None) -> list[Collective]:
     """The collectives among a step's ops (analysis.ops.Op), with their time on `gpu`'s
     interconnect, or on `ic` (a devices.gpus.Interconnect: a cluster of your own); 0 without
     either. With a calibration (devices.calibration.Calibration), those inside one node take
-    its measured NCCL times (measured_seconds); those across nodes keep the network model."""
+    its measured NCCL times (measured_seconds); those across nodes keep the network model.
+    groups: group name -> its label and global ranks (distributed.groups.GroupInfo); by_op: op
+    index -> the name of the group the collective ran on."""
     from ..devices.gpus import interconnect
-
-    groups = facts.get("process_groups", {})
-    by_op = facts.get("collective_groups", {})
     if ic is None and gpu is not None:
         ic = interconnect(gpu)
     out = []
@@ -229,16 +229,16 @@ def collectives(ops: list, facts: dict, gpu=None, ic=None, calibration=None) -> 
         kind = kind_of(rec.func)
         if kind is None:
             continue
-        g = groups.get(by_op.get(rec.index), {})
-        ranks = tuple(g.get("ranks", ()))
+        g = groups.get(by_op.get(rec.index))
+        ranks = tuple(g.ranks) if g is not None else ()
         size = len(ranks) or 1
         nbytes = _size(kind, rec, size)
         seconds, inter = collective_seconds(kind, nbytes, ranks, ic) if ic is not None \
             else (0.0, False)
         if calibration is not None and calibration.nccl and not inter and size > 1:
             seconds = measured_seconds(kind, nbytes, size, calibration) or seconds
-        out.append(Collective(op.index, kind, g.get("label", "?"), size, nbytes, op.phase,
-                              op.module, inter, seconds, str(by_op.get(rec.index, ""))))
+        out.append(Collective(op.index, kind, g.label if g is not None else "?", size, nbytes,
+                              op.phase, op.module, inter, seconds, str(by_op.get(rec.index, ""))))
     return out
 
 

@@ -14,29 +14,21 @@ import sympy
 
 from ..capture.records import Trace
 
-__all__ = ["DataSizeReport", "SizeLine", "data_size_report"]
-
-
-@dataclass(frozen=True)
-class SizeLine:
-    name: str
-    value: int
-    op: str
-    where: str
-    assumptions: tuple      # the Assumptions that decided it
-    pinned: bool            # the trace fixed it to its value (a loop or a branch used it)
+__all__ = ["DataSizeReport", "data_size_report"]
 
 
 @dataclass
 class DataSizeReport:
     assumptions: list                      # capture.data_values.Assumption (.decided: it mattered)
-    sizes: list = field(default_factory=list)   # SizeLine
+    # capture.data_values.DataSize, as the trace has them (`assumptions`: indices into the above)
+    sizes: list = field(default_factory=list)
     peak: sympy.Expr | None = None         # steady-state peak near the assumption, in the names
     first_step_peak: sympy.Expr | None = None
 
     def to_dict(self) -> dict:
         return {"assumptions": [a.__dict__ for a in self.assumptions],
-                "sizes": [{**s.__dict__, "assumptions": [a.__dict__ for a in s.assumptions]}
+                "sizes": [{**s.__dict__, "assumptions": [self.assumptions[i].__dict__
+                                                         for i in s.assumptions]}
                           for s in self.sizes],
                 "peak_bytes": None if self.peak is None else str(self.peak),
                 "first_step_peak_bytes": None if self.first_step_peak is None
@@ -47,11 +39,7 @@ def data_size_report(trace: Trace, sp) -> DataSizeReport | None:
     """None when the step made no assumption (no router, no data-dependent size)."""
     if not trace.data_sizes and not trace.assumptions:
         return None
-    report = DataSizeReport(list(trace.assumptions))
-    for d in trace.data_sizes:
-        report.sizes.append(SizeLine(d.name, d.value, d.op, d.where,
-                                     tuple(trace.assumptions[i] for i in d.assumptions),
-                                     d.name in trace.replacements))
+    report = DataSizeReport(list(trace.assumptions), list(trace.data_sizes))
     if sp is not None and trace.data_sizes:
         report.peak = _local_formula(sp, sp.pieces, trace)
         report.first_step_peak = _local_formula(sp, sp.first_pieces, trace)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..capture.records import (BACKWARD, FORWARD, OTHER, Frame, OpRecord, TensorRef, Trace,
-                               op_name)
+from ..capture.records import (BACKWARD, BUILDS_GRAPH, OTHER, Frame, OpRecord, TensorRef,
+                               Trace, op_name)
 from .flops import op_flops
 from .steps import StepView
 from .traffic import op_traffic
 
 __all__ = ["Op", "expanded_ops", "OpCosts", "step_ops"]
 
-# phases whose ops record autograd nodes (a user's step computes its loss in its own code)
-_BUILDS_GRAPH = (FORWARD, OTHER)
 _NO_NODE = 2**64 - 1  # seq_nr of AccumulateGrad and other nodes outside the forward sequence
 
 
@@ -51,18 +49,6 @@ class Op:
     def total_flops(self) -> int | None:
         """FLOPs of all its runs in the step (None: no formula)."""
         return None if self.flops is None else self.flops * self.runs
-
-    @property
-    def input_shapes(self):
-        return [tuple(t.shape) for t in self.inputs]
-
-    @property
-    def output_shapes(self):
-        return [tuple(t.shape) for t in self.outputs]
-
-    @property
-    def output_storages(self):
-        return [t.storage for t in self.outputs]
 
     def to_dict(self) -> dict:
         def t(x: TensorRef):
@@ -174,7 +160,7 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
     records = [trace.ops[i] for i in view.ops]
     owner: dict[int, int] = {}  # seq_nr -> local index of the forward op that created the node
     for k, r in enumerate(records):
-        if (r.phase in _BUILDS_GRAPH or r.recompute) and r.owns_node:
+        if (r.phase in BUILDS_GRAPH or r.recompute) and r.owns_node:
             owner.setdefault(r.seq_nr, k)
     saved = trace.saved_values
     storage_owner = trace.storage_owner
@@ -211,7 +197,7 @@ def step_ops(trace: Trace, view: StepView, costs: OpCosts | None = None) -> list
         fwd = None
         node = r.grad_fn
         module = r.module
-        if r.phase in _BUILDS_GRAPH or r.recompute:
+        if r.phase in BUILDS_GRAPH or r.recompute:
             if r.owns_node:
                 node = trace.node_names.get(r.seq_nr)
             if module is None and r.phase == OTHER:  # a step's own code over parameters (an EMA)

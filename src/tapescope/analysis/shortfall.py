@@ -80,10 +80,6 @@ class Shortfall:
             n *= 2
         return None
 
-    def without(self, category: str) -> int:
-        """The peak without one category (an optimizer with no state, say)."""
-        return self.peak - self.at_peak.get(category, 0)
-
 
 def shortfall(at_peak: dict, budget: int) -> Shortfall | None:
     """The Shortfall of a peak over `budget`; None if it fits."""

@@ -144,9 +144,6 @@ class SymbolicProfile:
                     best, best_value = e, v
         return best
 
-    def category_exprs(self) -> list[dict]:
-        return [{c: self.expr(v) for c, v in p.categories.items()} for p in self.pieces]
-
     # ---- evaluation -----------------------------------------------------------------------
 
     def valid(self, sizes: dict) -> bool:

@@ -130,6 +130,7 @@ class DataSize:
     op: str
     where: str
     assumptions: tuple   # indices into Trace.assumptions: what decided it
+    pinned: bool = False  # the trace fixed it to its value (a loop or a branch used it)
 
 
 # ---- the per-capture value model ---------------------------------------------------------------
@@ -356,6 +357,8 @@ class DataValues:
             vr = env.var_to_range.get(members[0])
             lo = int(vr.lower) if vr is not None and vr.lower.is_Integer else 0
             trace.ranges[d.name] = (lo, None)
+        trace.data_sizes = [replace(d, pinned=d.name in trace.replacements)
+                            for d in trace.data_sizes]
 
     def give_literal(self, fake, real) -> None:
         """`torch.tensor(data)` made in the step from Python data: an integer or boolean one

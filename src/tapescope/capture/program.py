@@ -89,7 +89,7 @@ class StepProgram(ABC):
     records_setup: bool = False
 
     def describe(self) -> dict | None:
-        """What the report says about the program (facts["step"]); None for the built-in step."""
+        """What the report says about the program (RunFacts.step); None for the built-in step."""
         return None
 
     @abstractmethod

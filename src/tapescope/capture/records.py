@@ -7,7 +7,7 @@ model stays small, and keeping no tensor alive means the recorder cannot change 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ __all__ = [
     "OPTIMIZER",
     "PHASES",
     "OTHER",
+    "BUILDS_GRAPH",
     "ZERO_GRAD",
     "TensorRef",
     "Frame",
@@ -28,6 +29,7 @@ __all__ = [
     "GuardRecord",
     "KernelLaunch",
     "Trace",
+    "RunFacts",
     "LOSS_MODULE",
     "INTERNAL_GUARD",
     "SETUP",
@@ -41,6 +43,9 @@ PHASES = (FORWARD, BACKWARD, OPTIMIZER)
 # a user's own step (capture/program.py): its ops outside the model's forward, the backward and
 # an optimizer's step (computing the loss, clipping gradients, an EMA of the weights)
 OTHER = "other"
+# phases whose ops may record autograd nodes: each op gets the sequence number, module and line
+# (a user's step computes its loss in its own code, phase OTHER)
+BUILDS_GRAPH = (FORWARD, OTHER)
 # the label of the optimizer-phase segment that ends a step: the gradient reset, and the loss's end
 ZERO_GRAD = "zero_grad"
 SETUP = "setup"  # step 0: work done on the model before the first step (parallelising it)
@@ -55,7 +60,7 @@ SAVED, TEMPORARY = "saved activations", "temporaries"
 # scratch a real kernel allocates and frees inside one op (capture/fidelity: WORKSPACE rules)
 WORKSPACE = "kernel workspace"
 CATEGORIES = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, INPUT, SAVED, TEMPORARY, WORKSPACE)
-# Roles only a distributed step has (distributed/categories.py): the shard of a parameter a rank
+# Roles only a distributed step has (capture/distributed_roles.py): the shard of a parameter a rank
 # keeps, the full parameter it gathers for compute, and the flat buffers collectives use.
 SHARDED_PARAMETER, UNSHARDED_PARAMETER = "sharded parameters", "unsharded parameters"
 ALL_GATHER_BUFFER, REDUCE_SCATTER_BUFFER = "all-gather buffers", "reduce-scatter buffers"
@@ -273,3 +278,47 @@ class Trace:
     unbacked: dict = field(default_factory=dict)
     data_sizes: list = field(default_factory=list)
     assumptions: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a capture learned about the run besides the Trace's records: the model's size, the
+    optimizer and loss it stepped, the kernel choices and estimates the report names, and the
+    notes it owes the user. Built once, at the end of `CaptureSession.run`; `Profile.facts` is a
+    read-only dict view of it (its keys are this record's fields, each present where the run had
+    it, as `RunFacts.as_dict` says)."""
+
+    parameters: int                       # elements of the model's parameters (as the step holds them)
+    param_dtype: str | None               # the floating-point dtype most parameter elements have
+    optimizer: dict | None                # {"name", "implementation": fused | foreach | for-loop}
+    amp: str | None                       # the autocast dtype of forward and loss ("bfloat16")
+    # what fidelity rules could only estimate (kernel workspaces of heuristic kernel choices):
+    # topic -> the texts of its estimates
+    heuristics: dict = field(default_factory=dict)
+    loss: str | None = None               # the loss the step used, as the report names it
+    step: dict | None = None              # a user's step: {"fn", "setup", "optimizers": n}
+    isolation_notes: tuple | None = None  # what the model's private copy could not isolate
+    sizes_unused: tuple | None = None     # Sizes entries no data-dependent size used
+    gpu: str | None = None                # the GPU whose kernels were followed (its catalogue key)
+    sdpa_backends: dict | None = None     # CUDA: attention backend -> calls that chose it
+    cpu: dict | None = None               # CPU: {"isa", "threads", "detected"} kernels were sized for
+    checkpointing: tuple | None = None    # the checkpointing plan applied (UnitPolicy.to_dict each)
+    accumulate: int | None = None         # micro-batches per optimizer step (when more than 1)
+    accumulate_traced: int | None = None  # of those, how many were traced before they repeated
+    # what compiling the step produced (capture.compiled.CompileRecord; analysis/compiled.py
+    # reads it), None for an eager step
+    compiled: object = field(default=None, repr=False)
+
+    # keys `as_dict` always writes; the others only when the run had them (None: not this run's)
+    _ALWAYS = ("optimizer", "amp", "heuristics", "parameters", "param_dtype")
+
+    def as_dict(self) -> dict:
+        """The plain-data facts by name, as `Profile.facts` and --json show them (the compile
+        record is not data: `Profile.compiled` is its report)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "compiled" or (value is None and f.name not in self._ALWAYS):
+                continue
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out

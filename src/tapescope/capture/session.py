@@ -36,6 +36,7 @@ from ..torch_compat import (DimDynamic, FakeTensorMode, ShapeEnv, constant_sourc
                             hook_guard_locations, pytree_node_types, shape_env_facts, tree_leaves,
                             tree_map, user_source_location, without_torch_function)
 from .data_values import DataValues
+from .distributed_roles import assign_roles, sharded_parameter_names
 from .engine import PythonEngine
 from .fidelity import RULES, FidelityContext, FunctionRulesMode
 from .fidelity.attention import sdpa_composite_of_the_gpu
@@ -49,7 +50,7 @@ from .program import (StepRuntime, optimizers_in, state_tensors, step_program, s
                       torch_globals_kept)
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
                       OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, ZERO_GRAD, GuardRecord,
-                      Trace)
+                      RunFacts, Trace)
 from .step import zero_grad
 from .tape import ModuleStack, Tape
 from .view_replay import ViewRegeneration
@@ -62,8 +63,9 @@ _TORCH_BACKWARD, _TORCH_GRAD = torch.autograd.backward, torch.autograd.grad
 
 
 def capture(workload: Workload, options: Options, progress=None,
-            prepare=None, streams=None, program=None) -> tuple[Trace, dict]:
-    """Trace `options.steps` (1 or 2) training steps; returns the Trace and facts about the run.
+            prepare=None, streams=None, program=None) -> tuple[Trace, RunFacts]:
+    """Trace `options.steps` (1 or 2) training steps; returns the Trace and what else the run
+    taught (RunFacts).
 
     A step whose sizes depend on tensor values (a mixture of experts' routing, a boolean mask) is
     traced again with a ShapeEnv that carries those sizes as unbacked symbols, their values
@@ -183,13 +185,17 @@ class CaptureSession:
         self.tape, self.saved, self.engine = rec.tape, rec.saved, rec.engine
         self.tape.streams = streams
         self.trace = self.tape.trace
-        self.facts: dict = {}
+        # what the run teaches besides the trace, gathered as it goes (RunFacts, built in run())
+        self.loss_described: str | None = None   # the default loss the step chose, if it did
+        self.accumulate_traced: int | None = None  # micro-batches traced before they repeated
+        self.compile_record = None  # compiled.CompileRecord of a compiled step
+        self.sharded_names: set = set()  # a simulated rank's parameters that are shards
         if self.shape_env is not None:
             _guards_name_user_lines(self.shape_env, self.tape)
 
     # ---- the run, top to bottom ------------------------------------------------------------
 
-    def run(self) -> tuple[Trace, dict]:
+    def run(self) -> tuple[Trace, RunFacts]:
         opts, trace = self.options, self.trace
         with self.tape, self.tape.recording_resizes():
             self._make_fake_model()
@@ -213,7 +219,7 @@ class CaptureSession:
                 with self._recording():
                     if program.reusable:
                         if opts.loss_fn is not None:  # else the step says which default it used
-                            self.facts["loss"] = describe_loss(opts.loss_fn)
+                            self.loss_described = describe_loss(opts.loss_fn)
                         self._trace_steps()
                     else:
                         self._trace_user_steps()
@@ -228,38 +234,43 @@ class CaptureSession:
                     except AttributeError:  # exception types that refuse attributes
                         pass
                 raise from_trace_failure(e) from e
-        self.facts["optimizer"] = _describe_optimizer(self.optimizers[0]) \
-            if self.optimizers else None
-        described = program.describe()
-        if described is not None:
-            self.facts["step"] = {**described, "optimizers": len(self.optimizers)}
-        if opts.compile is not None and not self.facts["compiled"].regions:
+        if opts.compile is not None and not self.compile_record.regions:
             self._compiled_nothing()
-        notes = self.isolation.notes + self.isolation.leaks(self.model)
-        if notes:
-            self.facts["isolation_notes"] = notes
         if self.shape_env is not None:
             self._record_shape_facts()
         self.values.write(trace)
-        unused = opts.sizes.unused(trace.assumptions)
-        if unused:
-            self.facts["sizes_unused"] = unused
-        if opts.gpu is not None:
-            self.facts["gpu"] = opts.gpu.key
-        if opts.device.type == "cuda":
-            self.facts["sdpa_backends"] = {k.split(":", 1)[1]: v for k, v in
-                                           self.recorder.fidelity.counts.items()
-                                           if k.startswith("sdpa:")}
-        self.facts["amp"] = None if opts.amp is None else str(opts.amp).replace("torch.", "")
-        if opts.device.type == "cpu":
-            cpu = self.recorder.fidelity.cpu
-            self.facts["cpu"] = {"isa": cpu.isa, "threads": cpu.threads, "detected": cpu.detected}
-        # what fidelity rules could only estimate (kernel workspaces of heuristic kernel choices)
-        self.facts["heuristics"] = {topic: list(texts) for topic, texts in
-                                    self.recorder.fidelity.notes.items()}
-        if opts.accumulate > 1:
-            self.facts["accumulate"] = opts.accumulate
-        return trace, self.facts
+        if opts.mesh is not None:  # a simulated rank's storages, by the ops that filled them
+            assign_roles(trace, self.sharded_names)
+        return trace, self._run_facts()
+
+    def _run_facts(self) -> RunFacts:
+        """What the run taught besides the trace, once it is over."""
+        opts, fidelity = self.options, self.recorder.fidelity
+        described = self.program.describe()
+        notes = self.isolation.notes + self.isolation.leaks(self.model)
+        unused = opts.sizes.unused(self.trace.assumptions)
+        cpu = fidelity.cpu if opts.device.type == "cpu" else None
+        return RunFacts(
+            parameters=self.param_count,
+            param_dtype=self.param_dtype,
+            optimizer=_describe_optimizer(self.optimizers[0]) if self.optimizers else None,
+            amp=None if opts.amp is None else str(opts.amp).replace("torch.", ""),
+            heuristics={topic: list(texts) for topic, texts in fidelity.notes.items()},
+            loss=self.loss_described,
+            step=None if described is None else {**described,
+                                                 "optimizers": len(self.optimizers)},
+            isolation_notes=tuple(notes) if notes else None,
+            sizes_unused=tuple(unused) if unused else None,
+            gpu=None if opts.gpu is None else opts.gpu.key,
+            sdpa_backends={k.split(":", 1)[1]: v for k, v in fidelity.counts.items()
+                           if k.startswith("sdpa:")} if opts.device.type == "cuda" else None,
+            cpu=None if cpu is None else {"isa": cpu.isa, "threads": cpu.threads,
+                                          "detected": cpu.detected},
+            checkpointing=tuple(p.to_dict() for p in opts.checkpointing)
+            if opts.checkpointing else None,
+            accumulate=opts.accumulate if opts.accumulate > 1 else None,
+            accumulate_traced=self.accumulate_traced,
+            compiled=self.compile_record)
 
     def _make_fake_model(self) -> None:
         """The fake copy of the model and inputs, their tensors registered with the tape."""
@@ -291,7 +302,6 @@ class CaptureSession:
 
             apply_policies(self.fmodel, opts.checkpointing,
                            on_wrap=lambda w, m, fqn: wrapped.append((w, m, fqn)))
-            self.facts["checkpointing"] = [p.to_dict() for p in opts.checkpointing]
         if self.prepare is not None:
             with tape.phase(0, SETUP), self._capability_answered():
                 self.fmodel = self.prepare(self.fmodel)
@@ -299,6 +309,7 @@ class CaptureSession:
                 # freed whenever the collector next runs; a training script's step 1 starts
                 # long after that, so collect now, while the frees are recorded
                 gc.collect()
+            self.sharded_names = sharded_parameter_names(self.fmodel)
         sizes = {}
         if self.shape_env is not None:
             sizes, hints = _symbols(self.shape_env, opts.symbolic, (self.args, self.kwargs))
@@ -337,15 +348,9 @@ class CaptureSession:
                 self.names.setdefault(id(wrapper), fqn)
 
             apply_policies(self.fmodel, opts.checkpointing, on_wrap=name_wrapper)
-            self.facts["checkpointing"] = [p.to_dict() for p in opts.checkpointing]
         self.params = list(self.fmodel.parameters())
-        self.facts["parameters"] = sum(p.numel() for p in self.params)
-        by_dtype: dict = {}  # the parameters' dtype (most elements), for the report's header
-        for p in self.params:
-            if p.is_floating_point():
-                by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
-        self.facts["param_dtype"] = str(max(by_dtype, key=by_dtype.get)).replace("torch.", "") \
-            if by_dtype else None
+        self.param_count = sum(p.numel() for p in self.params)
+        self.param_dtype = _main_dtype(self.params)
         # step 2 accumulates into an input's .grad if one gathers it: then it cannot be reused
         self.inputs_gather_grads = any(t.requires_grad and t.is_leaf for t in inputs)
 
@@ -366,7 +371,7 @@ class CaptureSession:
         from .compiled import CompileRecord, compile_model
 
         opts = self.options
-        self.facts["compiled"] = record = CompileRecord(opts.compile)
+        self.compile_record = record = CompileRecord(opts.compile)
         # the graphs' inputs by the names the user's model gives them (before a plan's wrappers)
         fqns = {**self.buffer_fqn, **self.param_fqn}
         # modules the user's code compiled itself (`block.compile()` in a parallelize function,
@@ -510,13 +515,16 @@ class CaptureSession:
         runtime = StepRuntime(phase=self._phase, backward=self._run_backward,
                               forward_context=forward_context,
                               loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
-                              on_default_loss=lambda what: self.facts.__setitem__("loss", what))
+                              on_default_loss=self._default_loss_used)
         if self._may_stop_repeating():
             ends: list = []  # (ops, events, Python state) when each micro-batch ended
             runtime.micro_batch_done = lambda i, n: self._micro_batch_repeats(ends, i, n)
         self._loss = self.program.run(self.step_model, self.fargs, self.fkwargs, self.optimizer,
                                       step, runtime, end=end)
         self._mark_grads_and_state()
+
+    def _default_loss_used(self, what: str) -> None:
+        self.loss_described = what
 
     # ---- gradient accumulation: micro-batches that repeat ----------------------------------
 
@@ -545,7 +553,7 @@ class CaptureSession:
         if not _same_micro_batch(trace, (o0, o1, e0, e1), (o1, o2, e1, e2)):
             return False
         trace.repeated.append((o1, o2, n - i + 1))
-        self.facts["accumulate_traced"] = i
+        self.accumulate_traced = i
         return True
 
     # ---- a user's own step (options.step) --------------------------------------------------
@@ -831,6 +839,15 @@ def _self_contained(trace: Trace, seg) -> bool:
             if made is None or made not in ops:
                 return False
     return True
+
+
+def _main_dtype(params: list) -> str | None:
+    """The parameters' floating-point dtype with the most elements (the report's header)."""
+    by_dtype: dict = {}
+    for p in params:
+        if p.is_floating_point():
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+    return str(max(by_dtype, key=by_dtype.get)).replace("torch.", "") if by_dtype else None
 
 
 def _describe_optimizer(opt: torch.optim.Optimizer) -> dict:

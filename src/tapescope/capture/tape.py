@@ -40,7 +40,7 @@ from ..torch_compat import (MARKERS_RUN_AS_THEY_ARE, FakeTensor, SizeFreeCacheCh
                             untyped_storage_key)
 from .fidelity import BACKWARD_OP, FORWARD_OP, Alloc, FidelityContext, Free, Output, RuleSet
 from .fidelity.literals import literal_ops
-from .records import (BACKWARD, FORWARD, OTHER, WORKSPACE, Frame, KernelLaunch, OpRecord,
+from .records import (BACKWARD, BUILDS_GRAPH, FORWARD, WORKSPACE, Frame, KernelLaunch, OpRecord,
                       Segment, StorageRecord, TensorRef, Trace)
 from .replay import DispatchReplay
 from .view_replay import ViewRegeneration
@@ -106,10 +106,6 @@ class _OpTraits:
                    workspace=func in rules.workspace_targets,
                    router=values is not None and func in values.routers,
                    as_it_is=func in MARKERS_RUN_AS_THEY_ARE)
-# phases whose ops may record autograd nodes: each op gets the sequence number, module and line
-# (a user's step computes its loss in its own code, phase OTHER)
-_BUILDS_GRAPH = (FORWARD, OTHER)
-
 # Frames inside these folders are never "the line that issued the op" (the folders: errors.SourceDirs).
 _DIRS = source_dirs()
 _TORCH_DIR = _DIRS.torch
@@ -915,7 +911,7 @@ class Tape(SizeFreeCacheCheck):
         if self.streams is not None:
             rec.stream = self.streams.current.id
             rec.waits = self.streams.issued(rec.stream, index)
-        if self._tape_phase in _BUILDS_GRAPH or rec.recompute:
+        if self._tape_phase in BUILDS_GRAPH or rec.recompute:
             peek = sequence_nr()
             rec.seq_nr = peek - 1
             rec.owns_node = peek != self._tape_last_seq

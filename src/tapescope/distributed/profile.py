@@ -28,7 +28,6 @@ import torch
 from ..capture.session import capture
 from ..errors import TapescopeError
 from ..options import Options, Workload
-from .categories import assign_roles
 from .fidelity import decisions_shared_by_ranks, eager_distributed
 from .groups import collective_groups, process_groups
 from .mesh import MeshSpec, fake_world
@@ -60,17 +59,38 @@ class RankProfile:
                 "stages": None if self.stages is None else list(self.stages)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistributedFacts:
-    """What a distributed profile knows beyond one rank's trace."""
+    """What a distributed profile knows beyond one rank's trace: the rank's place in the job
+    (built as its capture ends), and for the Profile the job returns, the whole job (its rank
+    classes, every traced rank's Profile, their tracing times; `with_job`)."""
 
     mesh: MeshSpec
-    classes: RankClasses
-    groups: dict                            # group name -> GroupInfo (of the reported rank)
+    rank: int
+    groups: dict               # group name -> GroupInfo: every process group this rank is in
+    collective_groups: dict    # op index -> the name of the group each collective ran on
+    parallelize: str | None    # the name of the user's parallelize function
+    # the dtype FSDP2's MixedPrecisionPolicy computes in, as the preset says (it stands in for
+    # --amp: the report's header says so); None without a preset that says
+    fsdp_param_dtype: object = None
+    model_parameters: int | None = None   # a pipelined rank: the whole model's (its stages hold part)
+    classes: RankClasses | None = None    # the job's
     profiles: dict = field(default_factory=dict, repr=False)   # traced rank -> Profile
     trace_seconds: dict = field(default_factory=dict)     # traced rank -> seconds to trace it
     trace_cpu_seconds: dict = field(default_factory=dict)  # ... this process's CPU time
     pipeline: object = None    # distributed.pipeline.PipelineReport of a pipelined profile
+
+    def as_facts(self) -> dict:
+        """The rank's facts by name, as `Profile.facts` has them."""
+        out = {"collective_groups": self.collective_groups,
+               "process_groups": {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
+                                         "ranks": list(g.ranks)}
+                                  for name, g in self.groups.items()},
+               "mesh": self.mesh.as_dict(), "rank": self.rank, "parallelize": self.parallelize,
+               "fsdp_param_dtype": self.fsdp_param_dtype}
+        if self.model_parameters is not None:
+            out["model_parameters"] = self.model_parameters
+        return out
 
     def to_dict(self) -> dict:
         return {"mesh": self.mesh.as_dict(), "world_size": self.mesh.world_size,
@@ -83,7 +103,8 @@ class DistributedFacts:
 
 def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
     """Trace one rank of each class; returns (the Profile of the rank with the highest peak,
-    every rank's RankProfile, DistributedFacts). `analyse(trace, facts) -> Profile`.
+    every rank's RankProfile, the job's DistributedFacts).
+    `analyse(trace, run_facts, distributed_facts) -> Profile`.
 
     The phases: build the model once (every rank copies the same meta model), trace rank 0 (or
     one rank per pipeline coordinate) to learn the rank classes, trace each class's
@@ -110,14 +131,13 @@ class _RankJob:
 
     workload: Workload
     options: Options
-    analyse: Callable                   # analyse(trace, facts) -> Profile
+    analyse: Callable                   # analyse(trace, run_facts, distributed_facts) -> Profile
     progress: Callable | None = None
     pipelined: object = None            # distributed.pipeline.PipelinePlan of a pipelined step
     rank_starts: Callable | None = None  # _collector_kept_to_each_rank's, set while tracing
     decisions: object = None            # decisions_shared_by_ranks's, likewise
     measured: bool = False              # a pipeline's stage shapes found (once, on one rank)
     profiles: dict = field(default_factory=dict)     # traced rank -> Profile
-    group_maps: dict = field(default_factory=dict)   # traced rank -> process groups
     orders: dict = field(default_factory=dict)       # traced rank -> its pipeline order
     seconds: dict = field(default_factory=dict)
     cpu: dict = field(default_factory=dict)
@@ -157,13 +177,13 @@ class _RankJob:
         """Trace `rank`, keeping its Profile and times; returns its parameters' shard layouts."""
         start, start_cpu = time.perf_counter(), time.process_time()
         self.rank_starts()
-        self.profiles[rank], layouts, self.group_maps[rank] = self.trace_rank(rank)
+        self.profiles[rank], layouts = self.trace_rank(rank)
         self.seconds[rank] = time.perf_counter() - start
         self.cpu[rank] = time.process_time() - start_cpu
         return layouts
 
     def trace_rank(self, rank: int):
-        """One rank's step in its fake world: (its Profile, shard layouts, process groups)."""
+        """One rank's step in its fake world: (its Profile, its shard layouts)."""
         options, spec = self.options, self.spec
         seen: dict = {}
         program = None
@@ -188,12 +208,22 @@ class _RankJob:
             if program is not None:
                 seen["order"] = program.order
             groups = process_groups(spec)
-            facts["collective_groups"] = collective_groups(trace)
-        sharded = {sid for sid, fqn in trace.storage_owner.items() if fqn in seen["sharded"]}
-        assign_roles(trace, sharded)
-        _add_rank_facts(facts, options, rank, groups, self.pipelined)
+            by_op = collective_groups(trace)
         self.orders[rank] = seen.get("order")
-        return self.analyse(trace, facts), seen["layouts"], groups
+        return self.analyse(trace, facts, self._place(rank, groups, by_op)), seen["layouts"]
+
+    def _place(self, rank: int, groups: dict, by_op: dict) -> DistributedFacts:
+        """The rank's place in the job, as its report says it."""
+        options = self.options
+        return DistributedFacts(
+            self.spec, rank, groups, by_op,
+            parallelize=None if options.parallelize is None else
+            getattr(options.parallelize, "__name__", str(options.parallelize)),
+            # the preset's FSDP2 MixedPrecisionPolicy stands in for --amp: the header says so
+            fsdp_param_dtype=getattr(options.parallelize, "param_dtype", None),
+            # a rank holds its stages: the header also names the model's
+            model_parameters=None if self.pipelined is None else
+            self.pipelined.model_parameters)
 
     def prepare(self, fmodel, rank: int, device_mesh, program, seen: dict):
         """The rank's model as the user's parallelize makes it (a pipeline rank's: its stages,
@@ -211,7 +241,6 @@ class _RankJob:
             program.shapes = self.pipelined.shapes
             out = self.pipelined.stage_modules(fmodel, program.stages, parallelize)
         seen["layouts"] = shard_layouts(out, self.spec)
-        seen["sharded"] = _sharded_names(out)
         return out
 
     def result(self, classes: RankClasses):
@@ -219,17 +248,14 @@ class _RankJob:
         spec, profiles = self.spec, self.profiles
         ranks = []
         for rep, members in zip(classes.representatives, classes.members):
-            p = profiles[rep]
-            # its own collectives: the facts of its process groups
-            p.distributed = DistributedFacts(spec, classes, self.group_maps[rep], {})
-            ranks += _member_profiles(p, rep, members, spec, self.pipelined)
+            ranks += _member_profiles(profiles[rep], rep, members, spec, self.pipelined)
         ranks.sort(key=lambda r: r.rank)
         top = max(profiles, key=lambda r: (profiles[r].peak_bytes, -r))
-        facts = DistributedFacts(spec, classes, self.group_maps[top], profiles, self.seconds,
-                                 self.cpu)
-        if self.pipelined is not None:
-            facts.pipeline = self.pipelined.report(ranks, profiles, self.orders)
-        return profiles[top], ranks, facts
+        job = replace(profiles[top].distributed, classes=classes, profiles=profiles,
+                      trace_seconds=self.seconds, trace_cpu_seconds=self.cpu,
+                      pipeline=None if self.pipelined is None else
+                      self.pipelined.report(ranks, profiles, self.orders))
+        return profiles[top], ranks, job
 
 
 def _member_profiles(p, rep: int, members, spec: MeshSpec, pipelined) -> list:
@@ -240,20 +266,6 @@ def _member_profiles(p, rep: int, members, spec: MeshSpec, pipelined) -> list:
                         rep, None if t is None else t.seconds, None if t is None else t.mfu,
                         None if pipelined is None else pipelined.stages_of(r))
             for r in members]
-
-
-def _add_rank_facts(facts: dict, options: Options, rank: int, groups: dict, pipelined) -> None:
-    """What a rank's report says beyond one device's facts: its mesh, rank and groups."""
-    facts["process_groups"] = {name: {"label": g.label, "dims": list(g.dims), "size": g.size,
-                                      "ranks": list(g.ranks)} for name, g in groups.items()}
-    facts["mesh"] = options.mesh.as_dict()
-    facts["rank"] = rank
-    facts["parallelize"] = None if options.parallelize is None else \
-        getattr(options.parallelize, "__name__", str(options.parallelize))
-    # the preset's FSDP2 MixedPrecisionPolicy stands in for --amp: the header says so
-    facts["fsdp_param_dtype"] = getattr(options.parallelize, "param_dtype", None)
-    if pipelined is not None:  # a rank holds its stages: the header also names the model's
-        facts["model_parameters"] = pipelined.model_parameters
 
 
 def _parallelized(module, fn, rank: int, device_mesh):
@@ -346,14 +358,6 @@ def _parallelize_failed(e: Exception, fn, rank: int) -> TapescopeError:
     return TapescopeError(
         f"parallelize ({getattr(fn, '__name__', fn)}) failed on simulated rank {rank}{where}: "
         f"{type(e).__name__}: {e}.{why}")
-
-
-def _sharded_names(model) -> set:
-    """Names of the parameters that are shards (a DTensor sharded on some mesh dimension)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    return {fqn for fqn, p in model.named_parameters(remove_duplicate=False)
-            if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)}
 
 
 def _short_repr(x, limit: int = 40) -> str:

@@ -90,36 +90,34 @@ def _line(*parts) -> Text:
 
 
 def _header(p) -> Text:
-    f = p.facts
-    opt = f.get("optimizer")
+    run, d = p.run, p.distributed
+    opt, step = run.optimizer, run.step or {}
     precision = p.dtype or "-"
-    if f.get("amp"):
-        precision += f" + autocast {f['amp']}"
-    if f.get("fsdp_param_dtype"):
-        precision += f" + FSDP2 mixed precision {f['fsdp_param_dtype']}"
+    if run.amp:
+        precision += f" + autocast {run.amp}"
+    if d is not None and d.fsdp_param_dtype:
+        precision += f" + FSDP2 mixed precision {d.fsdp_param_dtype}"
     bits = [p.model, p.device + (f" ({p.gpu.name})" if p.gpu is not None else ""), precision,
             " × ".join("x".join(str(s) for s in i["shape"]) for i in p.inputs if isinstance(i, dict)) or "-",
             f"{opt['name']} ({opt['implementation']})" if opt else "no optimizer",
-            *([f"{f['step']['optimizers']} optimizers"]
-              if f.get("step") and f["step"]["optimizers"] > 1 else []),
-            *([f"your step {f['step']['fn']}"] if (f.get("step") or {}).get("fn") else []),
-            *([f"{f['accumulate']} micro-batches per step"] if f.get("accumulate") else []),
-            f"{fmt_count(f.get('parameters', 0))} parameters" + (
-                f" on this rank's stages of {fmt_count(f['model_parameters'])}"
-                if f.get("model_parameters") else "")]
+            *([f"{step['optimizers']} optimizers"] if step.get("optimizers", 0) > 1 else []),
+            *([f"your step {step['fn']}"] if step.get("fn") else []),
+            *([f"{run.accumulate} micro-batches per step"] if run.accumulate else []),
+            f"{fmt_count(run.parameters or 0)} parameters" + (
+                f" on this rank's stages of {fmt_count(d.model_parameters)}"
+                if d is not None and d.model_parameters else "")]
     return Text(" · ".join(bits), style="bold")
 
 
 def _render_kernel_facts(p, console: Console) -> None:
     """Which CPU the kernel workspaces are sized for, and which of them are estimates."""
-    f = p.facts or {}
-    cpu = f.get("cpu")
+    cpu = p.run.cpu
     if cpu:
         how = "this machine" if cpu.get("detected") else "the target given"
         console.print(_line(("Kernel workspaces", "bold"),
                             f" sized for {cpu['isa'].upper()}, {cpu['threads']} "
                             f"thread{'s' * (cpu['threads'] != 1)} ({how})"))
-    for topic, texts in (f.get("heuristics") or {}).items():
+    for topic, texts in p.run.heuristics.items():
         for text in texts:
             console.print(_line("  ", ("estimate", "yellow"), f" {topic}: {text}"))
 
@@ -129,9 +127,9 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
     the next commands when the step does not fit its GPU."""
     mem = p.memory
     console.print(_header(p))
-    if p.facts.get("loss"):  # the step's loss decides part of the peak: never left implicit
-        console.print(_line(("Loss", "bold"), f" {p.facts['loss']}"))
-    traced, n = p.facts.get("accumulate_traced"), p.facts.get("accumulate")
+    if p.run.loss:  # the step's loss decides part of the peak: never left implicit
+        console.print(_line(("Loss", "bold"), f" {p.run.loss}"))
+    traced, n = p.run.accumulate_traced, p.run.accumulate
     if traced:
         console.print(f"  micro-batches {traced + 1}-{n} repeat micro-batch {traced} op for op "
                       f"(it repeated micro-batch {traced - 1} from the same memory): counted "
@@ -209,7 +207,7 @@ def render_summary(p, console: Console, top: int = 8, invocation=None) -> None:
                             ", ".join(f"{k} ×{v}" for k, v in sorted(p.uncounted_ops.items()))))
     else:
         console.print("Every op has a FLOP formula.")
-    for note in p.facts.get("isolation_notes", ()):
+    for note in p.run.isolation_notes or ():
         console.print(_line(("note: ", "yellow"), note))
 
 

@@ -23,7 +23,7 @@ def profile_dict(p, with_ops: bool = True, with_timeline: bool = True) -> dict:
         "flops": {k: _n(v) for k, v in p.flops.items()},
         "recompute_flops": _n(p.recompute_flops),
         "uncounted_ops": p.uncounted_ops,
-        "facts": p.facts,
+        "facts": dict(p.facts),
         "memory": p.memory.to_dict(with_timeline),
         "first_step_memory": p.first_step_memory.to_dict(False),
         "module_flops": {k: _n(v) for k, v in p.module_flops.items()},

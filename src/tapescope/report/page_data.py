@@ -99,18 +99,18 @@ def _time_fact(p, times) -> dict | None:
 def _meta(p, times) -> dict:
     from ..version import __version__
 
-    f = p.facts or {}
+    run = p.run
     counts = dict.fromkeys(("forward", "backward", "optimizer"), 0)
     for op in p.ops:
         counts[op.phase] = counts.get(op.phase, 0) + 1
     gpu = p.gpu.name if p.gpu is not None else None
     cm = p.cuda_memory
     return {
-        "model": str(p.model), "device": str(p.device), "dtype": p.dtype, "amp": f.get("amp"),
+        "model": str(p.model), "device": str(p.device), "dtype": p.dtype, "amp": run.amp,
         "gpu": None if gpu is None else str(gpu),
         "inputs": [i if isinstance(i, Mapping) else {"repr": str(i)} for i in p.inputs],
-        "steps": p.steps, "step2": f.get("step2"), "parameters": _num(f.get("parameters")),
-        "optimizer": f.get("optimizer"),
+        "steps": p.steps, "step2": p.trace.step2, "parameters": _num(run.parameters),
+        "optimizer": run.optimizer,
         "peak_bytes": _num(p.peak_bytes), "first_step_peak_bytes": _num(p.first_step_peak_bytes),
         "flops": {k: _num(v) for k, v in p.flops.items()},
         "n_ops": len(p.ops), "ops_by_phase": counts,

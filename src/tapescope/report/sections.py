@@ -48,12 +48,12 @@ def ranks_text(ranks) -> str:
 def distributed_sections(p, top: int = 8) -> list[Section]:
     """Every rank's memory and step time, and rank 0's collectives (a distributed profile)."""
     d = p.distributed
-    if d is None:
+    if d is None or p.ranks is None:  # one rank's profile inside a job: the job's says this
         return []
     classes = d.classes
     how = "ranks whose shards have the same shapes run the same step: one trace each" \
         if classes.provable else "which ranks run the same step could not be proven: every rank traced"
-    by = p.facts.get("parallelize")
+    by = d.parallelize
     by = "its pipeline stages alone" if by in (None, "None") else by
     mesh = (f"Mesh {d.mesh} = {d.mesh.world_size} ranks, parallelised by "
             f"{by}; {len(classes.members)} traced ({how})")
@@ -82,7 +82,7 @@ def distributed_sections(p, top: int = 8) -> list[Section]:
                  f"with compute); per-rank step {tm.seconds * 1e3:.1f} ms, MFU {tm.mfu:.0%}"
                  + (f" (step time error: {tm.band.text()})" if tm.band is not None else ""),) \
             if tm is not None and tm.comm else ()
-        out.append(Section(f"Collectives of rank {p.facts.get('rank', 0)} per step", (),
+        out.append(Section(f"Collectives of rank {d.rank} per step", (),
                            ("kind", "mesh dim", "ranks", "bytes per rank", "count", "link", "time"),
                            tuple(rows), after))
     if d.pipeline is not None:
@@ -132,7 +132,7 @@ def checkpointing_sections(p) -> list[Section]:
     """What activation checkpointing recomputes in the backward, and the policies applied."""
     recomputed = [op for op in p.ops if op.recompute]
     n_recomputed = sum(op.runs for op in recomputed)
-    policies = p.facts.get("checkpointing") or []
+    policies = p.run.checkpointing or ()
     if not recomputed and not policies:
         return []
     lines = (f"activation checkpointing recomputes {n_recomputed} ops in the backward: "

@@ -82,7 +82,7 @@ def ops_table_text(p) -> str:
 def assumption_lines(p) -> list[str]:
     """What the profile assumed about sizes that depend on tensor values, and the peak as their
     formula (analysis.data_sizes); nothing when it assumed nothing."""
-    lines = [f"Not used: {u}" for u in (p.facts or {}).get("sizes_unused", ())]
+    lines = [f"Not used: {u}" for u in p.run.sizes_unused or ()]
     ds = p.data_sizes
     if ds is None:
         return lines

@@ -83,10 +83,6 @@ class RealStep:
                       if a.top_op == top and freed_by.get(a.ptr, -1) == top)
         return scratch, self.ops[top][2]
 
-    def op_names(self, step: int, phases=("forward", "backward", "optimizer")) -> list[str]:
-        """The step's aten ops as tapescope names them without overload: 'aten.mm'."""
-        return [n.replace("::", ".") for s, p, n in self.ops if s == step and p in phases]
-
     def merge(self, later: "RealStep", keep: bool, step: int) -> None:
         """Add a later profiler session's reading. keep=False: only its peaks, and its ops
         counted as repeats of the micro-batch before it when they are (else kept in full)."""

@@ -7,14 +7,17 @@ copies it out into the unsharded parameters, and in backward `fsdp.chunk_cat` pa
 into the reduce-scatter buffer whose output holds the sharded gradients. So a storage's role is
 known from the op that wrote it: one small rule per op, below. Roles rank as records.ROLE_ORDER
 says: the reduce-scatter output that becomes the sharded .grad is a gradient.
+
+Capture assigns them as a simulated rank's capture ends (session.py), so the Trace leaves capture
+complete and no later stage writes it.
 """
 
 from __future__ import annotations
 
-from ..capture.records import (ALL_GATHER_BUFFER, PARAMETER, REDUCE_SCATTER_BUFFER,
+from .records import (ALL_GATHER_BUFFER, PARAMETER, REDUCE_SCATTER_BUFFER,
                                SHARDED_PARAMETER, UNSHARDED_PARAMETER, Trace)
 
-__all__ = ["WRITER_ROLES", "assign_roles"]
+__all__ = ["WRITER_ROLES", "assign_roles", "sharded_parameter_names"]
 
 # op name -> (role, which storages: "outputs" the op returns, "written" the arguments it writes)
 WRITER_ROLES = {
@@ -28,13 +31,22 @@ WRITER_ROLES = {
 }
 
 
-def assign_roles(trace: Trace, sharded_storages: set) -> None:
-    """Give the storages of `trace` their distributed roles (in place, before analysis).
+def sharded_parameter_names(model) -> set:
+    """Names of the parameters that are shards (a DTensor sharded on some mesh dimension)."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-    sharded_storages: storage ids of parameters that are shards (their DTensor is sharded on
-    some mesh dimension); they become "sharded parameters".
+    return {fqn for fqn, p in model.named_parameters(remove_duplicate=False)
+            if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)}
+
+
+def assign_roles(trace: Trace, sharded_names: set) -> None:
+    """Give the storages of `trace` their distributed roles (in place, as its capture ends).
+
+    sharded_names: the parameters that are shards (sharded_parameter_names of the parallelised
+    model); the storages they own become "sharded parameters".
     """
     storages = trace.storages
+    sharded_storages = {sid for sid, fqn in trace.storage_owner.items() if fqn in sharded_names}
     for sid in sharded_storages:
         roles = storages[sid].roles
         if PARAMETER in roles:
