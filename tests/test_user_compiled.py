@@ -63,3 +63,18 @@ def test_torchtitan_compiled_loss_runs_eagerly_with_a_printed_line():
     p = tapescope.profile(build, tapescope.spec((2, 32), dtype=torch.long), loss_fn=loss,
                           gpu="h100")
     assert "ran eagerly in this profile" in _console(p)
+
+
+def test_torchtitan_apply_compile_without_compile_runs_eagerly_with_a_printed_line():
+    """torchtitan's `--compile.enable` (apply_compile: `block.compile(fullgraph=True)` on every
+    block) profiled without compile=True: the blocks run eagerly and the console says which, and
+    how to profile them compiled."""
+    pytest.importorskip("torchtitan")
+    from .test_torchtitan import _config, _loss, _parallelize_compiled
+
+    p = tapescope.profile(_config().build, tapescope.spec((2, 128), dtype=torch.long),
+                          loss_fn=_loss, mesh={"fsdp": 2}, parallelize=_parallelize_compiled,
+                          gpu="h100")
+    text = _console(p)
+    assert "modules compiled with Module.compile() (layers.0, layers.1) ran eagerly in this " \
+           "profile; pass --compile (compile=True)" in text, text
