@@ -1,8 +1,9 @@
 """torchtitan 0.3.0's own Qwen3 MoE under expert parallelism, for the profile and its real runs.
 
 Module-level functions: the gloo truth spawns one process per rank, which imports them by name.
-The model is torchtitan's `debugmodel_moe` (top-8, width 256) cut to LAYERS layers and EXPERTS of\nits 64 experts,
-each given torchtitan's SDPA wrapper (0.3.0 gives its language models flex or varlen attention);
+The model is torchtitan's `debugmodel_moe` (top-8, width 256) cut to LAYERS layers and EXPERTS of
+its 64 experts (a smaller real run), each given torchtitan's SDPA wrapper (0.3.0 gives its language
+models flex or varlen attention);
 `parallelize` is what torchtitan's trainer does: the sharding config with EP on
 (`set_qwen3_sharding_config`, its `update_from_config`), its spmd backend set
 (`set_spmd_backend`), ParallelDims building its meshes, `parallelize_qwen3` with its default
@@ -84,8 +85,7 @@ def _force_balanced(router, args, out):
     j-th choice expert (t*k + j) mod E (written here, not with tapescope's routing_indices).
     In place and through `.data`: no tensor is allocated (arange writes into `out=`) and the
     version `gather` saved the ids at is kept, so the run's memory is the unforced model's."""
-    scores, ids, scores_all = out
-    flat = ids.data.view(-1)
+    flat = out[1].data.view(-1)  # (scores, expert ids, all scores)
     torch.arange(flat.numel(), out=flat)
     flat.remainder_(router.num_experts)
     return out
