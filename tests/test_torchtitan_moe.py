@@ -16,7 +16,7 @@ after the experts.
 
 Per-rank peaks: against real gloo runs of the same model (tests/torchtitan_moe_models.py: 16 of
 the flavor's 64 experts, EP 4 x FSDP 4 on the CPU) with the routers forced to the balanced routing
-(each router's expert ids overwritten in place, no tensor allocated), read from each process's
+(each router's expert ids overwritten in place, no tensor kept), read from each process's
 allocator as tests/test_distributed.py reads them. What the real run does differently: FSDP2's
 reduce-scatter runs with ReduceOp.SUM where torchtitan's code asks for PREMUL_SUM(1.0), which
 gloo refuses; same buffers, same values (see `parallelize_forced_sum_routed`).

@@ -83,8 +83,9 @@ def parallelize(model, mesh):
 def _force_balanced(router, args, out):
     """The router's expert ids overwritten in place with tapescope's balanced routing, token t's
     j-th choice expert (t*k + j) mod E (written here, not with tapescope's routing_indices).
-    In place and through `.data`: no tensor is allocated (arange writes into `out=`) and the
-    version `gather` saved the ids at is kept, so the run's memory is the unforced model's."""
+    In place and through `.data`: arange writes into `out=` (only remainder_'s wrapped scalar,
+    8 B, comes and goes) and the version `gather` saved the ids at is kept, so the run's memory
+    is the unforced model's."""
     flat = out[1].data.view(-1)  # (scores, expert ids, all scores)
     torch.arange(flat.numel(), out=flat)
     flat.remainder_(router.num_experts)
