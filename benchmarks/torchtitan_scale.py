@@ -20,7 +20,9 @@ cross-entropy (sum over tokens, loss-parallel over the vocabulary under TP) over
 for the model-parallel axes) or full_dtensor (DTensor on every axis: the trainer's
 `parallelize_inputs` makes the tokens DTensors, here in a forward pre-hook and in the loss); all
 three run the same program, so their profiles must agree.
-`--layers N` keeps the first N layers (reduced size). `--compile` is torchtitan's
+`--layers N` keeps the first N layers (reduced size). A case with a CP degree (8b-fsdp4-cp2-32k)
+is torchtitan's `context_parallel_degree` (its apply_cp_to_forward around each SDPA; needs
+`--spmd-backend partial_dtensor`), each rank given its 1/cp of the sequence. `--compile` is torchtitan's
 `--compile.enable` (apply_compile: each block `.compile(fullgraph=True)`), profiled with
 compile=True; `--float8 RECIPE` is its float8 converter (`Float8LinearConverter`, "rowwise" or
 "rowwise_with_gw_hp"), made inside the build, where the GPU's capability is the H100's.
@@ -40,11 +42,15 @@ import subprocess
 import sys
 
 CASES = {
-    # name: (torchtitan config, FSDP degree, TP degree, per-rank batch, sequence)
+    # name: (torchtitan config, FSDP degree, TP degree, per-rank batch, sequence[, CP degree])
     "8b-fsdp8": ("8B", 8, 1, 2, 8192),
     "8b-fsdp128": ("8B", 128, 1, 2, 8192),
     "8b-fsdp4-tp2": ("8B", 4, 2, 2, 8192),
     "70b-fsdp32-tp8": ("70B", 32, 8, 2, 8192),
+    # context parallelism: each rank holds 1/cp of the sequence (torchtitan's trainer shards the
+    # batch with prepare_context_parallel_input); FSDP shards over fsdp x cp, as torchtitan does.
+    # torchtitan refuses SDPA + CP under spmd_types: run with --spmd-backend partial_dtensor
+    "8b-fsdp4-cp2-32k": ("8B", 4, 1, 1, 32768, 2),
 }
 
 _CHILD = r"""
@@ -60,8 +66,9 @@ from torchtitan.models.llama3 import llama3_configs
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-(size, fsdp, tp, batch, seq), backend, layers, compiled, float8 = json.loads(sys.argv[1])
-world = fsdp * tp
+case, backend, layers, compiled, float8 = json.loads(sys.argv[1])
+(size, fsdp, tp, batch, seq), cp = case[:5], (case[5:] or [1])[0]
+world = fsdp * tp * cp
 dist_utils.set_spmd_backend(backend)  # the trainer's first step: torchtitan reads it per call
 cfg = llama3_configs[size](attn_backend="varlen")
 cfg.layers = cfg.layers[:layers or None]
@@ -86,7 +93,7 @@ traced = {}  # the ParallelDims of the rank being traced
 
 def parallelize(model, mesh):
     parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp,
-                                    spmd_backend=backend)
+                                    context_parallel_degree=cp, spmd_backend=backend)
     dims = ParallelDims.from_config(parallelism, world_size=world)
     dims.build_mesh()
     model = parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(),
@@ -113,13 +120,15 @@ def loss(logits, tokens):
 
 wall, cpu = time.perf_counter(), time.process_time()
 with train_context:
-    p = tapescope.profile(build, tapescope.spec((batch, seq), dtype=torch.long),
-                          loss_fn=loss, mesh={"fsdp": fsdp, "tp": tp} if tp > 1 else {"fsdp": fsdp},
+    mesh = {"fsdp": fsdp, **({"cp": cp} if cp > 1 else {}), **({"tp": tp} if tp > 1 else {})}
+    p = tapescope.profile(build, tapescope.spec((batch, seq // cp), dtype=torch.long),
+                          loss_fn=loss, mesh=mesh,
                           parallelize=parallelize, device="cuda", gpu="h100",
                           compile=True if compiled else None)
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
 d = p.distributed
 tp_collectives = [r for r in p.collective_table if r.group == "tp"]
+cp_collectives = [r for r in p.collective_table if r.group == "cp"]
 print(json.dumps({"wall": wall, "cpu": cpu, "ranks": d.mesh.world_size,
                   "traced": len(d.profiles), "classes": [len(c) for c in d.classes.members],
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -129,11 +138,14 @@ print(json.dumps({"wall": wall, "cpu": cpu, "ranks": d.mesh.world_size,
                   "float8_gemms": sum(o.name.startswith("aten._scaled_mm") for o in p.ops),
                   "tp_collectives": sum(r.count for r in tp_collectives),
                   "tp_bytes": sum(r.count * r.nbytes for r in tp_collectives),
+                  "cp_collectives": sum(r.count for r in cp_collectives),
+                  "cp_bytes": sum(r.count * r.nbytes for r in cp_collectives),
                   "peak_reserved": p.cuda_memory.max_reserved,
                   # no step time for a compiled step yet (issue 33)
                   "step_s": p.time.seconds if p.time is not None else None,
                   # TP ranks share their batch: each TP group of tp GPUs processes batch x seq
-                  "tokens_per_s_per_gpu": batch * seq / tp / p.time.seconds
+                  # a CP rank holds seq / cp of the batch's tokens
+                  "tokens_per_s_per_gpu": batch * seq / tp / cp / p.time.seconds
                   if p.time is not None else None}))
 """
 

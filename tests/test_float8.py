@@ -151,12 +151,16 @@ def _torchtitan_float8_llama(recipe):
     converts the model config (the converter asks has_cuda_capability(8, 9) when it is made),
     then the trainer's sharding config; the debug model with 2 layers, SDPA attention."""
     from torchtitan.components.quantization.float8 import Float8LinearConverter
+
+    return _torchtitan_converted_llama(Float8LinearConverter.Config(recipe_name=recipe))
+
+
+def _torchtitan_converted_llama(converter):
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-    cfg = model_registry("debugmodel", attn_backend="varlen",
-                         converters=[Float8LinearConverter.Config(recipe_name=recipe)]).model
+    cfg = model_registry("debugmodel", attn_backend="varlen", converters=[converter]).model
     cfg.layers = cfg.layers[:2]
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -187,6 +191,56 @@ def test_torchtitan_float8_converter_asks_the_profiled_gpu():
     message = str(e.value)
     assert "\n" not in message
     assert "float8 is only supported on NVIDIA SM89 or later" in message and "sm80" in message
+
+
+def _torchtitan_mxfp8_llama():
+    """torchtitan's MXFP8LinearConverter (torchao's moe_training MXFP8Linear): its constructor
+    asks has_cuda_capability(10, 0)."""
+    from torchtitan.components.quantization.mx import MXFP8LinearConverter
+
+    return _torchtitan_converted_llama(MXFP8LinearConverter.Config())
+
+
+def _profile_mxfp8(gpu):
+    from .test_torchtitan import _loss, _parallelize
+
+    return tapescope.profile(_torchtitan_mxfp8_llama, tapescope.spec((2, 128), dtype=torch.long),
+                             loss_fn=_loss, mesh={"fsdp": 2}, parallelize=_parallelize, gpu=gpu)
+
+
+def test_torchtitan_mxfp8_is_refused_on_an_h100_with_the_reason():
+    """MXFP8 (block-scaled float8, e8m0 scales per 32 values) runs on sm100: torchtitan's converter
+    refuses an H100 (sm90) with its own reason, in one line naming the profiled GPU."""
+    pytest.importorskip("torchtitan")
+    with pytest.raises(tapescope.TapescopeError) as e:
+        _profile_mxfp8("h100")
+    message = str(e.value)
+    assert "\n" not in message
+    assert "MXFP8 is only supported on SM100 or later" in message and "(sm90)" in message
+
+
+def test_torchtitan_mxfp8_converter_swaps_for_a_b200():
+    """The B200's capability answered (sm100): the converter makes every Linear of the model an
+    MXFP8Linear (by hand: 5 per layer, 2 layers, and lm_head)."""
+    pytest.importorskip("torchtitan")
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+    from tapescope.capture.gpu_less import capability_answered
+    from tapescope.devices.gpus import get_gpu
+
+    with capability_answered(get_gpu("b200")):
+        model = _torchtitan_mxfp8_llama()
+    assert sum(isinstance(m, MXFP8Linear) for m in model.modules()) == 11
+
+
+@pytest.mark.xfail(strict=True, raises=tapescope.TapescopeError,
+                   reason="torchao 0.18 picks its MX cast kernels when it is imported, by the "
+                          "machine's own GPU (mx_formats/kernels.py `_triton_kernels_available`):"
+                          " on a GPU-less machine it defines stubs that raise 'needs triton'")
+def test_torchtitan_mxfp8_profiles_on_a_b200():
+    pytest.importorskip("torchtitan")
+    p = _profile_mxfp8("b200")
+    assert any(o.name.startswith("aten._scaled_mm") for o in p.ops)
 
 
 def test_a_module_the_model_compiled_runs_eagerly_with_a_printed_line():

@@ -211,6 +211,7 @@ class CaptureSession:
                 if self.optimizer is not None:
                     self.optimizers.append(self.optimizer)
             self.step_model = self.fmodel
+            self.user_compiled_graphs = 0  # graphs of the user's own torch.compile calls, eager
             if opts.compile is not None:
                 self._compile_model()
             elif compiled_modules(self.fmodel):
@@ -236,6 +237,11 @@ class CaptureSession:
                 raise from_trace_failure(e) from e
         if opts.compile is not None and not self.compile_record.regions:
             self._compiled_nothing()
+        if self.user_compiled_graphs:
+            self.isolation.notes.append(
+                f"code compiled with torch.compile outside the model (a compiled loss, ...: "
+                f"{self.user_compiled_graphs} graph(s)) ran eagerly in this profile, its ops as "
+                "dynamo captured them, unfused")
         if self.shape_env is not None:
             self._record_shape_facts()
         self.values.write(trace)
@@ -444,10 +450,27 @@ class CaptureSession:
 
     def _compiling(self):
         if self.options.compile is None:
-            return nullcontext()
+            return self._user_compiles_run_eagerly()
         from .compiled import compiling
 
         return compiling(self.options.compile, unrecorded=self._while_compiling)
+
+    def _user_compiles_run_eagerly(self):
+        """An eager profile: code the user compiled with torch.compile outside the model
+        (torchtitan's `--compile.components loss` wraps its loss in torch.compile) gets a backend
+        that runs dynamo's graph as captured, op by op, and counts it, so the profile can say so.
+        Left to its own backend, inductor would run compiled CPU kernels on fake tensors' data
+        (a segfault). torch's own switch (`set_stance(force_backend=)`), restored on exit.
+        Only once dynamo is imported (torch.compile imports it): importing it costs seconds, and
+        before it nothing can have been compiled."""
+        if "torch._dynamo" not in sys.modules:
+            return nullcontext()
+
+        def run_as_captured(gm, example_inputs):
+            self.user_compiled_graphs += 1
+            return gm.forward
+
+        return torch.compiler.set_stance("default", force_backend=run_as_captured)
 
     @contextmanager
     def _while_compiling(self):
