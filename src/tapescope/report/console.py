@@ -389,6 +389,10 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
     if options.calibration is not None:
         console.print(f"  step times calibrated: {options.calibration.label}", highlight=False,
                       markup=False)
+    if options.checkpointing:
+        units = ", ".join(f"{p.module} ({p.mode})" for p in options.checkpointing)
+        console.print(f"  activation checkpointing in every layout: {units}, applied before the "
+                      "preset parallelisation", highlight=False, markup=False)
     tokens = any(r.tokens_per_second for r in rows)
     t = Table(box=None)
     for col in ("layout", "batch/rank", "global batch", "peak per rank", "nvidia-smi", "fits",
