@@ -79,6 +79,8 @@ def test_fit_gpus_applies_the_plan_in_every_layout_and_says_so(tmp_path):
                                  "--json", str(out), "-q"])
     assert r.exit_code == 0, r.output
     assert "activation checkpointing in every layout: layers.0 (full)" in r.output
+    # the header states the inputs, the sequence length with them (issue 36: it did not)
+    assert "(inputs 2x16 × 2x16)" in " ".join(r.output.split())
     data = json.loads(out.read_text())
     assert data["checkpointing"] == [{"module": "layers.0", "mode": "full"}]
     rows = {(x["pp"], x["fsdp"], x["tp"]): x for x in data["layouts"]}
