@@ -148,3 +148,26 @@ def test_fit_gpus_pp_reads_a_file_model_s_inputs_one_way(tmp_path):
     assert rows[0]["peak_bytes"] and piped["peak_bytes"], rows
     assert all(x["tokens_per_second"] is None for x in rows)
     assert piped["samples_per_second"] == pytest.approx(4 / piped["step_seconds"])
+
+
+def test_fit_takes_a_plan_too_and_says_so(tmp_path):
+    """`fit --checkpoint` (no --gpus) searches the checkpointed step: its answer's peak is the
+    checkpointed step's traced at that size (whose peak equals the allocator's:
+    tests/test_checkpoint.py), below the plain step's there."""
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+    from tapescope.zoo import resolve
+
+    out = tmp_path / "fit.json"
+    plan = ["layers.0", "layers.1"]
+    r = CliRunner().invoke(app, ["fit", SPEC, "--seq", "16", "--budget", "2MiB", "--checkpoint",
+                                 plan[0], "--checkpoint", plan[1], "--json", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "activation checkpointing: layers.0 (full), layers.1 (full)" in r.output
+    data = json.loads(out.read_text())
+    m = resolve(SPEC, batch=data["largest"], seq=16)
+    planned = tapescope.profile(m.build, *m.inputs, checkpointing=plan)
+    plain = tapescope.profile(m.build, *m.inputs)
+    assert data["peak_bytes"] == max(planned.peak_bytes, planned.first_step_peak_bytes)
+    assert planned.peak_bytes < plain.peak_bytes

@@ -529,6 +529,9 @@ def render_fit(r, name: str, options, console: Console, sweep_rows=None,
                         f"{dim} varying"), highlight=False)
     console.print(f"budget {fmt_bytes(r.budget)}" + (f" ({r.budget_note})" if r.budget_note else ""),
                   highlight=False, markup=False)
+    if options.checkpointing:
+        console.print("activation checkpointing: " + ", ".join(
+            f"{p.module} ({p.mode})" for p in options.checkpointing), highlight=False, markup=False)
     pieces = len(sp.pieces)
     console.print(f"peak memory = {sp.large_size_peak_expr(dim)} bytes for large {dim} (the "
                   f"largest of {pieces} piece{'s' if pieces > 1 else ''}; formulas hold for {dim} in "
