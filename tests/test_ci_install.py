@@ -47,11 +47,11 @@ def test_the_cpu_only_venv_takes_an_explicit_cpu_build():
     """PyPI's torch for Linux is the CUDA build: the CPU venv pins a `+cpu` local version, which
     only a CPU wheel source can satisfy (a folder of wheels or PyTorch's CPU index), and checks
     the build it got has no CUDA."""
-    script = _ci()
+    script = re.sub(r"\\\n\s*", " ", _ci())   # continued lines joined
     pins = re.findall(r'CPU_TORCH="(torch==[\d.]+\+cpu)"', script)
     assert len(pins) == 1, pins
-    cpu_lines = [line for line in script.splitlines() if "venv-cpu/bin/python -m pip install" in line
-                 and "CPU_TORCH" in line]
-    assert cpu_lines and all("--find-links" in line or "https://download.pytorch.org/whl/cpu"
+    cpu_lines = [line for line in script.splitlines()
+                 if "venv-cpu/bin/python -m pip install" in line and "CPU_TORCH" in line]
+    assert len(cpu_lines) == 2 and all("--find-links" in line or "https://download.pytorch.org/whl/cpu"
                              in line for line in cpu_lines), cpu_lines
     assert "torch.backends.cuda.is_built()" in script and "sys.exit(" in script

@@ -14,7 +14,8 @@ from ..torch_compat import (checkpoint_wrapper_api, is_wrapper_subclass,
                             post_accumulate_grad_hooks, tensor_backward_hooks, tree_map)
 from .build_values import BuildValues, keep_build_value
 
-__all__ = ["spec", "Spec", "inside_checkpoint_wrapper", "build_on_meta", "model_of", "built_for", "fake_copy", "fake_inputs", "resolve_dtype",
+__all__ = ["inside_checkpoint_wrapper",
+           "spec", "Spec", "build_on_meta", "model_of", "built_for", "fake_copy", "fake_inputs", "resolve_dtype",
            "transformer_blocks"]
 
 @dataclass(frozen=True)
