@@ -283,7 +283,3 @@ def _tp_llama(model, mesh):
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
     return model
 
-
-def tp_llama(model, mesh):
-    """tp_then_ac_llama's tensor-parallel plan alone (no checkpointing)."""
-    return _tp_llama(model, mesh)
