@@ -282,4 +282,3 @@ def _tp_llama(model, mesh):
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
     return model
-
