@@ -225,3 +225,60 @@ def ac_fsdp(model, mesh):
         model.blocks.register_module(
             name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
     return fsdp(model, mesh)
+
+
+# ---- fit --gpus with a checkpointing plan: torchtitan's order, written out by hand ---------------
+
+def _wrap_first_block(model):
+    """checkpoint_wrapper on layers.0 only: a plan that wraps some blocks and not others."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    model.layers.register_module(
+        "0", checkpoint_wrapper(model.layers[0], checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+
+def ac_then_fsdp_llama(model, mesh):
+    """torchtitan's apply_ac then apply_fsdp: layers.0 checkpointed, FSDP2 on every block (the
+    last kept unsharded after forward, as backward needs it next) and on the root."""
+    _wrap_first_block(model)
+    m = mesh["dp_shard"]
+    for i, layer in enumerate(model.layers):
+        fully_shard(layer, mesh=m, reshard_after_forward=i < len(model.layers) - 1)
+    fully_shard(model, mesh=m)
+    return model
+
+
+def tp_then_ac_llama(model, mesh):
+    """torchtitan's apply_tp then apply_ac (parallelize_llama's order): its Llama plan, then
+    layers.0 checkpointed."""
+    _tp_llama(model, mesh)
+    _wrap_first_block(model)
+    return model
+
+
+def _tp_llama(model, mesh):
+    """torchtitan's Llama plan (apply_tp): vocabulary-parallel embedding and output,
+    sequence-parallel norms, column-parallel q/k/v and w1/w3, row-parallel wo and w2."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    tp = mesh["tp"]
+    parallelize_module(model, tp, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    for block in model.layers:
+        parallelize_module(block, tp, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),),
+                                            desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+    return model

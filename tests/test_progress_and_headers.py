@@ -55,3 +55,26 @@ def test_a_peak_in_the_optimizer_names_no_module():
     assert r.exit_code == 0, r.output
     line = next(x for x in r.output.splitlines() if "reached at op" in x)
     assert "(optimizer) at adam.py:" in line and "in module" not in line
+
+
+def test_a_compiled_step_s_module_table_shows_no_saved_bytes_it_cannot_know():
+    """A compiled graph's saved tensors belong to no module (the partitioner saves them for the
+    whole graph): the module table said "0 B" saved for every module; it shows "-", and the
+    graph's saved tensors have their own table."""
+    import io
+
+    import torch.nn as nn
+    from rich.console import Console
+
+    import tapescope
+    from tapescope.report.console import render_summary
+
+    p = tapescope.profile(lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
+                          tapescope.spec((8, 16)), compile=True, steps=1)
+    assert p.compiled is not None and p.compiled.graphs
+    buf = io.StringIO()
+    render_summary(p, Console(file=buf, width=200))
+    lines = buf.getvalue().splitlines()
+    table = lines[lines.index(next(x for x in lines if "Top modules by memory" in x)) + 2:]
+    rows = table[:next(i for i, x in enumerate(table) if not x.startswith(("0", "1", "2", "(")))]
+    assert rows and all(x.split()[-1] == "-" for x in rows), rows

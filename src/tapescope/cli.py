@@ -609,6 +609,7 @@ def fit_cmd(
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Also print the peak for sizes A..B, e.g. 1..4096."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Compare the (FSDP, TP) layouts of this many GPUs of --gpu."),
     pp: Optional[str] = typer.Option(None, "--pp", help="With --gpus: pipeline degrees to try too, e.g. 1,2,4 (1F1B, one micro-batch per sample)."),
+    checkpoint: Optional[List[str]] = CheckpointOpt,
     json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
     calibration: Optional[str] = CalibrationOpt,
 ):
@@ -629,7 +630,7 @@ def fit_cmd(
                                      "at one batch); drop --sweep, or run fit without --gpus")
             return _fit_layouts(spec, gpus, gpu, batch, seq, input, loss, dtype, amp, optimizer,
                                 json_file, parse_bytes(budget) if budget is not None else None,
-                                quiet, _pp_degrees(pp), calibration)
+                                quiet, _pp_degrees(pp), calibration, _checkpointing(checkpoint))
         if pp is not None:
             raise TapescopeError("--pp goes with --gpus (the pipeline degrees to compare); to "
                                  "profile one pipelined layout, run profile --pp N")
@@ -638,7 +639,7 @@ def fit_cmd(
         budget_bytes = parse_bytes(budget) if budget is not None else None
         workload, model_loss = _workload(spec, batch, seq, input)
         options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp,
-                           calibration=calibration)
+                           calibration=calibration, checkpointing=_checkpointing(checkpoint))
         with _progress(f"tracing {workload.name} with a symbolic {dim}", quiet) as progress:
             r = fit_workload(workload, options, budget=budget_bytes, dim=dim, progress=progress)
         rows = sweep_sizes(r, *sweep_range) if sweep_range else None
@@ -713,15 +714,16 @@ def _pp_degrees(text) -> tuple:
 
 def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimizer,
                  json_file, budget=None, quiet=False, pp_degrees=(1,),
-                 calibration=None) -> None:
+                 calibration=None, checkpointing=()) -> None:
     """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank; with a budget, a
-    layout fits when its peak per rank is within it. Exits 1 when none fits."""
+    layout fits when its peak per rank is within it; a checkpointing plan applied in each.
+    Exits 1 when none fits."""
     from .layouts import best_layout, fit_layouts
     from .report.console import render_layouts
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
     options = _options(model_loss, loss, optimizer, "cuda", gpu, dtype, amp,
-                       calibration=calibration)
+                       calibration=calibration, checkpointing=checkpointing)
     with _progress(f"profiling the layouts of {gpus} GPUs for {workload.name}",
                    quiet) as progress:
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
@@ -735,6 +737,7 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
                                           budget=None if budget is None else f"{budget}B"))
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
                             "budget_bytes": budget, "layouts": [r.to_dict() for r in rows],
+                            "checkpointing": [p.to_dict() for p in options.checkpointing],
                             "best": None if best is None else str(best.layout)})
     if not any(r.fits for r in rows):
         raise typer.Exit(1)

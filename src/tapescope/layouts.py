@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from .errors import TapescopeError
 from .distributed.presets import Layout, preset_parallelize
 
-__all__ = ["LayoutRow", "best_layout", "candidate_layouts", "fit_layouts"]
+__all__ = ["LayoutRow", "best_layout", "candidate_layouts", "check_inputs", "fit_layouts",
+           "layout_options"]
 
 
 @dataclass
@@ -95,27 +96,88 @@ def candidate_layouts(gpus: int, gpus_per_node: int = 8, pp_degrees=(1,)) -> lis
     return out
 
 
+def _first_input(workload):
+    """The first stage's first input, which every layout reads the same way (with or without a
+    pipeline; a pipeline's target is the last input, never this one)."""
+    return workload.args[0] if workload.args else None
+
+
 def _batch(workload) -> int | None:
     """Samples of one rank's batch: the leading size of the first input."""
-    for x in workload.args:
-        shape = getattr(x, "shape", None)
-        if shape:
-            return int(shape[0])
-    return None
+    shape = getattr(_first_input(workload), "shape", None)
+    return int(shape[0]) if shape else None
 
 
 def _tokens(workload) -> int:
-    """Tokens of one rank's batch: the elements of the first integer input (token ids)."""
+    """Tokens of one rank's batch: the elements of the first input when it is integer (token
+    ids), else none (the comparison is by samples). Only the first input, so that a label or a
+    pipeline's target is never counted as tokens (a classifier given `--input 4,16 --input
+    4:int64` showed tokens/s of its labels)."""
     import torch
 
-    for x in workload.args:
-        dtype = getattr(x, "dtype", None)
-        if dtype is not None and not dtype.is_floating_point and dtype != torch.bool:
-            n = 1
-            for s in x.shape:
-                n *= s
-            return n
-    return 0
+    x = _first_input(workload)
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return 0
+    n = 1
+    for s in x.shape:
+        n *= s
+    return n
+
+
+def check_inputs(workload, options, layouts: list[Layout]) -> None:
+    """The inputs mean one thing in every layout of a comparison, checked once before any layout
+    is traced (each row had failed on its own, pipelined rows one way and the others another).
+    A pipelined layout reads them as torch's pipeline schedule takes them: the first stage's
+    inputs, then the loss's target (distributed/pipeline.py); a layout without a pipeline passes
+    them all to the model's forward, so a comparison of both needs a forward that takes the
+    target too (the zoo's models: `forward(tokens, targets=None)`)."""
+    import inspect
+
+    piped = [x for x in layouts if x.pp > 1]
+    if not piped:
+        return
+    given = len(workload.args)
+    pp = ",".join(str(d) for d in dict.fromkeys(x.pp for x in layouts))
+    if workload.kwargs or given < 2:
+        raise TapescopeError(
+            f"--pp {pp}: a pipelined layout takes the first stage's inputs and then the loss's "
+            f"target, positionally; {workload.display_name} was given {given} input"
+            f"{'s' * (given != 1)}{' and keyword inputs' if workload.kwargs else ''}: add the "
+            f"target as the last --input (e.g. --input 4,128:int64 --input 4,128:int64 for "
+            f"token ids and next tokens), or drop --pp")
+    if len(piped) == len(layouts):
+        return
+    from .capture.model import built_for
+
+    forward = built_for(workload.model, options).forward
+    try:
+        inspect.signature(forward).bind(*workload.args)
+    except TypeError:
+        name = f"{type(forward.__self__).__name__}.forward{inspect.signature(forward)}"
+        raise TapescopeError(
+            f"--pp {pp} compares layouts with and without a pipeline on the same {given} "
+            f"inputs: a pipeline's first stage takes all but the last (the loss's target), a "
+            f"layout without one passes all {given} to {name}, which does not take them; give "
+            f"forward a parameter for the target that it may ignore (as the zoo's models take "
+            f"`targets=None`), or compare pipelined layouts only (--pp "
+            f"{','.join(str(x.pp) for x in dict.fromkeys(piped))})") from None
+    except ValueError:  # a builtin forward: no signature to check
+        return
+
+
+def layout_options(options, layout: Layout, schedule: str = "1f1b"):
+    """The options one layout is profiled with: the layout's mesh, the preset parallelisation
+    (TP, then FSDP2 on every block and the root; FSDP2's mixed precision standing in for
+    autocast when the layout shards) and its pipeline. A checkpointing plan in `options` is
+    applied to the model before the preset (capture/session.py), as `profile --fsdp N
+    --checkpoint plan.json` applies it."""
+    mp = options.amp  # FSDP2's mixed precision stands in for autocast
+    sharded = layout.fsdp > 1 or layout.dp_replicate > 1
+    return options.but(amp=None if sharded else mp, mesh=_mesh_spec(layout),
+                       parallelize=preset_parallelize(layout, mp) if layout.parallelised
+                       else None,
+                       pipeline=_pipeline(layout, schedule))
 
 
 def fit_layouts(workload, options, gpus: int, budget: int | None = None, progress=None,
@@ -129,20 +191,22 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None, progres
 
     if options.device.type != "cuda" or options.gpu is None:
         raise TapescopeError("fit --gpus compares layouts on a GPU: give --gpu (h100, a100, ...)")
-    mp, amp = options.amp, None  # FSDP2's mixed precision stands in for autocast
     rows = []
     tokens = _tokens(workload)
     layouts = candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node, pp_degrees)
+    check_inputs(workload, options, layouts)
     for i, layout in enumerate(layouts):
         row = LayoutRow(layout, batch_per_rank=_batch(workload))
         rows.append(row)
+        if layout.pp > 1 and options.checkpointing:
+            # Options.create refuses a plan with a pipeline (its stages are split from the
+            # model after the plan would wrap it): say so in the row, the others go on
+            row.note = ("a checkpointing plan with a pipeline is not supported yet (checkpoint "
+                        "each stage in your own parallelize function)")
+            continue
         if stage is not None:
             stage(f"layout {layout} ({i + 1} of {len(layouts)})")
-        sharded = layout.fsdp > 1 or layout.dp_replicate > 1
-        opts = options.but(amp=amp if sharded else mp, mesh=_mesh_spec(layout),
-                           parallelize=preset_parallelize(layout, mp)
-                           if layout.parallelised else None,
-                           pipeline=_pipeline(layout, schedule))
+        opts = layout_options(options, layout, schedule)
         try:
             p = profile_workload(workload, opts, progress)
         except TapescopeError as e:

@@ -10,11 +10,12 @@ import torch
 import torch.nn as nn
 from ..errors import ModelBuildError, SpecError, TapescopeError
 from ..options import check_device_build, resolve_device, resolve_dtype
-from ..torch_compat import (is_wrapper_subclass, patched, post_accumulate_grad_hooks,
-                            tensor_backward_hooks, tree_map)
+from ..torch_compat import (checkpoint_wrapper_api, is_wrapper_subclass, patched,
+                            post_accumulate_grad_hooks, tensor_backward_hooks, tree_map)
 from .build_values import BuildValues, keep_build_value
 
-__all__ = ["spec", "Spec", "build_on_meta", "model_of", "built_for", "fake_copy", "fake_inputs", "resolve_dtype",
+__all__ = ["inside_checkpoint_wrapper",
+           "spec", "Spec", "build_on_meta", "model_of", "built_for", "fake_copy", "fake_inputs", "resolve_dtype",
            "transformer_blocks"]
 
 @dataclass(frozen=True)
@@ -262,10 +263,23 @@ def real_inputs(inputs: Any, device, dtype: torch.dtype | None, generator: torch
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a model: the longest nn.ModuleList whose members share a class
-    (Llama's `layers`, GPT-2's `h`, a ViT's encoder layers)."""
+    (Llama's `layers`, GPT-2's `h`, a ViT's encoder layers). A block in a checkpoint wrapper
+    counts as the block it holds (a plan may wrap some blocks only), and is returned wrapped:
+    FSDP shards the wrapper, as torchtitan's apply_fsdp does after apply_ac."""
     best: list = []
     for m in model.modules():
         held = [b for b in m if b is not None] if isinstance(m, nn.ModuleList) else []
-        if len(held) > len(best) and len({type(b) for b in held}) == 1:
+        if len(held) > len(best) and len({type(inside_checkpoint_wrapper(b)) for b in held}) == 1:
             best = held  # (a pipeline stage's list holds None for other stages' blocks)
     return best
+
+
+def inside_checkpoint_wrapper(module: nn.Module) -> nn.Module:
+    """The module a checkpoint_wrapper holds (`_checkpoint_wrapped_module`), else `module`."""
+    try:
+        wrapper = checkpoint_wrapper_api()[2]   # ActivationWrapper
+    except ImportError:  # a torch built without torch.distributed has no wrapper
+        return module
+    while isinstance(module, wrapper):
+        module = module._checkpoint_wrapped_module
+    return module

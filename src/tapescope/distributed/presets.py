@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..capture.model import transformer_blocks
+from ..capture.model import inside_checkpoint_wrapper, transformer_blocks
 from ..errors import TapescopeError
 
 __all__ = ["Layout", "preset_parallelize", "TP_PLANS", "transformer_blocks"]
@@ -85,6 +85,35 @@ def register_tp_plan(name: str, matches: Callable):
     return decorate
 
 
+def apply_plan(module: nn.Module, tp_mesh, plan: dict) -> None:
+    """torch's `parallelize_module(module, tp_mesh, plan)`, whose keys also reach the modules a
+    checkpointing plan wrapped. A plan given with --gpus / --fsdp / --tp is applied before the
+    preset (capture/session.py: a user's parallelize function cannot be split, so the plan comes
+    first), and checkpoint_wrapper puts its module under `_checkpoint_wrapped_module`: torch
+    resolves a key by the children's names only, so "attention.wq" under a wrapped block matched
+    nothing and that block stayed unsharded (torch warns and skips the key). torchtitan applies TP
+    before AC (parallelize_llama); the modules and hooks made are the same either way, only the
+    names differ, so each key is resolved here through the wrappers and torch applies the style
+    to every module it names."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for key, style in plan.items():
+        for target in _plan_targets(module, key.split(".")):
+            parallelize_module(target, tp_mesh, style)
+
+
+def _plan_targets(module: nn.Module, tokens: list) -> list:
+    """The modules a plan key names (fnmatch per dot-separated token, as torch matches them),
+    stepping into a checkpoint wrapper's module wherever the key goes on below it."""
+    from fnmatch import fnmatch
+
+    if not tokens:
+        return [module]
+    module = inside_checkpoint_wrapper(module)
+    return [t for name, child in module.named_children() if fnmatch(name, tokens[0])
+            for t in _plan_targets(child, tokens[1:])]
+
+
 def _is_zoo_llama(model) -> bool:
     from ..zoo.llama import Llama
 
@@ -97,8 +126,7 @@ def _llama_plan(model, tp_mesh) -> None:
     column-parallel q/k/v and w1/w3, row-parallel wo and w2."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+                                                   RowwiseParallel, SequenceParallel)
 
     _check_heads(model.config.n_heads, model.config.n_kv_heads, tp_mesh.size())
     ends = {
@@ -107,10 +135,9 @@ def _llama_plan(model, tp_mesh) -> None:
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
     # a pipeline stage holds some of them (the others are None)
-    parallelize_module(model, tp_mesh, {k: v for k, v in ends.items()
-                                        if getattr(model, k) is not None})
+    apply_plan(model, tp_mesh, {k: v for k, v in ends.items() if getattr(model, k) is not None})
     for block in transformer_blocks(model):
-        parallelize_module(block, tp_mesh, {
+        apply_plan(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1),),
                                             desired_input_layouts=(Replicate(),)),
@@ -154,7 +181,7 @@ def _transformers_plan(model, tp_mesh) -> None:
     (transformers/distributed/tensor_parallel.py registers them)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+                                                   SequenceParallel)
 
     gathered = lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())  # noqa: E731
     split_in = lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())  # noqa: E731
@@ -174,7 +201,7 @@ def _transformers_plan(model, tp_mesh) -> None:
                                  f"{pattern}, which tapescope's preset does not translate; pass "
                                  "your own --parallelize file.py:fn")
         plan[pattern] = styles[style]()
-    parallelize_module(model, tp_mesh, plan)
+    apply_plan(model, tp_mesh, plan)
 
 
 def tp_plan_for(model) -> tuple[str, Callable]:

@@ -389,6 +389,10 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
     if options.calibration is not None:
         console.print(f"  step times calibrated: {options.calibration.label}", highlight=False,
                       markup=False)
+    if options.checkpointing:
+        units = ", ".join(f"{p.module} ({p.mode})" for p in options.checkpointing)
+        console.print(f"  activation checkpointing in every layout: {units}, applied before the "
+                      "preset parallelisation", highlight=False, markup=False)
     tokens = any(r.tokens_per_second for r in rows)
     t = Table(box=None)
     for col in ("layout", "batch/rank", "global batch", "peak per rank", "nvidia-smi", "fits",
@@ -525,6 +529,9 @@ def render_fit(r, name: str, options, console: Console, sweep_rows=None,
                         f"{dim} varying"), highlight=False)
     console.print(f"budget {fmt_bytes(r.budget)}" + (f" ({r.budget_note})" if r.budget_note else ""),
                   highlight=False, markup=False)
+    if options.checkpointing:
+        console.print("activation checkpointing: " + ", ".join(
+            f"{p.module} ({p.mode})" for p in options.checkpointing), highlight=False, markup=False)
     pieces = len(sp.pieces)
     console.print(f"peak memory = {sp.large_size_peak_expr(dim)} bytes for large {dim} (the "
                   f"largest of {pieces} piece{'s' if pieces > 1 else ''}; formulas hold for {dim} in "
