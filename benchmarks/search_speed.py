@@ -25,7 +25,7 @@ def run(args, brute: bool):
     cpu, wall = time.process_time(), time.perf_counter()
     r = tapescope.search(args.spec, gpus=args.gpus, gpu=args.gpu, global_batch=args.global_batch,
                          seq=args.seq, pp=(1, 2), tp=(1, 2, 4), max_steps=args.max_steps,
-                         gpus_per_node=args.gpus_per_node, brute_force=brute)
+                         gpus_per_node=args.gpus_per_node, brute_force=brute, top=args.top)
     return r, time.process_time() - cpu, time.perf_counter() - wall
 
 
@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--max-steps", type=int, default=8)
+    ap.add_argument("--top", type=int, default=3, help="rows kept exact by branch and bound")
     args = ap.parse_args()
     pruned, p_cpu, p_wall = run(args, False)
     brute, b_cpu, b_wall = run(args, True)

@@ -19,7 +19,11 @@ Two rules prune, each a consequence of traces already made, never a formula stan
   is out;
 - at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
   forward ops: when a mode with less recompute fits there, the heavier one is not traced (it is
-  listed as dominated, naming the candidate that fits).
+  listed as dominated, naming the candidate that fits);
+- branch and bound: a candidate whose step time is provably longer than the `top`-th best so far
+  (a lower bound from earlier traces, layout_search/bounds.py) cannot enter the table's top rows
+  and is not traced. The top `top` rows are therefore brute force's; rows below may miss a
+  candidate that was not traced.
 
 The brute-force search checks each rule: every candidate the rules rule out runs out of memory
 (or is slower than the candidate that dominates it) when traced (tests/test_search.py).
@@ -33,6 +37,7 @@ line each, so that a search stopped half way resumes where it was.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import time
@@ -40,6 +45,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import TapescopeError
+from .bounds import Known, lower_bound, matmul_rate
 from .evaluate import ERROR, FITS, OOM, Outcome, Source, evaluate
 from .space import RECOMPUTE_ORDER, Candidate, SearchSpace, candidate_grid
 
@@ -66,6 +72,9 @@ class SearchResult:
     skipped: list = field(default_factory=list)       # (Candidate, reason): outside the limits
     seconds: float = 0.0
     workers: str = ""
+    top: int | None = None                            # the rows branch and bound kept exact
+    bounds: dict = field(default_factory=dict)        # Candidate -> the step-time bound (s) that
+                                                      # pruned it
 
     @property
     def ranked(self) -> list:
@@ -163,7 +172,7 @@ class Cache:
 class _Grid:
     """Each cell's state: an Outcome, a pruning reason, or nothing yet."""
 
-    def __init__(self, space: SearchSpace):
+    def __init__(self, space: SearchSpace, top: int | None = None, rate: float | None = None):
         grid = candidate_grid(space)
         self.skipped = grid.skipped
         self.chains = grid.chains
@@ -177,6 +186,18 @@ class _Grid:
         self.started: set = set()
         self.screens: dict = {}     # one-micro-batch step -> its Outcome (never listed)
         self.all = {c for ch in grid.chains.values() for c in ch}
+        # branch and bound: the step seconds of the fitting candidates, fastest first, and
+        # what the traces measured for the bounds (None: no bound pruning)
+        self.top = top
+        self.fit_seconds: list = []
+        self.known = Known(rate)
+        self.bounds: dict = {}      # Candidate -> its lower bound (Bound) that pruned it
+
+    def learn(self, o: Outcome) -> None:
+        """What a trace (a candidate or a screen) adds to the bounds and the top."""
+        self.known.add(o)
+        if o.candidate in self.all and o.fits and o.step_seconds:
+            bisect.insort(self.fit_seconds, o.step_seconds)
 
     def _ooms(self, c: Candidate | None) -> bool:
         """Known not to fit (traced out of memory, or ruled out by a smaller micro-batch)."""
@@ -214,7 +235,7 @@ class _Grid:
                                                   "most recompute, the smallest micro-batch) "
                                                   "runs out")
                     continue
-                if check is None:
+                if check is None and probe not in self.pruned:
                     if probe not in self.started and screen not in self.started:
                         ready += self._gate(probe)
                     continue
@@ -257,8 +278,11 @@ class _Grid:
         return c not in self.outcome and c not in self.pruned and c not in self.started
 
     def _gate(self, c: Candidate) -> list:
-        """The last rules before tracing `c`: an HSDP candidate waits for its FSDP twin, an
-        accumulating one for its one-micro-batch screen. What to trace now ([] to wait)."""
+        """The last rules before tracing `c`: one that cannot enter the top is out, an HSDP
+        candidate waits for its FSDP twin, an accumulating one for its one-micro-batch screen.
+        What to trace now ([] to wait)."""
+        if self._beyond_top(c):
+            return []
         if c.layout.dp_replicate > 1:
             twin = replace(c, layout=replace(c.layout, dp_replicate=1,
                                              fsdp=c.layout.fsdp * c.layout.dp_replicate))
@@ -277,22 +301,46 @@ class _Grid:
             if o.status == OOM:
                 self.pruned[c] = f"out of memory already in its one-micro-batch step: {o.reason}"
                 return []
+            if self._beyond_top(c):   # the screen's kernels bound the whole step
+                return []
         return [c]
+
+    def _beyond_top(self, c: Candidate) -> bool:
+        """Prune `c` when its step provably takes longer than the top-th best's."""
+        if self.top is None or len(self.fit_seconds) < self.top:
+            return False
+        bound = lower_bound(c, self.known)
+        limit = self.fit_seconds[self.top - 1]
+        if bound is None or bound.seconds <= limit:
+            return False
+        self.bounds[c] = bound
+        self.pruned[c] = (f"cannot enter the top {self.top}: its step takes at least "
+                          f"{bound.seconds * 1e3:,.0f} ms ({bound.reason}), the "
+                          f"{_ordinal(self.top)} best {limit * 1e3:,.0f} ms")
+        return True
 
     def left(self) -> int:
         return sum(1 for ch in self.chains.values() for c in ch
                    if c not in self.outcome and c not in self.pruned)
 
 
+def _ordinal(n: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
+
+
 def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | None = None,
-               brute_force: bool = False, progress=None, seq_tokens: int | None = None
-               ) -> SearchResult:
+               brute_force: bool = False, progress=None, seq_tokens: int | None = None,
+               top: int | None = 10) -> SearchResult:
     """Trace the candidates of `space` (or every one, `brute_force`), pruning with what the
-    traces prove. `progress(Progress)` is told of each outcome."""
+    traces prove; `top`: the rows kept exact by branch and bound (None: no bound pruning).
+    `progress(Progress)` is told of each outcome."""
+    from ..options import Options
+
     start = time.perf_counter()
     pool = pool or InProcess()
     tokens = space.global_batch * (seq_tokens or 1)
-    grid = _Grid(space)
+    grid = _Grid(space, None if brute_force else top,
+                 matmul_rate(Options.create(gpu=source.gpu).gpu))
     store = Cache(cache, source, tokens)
     running: dict = {}   # Future -> Candidate
     best: Outcome | None = None
@@ -305,6 +353,7 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     def record(o: Outcome):
         nonlocal best
         store.put(o)
+        grid.learn(o)
         if o.candidate not in grid.all:  # a screen: its own step, not a candidate
             grid.screens[o.candidate] = o
             tell(o, screen=True)
@@ -352,4 +401,5 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
         raise TapescopeError(f"every candidate failed the same way: {reasons.pop()}")
     pruned = [(c, grid.pruned[c]) for ch in grid.chains.values() for c in ch if c in grid.pruned]
     return SearchResult(source, space, evaluated, pruned, list(grid.skipped),
-                        time.perf_counter() - start, pool.name)
+                        time.perf_counter() - start, pool.name, grid.top,
+                        {c: b.seconds for c, b in grid.bounds.items()})
