@@ -262,6 +262,12 @@ class _Grid:
                         self.pruned[c] = (f"dominated: {fit.label()} fits with less "
                                           "recompute")
                         continue
+                    slow = next((x for x in lighter if x in self.bounds), None)
+                    if slow is not None:   # more recompute: that step and more
+                        self.bounds[c] = self.bounds[slow]
+                        self.pruned[c] = (f"cannot enter the top {self.top}: it recomputes "
+                                          f"more than {slow.label()}, which cannot")
+                        continue
                     if not all(self._ooms(x) for x in lighter):
                         continue  # wait: a lighter mode may fit at this size
                     if i and not (chain[i - 1] in self.outcome or chain[i - 1] in self.pruned):
