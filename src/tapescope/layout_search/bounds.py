@@ -47,7 +47,8 @@ class Known:
     """What the traces so far measured, indexed for the rules."""
 
     matmul_rate: float | None = None   # FLOP/s no matmul kernel exceeds on this GPU
-    by_micro_batch: dict = field(default_factory=dict)   # (layout, schedule, compile, mb) -> [Outcome]
+    # (layout, schedule, compile, micro-batch) -> [Outcome]
+    by_micro_batch: dict = field(default_factory=dict)
     flops_per_sample: dict = field(default_factory=dict)  # "own" / mode -> matmul FLOPs per sample
 
     def add(self, o) -> None:
