@@ -17,10 +17,10 @@ import tapescope
 from tapescope.layout_search import Source, candidate_options, result_dict
 from tapescope.layout_search.config import tapescope_command, torchtitan_toml
 
-# 2 blocks wide enough that matmuls dominate the step (the bounds are tight), a 32,000-token
+# one block wide enough that matmuls dominate the step (the bounds are tight), a 32,000-token
 # vocabulary: the logits decide what fits a T4 at 4,096 tokens (a trace's cost is its ops, not
-# its sizes)
-SPEC = "zoo:llama:n_layers=2,dim=1024,n_heads=8,n_kv_heads=4,ffn_dim=4096,max_seq_len=4096"
+# its sizes: one block costs about half of two, and every rule still prunes here)
+SPEC = "zoo:llama:n_layers=1,dim=1024,n_heads=8,n_kv_heads=4,ffn_dim=4096,max_seq_len=4096"
 SPACE = dict(gpus=4, gpu="t4", global_batch=32, seq=4096, pp=(1,), tp=(1, 2),
              checkpointing=("none", "full"), max_steps=4, gpus_per_node=2)
 TOP = 3
@@ -236,6 +236,6 @@ def test_cli_search_nothing_fits_exits_1():
 
     r = CliRunner().invoke(app, ["search", SPEC, "--gpus", "1", "--gpu", "t4", "--global-batch",
                                  "64", "--seq", "4096", "--checkpointing", "none", "--max-steps",
-                                 "1", "-q"])
+                                 "1", "--workers", "1", "-q"])
     assert r.exit_code == 1, r.output
     assert "No candidate fits" in r.output and "Traceback" not in r.output
