@@ -111,6 +111,7 @@ def result_dict(r: SearchResult) -> dict:
         "workers": r.workers, "seconds": r.seconds, "top_exact": r.top,
         "ranked": [o.to_dict() for o in r.ranked],
         "rejected": [o.to_dict() for o in r.rejected],
+        "dominated": [o.to_dict() for o in r.dominated],
         "fits_untimed": [o.to_dict() for o in r.outcomes
                          if o.fits and not o.tokens_per_second],
         "pruned": [{"label": c.label(), "candidate": c.to_dict(), "reason": why,

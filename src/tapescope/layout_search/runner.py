@@ -37,7 +37,6 @@ line each, so that a search stopped half way resumes where it was.
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import time
@@ -78,9 +77,22 @@ class SearchResult:
 
     @property
     def ranked(self) -> list:
-        """The candidates that fit on every rank, most tokens per second first."""
+        """The candidates that fit on every rank, most tokens per second first; not those a
+        lighter checkpointing mode of the same step beats (`dominated`)."""
+        return [o for o in self._timed() if not _dominated(o.candidate, self._by_candidate())]
+
+    @property
+    def dominated(self) -> list:
+        """Candidates that fit, traced, whose step with less recompute fits too (and is faster:
+        the pruned search does not trace them once it knows)."""
+        return [o for o in self._timed() if _dominated(o.candidate, self._by_candidate())]
+
+    def _timed(self) -> list:
         timed = [o for o in self.outcomes if o.fits and o.tokens_per_second]
         return sorted(timed, key=lambda o: (-o.tokens_per_second, o.candidate.key()))
+
+    def _by_candidate(self) -> dict:
+        return {o.candidate: o for o in self.outcomes}
 
     @property
     def winner(self) -> Outcome | None:
@@ -186,10 +198,10 @@ class _Grid:
         self.started: set = set()
         self.screens: dict = {}     # one-micro-batch step -> its Outcome (never listed)
         self.all = {c for ch in grid.chains.values() for c in ch}
-        # branch and bound: the step seconds of the fitting candidates, fastest first, and
-        # what the traces measured for the bounds (None: no bound pruning)
+        # branch and bound: the fitting candidates' step seconds, and what the traces measured
+        # for the bounds (top None: no bound pruning)
         self.top = top
-        self.fit_seconds: list = []
+        self.fit_seconds: dict = {}     # Candidate -> step seconds
         self.known = Known(rate)
         self.bounds: dict = {}      # Candidate -> its lower bound (Bound) that pruned it
 
@@ -197,7 +209,16 @@ class _Grid:
         """What a trace (a candidate or a screen) adds to the bounds and the top."""
         self.known.add(o)
         if o.candidate in self.all and o.fits and o.step_seconds:
-            bisect.insort(self.fit_seconds, o.step_seconds)
+            self.fit_seconds[o.candidate] = o.step_seconds
+
+    def _limit(self) -> float | None:
+        """The top-th best step among the fitting candidates that are not dominated (a lighter
+        checkpointing mode of the same step fits: that one is faster, and the search lists
+        the heavier one apart, as brute force's ranking does not need it)."""
+        if self.top is None:
+            return None
+        steps = sorted(t for c, t in self.fit_seconds.items() if not _dominated(c, self.outcome))
+        return steps[self.top - 1] if len(steps) >= self.top else None
 
     def _ooms(self, c: Candidate | None) -> bool:
         """Known not to fit (traced out of memory, or ruled out by a smaller micro-batch)."""
@@ -313,10 +334,10 @@ class _Grid:
 
     def _beyond_top(self, c: Candidate) -> bool:
         """Prune `c` when its step provably takes longer than the top-th best's."""
-        if self.top is None or len(self.fit_seconds) < self.top:
+        limit = self._limit()
+        if limit is None:
             return False
         bound = lower_bound(c, self.known)
-        limit = self.fit_seconds[self.top - 1]
         if bound is None or bound.seconds <= limit:
             return False
         self.bounds[c] = bound
@@ -328,6 +349,13 @@ class _Grid:
     def left(self) -> int:
         return sum(1 for ch in self.chains.values() for c in ch
                    if c not in self.outcome and c not in self.pruned)
+
+
+def _dominated(c: Candidate, outcomes: dict) -> bool:
+    """A lighter checkpointing mode of the same step fits (in `outcomes`)."""
+    lighter = RECOMPUTE_ORDER[:RECOMPUTE_ORDER.index(c.checkpointing)]
+    return any(o is not None and o.fits
+               for o in (outcomes.get(replace(c, checkpointing=m)) for m in lighter))
 
 
 def _ordinal(n: int) -> str:
