@@ -1,7 +1,8 @@
 """The pruned search against brute force over the same space: candidates traced, CPU and wall
 seconds, the ranking of the candidates both traced, the winner.
 
-One process each, in this process (workers=1), so that CPU time (time.process_time: this
+One process each, in this process (workers=1), after an uncounted warm-up trace of each
+pipeline degree (a process's first traces pay one-time costs), so that CPU time (time.process_time: this
 machine is shared, and wall time moves with the load) counts every trace. Default space: a
 Llama 3 8B-like model cut to 2 blocks (dim 4,096, 32 heads, 8 KV heads, FFN 14,336, the
 128,256-token vocabulary: its matmuls and logits are the 8B's; a trace's cost is its ops, so two
@@ -31,6 +32,23 @@ def run(args, brute: bool):
     return r, time.process_time() - cpu, time.perf_counter() - wall
 
 
+def warm_up(args):
+    """Trace one candidate of each pipeline degree first, uncounted: a process's first traces
+    pay one-time costs (imports, torch's dispatch caches) that would fall on whichever search
+    ran first."""
+    from tapescope.layout_search import Source, SearchSpace, candidate_grid
+    from tapescope.layout_search.evaluate import evaluate
+
+    source = Source(args.spec, args.seq, args.gpu)
+    space = SearchSpace(args.gpus, args.global_batch, args.gpus_per_node, (1, 2), (1, 2, 4),
+                        checkpointing=("none",), max_steps=args.max_steps)
+    seen = set()
+    for c in candidate_grid(space).candidates:
+        if c.layout.pp not in seen:
+            seen.add(c.layout.pp)
+            evaluate(source, c, args.global_batch * args.seq)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", default=SPEC)
@@ -42,6 +60,7 @@ def main():
     ap.add_argument("--max-steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=3, help="rows kept exact by branch and bound")
     args = ap.parse_args()
+    warm_up(args)
     pruned, p_cpu, p_wall = run(args, False)
     brute, b_cpu, b_wall = run(args, True)
     traced = {o.candidate for o in pruned.outcomes}
