@@ -10,7 +10,9 @@ Two rules prune, each a consequence of traces already made, never a formula stan
   one-micro-batch step's forward and backward first, then more of them into gradients that are
   already there, then the same optimizer step. A candidate that accumulates is first screened
   with its one-micro-batch step (a fraction of its trace); when that runs out of memory the
-  candidate does too, and the screen's rank, op and category are its reason;
+  candidate does too, and the screen's rank, op and category are its reason (the screen is
+  skipped, a cost choice only, when a smaller micro-batch of the chain fits with room to grow
+  in proportion and no top is known yet);
 - memory grows as sharding shrinks: HSDP holds more of the parameters, gradients and optimizer
   state on each rank than FSDP over all its data-parallel ranks, and the same activations. An
   HSDP candidate waits for its FSDP twin and is out when that one is out of memory;
@@ -320,7 +322,7 @@ class _Grid:
                     return []
                 if twin not in self.outcome and twin not in self.pruned:
                     return []  # wait for the FSDP twin
-        if c.layout.pp == 1 and c.steps > 1:
+        if c.layout.pp == 1 and c.steps > 1 and not self._screen_useless(c):
             screen = replace(c, steps=1)
             o = self.screens.get(screen)
             if o is None:
@@ -331,6 +333,22 @@ class _Grid:
             if self._beyond_top(c):   # the screen's kernels bound the whole step
                 return []
         return [c]
+
+    def _screen_useless(self, c: Candidate) -> bool:
+        """A cost choice, never a result: skip `c`'s one-micro-batch screen when a smaller
+        micro-batch of its chain fits with the room to grow in proportion (its worst rank's
+        nvidia-smi bytes times the micro-batch ratio within the GPU: the parameters and
+        optimizer state do not grow, so this overestimates), and no top is known yet for the
+        screen's bound to test. A screen that then fits is a trace thrown away."""
+        if self._limit() is not None:
+            return False
+        smaller = [b for b in self.chains[c.chain] if b.micro_batch < c.micro_batch
+                   and b in self.outcome and self.outcome[b].fits]
+        if not smaller:
+            return False
+        b = smaller[-1]
+        w = self.outcome[b].worst
+        return w.reserved_bytes * c.micro_batch / b.micro_batch <= w.capacity
 
     def _beyond_top(self, c: Candidate) -> bool:
         """Prune `c` when its step provably takes longer than the top-th best's."""
