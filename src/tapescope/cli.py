@@ -822,7 +822,7 @@ def search_cmd(
     ray: Optional[str] = typer.Option(None, "--ray", help="Run candidates on this Ray cluster (local: start one here)."),
     cache: Optional[str] = typer.Option(None, "--cache", help="A file of finished candidates: an interrupted search resumes from it."),
     brute_force: bool = typer.Option(False, "--brute-force", help="Trace every candidate (no pruning)."),
-    top: int = typer.Option(10, "--top", help="Rows of the table."),
+    top: int = typer.Option(10, "--top", help="Rows of the table, kept exact: a candidate that provably cannot enter them is not traced."),
     json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
 ):
     """The layout, micro-batch split and activation checkpointing that train fastest on N GPUs,
@@ -850,7 +850,7 @@ def search_cmd(
                        schedules=tuple(x.strip() for x in schedule.split(",") if x.strip()),
                        compile=(False, True) if compile else (False,), max_steps=max_steps,
                        workers=workers if workers is not None else (os.cpu_count() or 1),
-                       ray=ray, cache=cache, brute_force=brute_force, progress=show)
+                       ray=ray, cache=cache, brute_force=brute_force, top=top, progress=show)
         render_search(r, out, top=top, commands=winner_commands(r))
         _write_json(json_file, result_dict(r))
     if r.winner is None:

@@ -25,7 +25,7 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
            schedules=("1f1b",), compile=(False,), max_steps: int = 16,
            gpus_per_node: int | None = None, workers: int = 1,
            ray: str | None = None, cache: str | None = None, brute_force: bool = False,
-           progress=None) -> SearchResult:
+           top: int | None = 10, progress=None) -> SearchResult:
     """Search the layouts of `gpus` GPUs of `gpu` for model `spec` (a zoo / hf / file spec, as
     the CLI takes it: workers rebuild the model from it) at `global_batch` samples of `seq`
     tokens per optimizer step. pp, tp: the degrees to try (default: powers of two, TP within a
@@ -33,7 +33,9 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
     GPU's node, devices/gpus.py); checkpointing: the modes
     tried on every block; max_steps: the most micro-batches per step a candidate may trace.
     workers: local processes (1: this process); ray: a Ray cluster address ("local" starts
-    one); cache: a file of finished candidates that a later search resumes from."""
+    one); cache: a file of finished candidates that a later search resumes from; top: the rows
+    of the ranking kept exact (a candidate whose step provably takes longer than the top-th best
+    so far is not traced: layout_search/bounds.py; None traces every candidate that may fit)."""
     from ..devices.gpus import interconnect
     from ..options import Options
 
@@ -53,7 +55,7 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
     else:
         pool = InProcess()
     return run_search(source, space, pool=pool, cache=cache, brute_force=brute_force,
-                      progress=progress, seq_tokens=shape["seq"])
+                      progress=progress, seq_tokens=shape["seq"], top=top)
 
 
 def _model_shape(source: Source) -> dict:
@@ -106,12 +108,14 @@ def result_dict(r: SearchResult) -> dict:
     return to_jsonable({
         "model": r.source.spec, "gpus": r.space.gpus, "gpu": r.source.gpu,
         "global_batch": r.space.global_batch, "seq": r.source.seq, "amp": r.source.amp,
-        "workers": r.workers, "seconds": r.seconds,
+        "workers": r.workers, "seconds": r.seconds, "top_exact": r.top,
         "ranked": [o.to_dict() for o in r.ranked],
         "rejected": [o.to_dict() for o in r.rejected],
+        "dominated": [o.to_dict() for o in r.dominated],
         "fits_untimed": [o.to_dict() for o in r.outcomes
                          if o.fits and not o.tokens_per_second],
-        "pruned": [{"label": c.label(), "candidate": c.to_dict(), "reason": why}
+        "pruned": [{"label": c.label(), "candidate": c.to_dict(), "reason": why,
+                    **({"bound_seconds": r.bounds[c]} if c in r.bounds else {})}
                    for c, why in r.pruned],
         "skipped": [{"label": c.label(), "candidate": c.to_dict(), "reason": why}
                     for c, why in r.skipped],

@@ -71,6 +71,13 @@ class Outcome:
     bubble: float | None = None          # pipelined: the largest share of the schedule a rank waits
     reason: str = ""                     # why it does not fit / could not be profiled
     trace_seconds: float = 0.0
+    # what later candidates' lower bounds are made of (layout_search/bounds.py): per traced rank
+    # class, the seconds of the compute stream's kernels in forward and backward (those the
+    # step runs once and, apart, those activation checkpointing recomputes); and the job's
+    # matmul FLOPs over the step (all ranks; the same split). () where the step was not timed
+    # from the kernel model (compiled, or priced by a calibration file)
+    kernel_seconds: tuple = ()
+    matmul_flops: tuple = ()
     cached: bool = field(default=False, compare=False)
 
     @property
@@ -104,9 +111,12 @@ class Outcome:
         ranks = tuple(RankMemory(**{**{k: v for k, v in r.items() if k != "headroom_bytes"},
                                     "ranks": tuple(r["ranks"])}) for r in d["ranks"])
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
-                and k not in ("candidate", "ranks", "cached", "step_band")}
+                and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
+                              "matmul_flops")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
-        return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True, **kept)
+        return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
+                   kernel_seconds=tuple(tuple(x) for x in d.get("kernel_seconds", ())),
+                   matmul_flops=tuple(d.get("matmul_flops", ())), **kept)
 
 
 def _block_fqns(module) -> list[str]:
@@ -213,10 +223,11 @@ def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outc
     else:
         ranks = tuple(_rank_memory(q, _class_of(r, dist.classes.members))
                       for r, q in sorted(dist.profiles.items()))
+    kernels = _bound_figures(p, ranks)
     oom = [r for r in ranks if r.reserved_bytes is None]
     if oom:
         r = oom[0]
-        return Outcome(candidate, OOM, ranks, reason=(
+        return Outcome(candidate, OOM, ranks, **kernels, reason=(
             f"rank {r.ranks[0]} (and {len(r.ranks) - 1} like it) runs out of "
             f"{_gib(r.capacity)} at {r.oom_at}; largest at its peak: {r.top_category}"))
     t = p.time
@@ -239,7 +250,35 @@ def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outc
     return Outcome(candidate, FITS, ranks, seconds, band,
                    global_tokens / seconds if seconds else None, mfu,
                    max((rt.exposed_comm for _, rt in timed), default=None), bubble,
-                   "" if seconds else "no step time for this step (its time model is missing)")
+                   "" if seconds else "no step time for this step (its time model is missing)",
+                   **kernels)
+
+
+def _bound_figures(p, ranks) -> dict:
+    """Outcome's kernel_seconds and matmul_flops: per traced rank class, (own, recomputed)
+    seconds of the forward's and backward's kernels on the compute stream; the job's matmul
+    FLOPs (own, recomputed). Empty where a rank's time is not the eager kernel model's."""
+    from ..analysis.op_classes import op_class
+    from ..capture.records import BACKWARD, FORWARD
+
+    seconds, flops = [], [0, 0]
+    for r, q in zip(ranks, _traced(p)):
+        t = q.time
+        if t is None or t.calibration or q.compiled is not None or \
+                len(t.op_seconds) != len(q.ops):
+            return {}
+        own = again = 0.0
+        for op, s in zip(q.ops, t.op_seconds):
+            cls = op_class(op.record.func)
+            if cls == "matmul" and op.flops:
+                flops[op.recompute] += len(r.ranks) * op.total_flops
+            if op.phase in (FORWARD, BACKWARD) and not op.record.stream:
+                if op.recompute:
+                    again += s
+                else:
+                    own += s
+        seconds.append((own, again))
+    return {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops)}
 
 
 def _mfu(p, ranks, seconds, compute_dtype) -> float | None:

@@ -10,7 +10,9 @@ Two rules prune, each a consequence of traces already made, never a formula stan
   one-micro-batch step's forward and backward first, then more of them into gradients that are
   already there, then the same optimizer step. A candidate that accumulates is first screened
   with its one-micro-batch step (a fraction of its trace); when that runs out of memory the
-  candidate does too, and the screen's rank, op and category are its reason;
+  candidate does too, and the screen's rank, op and category are its reason (the screen is
+  skipped, a cost choice only, when a smaller micro-batch of the chain fits with room to grow
+  in proportion and no top is known yet);
 - memory grows as sharding shrinks: HSDP holds more of the parameters, gradients and optimizer
   state on each rank than FSDP over all its data-parallel ranks, and the same activations. An
   HSDP candidate waits for its FSDP twin and is out when that one is out of memory;
@@ -19,7 +21,11 @@ Two rules prune, each a consequence of traces already made, never a formula stan
   is out;
 - at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
   forward ops: when a mode with less recompute fits there, the heavier one is not traced (it is
-  listed as dominated, naming the candidate that fits).
+  listed as dominated, naming the candidate that fits);
+- branch and bound: a candidate whose step time is provably longer than the `top`-th best so far
+  (a lower bound from earlier traces, layout_search/bounds.py) cannot enter the table's top rows
+  and is not traced. The top `top` rows are therefore brute force's; rows below may miss a
+  candidate that was not traced.
 
 The brute-force search checks each rule: every candidate the rules rule out runs out of memory
 (or is slower than the candidate that dominates it) when traced (tests/test_search.py).
@@ -40,6 +46,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import TapescopeError
+from .bounds import Known, lower_bound, matmul_rate
 from .evaluate import ERROR, FITS, OOM, Outcome, Source, evaluate
 from .space import RECOMPUTE_ORDER, Candidate, SearchSpace, candidate_grid
 
@@ -66,12 +73,28 @@ class SearchResult:
     skipped: list = field(default_factory=list)       # (Candidate, reason): outside the limits
     seconds: float = 0.0
     workers: str = ""
+    top: int | None = None                            # the rows branch and bound kept exact
+    bounds: dict = field(default_factory=dict)        # Candidate -> the step-time bound (s) that
+                                                      # pruned it
 
     @property
     def ranked(self) -> list:
-        """The candidates that fit on every rank, most tokens per second first."""
+        """The candidates that fit on every rank, most tokens per second first; not those a
+        lighter checkpointing mode of the same step beats (`dominated`)."""
+        return [o for o in self._timed() if not _dominated(o.candidate, self._by_candidate())]
+
+    @property
+    def dominated(self) -> list:
+        """Candidates that fit, traced, whose step with less recompute fits too (and is faster:
+        the pruned search does not trace them once it knows)."""
+        return [o for o in self._timed() if _dominated(o.candidate, self._by_candidate())]
+
+    def _timed(self) -> list:
         timed = [o for o in self.outcomes if o.fits and o.tokens_per_second]
         return sorted(timed, key=lambda o: (-o.tokens_per_second, o.candidate.key()))
+
+    def _by_candidate(self) -> dict:
+        return {o.candidate: o for o in self.outcomes}
 
     @property
     def winner(self) -> Outcome | None:
@@ -163,7 +186,7 @@ class Cache:
 class _Grid:
     """Each cell's state: an Outcome, a pruning reason, or nothing yet."""
 
-    def __init__(self, space: SearchSpace):
+    def __init__(self, space: SearchSpace, top: int | None = None, rate: float | None = None):
         grid = candidate_grid(space)
         self.skipped = grid.skipped
         self.chains = grid.chains
@@ -177,6 +200,27 @@ class _Grid:
         self.started: set = set()
         self.screens: dict = {}     # one-micro-batch step -> its Outcome (never listed)
         self.all = {c for ch in grid.chains.values() for c in ch}
+        # branch and bound: the fitting candidates' step seconds, and what the traces measured
+        # for the bounds (top None: no bound pruning)
+        self.top = top
+        self.fit_seconds: dict = {}     # Candidate -> step seconds
+        self.known = Known(rate)
+        self.bounds: dict = {}      # Candidate -> its lower bound (Bound) that pruned it
+
+    def learn(self, o: Outcome) -> None:
+        """What a trace (a candidate or a screen) adds to the bounds and the top."""
+        self.known.add(o)
+        if o.candidate in self.all and o.fits and o.step_seconds:
+            self.fit_seconds[o.candidate] = o.step_seconds
+
+    def _limit(self) -> float | None:
+        """The top-th best step among the fitting candidates that are not dominated (a lighter
+        checkpointing mode of the same step fits: that one is faster, and the search lists
+        the heavier one apart, as brute force's ranking does not need it)."""
+        if self.top is None:
+            return None
+        steps = sorted(t for c, t in self.fit_seconds.items() if not _dominated(c, self.outcome))
+        return steps[self.top - 1] if len(steps) >= self.top else None
 
     def _ooms(self, c: Candidate | None) -> bool:
         """Known not to fit (traced out of memory, or ruled out by a smaller micro-batch)."""
@@ -214,7 +258,7 @@ class _Grid:
                                                   "most recompute, the smallest micro-batch) "
                                                   "runs out")
                     continue
-                if check is None:
+                if check is None and probe not in self.pruned:
                     if probe not in self.started and screen not in self.started:
                         ready += self._gate(probe)
                     continue
@@ -241,6 +285,12 @@ class _Grid:
                         self.pruned[c] = (f"dominated: {fit.label()} fits with less "
                                           "recompute")
                         continue
+                    slow = next((x for x in lighter if x in self.bounds), None)
+                    if slow is not None:   # more recompute: that step and more
+                        self.bounds[c] = self.bounds[slow]
+                        self.pruned[c] = (f"cannot enter the top {self.top}: it recomputes "
+                                          f"more than {slow.label()}, which cannot")
+                        continue
                     if not all(self._ooms(x) for x in lighter):
                         continue  # wait: a lighter mode may fit at this size
                     if i and not (chain[i - 1] in self.outcome or chain[i - 1] in self.pruned):
@@ -257,8 +307,11 @@ class _Grid:
         return c not in self.outcome and c not in self.pruned and c not in self.started
 
     def _gate(self, c: Candidate) -> list:
-        """The last rules before tracing `c`: an HSDP candidate waits for its FSDP twin, an
-        accumulating one for its one-micro-batch screen. What to trace now ([] to wait)."""
+        """The last rules before tracing `c`: one that cannot enter the top is out, an HSDP
+        candidate waits for its FSDP twin, an accumulating one for its one-micro-batch screen.
+        What to trace now ([] to wait)."""
+        if self._beyond_top(c):
+            return []
         if c.layout.dp_replicate > 1:
             twin = replace(c, layout=replace(c.layout, dp_replicate=1,
                                              fsdp=c.layout.fsdp * c.layout.dp_replicate))
@@ -269,7 +322,7 @@ class _Grid:
                     return []
                 if twin not in self.outcome and twin not in self.pruned:
                     return []  # wait for the FSDP twin
-        if c.layout.pp == 1 and c.steps > 1:
+        if c.layout.pp == 1 and c.steps > 1 and not self._screen_useless(c):
             screen = replace(c, steps=1)
             o = self.screens.get(screen)
             if o is None:
@@ -277,22 +330,69 @@ class _Grid:
             if o.status == OOM:
                 self.pruned[c] = f"out of memory already in its one-micro-batch step: {o.reason}"
                 return []
+            if self._beyond_top(c):   # the screen's kernels bound the whole step
+                return []
         return [c]
+
+    def _screen_useless(self, c: Candidate) -> bool:
+        """A cost choice, never a result: skip `c`'s one-micro-batch screen when a smaller
+        micro-batch of its chain fits with the room to grow in proportion (its worst rank's
+        nvidia-smi bytes times the micro-batch ratio within the GPU: the parameters and
+        optimizer state do not grow, so this overestimates), and no top is known yet for the
+        screen's bound to test. A screen that then fits is a trace thrown away."""
+        if self._limit() is not None:
+            return False
+        smaller = [b for b in self.chains[c.chain] if b.micro_batch < c.micro_batch
+                   and b in self.outcome and self.outcome[b].fits]
+        if not smaller:
+            return False
+        b = smaller[-1]
+        w = self.outcome[b].worst
+        return w.reserved_bytes * c.micro_batch / b.micro_batch <= w.capacity
+
+    def _beyond_top(self, c: Candidate) -> bool:
+        """Prune `c` when its step provably takes longer than the top-th best's."""
+        limit = self._limit()
+        if limit is None:
+            return False
+        bound = lower_bound(c, self.known)
+        if bound is None or bound.seconds <= limit:
+            return False
+        self.bounds[c] = bound
+        self.pruned[c] = (f"cannot enter the top {self.top}: its step takes at least "
+                          f"{bound.seconds * 1e3:,.0f} ms ({bound.reason}), the "
+                          f"{_ordinal(self.top)} best {limit * 1e3:,.0f} ms")
+        return True
 
     def left(self) -> int:
         return sum(1 for ch in self.chains.values() for c in ch
                    if c not in self.outcome and c not in self.pruned)
 
 
+def _dominated(c: Candidate, outcomes: dict) -> bool:
+    """A lighter checkpointing mode of the same step fits (in `outcomes`)."""
+    lighter = RECOMPUTE_ORDER[:RECOMPUTE_ORDER.index(c.checkpointing)]
+    return any(o is not None and o.fits
+               for o in (outcomes.get(replace(c, checkpointing=m)) for m in lighter))
+
+
+def _ordinal(n: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
+
+
 def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | None = None,
-               brute_force: bool = False, progress=None, seq_tokens: int | None = None
-               ) -> SearchResult:
+               brute_force: bool = False, progress=None, seq_tokens: int | None = None,
+               top: int | None = 10) -> SearchResult:
     """Trace the candidates of `space` (or every one, `brute_force`), pruning with what the
-    traces prove. `progress(Progress)` is told of each outcome."""
+    traces prove; `top`: the rows kept exact by branch and bound (None: no bound pruning).
+    `progress(Progress)` is told of each outcome."""
+    from ..options import Options
+
     start = time.perf_counter()
     pool = pool or InProcess()
     tokens = space.global_batch * (seq_tokens or 1)
-    grid = _Grid(space)
+    grid = _Grid(space, None if brute_force else top,
+                 matmul_rate(Options.create(gpu=source.gpu).gpu))
     store = Cache(cache, source, tokens)
     running: dict = {}   # Future -> Candidate
     best: Outcome | None = None
@@ -305,6 +405,7 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     def record(o: Outcome):
         nonlocal best
         store.put(o)
+        grid.learn(o)
         if o.candidate not in grid.all:  # a screen: its own step, not a candidate
             grid.screens[o.candidate] = o
             tell(o, screen=True)
@@ -352,4 +453,5 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
         raise TapescopeError(f"every candidate failed the same way: {reasons.pop()}")
     pruned = [(c, grid.pruned[c]) for ch in grid.chains.values() for c in ch if c in grid.pruned]
     return SearchResult(source, space, evaluated, pruned, list(grid.skipped),
-                        time.perf_counter() - start, pool.name)
+                        time.perf_counter() - start, pool.name, grid.top,
+                        {c: b.seconds for c, b in grid.bounds.items()})

@@ -29,9 +29,12 @@ def render_search(r, console: Console, top: int = 10, commands: dict | None = No
                                 f" on {s.gpus} x {r.source.gpu}, global batch {s.global_batch}"
                                 + (f" x {r.source.seq} tokens" if r.source.seq else "")
                                 + (f", {r.source.amp} mixed precision" if r.source.amp else "")))
+    bounded = len(getattr(r, "bounds", {}) or {})
     console.print(f"  {len(r.outcomes)} candidates traced on every rank class, {len(r.pruned)} "
-                  f"ruled out by those traces, {len(r.skipped)} outside the limits; "
-                  f"{r.seconds:.1f} s on {r.workers}", highlight=False, markup=False)
+                  f"ruled out by those traces"
+                  + (f" ({bounded} provably slower than the top {r.top})" if bounded else "")
+                  + f", {len(r.skipped)} outside the limits; {r.seconds:.1f} s on {r.workers}",
+                  highlight=False, markup=False)
     ranked = r.ranked
     t = Table(box=None, title=f"Fits on every rank, fastest first (top {min(top, len(ranked))} of "
               f"{len(ranked)})", title_justify="left")
