@@ -31,7 +31,7 @@ from .categories import assign_roles
 from .fidelity import decisions_shared_by_ranks, eager_distributed
 from .groups import collective_groups, process_groups
 from .mesh import MeshSpec, fake_world
-from .pipeline import pipeline_plan
+from .pipeline import extend_traced_steps, pipeline_plan
 from .ranks import RankClasses, rank_classes, shard_layouts
 
 __all__ = ["RankProfile", "DistributedFacts", "profile_ranks"]
@@ -111,7 +111,7 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
         _refuse_ddp(out)
         return out
 
-    def trace_rank(rank: int):
+    def trace_rank(rank: int, shortened: bool = True):
         seen: dict = {}
         program = None
 
@@ -141,6 +141,8 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
             if pipelined is not None:
                 program = pipelined.program(rank, device_mesh, options.loss_fn,
                                             options.optimizer)
+                if not shortened:
+                    program.traced_microbatches = None
             # (capture retries a step whose sizes depend on data - an MoE's routing - with
             # values, as for one device; the fake world stays up for the retry)
             trace, facts = capture(workload, options, progress, prepare=prepare, streams=streams,
@@ -153,6 +155,21 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
                                           "ranks": list(g.ranks)} for name, g in groups.items()}
         sharded = {sid for sid, fqn in trace.storage_owner.items() if fqn in seen["sharded"]}
         assign_roles(trace, sharded)
+        if program is not None and program.traced < program.microbatches:
+            why = extend_traced_steps(program, trace, spec.coordinate(rank)["pp"])
+            if why is not None:  # not proven: every micro-batch traced, and said
+                note = (f"rank {rank}: tracing all {program.microbatches} micro-batches (the "
+                        f"steady state over {program.traced} could not be proven to repeat: "
+                        f"{why})")
+                warnings.warn(note, stacklevel=2)
+                if progress is not None:
+                    progress(note)
+                analysed, layouts, groups_ = trace_rank(rank, shortened=False)
+                analysed.facts["pipeline_traced_microbatches"] = None
+                analysed.facts["pipeline_not_repeated"] = why
+                return analysed, layouts, groups_
+        if program is not None:
+            facts["pipeline_traced_microbatches"] = program.traced
         facts["mesh"] = spec.as_dict()
         facts["rank"] = rank
         facts["parallelize"] = None if options.parallelize is None else \
