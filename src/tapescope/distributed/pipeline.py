@@ -475,22 +475,14 @@ def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | N
                     f"micro-batches has {len(traced)}")
         regions = repeating_regions(trace, segments)
         # each region's last block repeated as often as the full schedule's actions continue it
-        expanded, at, extra_of = [], 0, []
+        action_segments = [i for i in segments if trace.segments[i].phase in ACTIONS]
+        cuts = []   # (actions before the region's last block ends, that block's actions)
         for region in regions:
             last = region.block(region.count - 1)
-            before = sum(1 for i in segments if i < last.stop and trace.segments[i].phase in ACTIONS)
-            block = [k for k, i in zip(kinds, [i for i in segments if trace.segments[i].phase in
-                                                ACTIONS]) if i in last]
-            expanded += kinds[at:before]
-            at = before
-            extra = 0
-            while block and expected[len(expanded):len(expanded) + len(block)] == block and \
-                    len(expanded) + len(block) <= len(expected) - (len(kinds) - before):
-                expanded += block
-                extra += 1
-            extra_of.append(extra)
-        expanded += kinds[at:]
-        if expanded != expected:
+            cuts.append((sum(1 for i in action_segments if i < last.stop),
+                         [k for k, i in zip(kinds, action_segments) if i in last]))
+        extra_of = _repeats_matching(kinds, expected, cuts)
+        if extra_of is None:
             return (f"the schedule over {n} micro-batches is not the traced one over {m} with its "
                     f"steady state repeated")
         from ..capture.repeats import _Births
@@ -499,7 +491,10 @@ def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | N
         for index, (region, extra) in enumerate(zip(regions, extra_of)):
             if not extra:
                 continue
-            if region.count <= in_flight + 1:
+            # a block with forwards and backwards frees the activations of forwards up to
+            # `in_flight` blocks before: only a region longer than that tells them apart from
+            # what each block keeps to the step's end (a forward-only region keeps them all)
+            if {"F", "B"} <= set(cuts[index][1]) and region.count <= in_flight + 1:
                 return (f"its steady state repeats {region.count} times, not more than the "
                         f"{in_flight} micro-batches a stage keeps in flight")
             proof = prove_region(trace, regions, index, births)
@@ -509,6 +504,29 @@ def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | N
         extensions += [(p, n - m) for p in _per_microbatch_setup(trace, segments, m, n)]
     extend_regions(trace, extensions)
     return None
+
+
+def _repeats_matching(kinds: list, expected: list, cuts: list) -> list | None:
+    """How often to repeat each cut's block (inserted after `kinds[:at]`) so that `kinds` becomes
+    `expected`; None if no counts do. Tried from the most repeats down, region by region."""
+    def search(c: int, done: int, pos: int) -> list | None:
+        # kinds[:done] matched expected[:pos]
+        if c == len(cuts):
+            return [] if kinds[done:] == expected[pos:] else None
+        at, block = cuts[c]
+        if kinds[done:at] != expected[pos:pos + at - done]:
+            return None
+        pos += at - done
+        most = 0
+        while block and expected[pos + most * len(block):pos + (most + 1) * len(block)] == block:
+            most += 1
+        for extra in range(most, -1, -1):
+            rest = search(c + 1, at, pos + extra * len(block))
+            if rest is not None:
+                return [extra] + rest
+        return None
+
+    return search(0, 0, 0)
 
 
 def _per_microbatch_setup(trace, segments: list, m: int, n: int) -> list:
