@@ -86,7 +86,11 @@ def test_a_shortened_1f1b_step_matches_its_real_gloo_processes():
                for q in p.distributed.profiles.values())
     for ours, theirs in zip(p.ranks, real):
         for step, pred in ((1, ours.first_step_peak_bytes), (2, ours.peak_bytes)):
-            late = theirs.late_frees.get(step, 0)
+            # the first step peaks in AdamW's first update, where the CPU kernel wraps the
+            # Python `sqrt / bias_correction` number in an 8- and a 4-byte tensor (the 12 bytes
+            # of scalars every single-device truth allows, docs/validation.md; the same in
+            # tests/test_pipeline.py's checkpointed case)
+            late = theirs.late_frees.get(step, 0) + (12 if step == 1 else 0)
             assert pred <= theirs.peaks[step] <= pred + late, \
                 (ours.rank, step, pred, theirs.peaks, theirs.late_frees)
 

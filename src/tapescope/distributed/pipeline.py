@@ -779,12 +779,14 @@ class PipelinePlan:
     def stages_of(self, rank: int) -> tuple:
         return self.spec.stages_of(self.mesh.coordinate(rank)["pp"], self.pp)
 
-    def program(self, rank: int, device_mesh, loss_fn=None, optimizer="adamw") -> PipelineStep:
-        """Rank `rank`'s step; its pipeline group is device_mesh's "pp" dimension."""
+    def program(self, rank: int, device_mesh, loss_fn=None, optimizer="adamw",
+                until_repeat: bool = False) -> PipelineStep:
+        """Rank `rank`'s step; its pipeline group is device_mesh's "pp" dimension. until_repeat:
+        traced over fewer micro-batches, until the schedule repeats (never for a real run)."""
         return PipelineStep(self.spec, self.stages_of(rank), self.num_stages, self.microbatches,
                             self.shapes, device_mesh["pp"].get_group(), loss_fn, optimizer,
-                            traced_microbatches=traced_microbatches(self.microbatches,
-                                                                    self.num_stages))
+                            traced_microbatches=traced_microbatches(
+                                self.microbatches, self.num_stages) if until_repeat else None)
 
     def stage_modules(self, model: nn.Module, stages: tuple, parallelize) -> nn.Module:
         """The rank's stage modules from its copy of the model, each parallelised over the

@@ -140,9 +140,7 @@ def profile_ranks(workload: Workload, options: Options, analyse, progress=None):
                 fake_world(spec, rank, options.device.type) as device_mesh:
             if pipelined is not None:
                 program = pipelined.program(rank, device_mesh, options.loss_fn,
-                                            options.optimizer)
-                if not shortened:
-                    program.traced_microbatches = None
+                                            options.optimizer, until_repeat=shortened)
             # (capture retries a step whose sizes depend on data - an MoE's routing - with
             # values, as for one device; the fake world stays up for the retry)
             trace, facts = capture(workload, options, progress, prepare=prepare, streams=streams,
