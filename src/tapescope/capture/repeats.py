@@ -39,7 +39,8 @@ import torch
 
 from .records import BACKWARD, FORWARD, StorageRecord, Trace
 
-__all__ = ["Region", "repeating_regions", "prove_region", "extend_region", "ACTIONS"]
+__all__ = ["ACTIONS", "Births", "Proof", "Region", "extend_regions", "prove_region",
+           "repeating_regions"]
 
 ACTIONS = (FORWARD, BACKWARD)     # the phases a schedule's compute actions are traced as
 _READS_A_VALUE = torch.ops.aten._local_scalar_dense.default
@@ -113,7 +114,7 @@ class Proof:
     persistent: tuple      # storage ids, made in the last block
 
 
-class _Births:
+class Births:
     """Where each storage was allocated: event index, and the (region, block) it falls in."""
 
     def __init__(self, trace: Trace, regions: list[Region]):
@@ -143,7 +144,7 @@ def prove_region(trace: Trace, regions: list[Region], index: int, births=None) -
     region = regions[index]
     if region.count < 3:
         return "fewer than three blocks"
-    births = births or _Births(trace, regions)
+    births = births or Births(trace, regions)
     x_ops, x_events = _span(trace, region.block(region.count - 2))
     y_ops, y_events = _span(trace, region.block(region.count - 1))
     ops = trace.ops
@@ -170,13 +171,13 @@ def prove_region(trace: Trace, regions: list[Region], index: int, births=None) -
             # many blocks before (or in another region, a block index as far from its own)
             if (px[0], px[1] - xk, px[2]) != (py[0], py[1] - yk, py[2]):
                 return "the blocks free storages made in different places"
-    persistent = _persistent(trace, region, index, y_events, births)
+    persistent = _persistent(trace, region, y_events)
     if isinstance(persistent, str):
         return persistent
     return Proof(region, y_ops, y_events, persistent)
 
 
-def _persistent(trace: Trace, region: Region, index: int, y_events: range, births):
+def _persistent(trace: Trace, region: Region, y_events: range) -> tuple | str:
     """The storages the last block makes that stand for one per block past the region: those
     whose counterpart in the region's first block is still alive when the region ends."""
     events = trace.events

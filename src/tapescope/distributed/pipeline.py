@@ -454,7 +454,8 @@ def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | N
     (capture/repeats.py), once the full schedule's compute actions are shown to be the traced
     ones with the repeated blocks' actions inserted. None when done; else why it cannot be
     proven (the caller then traces every micro-batch)."""
-    from ..capture.repeats import ACTIONS, extend_regions, prove_region, repeating_regions
+    from ..capture.repeats import (ACTIONS, Births, extend_regions, prove_region,
+                                   repeating_regions)
 
     n, m = program.microbatches, program.traced
     if program.order is not None:
@@ -485,9 +486,7 @@ def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | N
         if extra_of is None:
             return (f"the schedule over {n} micro-batches is not the traced one over {m} with its "
                     f"steady state repeated")
-        from ..capture.repeats import _Births
-
-        births = _Births(trace, regions)
+        births = Births(trace, regions)
         for index, (region, extra) in enumerate(zip(regions, extra_of)):
             if not extra:
                 continue
