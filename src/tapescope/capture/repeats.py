@@ -212,10 +212,12 @@ def extend_regions(trace: Trace, extensions: list) -> None:
         if delta < 0:
             freed_at.setdefault(sid, e)
     inserts: dict = {}   # event index -> events inserted before it
+    runs: dict = {}      # (first op, end op) -> runs
     for proof, extra in extensions:
         if extra <= 0:
             continue
-        trace.repeated.append((proof.ops.start, proof.ops.stop, extra + 1))
+        span = (proof.ops.start, proof.ops.stop)
+        runs[span] = runs.get(span, 1) + extra   # (an op may stand for k per micro-batch)
         at, op_at = proof.events.start, proof.ops.start
         for sid in proof.persistent:
             model = storages[sid]
@@ -231,6 +233,7 @@ def extend_regions(trace: Trace, extensions: list) -> None:
                 inserts.setdefault(at, []).append((op_at, stand_in.id, +1))
                 if end is not None:   # freed right after the storage it stands for
                     inserts.setdefault(end + 1, []).append((events[end][0], stand_in.id, -1))
+    trace.repeated += [(first, end, n) for (first, end), n in runs.items()]
     if not inserts:
         return
     # inserts before event e belong with e: a block's stand-ins are allocated inside it

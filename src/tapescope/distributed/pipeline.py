@@ -532,9 +532,9 @@ def _per_microbatch_setup(trace, segments: list, m: int, n: int) -> list:
     """Before its first action the schedule does some things once per micro-batch: it splits
     each input (torch.tensor_split: a slice per micro-batch) and, on the first step, a stage
     makes a receive buffer per micro-batch (`_prepare_forward_infra` / `_prepare_backward_infra`
-    loop over the micro-batches). Each run of exactly m consecutive ops alike there (the same
-    op, output shapes and first input's storage) stands for n: its last op runs n - m + 1 times,
-    and what it allocates gets n - m stand-ins. [Proof] to extend with."""
+    loop over the micro-batches). Each run of k x m consecutive ops alike there (the same op,
+    output shapes and first input's storage: k per micro-batch) stands for k x n: its last op
+    runs k x (n - m) more times, and what it allocates gets k x (n - m) stand-ins. [Proof]."""
     from ..capture.repeats import ACTIONS, Proof
 
     ops, events = trace.ops, trace.events
@@ -547,14 +547,16 @@ def _per_microbatch_setup(trace, segments: list, m: int, n: int) -> list:
             (a.inputs[0].storage if a.inputs else None) == (b.inputs[0].storage if b.inputs else None)
 
     def close(run):
-        if len(run) != m:
+        # k x m alike: k per micro-batch (two stages of a rank make their buffers in one run)
+        if not run or len(run) % m:
             return
         last = run[-1]
         made = made_by.get(last, [])
         after = (made[-1] + 1) if made else None
-        out.append(Proof(None, range(last, last + 1),
-                         range(after, after) if after is not None else range(0, 0),
-                         tuple(events[e][1] for e in made)))
+        for _ in range(len(run) // m):
+            out.append(Proof(None, range(last, last + 1),
+                             range(after, after) if after is not None else range(0, 0),
+                             tuple(events[e][1] for e in made)))
 
     for i in segments:
         seg = trace.segments[i]
