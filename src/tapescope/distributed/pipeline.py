@@ -301,6 +301,7 @@ class PipelineStep(StepProgram):
     # steady state, proven and added by `extend` (capture/repeats.py)
     traced_microbatches: int | None = None
     traced_order: dict | None = None  # `order` of the traced schedule
+    stage_objects: list | None = None  # the PipelineStages setup made (their receive buffers)
 
     @property
     def traced(self) -> int:
@@ -335,6 +336,7 @@ class PipelineStep(StepProgram):
                        loss_fn=pipeline_loss(self.loss_fn), scale_grads=True)
 
         schedule = schedule_of(self.traced)
+        self.stage_objects = stages
         self.traced_order = compute_order(schedule)
         # the order of the step being profiled: the traced schedule's, or (fewer traced) that
         # of a schedule over all the micro-batches, made only to read it
@@ -500,7 +502,15 @@ def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | N
             if isinstance(proof, str):
                 return f"step {step}: {proof}"
             extensions.append((proof, extra))
-        extensions += [(p, n - m) for p in _per_microbatch_setup(trace, segments, m, n)]
+        setup = _per_microbatch_setup(trace, segments, m, n)
+        # what the stages made per micro-batch before the first action: their receive buffers
+        # (torch's stages keep them by micro-batch), only in the step that made the stages
+        made = sum(trace.storages[sid].nbytes for p in setup for sid in p.persistent)
+        buffers = _receive_buffer_bytes(program.stage_objects or [], m) if step == 1 else 0
+        if made != buffers:
+            return (f"step {step}: the stages made {buffers} bytes of receive buffers per "
+                    f"micro-batch, the setup runs of {m} alike ops {made}")
+        extensions += [(p, n - m) for p in setup]
     extend_regions(trace, extensions)
     return None
 
@@ -528,6 +538,24 @@ def _repeats_matching(kinds: list, expected: list, cuts: list) -> list | None:
     return search(0, 0, 0)
 
 
+def _receive_buffer_bytes(stages: list, m: int) -> int:
+    """Bytes of one micro-batch's receive buffers over the rank's stages (activations from the
+    stage before, gradients from the stage after), each kept by micro-batch; -1 where a stage
+    does not keep m of them."""
+    from torch.distributed.pipelining.stage import _RecvInfo
+
+    total = 0
+    for stage in stages:
+        for infos in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
+            if not infos:
+                continue
+            if len(infos) != m:
+                return -1
+            total += sum(i.buffer.numel() * i.buffer.element_size() for i in infos[0]
+                         if isinstance(i, _RecvInfo) and isinstance(i.buffer, torch.Tensor))
+    return total
+
+
 def _per_microbatch_setup(trace, segments: list, m: int, n: int) -> list:
     """Before its first action the schedule does some things once per micro-batch: it splits
     each input (torch.tensor_split: a slice per micro-batch) and, on the first step, a stage
@@ -551,17 +579,21 @@ def _per_microbatch_setup(trace, segments: list, m: int, n: int) -> list:
         if not run or len(run) % m:
             return
         last = run[-1]
-        made = made_by.get(last, [])
+        # what it leaves alive (a buffer); what it frees again is its own, once per run
+        made = [e for e in made_by.get(last, []) if events[e][1] not in freed]
         after = (made[-1] + 1) if made else None
         for _ in range(len(run) // m):
             out.append(Proof(None, range(last, last + 1),
                              range(after, after) if after is not None else range(0, 0),
                              tuple(events[e][1] for e in made)))
 
+    prefix = []
     for i in segments:
-        seg = trace.segments[i]
-        if seg.phase in ACTIONS:
+        if trace.segments[i].phase in ACTIONS:
             break
+        prefix.append(trace.segments[i])
+    freed = {events[e][1] for seg in prefix for e in seg.events if events[e][2] < 0}
+    for seg in prefix:
         for e in seg.events:
             if events[e][2] > 0:
                 made_by.setdefault(trace.storages[events[e][1]].created_by, []).append(e)
