@@ -138,15 +138,19 @@ class Births:
         return None
 
 
-def prove_region(trace: Trace, regions: list[Region], index: int, births=None) -> Proof | str:
-    """Proof that region `index`'s last two blocks are the same program (the module docstring),
-    or why not."""
+def prove_region(trace: Trace, regions: list[Region], index: int, births=None,
+                 back: int = 1) -> Proof | str:
+    """Proof that region `index`'s blocks `back` and `back + 1` from its end are the same
+    program (the module docstring), or why not. (back=2: the region's last block may free what
+    the block after another region's end made - GPipe's last backward frees the last forward's
+    activations, a forward whose sends differ from the others': the copies go in before it.)"""
     region = regions[index]
-    if region.count < 3:
-        return "fewer than three blocks"
+    if region.count < back + 2:
+        return f"fewer than {back + 2} blocks"
     births = births or Births(trace, regions)
-    x_ops, x_events = _span(trace, region.block(region.count - 2))
-    y_ops, y_events = _span(trace, region.block(region.count - 1))
+    xk, yk = region.count - back - 1, region.count - back
+    x_ops, x_events = _span(trace, region.block(xk))
+    y_ops, y_events = _span(trace, region.block(yk))
     ops = trace.ops
     for a, b in zip(ops[x_ops.start:x_ops.stop], ops[y_ops.start:y_ops.stop]):
         if a.func is _READS_A_VALUE:
@@ -156,7 +160,6 @@ def prove_region(trace: Trace, regions: list[Region], index: int, births=None) -
                 [t.shape for t in a.tensor_inputs()] != [t.shape for t in b.tensor_inputs()]:
             return f"op {a.name} of one block is {b.name} in the next"
     storages, events = trace.storages, trace.events
-    xk, yk = region.count - 2, region.count - 1
     for (xo, xs, xd), (yo, ys, yd) in zip(events[x_events.start:x_events.stop],
                                           events[y_events.start:y_events.stop]):
         sx, sy = storages[xs], storages[ys]

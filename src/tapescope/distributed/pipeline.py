@@ -500,6 +500,8 @@ def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | N
                         f"{in_flight} micro-batches a stage keeps in flight")
             proof = prove_region(trace, regions, index, births)
             if isinstance(proof, str):
+                proof = prove_region(trace, regions, index, births, back=2)
+            if isinstance(proof, str):
                 return f"step {step}: {proof}"
             extensions.append((proof, extra))
         setup = _per_microbatch_setup(trace, segments, m, n)
