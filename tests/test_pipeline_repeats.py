@@ -15,7 +15,9 @@ from tapescope.validate.distributed import RealJob, run_real_jobs
 
 from . import distributed_models as dm
 
-MANY = 16    # 8 traced on 2 stages (pipeline.traced_microbatches)
+# micro-batches of each case: 8 traced of 16 on 2 stages; 20 of 24 for the schedules of 4
+# stages on 2 ranks (pipeline.traced_microbatches)
+CASES = {"1f1b": 16, "gpipe": 16, "interleaved-1f1b": 24, "zbv": 24}
 
 
 def _inputs(microbatches: int) -> tuple:
@@ -41,9 +43,9 @@ def _summary(p) -> list:
 @pytest.fixture(scope="module")
 def every_microbatch():
     shortened = pipeline.traced_microbatches
-    pipeline.traced_microbatches = lambda n, stages: n
+    pipeline.traced_microbatches = lambda n, *_: n
     try:
-        return {s: _summary(_profile(s, MANY)) for s in ("1f1b", "gpipe", "zbv")}
+        return {s: _summary(_profile(s, n)) for s, n in CASES.items()}
     finally:
         pipeline.traced_microbatches = shortened
 
@@ -54,12 +56,13 @@ def test_the_traced_count_leaves_the_steady_state_room_to_repeat():
     assert pipeline.traced_microbatches(128, 2) == 8
     assert pipeline.traced_microbatches(128, 4) == 12         # 2 * 4 + 3, = 128 modulo 4
     assert pipeline.traced_microbatches(13, 4) == 13
+    assert pipeline.traced_microbatches(32, 4, multi=True) == 20   # 4 x 4 + 3, = 32 modulo 4
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zbv"])
+@pytest.mark.parametrize("schedule", list(CASES))
 def test_a_shortened_step_has_the_peaks_and_ops_of_every_micro_batch_traced(
         every_microbatch, schedule):
-    p = _profile(schedule, MANY)
+    p = _profile(schedule, CASES[schedule])
     assert _summary(p) == every_microbatch[schedule]
     traced = {r: q.facts["pipeline_traced_microbatches"] for r, q in
               p.distributed.profiles.items()}
@@ -67,11 +70,13 @@ def test_a_shortened_step_has_the_peaks_and_ops_of_every_micro_batch_traced(
         # (GPipe's first stage: its last forward's sends differ from the others', so its last
         # backward frees what no repeated forward made: the copies go in before that backward)
         assert traced == {0: 8, 1: 8}
+    elif schedule == "interleaved-1f1b":
+        assert traced == {0: 20, 1: 20}
     else:
-        # a V of 4 stages: 12 traced (2 x 4 + 3, = 16 modulo 4). Rank 0 makes its two stages'
-        # receive buffers in one run of 2 x 12 (a run of k x m setup ops stands for k per
-        # micro-batch); rank 1's blocks free what no repeated block made: traced whole, and said
-        assert traced == {0: 12, 1: None}
+        # a V of 4 stages. Rank 0 makes its two stages' receive buffers in one run of 2 x 20
+        # (a run of k x m setup ops stands for k per micro-batch); rank 1's blocks free what no
+        # repeated block made: traced whole, and said
+        assert traced == {0: 20, 1: None}
         assert "made before its region" in p.distributed.profiles[1].facts[
             "pipeline_not_repeated"]
 

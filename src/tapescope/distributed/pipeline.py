@@ -416,13 +416,16 @@ def _backward_actions_as_phases(stages: list, backward_phase):
 
 # ---- micro-batches traced until the schedule repeats ---------------------------------------------
 
-def traced_microbatches(microbatches: int, num_stages: int) -> int:
+def traced_microbatches(microbatches: int, num_stages: int, multi: bool = False) -> int:
     """How many of a step's micro-batches to trace: enough for the steady state to repeat more
     often than a stage keeps micro-batches in flight (at most its warm-up, which grows with the
     stages: 1F1B's first stage holds `num_stages`), so that what a block frees within the
     steady state is told apart from what it keeps to the step's end; as many as the step modulo
-    the stages, so that the traced and the full schedules begin their rounds alike."""
-    least = 2 * num_stages + 3
+    the stages, so that the traced and the full schedules begin their rounds alike. A schedule
+    of several stages a rank (`multi`) repeats a longer block: twice as many (interleaved 1F1B
+    on 2 ranks, 32 micro-batches: over 12 its steady state repeats 4 times with 5 in flight,
+    over 20 it is proven)."""
+    least = (4 if multi else 2) * num_stages + 3
     if microbatches <= least + num_stages:
         return microbatches
     return microbatches - (microbatches - least) // num_stages * num_stages
@@ -821,7 +824,8 @@ class PipelinePlan:
         return PipelineStep(self.spec, self.stages_of(rank), self.num_stages, self.microbatches,
                             self.shapes, device_mesh["pp"].get_group(), loss_fn, optimizer,
                             traced_microbatches=traced_microbatches(
-                                self.microbatches, self.num_stages) if until_repeat else None)
+                                self.microbatches, self.num_stages, self.spec.kind.multi)
+                            if until_repeat else None)
 
     def stage_modules(self, model: nn.Module, stages: tuple, parallelize) -> nn.Module:
         """The rank's stage modules from its copy of the model, each parallelised over the
