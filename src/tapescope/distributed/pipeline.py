@@ -547,8 +547,6 @@ def _receive_buffer_bytes(stages: list, m: int) -> int:
     """Bytes of one micro-batch's receive buffers over the rank's stages (activations from the
     stage before, gradients from the stage after), each kept by micro-batch; -1 where a stage
     does not keep m of them."""
-    from torch.distributed.pipelining.stage import _RecvInfo
-
     total = 0
     for stage in stages:
         for infos in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
@@ -556,8 +554,10 @@ def _receive_buffer_bytes(stages: list, m: int) -> int:
                 continue
             if len(infos) != m:
                 return -1
-            total += sum(i.buffer.numel() * i.buffer.element_size() for i in infos[0]
-                         if isinstance(i, _RecvInfo) and isinstance(i.buffer, torch.Tensor))
+            # (each a _RecvInfo holding its `buffer`, or a root stage's input placeholder)
+            buffers = [getattr(i, "buffer", None) for i in infos[0]]
+            total += sum(b.numel() * b.element_size() for b in buffers
+                         if isinstance(b, torch.Tensor))
     return total
 
 
