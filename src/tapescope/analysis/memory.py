@@ -134,6 +134,8 @@ def storage_categories(trace: Trace) -> list[str]:
                 break
         else:
             cats.append(SAVED if s.id in saved_storages else TEMPORARY)
+    for sid, model in trace.stand_ins.items():  # an untraced micro-batch's, as the traced one's
+        cats[sid] = cats[model]
     return cats
 
 

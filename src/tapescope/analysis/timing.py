@@ -189,8 +189,8 @@ class _Schedule:
         kernel = self.issue(op, host_s)
         marks, after = self.event_waits(op)
         seconds = self.comm.get(op.index)
-        if seconds is not None:
-            self.collective(op, seconds, after)
+        if seconds is not None:   # (a repeated micro-batch's collective: once per run)
+            self.collective(op, seconds * op.runs, after)
             return
         t = 0.0
         if kernel:

@@ -272,6 +272,9 @@ class Trace:
     # gradient accumulation: (first op, end op, runs) where the ops of one traced micro-batch stand
     # for `runs` micro-batches, the later ones proven to repeat it (capture/session.py)
     repeated: list = field(default_factory=list)
+    # storage id -> the storage it stands for: one per untraced micro-batch of what a repeated
+    # block leaves alive past its region (capture/repeats.py); its category is that storage's
+    stand_ins: dict = field(default_factory=dict)
     # data-dependent sizes (capture/data_values.py): each unbacked symbol -> the name it is
     # reported under (one name per source line, op and value; also in `symbols` and `hints`),
     # the sizes with their assumed values (DataSize), the assumptions that decided them

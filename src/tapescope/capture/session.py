@@ -553,11 +553,12 @@ class CaptureSession:
 
     def _may_stop_repeating(self) -> bool:
         """Micro-batches are traced until one repeats the one before it; then the rest are
-        counted, not traced (`--accumulate 10000` traced 10,000 identical micro-batches). Not for
-        a symbolic, compiled or distributed step, whose analyses read every op of the trace."""
+        counted, not traced (`--accumulate 10000` traced 10,000 identical micro-batches). On a
+        mesh too: each rank's micro-batch repeats its all-gathers and reduce-scatters, counted
+        with it (analysis/timing.py prices a repeated collective once per run). Not for a
+        symbolic or compiled step, whose analyses read every op of the trace."""
         opts = self.options
-        return (opts.accumulate > 2 and not opts.symbolic and opts.compile is None
-                and opts.mesh is None)
+        return opts.accumulate > 2 and not opts.symbolic and opts.compile is None
 
     def _micro_batch_repeats(self, ends: list, i: int, n: int) -> bool:
         """After micro-batch i of n: True when it repeated micro-batch i-1 (the first allocates

@@ -297,6 +297,15 @@ class PipelineStep(StepProgram):
     optimizer: Any = "adamw"
     records_setup: bool = True       # the stages and schedule are made in step 0 (setup)
     order: dict | None = None        # the schedule's compute actions by pipeline rank (setup)
+    # micro-batches the schedule runs while traced (None: all); the rest are the repeats of its
+    # steady state, proven and added by `extend` (capture/repeats.py)
+    traced_microbatches: int | None = None
+    traced_order: dict | None = None  # `order` of the traced schedule
+    stage_objects: list | None = None  # the PipelineStages setup made (their receive buffers)
+
+    @property
+    def traced(self) -> int:
+        return self.traced_microbatches or self.microbatches
 
     def describe(self) -> dict:
         return {"pipeline": self.spec.to_dict(), "stages": list(self.stages)}
@@ -321,9 +330,18 @@ class PipelineStep(StepProgram):
                 input_grads=like(shapes.inputs) if index > 0 else None,
                 output_grads=like(shapes.outputs) if index < self.num_stages - 1 else None))
         cls = getattr(schedules, self.spec.kind.torch_class)
-        schedule = cls(stages if self.spec.kind.multi else stages[0], self.microbatches,
+
+        def schedule_of(microbatches):
+            return cls(stages if self.spec.kind.multi else stages[0], microbatches,
                        loss_fn=pipeline_loss(self.loss_fn), scale_grads=True)
-        self.order = compute_order(schedule)
+
+        schedule = schedule_of(self.traced)
+        self.stage_objects = stages
+        self.traced_order = compute_order(schedule)
+        # the order of the step being profiled: the traced schedule's, or (fewer traced) that
+        # of a schedule over all the micro-batches, made only to read it
+        self.order = self.traced_order if self.traced == self.microbatches else \
+            compute_order(schedule_of(self.microbatches))
         return schedule, make_optimizer(self.optimizer, params, device), stages
 
     def run(self, model, args, kwargs, state, step, runtime):
@@ -332,6 +350,8 @@ class PipelineStep(StepProgram):
             raise TapescopeError("a pipelined step takes positional inputs (the first stage's "
                                  "inputs, then the target); give them positionally")
         inputs, target = tuple(args[:-1]), args[-1] if args else None
+        if self.traced < self.microbatches:
+            inputs, target = _first_microbatches((inputs, target), self.traced, self.microbatches)
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
         with phase_marks(model, step, runtime) as backward_phase, \
                 _backward_actions_as_phases(stages, backward_phase):
@@ -348,6 +368,23 @@ class PipelineStep(StepProgram):
         with runtime.phase(step, ZERO_GRAD):
             if optimizer is not None:
                 optimizer.zero_grad()
+
+
+def _first_microbatches(args, traced: int, microbatches: int):
+    """The first `traced` of `microbatches` micro-batches of each input, as one view (dim 0),
+    made unrecorded: the schedule splits it into micro-batches of the full batch's size, and
+    the whole input stays alive as it does in the step."""
+    from ..torch_compat import active_fake_mode, tree_map
+
+    tape = active_fake_mode()
+
+    def first(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        return t.narrow(0, 0, t.shape[0] // microbatches * traced)
+
+    with tape.unrecorded():
+        return tree_map(first, args)
 
 
 @contextmanager
@@ -375,6 +412,205 @@ def _backward_actions_as_phases(stages: list, backward_phase):
         for stage in stages:
             for name in names:
                 delattr(stage, name)
+
+
+# ---- micro-batches traced until the schedule repeats ---------------------------------------------
+
+def traced_microbatches(microbatches: int, num_stages: int, multi: bool = False) -> int:
+    """How many of a step's micro-batches to trace: enough for the steady state to repeat more
+    often than a stage keeps micro-batches in flight (at most its warm-up, which grows with the
+    stages: 1F1B's first stage holds `num_stages`), so that what a block frees within the
+    steady state is told apart from what it keeps to the step's end; as many as the step modulo
+    the stages, so that the traced and the full schedules begin their rounds alike. A schedule
+    of several stages a rank (`multi`) repeats a longer block: twice as many (interleaved 1F1B
+    on 2 ranks, 32 micro-batches: over 12 its steady state repeats 4 times with 5 in flight,
+    over 20 it is proven)."""
+    least = (4 if multi else 2) * num_stages + 3
+    if microbatches <= least + num_stages:
+        return microbatches
+    return microbatches - (microbatches - least) // num_stages * num_stages
+
+
+def _single_stage_kinds(schedule: str, n: int, num_stages: int, stage: int) -> list:
+    """The compute actions a single-stage schedule runs over n micro-batches, in order, as its
+    `_step_microbatches` is written (torch's `pipeline_order` of these is for display and
+    differs): GPipe all forwards then all backwards; 1F1B a warm-up of num_stages - stage
+    forwards, then a backward and a forward in turn, then the backwards left."""
+    if schedule == "gpipe":
+        return ["F"] * n + ["B"] * n
+    warmup = min(n, num_stages - stage)
+    kinds, forwards, backwards = ["F"] * warmup, warmup, 0
+    while True:
+        kinds.append("B")
+        backwards += 1
+        if forwards == n:
+            break
+        kinds.append("F")
+        forwards += 1
+    return kinds + ["B"] * (n - backwards)
+
+
+def _kinds(order: list) -> list:
+    return ["F" if k == "F" else "B" for _, k, _ in order]
+
+
+def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | None:
+    """Stand each traced step's repeating steady state for the micro-batches not traced
+    (capture/repeats.py), once the full schedule's compute actions are shown to be the traced
+    ones with the repeated blocks' actions inserted. None when done; else why it cannot be
+    proven (the caller then traces every micro-batch)."""
+    from ..capture.repeats import (ACTIONS, Births, extend_regions, prove_region,
+                                   repeating_regions)
+
+    n, m = program.microbatches, program.traced
+    if program.order is not None:
+        expected, traced = _kinds(program.order[pp_rank]), _kinds(program.traced_order[pp_rank])
+        in_flight = max_in_flight(program.traced_order[pp_rank])
+    else:
+        stage, kind = program.stages[0], program.spec.schedule
+        expected = _single_stage_kinds(kind, n, program.num_stages, stage)
+        traced = _single_stage_kinds(kind, m, program.num_stages, stage)
+        in_flight = max_in_flight(traced_order(stage, traced))
+    extensions = []
+    for step in sorted({seg.step for seg in trace.segments if seg.step > 0}):
+        segments = [i for i, seg in enumerate(trace.segments) if seg.step == step]
+        kinds = ["F" if trace.segments[i].phase == "forward" else "B" for i in segments
+                 if trace.segments[i].phase in ACTIONS]
+        if kinds != traced:
+            return (f"step {step} ran {len(kinds)} compute actions where the schedule over {m} "
+                    f"micro-batches has {len(traced)}")
+        regions = repeating_regions(trace, segments)
+        # each region's last block repeated as often as the full schedule's actions continue it
+        action_segments = [i for i in segments if trace.segments[i].phase in ACTIONS]
+        cuts = []   # (actions before the region's last block ends, that block's actions)
+        for region in regions:
+            last = region.block(region.count - 1)
+            cuts.append((sum(1 for i in action_segments if i < last.stop),
+                         [k for k, i in zip(kinds, action_segments) if i in last]))
+        extra_of = _repeats_matching(kinds, expected, cuts)
+        if extra_of is None:
+            return (f"the schedule over {n} micro-batches is not the traced one over {m} with its "
+                    f"steady state repeated")
+        births = Births(trace, regions)
+        for index, (region, extra) in enumerate(zip(regions, extra_of)):
+            if not extra:
+                continue
+            # a block with forwards and backwards frees the activations of forwards up to
+            # `in_flight` blocks before: only a region longer than that tells them apart from
+            # what each block keeps to the step's end (a forward-only region keeps them all)
+            if {"F", "B"} <= set(cuts[index][1]) and region.count <= in_flight + 1:
+                return (f"its steady state repeats {region.count} times, not more than the "
+                        f"{in_flight} micro-batches a stage keeps in flight")
+            proof = prove_region(trace, regions, index, births)
+            if isinstance(proof, str):
+                proof = prove_region(trace, regions, index, births, back=2)
+            if isinstance(proof, str):
+                return f"step {step}: {proof}"
+            extensions.append((proof, extra))
+        setup = _per_microbatch_setup(trace, segments, m, n)
+        # what the stages made per micro-batch before the first action: their receive buffers
+        # (torch's stages keep them by micro-batch), only in the step that made the stages
+        made = sum(trace.storages[sid].nbytes for p in setup for sid in p.persistent)
+        buffers = _receive_buffer_bytes(program.stage_objects or [], m) if step == 1 else 0
+        if made != buffers:
+            return (f"step {step}: the stages made {buffers} bytes of receive buffers per "
+                    f"micro-batch, the setup runs of {m} alike ops {made}")
+        extensions += [(p, n - m) for p in setup]
+    extend_regions(trace, extensions)
+    return None
+
+
+def _repeats_matching(kinds: list, expected: list, cuts: list) -> list | None:
+    """How often to repeat each cut's block (inserted after `kinds[:at]`) so that `kinds` becomes
+    `expected`; None if no counts do. Tried from the most repeats down, region by region."""
+    def search(c: int, done: int, pos: int) -> list | None:
+        # kinds[:done] matched expected[:pos]
+        if c == len(cuts):
+            return [] if kinds[done:] == expected[pos:] else None
+        at, block = cuts[c]
+        if kinds[done:at] != expected[pos:pos + at - done]:
+            return None
+        pos += at - done
+        most = 0
+        while block and expected[pos + most * len(block):pos + (most + 1) * len(block)] == block:
+            most += 1
+        for extra in range(most, -1, -1):
+            rest = search(c + 1, at, pos + extra * len(block))
+            if rest is not None:
+                return [extra] + rest
+        return None
+
+    return search(0, 0, 0)
+
+
+def _receive_buffer_bytes(stages: list, m: int) -> int:
+    """Bytes of one micro-batch's receive buffers over the rank's stages (activations from the
+    stage before, gradients from the stage after), each kept by micro-batch; -1 where a stage
+    does not keep m of them."""
+    total = 0
+    for stage in stages:
+        for infos in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
+            if not infos:
+                continue
+            if len(infos) != m:
+                return -1
+            # (each a _RecvInfo holding its `buffer`, or a root stage's input placeholder)
+            buffers = [getattr(i, "buffer", None) for i in infos[0]]
+            total += sum(b.numel() * b.element_size() for b in buffers
+                         if isinstance(b, torch.Tensor))
+    return total
+
+
+def _per_microbatch_setup(trace, segments: list, m: int, n: int) -> list:
+    """Before its first action the schedule does some things once per micro-batch: it splits
+    each input (torch.tensor_split: a slice per micro-batch) and, on the first step, a stage
+    makes a receive buffer per micro-batch (`_prepare_forward_infra` / `_prepare_backward_infra`
+    loop over the micro-batches). Each run of k x m consecutive ops alike there (the same op,
+    output shapes and first input's storage: k per micro-batch) stands for k x n: its last op
+    runs k x (n - m) more times, and what it allocates gets k x (n - m) stand-ins. [Proof]."""
+    from ..capture.repeats import ACTIONS, Proof
+
+    ops, events = trace.ops, trace.events
+    made_by: dict = {}
+    out = []
+
+    def like(a, b):
+        return a.func is b.func and \
+            [t.shape for t in a.tensor_outputs()] == [t.shape for t in b.tensor_outputs()] and \
+            (a.inputs[0].storage if a.inputs else None) == (b.inputs[0].storage if b.inputs else None)
+
+    def close(run):
+        # k x m alike: k per micro-batch (two stages of a rank make their buffers in one run)
+        if not run or len(run) % m:
+            return
+        last = run[-1]
+        # what it leaves alive (a buffer); what it frees again is its own, once per run
+        made = [e for e in made_by.get(last, []) if events[e][1] not in freed]
+        after = (made[-1] + 1) if made else None
+        for _ in range(len(run) // m):
+            out.append(Proof(None, range(last, last + 1),
+                             range(after, after) if after is not None else range(0, 0),
+                             tuple(events[e][1] for e in made)))
+
+    prefix = []
+    for i in segments:
+        if trace.segments[i].phase in ACTIONS:
+            break
+        prefix.append(trace.segments[i])
+    freed = {events[e][1] for seg in prefix for e in seg.events if events[e][2] < 0}
+    for seg in prefix:
+        for e in seg.events:
+            if events[e][2] > 0:
+                made_by.setdefault(trace.storages[events[e][1]].created_by, []).append(e)
+        run: list = []
+        for k in seg.ops:
+            if run and like(ops[k], ops[run[-1]]):
+                run.append(k)
+                continue
+            close(run)
+            run = [k]
+        close(run)
+    return out
 
 
 # ---- the schedule's time ---------------------------------------------------------------------------
@@ -488,18 +724,39 @@ def schedule_time(order: dict, action_seconds: dict, other_seconds: dict, p2p: f
 def action_seconds(profile) -> tuple[list, list, float] | None:
     """The kinds ("F", "B") and seconds of a rank's compute actions in its traced steady-state
     step - each forward and backward the schedule ran is one phase segment of the trace, in
-    order - and the seconds of the rest of its step; None off a GPU."""
+    order, a repeated block's as often as it runs - and the seconds of the rest of its step;
+    None off a GPU."""
     t = profile.time
     if t is None:
         return None
-    trace, step = profile.trace, profile.steps
     by_index = {op.record.index: i for i, op in enumerate(profile.ops)}
     kinds, secs = [], []
+    for seg, runs in _action_segments(profile.trace, profile.steps):
+        kinds.append("F" if seg.phase == "forward" else "B")
+        # (an op's seconds are those of all its runs)
+        secs.append(sum(t.op_seconds[by_index[i]] for i in seg.ops if i in by_index) / runs)
+    total = sum(secs)
+    return kinds, secs, max(0.0, t.seconds - total)
+
+
+def _action_segments(trace, step: int) -> list:
+    """(segment, runs) of each compute action of `step` in the order they ran: the segments of
+    a block that stands for several (Trace.repeated) once per run."""
+    from ..capture.repeats import ACTIONS
+
+    runs_of = [(first, end, runs) for first, end, runs in trace.repeated if runs > 1]
+    out, block, block_of = [], [], None
     for seg in trace.segments:
-        if seg.step == step and seg.phase in ("forward", "backward"):
-            kinds.append("F" if seg.phase == "forward" else "B")
-            secs.append(sum(t.op_seconds[by_index[i]] for i in seg.ops if i in by_index))
-    return kinds, secs, max(0.0, t.seconds - sum(secs))
+        if seg.step != step or seg.phase not in ACTIONS:
+            continue
+        where = next(((f, e, r) for f, e, r in runs_of if seg.ops and f <= seg.ops.start < e),
+                     None)
+        if where != block_of:
+            out += block * (block_of[2] if block_of else 1)
+            block, block_of = [], where
+        block.append((seg, where[2] if where else 1))
+    out += block * (block_of[2] if block_of else 1)
+    return out
 
 
 # ---- a pipelined profile's plan: what every rank shares ------------------------------------------
@@ -560,10 +817,15 @@ class PipelinePlan:
     def stages_of(self, rank: int) -> tuple:
         return self.spec.stages_of(self.mesh.coordinate(rank)["pp"], self.pp)
 
-    def program(self, rank: int, device_mesh, loss_fn=None, optimizer="adamw") -> PipelineStep:
-        """Rank `rank`'s step; its pipeline group is device_mesh's "pp" dimension."""
+    def program(self, rank: int, device_mesh, loss_fn=None, optimizer="adamw",
+                until_repeat: bool = False) -> PipelineStep:
+        """Rank `rank`'s step; its pipeline group is device_mesh's "pp" dimension. until_repeat:
+        traced over fewer micro-batches, until the schedule repeats (never for a real run)."""
         return PipelineStep(self.spec, self.stages_of(rank), self.num_stages, self.microbatches,
-                            self.shapes, device_mesh["pp"].get_group(), loss_fn, optimizer)
+                            self.shapes, device_mesh["pp"].get_group(), loss_fn, optimizer,
+                            traced_microbatches=traced_microbatches(
+                                self.microbatches, self.num_stages, self.spec.kind.multi)
+                            if until_repeat else None)
 
     def stage_modules(self, model: nn.Module, stages: tuple, parallelize) -> nn.Module:
         """The rank's stage modules from its copy of the model, each parallelised over the
@@ -633,8 +895,8 @@ class PipelinePlan:
 
 def _phase_kinds(profile) -> list:
     """"F" / "B" for each forward and backward segment of the rank's steady-state step."""
-    return ["F" if seg.phase == "forward" else "B" for seg in profile.trace.segments
-            if seg.step == profile.steps and seg.phase in ("forward", "backward")]
+    return ["F" if seg.phase == "forward" else "B"
+            for seg, _ in _action_segments(profile.trace, profile.steps)]
 
 
 def max_in_flight(actions: list) -> int:

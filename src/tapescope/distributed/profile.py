@@ -31,7 +31,7 @@ from ..options import Options, Workload
 from .fidelity import decisions_shared_by_ranks, eager_distributed
 from .groups import collective_groups, process_groups
 from .mesh import MeshSpec, fake_world
-from .pipeline import pipeline_plan
+from .pipeline import extend_traced_steps, pipeline_plan
 from .ranks import RankClasses, rank_classes, shard_layouts
 
 __all__ = ["RankProfile", "DistributedFacts", "profile_ranks"]
@@ -74,6 +74,10 @@ class DistributedFacts:
     # --amp: the report's header says so); None without a preset that says
     fsdp_param_dtype: object = None
     model_parameters: int | None = None   # a pipelined rank: the whole model's (its stages hold part)
+    # a pipelined rank: the micro-batches traced before the schedule was proven to repeat (None:
+    # every one traced), and why a shortened trace was not proven
+    pipeline_traced_microbatches: int | None = None
+    pipeline_not_repeated: str | None = None
     classes: RankClasses | None = None    # the job's
     profiles: dict = field(default_factory=dict, repr=False)   # traced rank -> Profile
     trace_seconds: dict = field(default_factory=dict)     # traced rank -> seconds to trace it
@@ -90,6 +94,9 @@ class DistributedFacts:
                "fsdp_param_dtype": self.fsdp_param_dtype}
         if self.model_parameters is not None:
             out["model_parameters"] = self.model_parameters
+            out["pipeline_traced_microbatches"] = self.pipeline_traced_microbatches
+            if self.pipeline_not_repeated is not None:
+                out["pipeline_not_repeated"] = self.pipeline_not_repeated
         return out
 
     def to_dict(self) -> dict:
@@ -182,8 +189,9 @@ class _RankJob:
         self.cpu[rank] = time.process_time() - start_cpu
         return layouts
 
-    def trace_rank(self, rank: int):
-        """One rank's step in its fake world: (its Profile, its shard layouts)."""
+    def trace_rank(self, rank: int, shortened: bool = True):
+        """One rank's step in its fake world: (its Profile, its shard layouts). A pipelined
+        rank's micro-batches are traced until they repeat (`shortened`), the rest counted."""
         options, spec = self.options, self.spec
         seen: dict = {}
         program = None
@@ -196,7 +204,7 @@ class _RankJob:
                 fake_world(spec, rank, options.device.type) as device_mesh:
             if self.pipelined is not None:
                 program = self.pipelined.program(rank, device_mesh, options.loss_fn,
-                                                 options.optimizer)
+                                                 options.optimizer, until_repeat=shortened)
 
             def prepare(fmodel):
                 return self.prepare(fmodel, rank, device_mesh, program, seen)
@@ -210,7 +218,23 @@ class _RankJob:
             groups = process_groups(spec)
             by_op = collective_groups(trace)
         self.orders[rank] = seen.get("order")
-        return self.analyse(trace, facts, self._place(rank, groups, by_op)), seen["layouts"]
+        place = self._place(rank, groups, by_op)
+        if program is not None and program.traced < program.microbatches:
+            why = extend_traced_steps(program, trace, spec.coordinate(rank)["pp"])
+            if why is not None:  # not proven: every micro-batch traced, and said
+                note = (f"rank {rank}: tracing all {program.microbatches} micro-batches (the "
+                        f"steady state over {program.traced} could not be proven to repeat: "
+                        f"{why})")
+                warnings.warn(note, stacklevel=2)
+                if self.progress is not None:
+                    self.progress(note)
+                analysed, layouts = self.trace_rank(rank, shortened=False)
+                return replace(analysed, distributed=replace(
+                    analysed.distributed, pipeline_traced_microbatches=None,
+                    pipeline_not_repeated=why)), layouts
+        if program is not None:
+            place = replace(place, pipeline_traced_microbatches=program.traced)
+        return self.analyse(trace, facts, place), seen["layouts"]
 
     def _place(self, rank: int, groups: dict, by_op: dict) -> DistributedFacts:
         """The rank's place in the job, as its report says it."""
