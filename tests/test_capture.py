@@ -1,6 +1,7 @@
 """Capture: the user's model is untouched, any batch size works, profiles are independent,
 and what is recorded (storage identity, saved tensors, seq_nr) matches autograd's own view."""
 
+import contextlib
 import gc
 import time
 
@@ -143,6 +144,15 @@ def test_a_compiler_stance_that_hooks_frames_takes_torchs_dynamo_wrapper(monkeyp
     m, x = MLP(), torch.randn(8, 16)
     plain_trace = trace(tapescope.profile(m, x))
     assert taken and all(taken)
+    # an eager profile puts torch's default stance (with its counting backend) in place of the
+    # user's while the step runs (CaptureSession._user_compiles_run_eagerly): the same trace
+    with torch.compiler.set_stance("eager_on_recompile"):
+        assert trace(tapescope.profile(m, x)) == plain_trace
+    # where the user's stance stays (that override off), the wrapper is taken, same trace
+    from tapescope.capture.session import CaptureSession
+
+    monkeypatch.setattr(CaptureSession, "_user_compiles_run_eagerly",
+                        lambda self: contextlib.nullcontext())
     taken.clear()
     with torch.compiler.set_stance("eager_on_recompile"):
         hooked_trace = trace(tapescope.profile(m, x))
