@@ -23,7 +23,7 @@ from math import prod
 
 import torch
 
-from ...devices import onednn
+from ...devices import onednn, onednn_bf16
 from ...torch_compat import select_conv_backend
 from .registry import RULES, WORKSPACE, Alloc, Free, Output
 
@@ -41,7 +41,7 @@ def _conv_output_size(size, k, s, p, d):
 
 
 def conv_problem(x_shape, w_shape, bias_defined, stride, padding, dilation, groups,
-                 channels_last) -> onednn.Conv:
+                 channels_last, itemsize: int = 4) -> onednn.Conv:
     """The convolution of an input of `x_shape` (N, C, *spatial) with weights of `w_shape`."""
     spatial = tuple(x_shape[2:])
     kernel = tuple(w_shape[2:])
@@ -49,7 +49,12 @@ def conv_problem(x_shape, w_shape, bias_defined, stride, padding, dilation, grou
                 for i, k, s, p, d in zip(spatial, kernel, stride, padding, dilation))
     return onednn.Conv(x_shape[0], x_shape[1], w_shape[0], groups, spatial, out, kernel,
                        tuple(stride), tuple(padding), tuple(dilation), channels_last,
-                       bias_defined)
+                       bias_defined, itemsize)
+
+
+# the kernel model of each dtype oneDNN convolves in (forward, backward_data, backward_weights):
+# oneDNN's fp32 and bf16 kernels are different code with their own layouts and scratchpads
+_KERNELS = {torch.float32: onednn, torch.bfloat16: onednn_bf16}
 
 
 def _as_seen(t) -> tuple[tuple, tuple]:
@@ -143,6 +148,8 @@ def forward_steps(c: onednn.Conv, p: onednn.Primitive) -> list:
 
 def backward_steps(c: onednn.Conv, d: onednn.Primitive | None,
                    w: onednn.Primitive | None, weight_numel: int) -> list:
+    """`weight_numel`: the weight's elements (its dense channels-last copy has c.itemsize
+    bytes each)."""
     steps = []
     if d is not None:
         if c.channels_last:
@@ -159,7 +166,7 @@ def backward_steps(c: onednn.Conv, d: onednn.Primitive | None,
                   Alloc("w.diff_bias", w.bias), Free("w.src"), Free("w.diff_dst"),
                   Free("w.scratchpad"), Output(2)]
         if c.channels_last:  # mkldnn_to_dense(grad_w).to(ChannelsLast)
-            steps += [Alloc("w.dense", weight_numel * 4), Output(1), Free("w.dense")]
+            steps += [Alloc("w.dense", weight_numel * c.itemsize), Output(1), Free("w.dense")]
         else:
             steps += [Output(1)]
         steps += [Free("w.diff_weights"), Free("w.diff_bias")]
@@ -181,8 +188,10 @@ def _on_onednn_transposed(x, weight, stride, padding, dilation, transposed, outp
 
 def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                groups) -> bool:
-    if transposed or x.dtype != torch.float32 or x.dim() not in (3, 4, 5):
-        return False  # reduced precision is not modelled; transposed: below
+    if transposed or x.dtype not in _KERNELS or x.dim() not in (3, 4, 5):
+        return False  # fp16 is not modelled; transposed: below
+    if x.dtype == torch.bfloat16 and ctx.cpu.isa != "avx512":
+        return False  # oneDNN has no bf16 kernel below AVX-512 (Slow2d runs: _slow2d)
     backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
                                   output_padding, groups)
     threads = ctx.cpu.threads
@@ -215,7 +224,7 @@ def _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_paddin
     if backend.startswith("Slow"):
         ctx.note("oneDNN convolution scratch", f"ATen's {backend} kernel (not oneDNN) makes "
                  "im2col columns inside the op: not counted (an estimate)")
-    elif backend == "Mkldnn" and x.dtype != torch.float32:
+    elif backend == "Mkldnn" and x.dtype not in _KERNELS:
         ctx.note("oneDNN convolution scratch", f"oneDNN's {str(x.dtype)[6:]} convolution "
                  "kernels' reorders and scratchpad are not counted (an estimate)")
     return None
@@ -271,8 +280,9 @@ def convolution_scratch(ctx, func, args, kwargs, out):
                                           Output(0), Free("columns")]
     cl = _uses_channels_last(x, weight)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
-    c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl)
-    prim = onednn.forward(c, ctx.cpu)
+    c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl,
+                     x.dtype.itemsize)
+    prim = _KERNELS[x.dtype].forward(c, ctx.cpu)
     _note(ctx, prim)
     return (_copy_if_needed("input", x, cl) + _copy_if_needed("weight", weight, cl)
             + forward_steps(c, prim))
@@ -296,16 +306,27 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
         # _slow2d_backward: grad_input (its per-thread fgrad_input buffers are `new`ed, not the
         # allocator's), grad_bias, grad_weight, then the whole batch's columns again
         steps = _copy_if_needed("grad_output", grad_output, False)
-        steps += [Output(i) for i in (0, 2, 1) if mask[i]]
+        for i in (0, 2, 1):
+            if mask[i]:
+                steps.append(Output(i))
+            if i == 2 and mask[2] and x.dtype in (torch.bfloat16, torch.float16):
+                # the bias gradient of a reduced-precision grad_output sums in float: a float
+                # result and a float copy of grad_output (measured: sum_out into the
+                # accumulate type, then copied into the bf16 gradient)
+                steps += [Alloc("float bias", grad_output.shape[1] * 4),
+                          Alloc("float grad_output", grad_output.numel() * 4),
+                          Free("float grad_output"), Free("float bias")]
         if mask[1]:
             steps += [Alloc("columns", _columns_bytes(x, weight, *slow)), Free("columns")]
         return steps
     cl = _uses_channels_last(x, weight)
     _note_ambiguous_1d(ctx, x, cl)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
-    c = conv_problem(xs, ws, bool(mask[2]), stride, padding, dilation, groups, cl)
-    d = onednn.backward_data(c, ctx.cpu) if mask[0] else None
-    w = onednn.backward_weights(c, ctx.cpu) if (mask[1] or mask[2]) else None
+    c = conv_problem(xs, ws, bool(mask[2]), stride, padding, dilation, groups, cl,
+                     x.dtype.itemsize)
+    kernels = _KERNELS[x.dtype]
+    d = kernels.backward_data(c, ctx.cpu) if mask[0] else None
+    w = kernels.backward_weights(c, ctx.cpu) if (mask[1] or mask[2]) else None
     for prim in (d, w):
         if prim is not None:
             _note(ctx, prim)

@@ -1,0 +1,307 @@
+"""Which oneDNN convolution kernel a bfloat16 CPU convolution runs on AVX512-BF16 (avx512_core_bf16),
+and the memory it needs beside PyTorch's tensors: operands reordered into the kernel's layout,
+and its scratchpad. The fp32 kernels are devices/onednn.py's; this file follows the same plan for
+oneDNN's bf16 kernels (3.x as bundled with torch: src/cpu/x64/jit_avx512_core_bf16_conv_kernel.cpp,
+src/cpu/cpu_convolution_list.cpp), which choose other layouts and book other scratchpads.
+
+Where oneDNN has no bf16 kernel (AVX2 and below) PyTorch does not call oneDNN for bf16 at all
+(`mkldnn_bf16_device_check`): ATen's Slow2d runs, capture/fidelity/convolution.py counts its
+columns.
+
+What is modelled from the kernels' sources and checked against the allocator on an AVX512-BF16
+host (an AMD EPYC; tests/test_kernel_workspace.py::test_bf16_convolution_matches_the_allocator):
+- NCHW, not 1x1, not depthwise: jit_avx512_core_bf16_convolution (`jit_bf16`): forward and unit-
+  stride backward-data reorder into 16-channel blocks (channels padded for one group, groups
+  whose channels fill 8 or 4 lanes use the narrower blocks, a first layer - fewer than 16 input
+  channels - keeps its plain source); the forward books a padded bf16 bias. The weight gradient
+  (jit_avx512_core_bf16_conv_bwd_weights_kernel_f32_t) transposes the source and diff_dst into
+  per-(batch-thread, channel block) buffers (`global_transpose`), accumulates in f32 buffers for
+  every batch thread because the gradient is bf16 (`key_conv_wei_bia_reduction`, the bias too),
+  with a barrier; its thread split is `balance`'s memory-cost search, followed line by line.
+Everything else (brgemm kernels on channels-last tensors, strided backward-data on
+`brgconv_strided`, the 1x1 and depthwise kernels, a first layer's spatially blocked weight
+gradient, the GEMM fallback) is an estimate: the reorders follow the layouts those kernels are
+known to pick, the scratchpad is not counted, and the choice says `exact=False`.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from .cpu import CpuTarget
+from .onednn import Conv, Primitive
+
+__all__ = ["forward", "backward_data", "backward_weights"]
+
+_BF16 = 2
+_F32 = 4
+_SIMD = 16           # f32 lanes of a zmm: the bf16 kernels block channels by 16
+_ALIGN = 128         # memory_tracking.hpp: every booking carries this much for alignment
+_PAGE = 4096         # a simple_barrier::ctx_t booking (cpu_barrier.hpp CTX_ALIGNMENT)
+_MAX_UR_W = 28       # jit_avx512_core_bf16_conv_bwd_weights_kernel_f32_t's max_ur_w
+
+
+def _rnd_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _div_up(x: int, m: int) -> int:
+    return -(-x // m)
+
+
+def _blocked(n: int, channels: int, spatial: int, block: int) -> int:
+    return n * _rnd_up(channels, block) * spatial * _BF16
+
+
+def _barriers(n: int) -> int:
+    return n * _PAGE + _PAGE
+
+
+def _first_layer(c: Conv) -> bool:
+    """`is_1stconv`: fewer than 16 input channels in one group."""
+    return c.groups == 1 and c.ic < _SIMD
+
+
+def _pads(c: Conv) -> list[tuple[int, int, int]]:
+    """(extended kernel, front padding, end padding) per spatial dimension (calculate_end_padding
+    with oneDNN's dilation, which is PyTorch's minus one)."""
+    out = []
+    for k, d, p, i, o, s in zip(c.kernel, c.dilation, c.padding, c.in_size, c.out_size,
+                                c.stride):
+        ext = (k - 1) * d + 1
+        out.append((ext, p, (o - 1) * s + ext - i - p))
+    return out
+
+
+def _kernel_outside_src(c: Conv) -> bool:
+    return any(ext <= front or ext <= end for ext, front, end in _pads(c))
+
+
+def _simd(c: Conv) -> int | None:
+    """The channel block: 16, or for a group whose channels do not fill 16 lanes the first of
+    8 and 4 that divides both (`ok_to_try_lower_zmm`); None where none does (oneDNN refuses)."""
+    if c.groups == 1 or (c.ic_g % _SIMD == 0 and c.oc_g % _SIMD == 0):
+        return _SIMD
+    return next((s for s in (8, 4) if c.ic_g % s == 0 and c.oc_g % s == 0), None)
+
+
+def _estimate(impl: str, c: Conv, **sizes) -> Primitive:
+    return Primitive(f"{impl}:avx512_core_bf16", exact=False, **sizes)
+
+
+def forward(c: Conv, cpu: CpuTarget) -> Primitive:
+    if c.channels_last:  # brgemm_convolution_fwd_t / jit_uni_dw on NHWC: the weights reordered
+        kind = "brdgmm_dw" if c.depthwise else "brg_conv_fwd"
+        return _estimate(kind, c, weights=c.groups * _rnd_up(c.oc_g, _SIMD) * c.ic_g * c.ks
+                         * _BF16)
+    if c.depthwise:
+        return _estimate("jit_dw", c, src=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
+                         weights=_rnd_up(c.groups, _SIMD) * c.ks * _BF16,
+                         dst=_blocked(c.mb, c.oc, c.out_spatial, _SIMD))
+    simd = _simd(c)
+    if c.pointwise or simd is None or _kernel_outside_src(c):
+        kind = "jit_bf16_1x1" if c.pointwise else "gemm:jit"
+        return _estimate(kind, c, src=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
+                         weights=_rnd_up(c.oc, _SIMD) * _rnd_up(c.ic_g, _SIMD) * c.ks * _BF16,
+                         dst=_blocked(c.mb, c.oc, c.out_spatial, _SIMD))
+    first = _first_layer(c)
+    if first:  # plain source; weights OhwI16o2i: output channels by 16, input channels by 2
+        src, weights = 0, _rnd_up(c.oc, _SIMD) * _rnd_up(c.ic, 2) * c.ks * _BF16
+    else:
+        src = _blocked(c.mb, c.ic, c.in_spatial, simd)
+        weights = c.groups * _rnd_up(c.oc_g, simd) * _rnd_up(c.ic_g, simd) * c.ks * _BF16
+    scratch = 0
+    if c.bias and c.groups == 1 and c.oc % _SIMD:  # key_conv_padded_bias, in the bias's bf16
+        scratch = _rnd_up(c.oc, _SIMD) * _BF16 + _ALIGN
+    return Primitive("jit_bf16:avx512_core_bf16", src=src, weights=weights,
+                     dst=_blocked(c.mb, c.oc, c.out_spatial, simd), scratchpad=scratch)
+
+
+def backward_data(c: Conv, cpu: CpuTarget) -> Primitive:
+    if c.channels_last:
+        kind = "jit_dw" if c.depthwise else "brg_conv_bwd"
+        return _estimate(kind, c, weights=c.groups * _rnd_up(c.ic_g, _SIMD) * c.oc_g * c.ks
+                         * _BF16)
+    plain_dst = c.mb * c.oc * c.out_spatial * _BF16
+    plain_src = c.mb * c.ic * c.in_spatial * _BF16
+    if any(s != 1 for s in c.stride) and not c.depthwise:
+        # brgemm_convolution_bwd_strided_t comes before the jit kernels in oneDNN's list and
+        # takes strided problems: it runs in NHWC
+        return _estimate("brgconv_strided", c, src=plain_dst,
+                         weights=_rnd_up(c.ic_g, _SIMD) * c.groups * c.oc_g * c.ks * _BF16,
+                         dst=plain_src)
+    simd = _simd(c)
+    if c.depthwise or c.pointwise or simd is None or _kernel_outside_src(c):
+        kind = "jit_dw" if c.depthwise else ("jit_bf16_1x1" if c.pointwise else "gemm:jit")
+        return _estimate(kind, c, src=_blocked(c.mb, c.oc, c.out_spatial, _SIMD),
+                         weights=_rnd_up(c.oc, _SIMD) * _rnd_up(c.ic_g, _SIMD) * c.ks * _BF16,
+                         dst=_blocked(c.mb, c.ic, c.in_spatial, _SIMD))
+    # jit_avx512_core_bf16_bwd_data_kernel_t::init_conf: both data tensors blocked (a first
+    # layer's few channels padded like any other), weights OIhw8o16i2o
+    return Primitive("jit_bf16:avx512_core_bf16",
+                     src=_blocked(c.mb, c.oc, c.out_spatial, simd),
+                     weights=c.groups * _rnd_up(c.oc_g, simd) * _rnd_up(c.ic_g, simd) * c.ks
+                     * _BF16,
+                     dst=_blocked(c.mb, c.ic, c.in_spatial, simd))
+
+
+def backward_weights(c: Conv, cpu: CpuTarget) -> Primitive:
+    bias = c.oc * _BF16 if c.bias else 0       # ideep's own bias gradient, bf16 like the weights
+    if c.channels_last or c.depthwise or c.pointwise:
+        kind = "jit_dw" if c.depthwise else ("jit_bf16_1x1" if c.pointwise else "jit_bf16")
+        src = 0 if c.channels_last else _blocked(c.mb, c.ic, c.in_spatial, _SIMD)
+        diff_dst = 0 if c.channels_last else _blocked(c.mb, c.oc, c.out_spatial, _SIMD)
+        return _estimate(kind, c, src=src, diff_dst=diff_dst, bias=bias,
+                         dst=c.groups * _rnd_up(c.oc_g, _SIMD) * _rnd_up(c.ic_g, _SIMD) * c.ks
+                         * _BF16)
+    conf = _bwd_weights_conf(c)
+    if conf is None:  # the jit kernel refuses: gemm_bf16_convolution_bwd_weights_t
+        return _estimate("gemm:jit", c, bias=bias,
+                         dst=c.oc * c.ic_g * c.ks * _BF16)
+    return _bwd_weights(c, cpu, conf, bias)
+
+
+def _bwd_weights_conf(c: Conv) -> dict | None:
+    """jit_avx512_core_bf16_conv_bwd_weights_kernel_f32_t::init_conf for a blocked (NCHW)
+    problem: None where it refuses, else the sizes its scratchpad depends on."""
+    three_d = len(c.kernel) == 3
+    pads = _pads(c)
+    (ext_kw, l_pad, r_pad), (ext_kh, t_pad, b_pad) = pads[-1], pads[-2]
+    ext_kd, f_pad, back_pad = pads[0] if three_d else (1, 0, 0)
+    r_pad, b_pad, back_pad = max(0, r_pad), max(0, b_pad), max(0, back_pad)
+    dh, dw = c.dilation[-2] - 1, c.dilation[-1] - 1
+    dd = c.dilation[0] - 1 if three_d else 0
+    sd = c.stride[0] if three_d else 1
+    sh, sw = c.stride[-2:]
+    ih, iw, oh, ow = c.in_size[-2], c.in_size[-1], c.out_size[-2], c.out_size[-1]
+    if (dd and sd != 1) or (dh and sh != 1) or (dw and sw != 1) or (dh and ext_kh > ih):
+        return None
+    if dd and (back_pad or f_pad):
+        return None
+    first = _first_layer(c)
+    if c.groups > 1 and (c.ic_g % _SIMD or c.oc_g % _SIMD):
+        return None                                          # block_ok: groups are not padded
+    if not (l_pad < ext_kw and r_pad < ext_kw and t_pad <= ext_kh // 2 and b_pad <= ext_kh // 2
+            and f_pad < ext_kd and back_pad < ext_kd):
+        return None                                          # boundaries_ok
+    if first and ow > _MAX_UR_W and not (l_pad < _MAX_UR_W and ext_kw <= ow):
+        return None
+    if c.kernel[-1] > (24 if first else 14):
+        return None
+    ic = c.ic if first else _rnd_up(c.ic_g, _SIMD)
+    oc = _rnd_up(c.oc_g, _SIMD)
+    ic_block = c.ic if first else _SIMD
+    # uses_permw_transposition: on blocked tensors only a 3-D kernel one wide (ic_block_step 8)
+    permw = not first and sw == 1 and not dw and three_d and c.kernel[-1] == 1
+    transpose_src = not permw and not first
+    transpose_dst = not permw
+    if not transpose_src and not (l_pad < _MAX_UR_W and r_pad < _MAX_UR_W
+                                  and ext_kw <= iw + 1):
+        return None                                          # padding_ok
+    tr_pad = _rnd_up(max(l_pad, r_pad + 1), 2)
+    tr_iw = _rnd_up(_div_up(iw, sw) + tr_pad, 2) * sw if transpose_src else iw
+    tr_ow = _rnd_up(ow, 2) if transpose_dst else ow
+    # a first layer with a wide, large diff_dst may transpose it in spatial blocks instead
+    # (`use_spatial_blocking`: "large" is against the core's L2 size, which a target does not
+    # name): such a problem is an estimate
+    maybe_blocked = first and ((not three_d and ow >= 124 and oh > 1)
+                               or (three_d and ow * oh >= 64 * 124 and c.out_size[0] > 1))
+    full_spatial = (not three_d and ih == oh and iw == ow and 1 not in c.kernel[-2:]
+                    and sh == sw == 1 and not dh and not dw and l_pad == c.kernel[-1] // 2
+                    and t_pad == c.kernel[-2] // 2 and not permw and not first and ic >= 128
+                    and (ic_block * tr_iw + _SIMD * tr_ow) * _BF16 * max(1, b_pad, t_pad)
+                    <= _FULL_SPAT_WORKING_SET)
+    mb_work = c.mb * (c.out_size[0] if three_d else (1 if full_spatial else oh))
+    return dict(ic=ic, oc=oc, ic_block=ic_block, tr_iw=tr_iw, tr_ow=tr_ow, tr_pad=tr_pad,
+                permw=permw, transpose_src=transpose_src, mb_work=mb_work,
+                maybe_blocked=maybe_blocked)
+
+
+_FULL_SPAT_WORKING_SET = 48 * 1024   # full_spat_opt_working_set_size (the kernel's header)
+
+
+def _balance(c: Conv, conf: dict, threads: int) -> tuple[int, int, int, int]:
+    """jit_avx512_core_bf16_conv_bwd_weights_kernel_f32_t::balance: (threads in all, batch
+    threads, output-channel-block threads, input-channel-block threads), its float costs in
+    float32 as the C++ computes them."""
+    if threads < c.groups:
+        return threads, 1, 1, 1
+    f = np.float32
+    nthr = threads // c.groups
+    three_d = len(c.kernel) == 3
+    id_, ih = (c.in_size[0] if three_d else 1), c.in_size[-2]
+    od, oh = (c.out_size[0] if three_d else 1), c.out_size[-2]
+    sd = c.stride[0] if three_d else 1
+    sh, sw = c.stride[-2:]
+    ic, oc, ic_block = conf["ic"], conf["oc"], conf["ic_block"]
+    tr_iw, tr_ow, work = conf["tr_iw"], conf["tr_ow"], conf["mb_work"]
+    nb_ic, nb_oc = _div_up(ic, ic_block), _div_up(oc, _SIMD)
+    src_size = c.mb * ic * id_ * ih * tr_iw * 2
+    dst_size = c.mb * oc * od * oh * tr_ow * 2
+    wei_size = oc * ic * c.ks * 4
+    wei_scale = f(0.5) * f(dst_size + src_size) / f(wei_size)
+    ratio = f(nb_oc) / f(nb_ic)
+    src_coef = max(f(1.0) / ratio, f(1.0))
+    if wei_scale < f(1.0):
+        src_coef *= f(4.0)
+    dst_coef, wei_coef = max(ratio, f(1.0)), max(wei_scale, f(1.0))
+
+    def cost(mb, ocb, icb):
+        src = src_coef * f(_div_up(work, mb) * _div_up(nb_ic, icb) * c.mb * ic_block * id_
+                           * ih * tr_iw) / f(work * sd * sh * sw)
+        wei = wei_coef * f(_div_up(nb_oc, ocb) * _div_up(nb_ic, icb) * c.ks * ic_block * _SIMD)
+        dst = dst_coef * f(_div_up(work, mb) * _div_up(nb_oc, ocb) * c.mb * _SIMD * od * oh
+                           * tr_ow) / f(work)
+        return f(f(src + dst) + wei)
+
+    best_cost, best = cost(1, 1, 1), (1, 1, 1)
+    for mb in range(1, min(nthr, work) + 1):
+        par = nthr // mb
+        for ocb in range(1, min(par, nb_oc) + 1):
+            icb = min(par // ocb, nb_ic)
+            here = cost(mb, ocb, icb)
+            if here <= best_cost:
+                best_cost, best = here, (mb, ocb, icb)
+    mb, ocb, icb = best
+    if nthr // 2 < mb < nthr:
+        mb = min(work, nthr)
+    return mb * c.groups * ocb * icb, mb, ocb, icb
+
+
+def _bwd_weights(c: Conv, cpu: CpuTarget, conf: dict, bias: int) -> Primitive:
+    """init_scratchpad: the transposed source and diff_dst (one buffer per batch thread and
+    channel block under `global_transpose`), their barriers where channel blocks are split
+    across threads, then the f32 accumulators of every batch thread (the gradient is bf16) and
+    their barrier."""
+    nthr, nthr_mb, nthr_oc_b, nthr_ic_b = _balance(c, conf, cpu.threads)
+    ic, oc, ic_block = conf["ic"], conf["oc"], conf["ic_block"]
+    nb_ic, nb_oc = _div_up(ic, ic_block), _div_up(oc, _SIMD)
+    three_d = len(c.kernel) == 3
+    id_, ih = (c.in_size[0] if three_d else 1), c.in_size[-2]
+    od, oh = (c.out_size[0] if three_d else 1), c.out_size[-2]
+    scratch = 0
+    if not conf["permw"]:
+        # global_transpose (OpenMP threads can synchronize): a buffer per batch thread and
+        # channel block; key_conv_tr_src is booked with its guard elements even where the source
+        # is not transposed (a first layer: no buffers, tr_src_buf_count 0)
+        size = conf["tr_pad"]
+        if conf["transpose_src"]:
+            size += nthr_mb * nb_ic * c.groups * conf["tr_iw"] * ic_block * ih * id_
+        scratch += size * _BF16 + _ALIGN
+        if nthr_oc_b > 1:
+            scratch += _barriers(nthr // nthr_oc_b)          # key_conv_tr_src_bctx
+        scratch += (nthr_mb * nb_oc * c.groups * conf["tr_ow"] * _SIMD * oh * od * _BF16
+                    + _ALIGN)                                # key_conv_tr_diff_dst
+        if nthr_ic_b > 1:
+            scratch += _barriers(nthr // nthr_ic_b)          # key_conv_tr_diff_dst_bctx
+    wei = c.groups * nb_oc * _SIMD * nb_ic * ic_block * c.ks
+    bia = c.groups * nb_oc * _SIMD if c.bias else 0
+    scratch += (wei + bia) * nthr_mb * _F32 + _ALIGN        # key_conv_wei_bia_reduction
+    scratch += _barriers(1)                                  # key_conv_wei_bia_reduction_bctx
+    weights = c.groups * oc * ic * c.ks * _BF16
+    return Primitive("jit_bf16:avx512_core_bf16",
+                     src=0 if _first_layer(c) else _blocked(c.mb, c.ic, c.in_spatial, _SIMD),
+                     diff_dst=_blocked(c.mb, c.oc, c.out_spatial, _SIMD), dst=weights,
+                     bias=bias, scratchpad=scratch, exact=not conf["maybe_blocked"])
