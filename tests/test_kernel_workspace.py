@@ -1037,6 +1037,42 @@ def test_one_dimensional_convolution_of_a_transposed_activation(seq):
     assert p.first_step_peak_bytes == real.peaks[1]
 
 
+class _LinearAlgebra(torch.nn.Module):
+    """A parameter's SPD matrix (or a batch of them) through one linalg op, as a second-order
+    optimizer's preconditioner or a Gaussian head uses it."""
+
+    def __init__(self, which, n, batch):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(*batch, n, n) / n ** 0.5)
+        self.which, self.n = which, n
+
+    def forward(self, x):
+        spd = self.w @ self.w.transpose(-1, -2) + torch.eye(self.n)
+        out = {"cholesky": lambda: torch.linalg.cholesky(spd),
+               "inv": lambda: torch.linalg.inv(spd),
+               "solve": lambda: torch.linalg.solve(spd, x.T.expand(*spd.shape[:-1], -1)),
+               "eigh": lambda: torch.linalg.eigh(spd)[1]}[self.which]()
+        return (out ** 2).sum() + x.sum()
+
+
+@pytest.mark.parametrize("which", ["cholesky", "inv", "solve", "eigh"])
+@pytest.mark.parametrize("n,batch", [(48, ()), (20, (3,))])
+def test_linear_algebra_matches_the_allocator(which, n, batch):
+    """The LAPACK-backed ops' in-kernel buffers (fidelity/linalg.py): lu_solve's pivot checks,
+    inverse's LU copy and pivots, syevd's work arrays, the info checks; op by op. The peak may
+    differ by the Python-scalar temporaries of the backward's `mul` (12 B, docs/validation.md)."""
+    torch.manual_seed(0)
+    build = lambda: _LinearAlgebra(which, n, batch)  # noqa: E731
+    p, real, ops = _measure(build, (tapescope.spec((8, n)),), optimizer="sgd")
+    names = {"cholesky": ["aten.linalg_cholesky_ex", "aten._linalg_check_errors"],
+             "inv": ["aten.linalg_inv_ex", "aten._linalg_check_errors"],
+             "solve": ["aten._linalg_solve_ex", "aten.linalg_lu_solve"],
+             "eigh": ["aten._linalg_eigh"]}[which]
+    checked = [e for name in names for e in _excess(ops, name)]
+    assert checked and all(m == p for m, p in checked), checked
+    assert 0 <= real.peaks[1] - p.first_step_peak_bytes <= 12
+
+
 def test_matrix_functions_say_they_are_estimates():
     """An orthogonal parametrization (matrix_exp forward and backward): the kernel's temporaries
     depend on the matrix norm and are not modelled, and the profile says so; the allocator's
