@@ -756,6 +756,44 @@ def test_cnn_under_cpu_autocast_matches_the_allocator():
     assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])
 
 
+_REAL_CONV_STEP = """
+import pickle, sys, torch
+from tests.test_kernel_workspace import _Conv
+from tapescope.validate.real import run_real_steps
+real = run_real_steps(lambda: _Conv(*{args}), ({spec},), optimizer="sgd", dtype=torch.bfloat16,
+                      steps=1)
+pickle.dump(real, open(sys.argv[1], "wb"))
+"""
+
+
+def test_bf16_convolution_profiled_for_an_avx2_target(tmp_path):
+    """`cpu_isa="avx2"` on an AVX-512 host: the target has no oneDNN bf16 kernel, so ATen's
+    Slow2d runs there and its columns are counted; against the real step in a process capped at
+    AVX2."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not _onednn_runs_bf16_convolutions():
+        pytest.skip("this host runs Slow2d for bf16 already (tested above)")
+    args, shape = BF16_CONVS["3x3"]
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    out = tmp_path / "real.pickle"
+    code = "import tapescope\n" + _REAL_CONV_STEP.format(args=args,
+                                                          spec=f"tapescope.spec({shape})")
+    subprocess.run([sys.executable, "-c", code, str(out)], env=env, check=True,
+                   capture_output=True, cwd=Path(__file__).resolve().parents[1])
+    real = pickle.loads(out.read_bytes())
+    p = tapescope.profile(lambda: _Conv(*args), tapescope.spec(shape), optimizer="sgd",
+                          dtype=torch.bfloat16, steps=1, cpu_isa="avx2")
+    ops = compare_ops(p, real, 1)
+    checked = _excess(ops, "aten.convolution") + _excess(ops, "aten.convolution_backward")
+    assert len(checked) == 2 and all(m == p for m, p in checked), checked
+    assert p.first_step_peak_bytes == real.peaks[1]
+
+
 def test_bf16_convolution_estimates_say_so():
     """Where a bf16 convolution runs a oneDNN kernel not modelled exactly (a strided backward-
     data on brgconv_strided), the profile says so instead of calling the figure exact."""

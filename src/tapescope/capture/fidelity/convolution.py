@@ -186,14 +186,26 @@ def _on_onednn_transposed(x, weight, stride, padding, dilation, transposed, outp
                                output_padding, groups) == _MKLDNN_TRANSPOSE
 
 
+def _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+             groups) -> str:
+    """PyTorch's backend for this convolution on the profiled CPU: the host's choice, except a
+    bf16 convolution oneDNN runs here for a target below AVX-512, where oneDNN has no bf16 kernel
+    (`mkldnn_bf16_device_check` fails) and ATen's slow kernels run (Convolution.cpp: dilated or
+    not, 2-D or 3-D)."""
+    backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
+                                  output_padding, groups)
+    if backend == "Mkldnn" and x.dtype == torch.bfloat16 and ctx.cpu.isa != "avx512":
+        dilated = any(d != 1 for d in _per_dim(dilation, x.dim() - 2))
+        backend = ("SlowDilated" if dilated else "Slow") + ("3d" if x.dim() == 5 else "2d")
+    return backend
+
+
 def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                groups) -> bool:
     if transposed or x.dtype not in _KERNELS or x.dim() not in (3, 4, 5):
         return False  # fp16 is not modelled; transposed: below
-    if x.dtype == torch.bfloat16 and ctx.cpu.isa != "avx512":
-        return False  # oneDNN has no bf16 kernel below AVX-512 (Slow2d runs: _slow2d)
-    backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
-                                  output_padding, groups)
+    backend = _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                       groups)
     threads = ctx.cpu.threads
     if threads != torch.get_num_threads() and backend in ("Mkldnn", "Slow2d"):
         # Convolution.cpp use_mkldnn decides one case by the thread count: a stride-1,
@@ -216,8 +228,8 @@ def _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_paddin
     oneDNN's reduced-precision kernels)."""
     if transposed or x.dim() not in (3, 4, 5) or not x.is_floating_point():
         return None
-    backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
-                                  output_padding, groups)
+    backend = _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                       groups)
     if backend == "Slow2d" and groups == 1 and not _uses_channels_last(x, weight):
         _, _, stride, padding, _ = _as_2d(x, weight, stride, padding, dilation)
         return stride, padding
