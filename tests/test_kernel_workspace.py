@@ -678,6 +678,9 @@ BF16_CONVS = {  # name -> (_Conv arguments, input shape): bf16 convolutions, one
     "patch embedding 16x16/16 of a first layer": ((3, 192, 16, 16, 0, 1, 1, False, True),
                                                    (2, 3, 64, 64)),
     "3-D": ((16, 16, 3, 1, 1, 1, 1, False, False, 3), (2, 16, 8, 8, 8)),
+    "depthwise 3x3 (jit_dw)": ((32, 32, 3, 1, 1, 1, 32), (2, 32, 16, 16)),
+    "depthwise 3x3, channels not filling a block": ((40, 40, 3, 1, 1, 1, 40), (2, 40, 12, 12)),
+    "depthwise 3x3, batch 4": ((96, 96, 3, 1, 1, 1, 96), (4, 96, 8, 8)),
 }
 
 

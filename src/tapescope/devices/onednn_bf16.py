@@ -18,10 +18,14 @@ host (an AMD EPYC; tests/test_kernel_workspace.py::test_bf16_convolution_matches
   per-(batch-thread, channel block) buffers (`global_transpose`), accumulates in f32 buffers for
   every batch thread because the gradient is bf16 (`key_conv_wei_bia_reduction`, the bias too),
   with a barrier; its thread split is `balance`'s memory-cost search, followed line by line.
+- NCHW depthwise (jit_uni_dw<avx512_core, bf16>): 16-channel blocks, the bf16 bias converted to
+  f32 (forward, weight gradient), the weight gradient's f32 accumulators per batch thread (one
+  even where the batch is not split), groups padded to 16 there.
 Everything else (brgemm kernels on channels-last tensors, strided backward-data on
-`brgconv_strided`, the 1x1 and depthwise kernels, a first layer's spatially blocked weight
-gradient, the GEMM fallback) is an estimate: the reorders follow the layouts those kernels are
-known to pick, the scratchpad is not counted, and the choice says `exact=False`.
+`brgconv_strided`, the 1x1 kernels - whose f32 store buffer follows a blocking that reads the L2
+size -, a first layer's spatially blocked weight gradient, the GEMM fallback) is an estimate:
+the reorders follow the layouts those kernels are known to pick, the scratchpad is not counted,
+and the choice says `exact=False`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from math import prod
 import numpy as np
 
 from .cpu import CpuTarget
-from .onednn import Conv, Primitive
+from .onednn import Conv, Primitive, _dw_backward_weights_ok
 
 __all__ = ["forward", "backward_data", "backward_weights"]
 
@@ -96,10 +100,12 @@ def forward(c: Conv, cpu: CpuTarget) -> Primitive:
         kind = "brdgmm_dw" if c.depthwise else "brg_conv_fwd"
         return _estimate(kind, c, weights=c.groups * _rnd_up(c.oc_g, _SIMD) * c.ic_g * c.ks
                          * _BF16)
-    if c.depthwise:
-        return _estimate("jit_dw", c, src=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
+    if c.depthwise:  # jit_uni_dw: the bf16 bias in f32, padded (key_conv_bias_bf16_convert_wsp)
+        return Primitive("jit_dw:avx512_core_bf16", src=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
                          weights=_rnd_up(c.groups, _SIMD) * c.ks * _BF16,
-                         dst=_blocked(c.mb, c.oc, c.out_spatial, _SIMD))
+                         dst=_blocked(c.mb, c.oc, c.out_spatial, _SIMD),
+                         scratchpad=_rnd_up(c.oc, _SIMD) * _F32 + _ALIGN if c.bias else 0,
+                         exact=not _kernel_outside_src(c))
     simd = _simd(c)
     if c.pointwise or simd is None or _kernel_outside_src(c):
         kind = "jit_bf16_1x1" if c.pointwise else "gemm:jit"
@@ -126,7 +132,13 @@ def backward_data(c: Conv, cpu: CpuTarget) -> Primitive:
                          * _BF16)
     plain_dst = c.mb * c.oc * c.out_spatial * _BF16
     plain_src = c.mb * c.ic * c.in_spatial * _BF16
-    if any(s != 1 for s in c.stride) and not c.depthwise:
+    if c.depthwise and all(s == 1 for s in c.stride):  # jit_uni_dw: blocked, no scratchpad
+        return Primitive("jit_dw:avx512_core_bf16",
+                         src=_blocked(c.mb, c.oc, c.out_spatial, _SIMD),
+                         weights=_rnd_up(c.groups, _SIMD) * c.ks * _BF16,
+                         dst=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
+                         exact=not _kernel_outside_src(c))
+    if any(s != 1 for s in c.stride):
         # brgemm_convolution_bwd_strided_t comes before the jit kernels in oneDNN's list and
         # takes strided problems: it runs in NHWC
         return _estimate("brgconv_strided", c, src=plain_dst,
@@ -149,6 +161,11 @@ def backward_data(c: Conv, cpu: CpuTarget) -> Primitive:
 
 def backward_weights(c: Conv, cpu: CpuTarget) -> Primitive:
     bias = c.oc * _BF16 if c.bias else 0       # ideep's own bias gradient, bf16 like the weights
+    if c.depthwise and not c.channels_last:
+        if _dw_backward_weights_ok(c):
+            return _dw_backward_weights(c, cpu, bias)
+        # gemm_bf16_convolution_bwd_weights_t on plain layouts: its scratchpad not modelled
+        return _estimate("gemm:jit", c, bias=bias, dst=c.oc * c.ic_g * c.ks * _BF16)
     if c.channels_last or c.depthwise or c.pointwise:
         kind = "jit_dw" if c.depthwise else ("jit_bf16_1x1" if c.pointwise else "jit_bf16")
         src = 0 if c.channels_last else _blocked(c.mb, c.ic, c.in_spatial, _SIMD)
@@ -305,3 +322,22 @@ def _bwd_weights(c: Conv, cpu: CpuTarget, conf: dict, bias: int) -> Primitive:
                      src=0 if _first_layer(c) else _blocked(c.mb, c.ic, c.in_spatial, _SIMD),
                      diff_dst=_blocked(c.mb, c.oc, c.out_spatial, _SIMD), dst=weights,
                      bias=bias, scratchpad=scratch, exact=not conf["maybe_blocked"])
+
+
+def _dw_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive:
+    """jit_uni_dw_convolution_bwd_weights_t<avx512_core, bf16> on NCHW (harness_mb_reduction):
+    the threads split the groups' blocks, then the batch (`balance`, as fp32's); the f32
+    accumulators of a bf16 gradient - one per batch thread, one even where no thread splits the
+    batch - the bias's partial sums where the batch is split, and the bf16 bias gradient's f32
+    buffer (jit_uni_dw_conv_kernel_utils.cpp init_scratchpad)."""
+    nthr_g = min(_div_up(c.groups, _SIMD), cpu.threads)
+    nthr_mb = min(max(1, cpu.threads // nthr_g), c.mb)
+    groups = _rnd_up(c.groups, _SIMD)                         # init_conf pads jcp.ngroups
+    scratch = groups * c.ks * nthr_mb * _F32 + _ALIGN         # key_conv_wei_reduction
+    if nthr_mb > 1 and c.bias:
+        scratch += groups * (nthr_mb - 1) * _F32 + _ALIGN     # key_conv_bia_reduction
+    if c.bias:
+        scratch += groups * _F32 + _ALIGN                     # key_conv_bias_bf16_convert_wsp
+    return Primitive("jit_dw:avx512_core_bf16", src=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
+                     diff_dst=_blocked(c.mb, c.oc, c.out_spatial, _SIMD),
+                     dst=_rnd_up(c.groups, _SIMD) * c.ks * _BF16, bias=bias, scratchpad=scratch)
