@@ -797,6 +797,34 @@ def test_bf16_convolution_profiled_for_an_avx2_target(tmp_path):
     assert p.first_step_peak_bytes == real.peaks[1]
 
 
+BF16_POINTWISE = {  # name -> (_Conv arguments, input shape): bf16 1x1 convolutions
+    "1x1 64->256 on 16x16": ((64, 256, 1), (2, 64, 16, 16)),
+    "1x1 256->64 on 8x8": ((256, 64, 1), (2, 256, 8, 8)),
+    "1x1, channels not filling a block (padded bias)": ((30, 60, 1), (2, 30, 10, 10)),
+    "1x1, batch 1 (the load-group cost search)": ((64, 128, 1), (1, 64, 14, 14)),
+    "1x1 on 7x7, batch 4": ((128, 512, 1), (4, 128, 7, 7)),
+}
+
+
+@pytest.mark.parametrize("name", BF16_POINTWISE)
+def test_bf16_pointwise_convolution_forward_matches_the_allocator(name):
+    """jit_avx512_core_bf16_1x1's forward: blocked reorders and its f32 store buffer, sized by
+    init_conf's register blocking and load-group count (devices/onednn_bf16.py `_pointwise`).
+    Its backward-data is modelled the same way; its weight gradient's reduction buffers are not
+    yet (the backward op as a whole says it is an estimate)."""
+    if not _onednn_runs_bf16_convolutions():
+        pytest.skip("oneDNN has no bf16 convolution here")
+    args, shape = BF16_POINTWISE[name]
+    p = tapescope.profile(lambda: _Conv(*args), tapescope.spec(shape), optimizer="sgd",
+                          dtype=torch.bfloat16)
+    real = run_real_steps(lambda: _Conv(*args), (tapescope.spec(shape),), optimizer="sgd",
+                          dtype=torch.bfloat16)
+    (measured, predicted), = _excess(compare_ops(p, real, 1), "aten.convolution")
+    assert measured == predicted
+    notes = p.facts["heuristics"].get("oneDNN convolution scratch", [])
+    assert any("jit_bf16_1x1" in n for n in notes), notes    # the weight gradient's estimate
+
+
 def test_bf16_convolution_estimates_say_so():
     """Where a bf16 convolution runs a oneDNN kernel not modelled exactly (a strided backward-
     data on brgconv_strided), the profile says so instead of calling the figure exact."""

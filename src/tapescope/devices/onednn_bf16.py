@@ -21,9 +21,12 @@ host (an AMD EPYC; tests/test_kernel_workspace.py::test_bf16_convolution_matches
 - NCHW depthwise (jit_uni_dw<avx512_core, bf16>): 16-channel blocks, the bf16 bias converted to
   f32 (forward, weight gradient), the weight gradient's f32 accumulators per batch thread (one
   even where the batch is not split), groups padded to 16 there.
+- 1x1, one group, NCHW, unit strides (jit_avx512_core_bf16_1x1): forward and backward-data
+  reorders and the f32 store buffer, from init_conf's register blocking and load-group count
+  (an estimate where that count depends on the core's L2 size).
 Everything else (brgemm kernels on channels-last tensors, strided backward-data on
-`brgconv_strided`, the 1x1 kernels - whose f32 store buffer follows a blocking that reads the L2
-size -, a first layer's spatially blocked weight gradient, the GEMM fallback) is an estimate:
+`brgconv_strided`, the 1x1 weight gradient's reduction and transpose buffers, a first layer's
+spatially blocked weight gradient, the GEMM fallback) is an estimate:
 the reorders follow the layouts those kernels are known to pick, the scratchpad is not counted,
 and the choice says `exact=False`.
 """
@@ -35,7 +38,7 @@ from math import prod
 import numpy as np
 
 from .cpu import CpuTarget
-from .onednn import Conv, Primitive, _dw_backward_weights_ok
+from .onednn import Conv, Primitive, _best_divider, _dw_backward_weights_ok
 
 __all__ = ["forward", "backward_data", "backward_weights"]
 
@@ -107,6 +110,8 @@ def forward(c: Conv, cpu: CpuTarget) -> Primitive:
                          scratchpad=_rnd_up(c.oc, _SIMD) * _F32 + _ALIGN if c.bias else 0,
                          exact=not _kernel_outside_src(c))
     simd = _simd(c)
+    if _plain_1x1(c):
+        return _pointwise(c, cpu, forward=True)
     if c.pointwise or simd is None or _kernel_outside_src(c):
         kind = "jit_bf16_1x1" if c.pointwise else "gemm:jit"
         return _estimate(kind, c, src=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
@@ -145,6 +150,8 @@ def backward_data(c: Conv, cpu: CpuTarget) -> Primitive:
                          weights=_rnd_up(c.ic_g, _SIMD) * c.groups * c.oc_g * c.ks * _BF16,
                          dst=plain_src)
     simd = _simd(c)
+    if _plain_1x1(c):
+        return _pointwise(c, cpu, forward=False)
     if c.depthwise or c.pointwise or simd is None or _kernel_outside_src(c):
         kind = "jit_dw" if c.depthwise else ("jit_bf16_1x1" if c.pointwise else "gemm:jit")
         return _estimate(kind, c, src=_blocked(c.mb, c.oc, c.out_spatial, _SIMD),
@@ -341,3 +348,102 @@ def _dw_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive:
     return Primitive("jit_dw:avx512_core_bf16", src=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
                      diff_dst=_blocked(c.mb, c.oc, c.out_spatial, _SIMD),
                      dst=_rnd_up(c.groups, _SIMD) * c.ks * _BF16, bias=bias, scratchpad=scratch)
+
+
+def _plain_1x1(c: Conv) -> bool:
+    """A 1x1 convolution jit_avx512_core_bf16_1x1_convolution runs as modelled here: one group,
+    NCHW, unit strides (a strided one's backward-data is brgconv_strided's)."""
+    return (c.pointwise and c.groups == 1 and not c.channels_last
+            and all(s == 1 for s in c.stride))
+
+
+# jit_avx512_core_bf16_1x1_conv_kernel_t::init_conf's thresholds
+_SMALL_SPATIAL, _BIG_SPATIAL, _BIG_LOAD_DIM = 10, 28, 256
+# the per-core L2 of AVX512-BF16 CPUs lies between these (in bf16 elements: 256 KB and 2 MB)
+_L2_ELEMENTS_AT_LEAST, _L2_ELEMENTS_AT_MOST = 2 ** 17, 2 ** 20
+
+
+def _pointwise(c: Conv, cpu: CpuTarget, forward: bool) -> Primitive:
+    """The bf16 1x1 kernel's forward or backward-data: channels padded to 16 and blocked, and
+    its f32 store buffer (`key_conv_store_wsp`: threads x the broadcast dimension rounded to the
+    register blocking `ur` x the load channels one thread group stores), from init_conf's
+    register blocking and load-group count; the forward's padded bf16 bias. Where the load-group
+    count depends on the core's L2 size (a map of at most 64 positions with large weights), an
+    estimate."""
+    nthr, mb = cpu.threads, c.mb
+    ic, oc = _rnd_up(c.ic, _SIMD), _rnd_up(c.oc, _SIMD)
+    reduce_dim, load_dim = (ic, oc) if forward else (oc, ic)
+    bcast_dim = os_ = prod(c.out_size)                     # = is: unit strides, no padding
+    spatial = prod(c.out_size[:-1])                        # od * oh (id * ih)
+    expl_bcast = (8 * mb) // nthr >= 1                     # (no odd reduce tail: padded)
+    if expl_bcast:
+        max_regs, min_regs, threshold = 9, 6, 14
+        if 128 < load_dim < _BIG_LOAD_DIM and _SMALL_SPATIAL < spatial < _BIG_SPATIAL:
+            max_regs, min_regs = 6, 5
+    else:
+        max_regs, min_regs, threshold = 30, 9, 14
+    ur = 1
+    for ur_w in range(max_regs, min_regs - 1, -1):
+        if (spatial >= threshold and spatial % ur_w == 0) or (spatial < threshold
+                                                              and os_ % ur_w == 0):
+            ur = ur_w
+            break
+    if ur == 1:
+        ur, os_tail = min(max_regs, os_), os_ % max_regs
+        for i in range(max_regs, min_regs - 1, -1):
+            if os_ % i > os_tail or os_ % i == 0:
+                ur, os_tail = i, os_ % i
+                if os_tail == 0:
+                    break
+    nb_bcast, nb_load = _div_up(bcast_dim, ur), _div_up(load_dim, _SIMD)
+    if nthr <= 28 and mb < nthr and nb_load * nb_bcast > nthr:
+        lgc = _load_group_count(c, nthr, nb_load, nb_bcast, ur, reduce_dim, load_dim, bcast_dim)
+    else:
+        lgc = _div_up(nthr, mb * nb_bcast)
+        lgc = _best_divider(nthr, lgc, 2 * lgc, False)
+    load_size = load_dim * reduce_dim
+    exact = True
+    if expl_bcast and bcast_dim <= 64 and load_size >= _L2_ELEMENTS_AT_LEAST:
+        exact = load_size >= _L2_ELEMENTS_AT_MOST          # else it depends on this L2
+        lgc = max(lgc, 4)
+    elif bcast_dim <= 49 and mb <= nthr and load_dim > 512 and load_dim // reduce_dim >= 4:
+        lgc = max(lgc, 2)
+    groups = _div_up(nthr, _div_up(nthr, lgc))
+    store = nthr * _rnd_up(bcast_dim, ur) * _rnd_up(_div_up(load_dim, groups), _SIMD)
+    scratch = store * _F32 + _ALIGN
+    if forward and c.bias and c.oc % _SIMD:
+        scratch += oc * _BF16 + _ALIGN                     # key_conv_padded_bias
+    src_c, dst_c = (c.ic, c.oc) if forward else (c.oc, c.ic)
+    return Primitive("jit_bf16_1x1:avx512_core_bf16",
+                     src=_blocked(c.mb, src_c, prod(c.in_size), _SIMD),
+                     weights=oc * ic * _BF16,
+                     dst=_blocked(c.mb, dst_c, prod(c.in_size), _SIMD),
+                     scratchpad=scratch, exact=exact)
+
+
+def _load_group_count(c: Conv, nthr: int, nb_load: int, nb_bcast: int, ur: int,
+                      reduce_dim: int, load_dim: int, bcast_dim: int) -> int:
+    """init_conf's "some heuristic here" for a batch smaller than the threads: the load-group
+    count of least job cost (float32, as the C++)."""
+    f = np.float32
+    ratio = f(load_dim * reduce_dim) / f(c.mb * bcast_dim * reduce_dim)
+    best_lgc, best_cost = (nthr if ratio > 1 else 1), f(np.finfo(np.float32).max)
+
+    def job_cost(lb, tg, mem_k):
+        bb = c.mb * _div_up(nb_bcast, tg)
+        calc = f(bb * ur) * f(lb * _SIMD) * f(reduce_dim)
+        mem = f(bb * ur + lb * _SIMD) * f(reduce_dim)
+        return f(f(0.01) * calc) + f(mem_k * mem)
+
+    for i in range(nthr):
+        lgc = nthr - i if ratio > 1 else i + 1
+        min_lb, max_lb = nb_load // lgc, _div_up(nb_load, lgc)
+        min_tg, max_tg = nthr // lgc, _div_up(nthr, lgc)
+        mem_k = f(1.0) if max_tg == 1 else f(1.3)
+        if nthr % lgc < nb_load % lgc:
+            cost = job_cost(max_lb, min_tg, mem_k)
+        else:
+            cost = max(job_cost(max_lb, max_tg, mem_k), job_cost(min_lb, min_tg, mem_k))
+        if cost < best_cost:
+            best_lgc, best_cost = lgc, cost
+    return best_lgc
