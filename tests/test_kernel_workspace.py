@@ -89,6 +89,31 @@ def test_reduction_copies_its_input():
 
 
 
+class _HalfSums(torch.nn.Module):
+    """bf16 sums of a 4-D activation over `dims` (a bias gradient's (0, 2, 3), a channel sum)."""
+
+    def __init__(self, dims):
+        super().__init__()
+        self.conv, self.dims = torch.nn.Conv2d(8, 16, 3, padding=1), dims
+
+    def forward(self, x):
+        y = self.conv(x).bfloat16()
+        return y.sum(self.dims).float().pow(2).sum()
+
+
+@pytest.mark.parametrize("dims", [(0, 2, 3), (0, 2), (1,), (2, 3), (0, 1, 2, 3)])
+def test_half_sum_accumulates_in_float(dims):
+    """ReduceOps.cpp `should_use_acc_buffer`: a bf16 sum whose reduced dimensions form two runs
+    in memory sums a float copy into a float result (fidelity/reductions.py), op by op."""
+    p, real, ops = _measure(lambda: _HalfSums(dims), (tapescope.spec((4, 8, 12, 12)),),
+                            optimizer="sgd")
+    checked = _excess(ops, "aten.sum", "forward")
+    assert checked and all(m == p for m, p in checked), checked
+    floats = 4 * 16 * 12 * 12 * 4
+    runs = dims in ((0, 2, 3), (0, 2))
+    assert (checked[0][0] > floats) == runs
+
+
 class _PixelClassifier(torch.nn.Module):
     """A segmentation head: a 1x1 convolution's channels-last class scores, log-softmax over the
     classes (dim 1) and a per-pixel NLL; `softmax=True` uses softmax instead."""
@@ -681,6 +706,12 @@ BF16_CONVS = {  # name -> (_Conv arguments, input shape): bf16 convolutions, one
     "depthwise 3x3 (jit_dw)": ((32, 32, 3, 1, 1, 1, 32), (2, 32, 16, 16)),
     "depthwise 3x3, channels not filling a block": ((40, 40, 3, 1, 1, 1, 40), (2, 40, 12, 12)),
     "depthwise 3x3, batch 4": ((96, 96, 3, 1, 1, 1, 96), (4, 96, 8, 8)),
+    # jit_bf16_1x1: the f32 store buffer, the weight gradient's accumulators and transposes
+    "1x1 64->256 on 16x16 (permw weight gradient)": ((64, 256, 1), (2, 64, 16, 16)),
+    "1x1 256->64 on 8x8 (transposed operands)": ((256, 64, 1), (2, 256, 8, 8)),
+    "1x1, channels not filling a block (padded bias)": ((30, 60, 1), (2, 30, 10, 10)),
+    "1x1, batch 1 (the load-group cost search)": ((64, 128, 1), (1, 64, 14, 14)),
+    "1x1 on 7x7, batch 4": ((128, 512, 1), (4, 128, 7, 7)),
 }
 
 
@@ -795,34 +826,6 @@ def test_bf16_convolution_profiled_for_an_avx2_target(tmp_path):
     checked = _excess(ops, "aten.convolution") + _excess(ops, "aten.convolution_backward")
     assert len(checked) == 2 and all(m == p for m, p in checked), checked
     assert p.first_step_peak_bytes == real.peaks[1]
-
-
-BF16_POINTWISE = {  # name -> (_Conv arguments, input shape): bf16 1x1 convolutions
-    "1x1 64->256 on 16x16": ((64, 256, 1), (2, 64, 16, 16)),
-    "1x1 256->64 on 8x8": ((256, 64, 1), (2, 256, 8, 8)),
-    "1x1, channels not filling a block (padded bias)": ((30, 60, 1), (2, 30, 10, 10)),
-    "1x1, batch 1 (the load-group cost search)": ((64, 128, 1), (1, 64, 14, 14)),
-    "1x1 on 7x7, batch 4": ((128, 512, 1), (4, 128, 7, 7)),
-}
-
-
-@pytest.mark.parametrize("name", BF16_POINTWISE)
-def test_bf16_pointwise_convolution_forward_matches_the_allocator(name):
-    """jit_avx512_core_bf16_1x1's forward: blocked reorders and its f32 store buffer, sized by
-    init_conf's register blocking and load-group count (devices/onednn_bf16.py `_pointwise`).
-    Its backward-data is modelled the same way; its weight gradient's reduction buffers are not
-    yet (the backward op as a whole says it is an estimate)."""
-    if not _onednn_runs_bf16_convolutions():
-        pytest.skip("oneDNN has no bf16 convolution here")
-    args, shape = BF16_POINTWISE[name]
-    p = tapescope.profile(lambda: _Conv(*args), tapescope.spec(shape), optimizer="sgd",
-                          dtype=torch.bfloat16)
-    real = run_real_steps(lambda: _Conv(*args), (tapescope.spec(shape),), optimizer="sgd",
-                          dtype=torch.bfloat16)
-    (measured, predicted), = _excess(compare_ops(p, real, 1), "aten.convolution")
-    assert measured == predicted
-    notes = p.facts["heuristics"].get("oneDNN convolution scratch", [])
-    assert any("jit_bf16_1x1" in n for n in notes), notes    # the weight gradient's estimate
 
 
 def test_bf16_convolution_estimates_say_so():

@@ -173,6 +173,8 @@ def backward_weights(c: Conv, cpu: CpuTarget) -> Primitive:
             return _dw_backward_weights(c, cpu, bias)
         # gemm_bf16_convolution_bwd_weights_t on plain layouts: its scratchpad not modelled
         return _estimate("gemm:jit", c, bias=bias, dst=c.oc * c.ic_g * c.ks * _BF16)
+    if _plain_1x1(c):
+        return _pointwise_backward_weights(c, cpu, bias)
     if c.channels_last or c.depthwise or c.pointwise:
         kind = "jit_dw" if c.depthwise else ("jit_bf16_1x1" if c.pointwise else "jit_bf16")
         src = 0 if c.channels_last else _blocked(c.mb, c.ic, c.in_spatial, _SIMD)
@@ -409,6 +411,8 @@ def _pointwise(c: Conv, cpu: CpuTarget, forward: bool) -> Primitive:
     elif bcast_dim <= 49 and mb <= nthr and load_dim > 512 and load_dim // reduce_dim >= 4:
         lgc = max(lgc, 2)
     groups = _div_up(nthr, _div_up(nthr, lgc))
+    if _BF16 * mb * bcast_dim * reduce_dim < 8192 and 1 < nthr and nb_bcast * nb_load < nthr:
+        nthr = min(nthr, max(nb_bcast, nb_load))           # a small problem: fewer threads
     store = nthr * _rnd_up(bcast_dim, ur) * _rnd_up(_div_up(load_dim, groups), _SIMD)
     scratch = store * _F32 + _ALIGN
     if forward and c.bias and c.oc % _SIMD:
@@ -447,3 +451,80 @@ def _load_group_count(c: Conv, nthr: int, nb_load: int, nb_bcast: int, ur: int,
         if cost < best_cost:
             best_lgc, best_cost = lgc, cost
     return best_lgc
+
+
+def _best_divider(value: int, min_divider: int, max_divider: int, find_max: bool,
+                  step: int = 1) -> int:
+    """jit_uni_1x1_conv_utils.hpp best_divider: the divider (stepping by `step`) that pads
+    `value` least."""
+    top = max(1, min(max_divider, value))
+    low = max(1, min(min_divider, top))
+    best, chosen = float("inf"), top
+    for divider in range(top, low - 1, -step):
+        padded = _rnd_up(value, divider)
+        loss = float(np.float32(padded - value) / np.float32(padded))
+        if (find_max and loss < best) or (not find_max and loss <= best):
+            best, chosen = loss, divider
+    return chosen
+
+
+def _pointwise_backward_weights(c: Conv, cpu: CpuTarget, bias: int) -> Primitive:
+    """jit_avx512_core_bf16_1x1's weight gradient (init_conf's backward_weights branch,
+    `balance`, init_scratchpad): f32 accumulators of weights and bias for every batch thread
+    (the gradient is bf16), a barrier where the batch is split, and - without the permw
+    transposition (maps of 14 or fewer rows or columns) - per-thread transposed diff_dst and
+    source buffers over the whole map; a padded bf16 bias."""
+    ic, oc = _rnd_up(c.ic, _SIMD), _rnd_up(c.oc, _SIMD)
+    oh, ow = c.out_size[-2], c.out_size[-1]
+    three_d = len(c.kernel) == 3
+    reduce_dim = prod(c.in_size)
+    permw = oh > 14 and ow > 14 and (not three_d or oc <= 64)
+    iw = c.in_size[-1]
+    if permw:
+        reduce_block = _best_divider(reduce_dim, 7, min(256, reduce_dim), True, 2)
+    else:
+        reduce_block = _best_divider(reduce_dim, 8, 16, True, 2)
+    if reduce_dim % reduce_block:
+        reduce_block = _best_divider(iw, 4, iw, permw, 2)
+    if reduce_block > 256:
+        reduce_block = 1
+    if not permw:
+        reduce_block = _rnd_up(reduce_block, 2)
+    nb_bcast, nb_load = ic // _SIMD, oc // _SIMD
+    nb_reduce = _div_up(reduce_dim, reduce_block)
+    nthr_mb = nthr_oc_b = nthr_ic_b = 1
+    nthr = cpu.threads
+    output_koeff = 4 * max(1, oc // ic)                     # unit strides
+
+    def cost(mb, ocb, icb):
+        return (_div_up(c.mb * nb_reduce, mb) * _div_up(nb_bcast, icb) * _SIMD * reduce_block
+                + _div_up(c.mb * nb_reduce, mb) * _div_up(nb_load, ocb) * _SIMD * reduce_block
+                + output_koeff * _div_up(nb_load, ocb) * _div_up(nb_bcast, icb) * _SIMD * _SIMD)
+
+    best = cost(1, 1, 1)
+    for mb in range(1, min(nthr, c.mb * nb_reduce) + 1):
+        par = nthr // mb
+        for ocb in range(1, min(par, nb_load) + 1):
+            icb = min(par // ocb, nb_bcast)
+            if cost(mb, ocb, icb) <= best:
+                best, nthr_mb, nthr_oc_b, nthr_ic_b = cost(mb, ocb, icb), mb, ocb, icb
+    if nthr // 2 < nthr_mb < nthr:
+        nthr_mb = min(c.mb, nthr)
+    threads = nthr_mb * nthr_oc_b * nthr_ic_b
+    scratch = 0
+    if c.bias and c.oc % _SIMD:
+        scratch += oc * _BF16 + _ALIGN                     # key_conv_padded_bias
+    wei_bias = oc * ic + (oc if c.bias else 0)
+    scratch += wei_bias * nthr_mb * _F32 + _ALIGN           # key_conv_wei_reduction
+    if nthr_mb > 1:
+        scratch += _barriers(1)                             # key_conv_wei_reduction_bctx
+    if not permw:
+        load_blocking = _best_divider(nb_load, 16, nb_load, False)
+        bcast_blocking = _best_divider(nb_bcast, 5, nb_bcast, False)
+        rows = _rnd_up(reduce_dim, 2)
+        scratch += threads * rows * _SIMD * load_blocking * _BF16 + _ALIGN   # tr_diff_dst
+        scratch += threads * rows * _SIMD * bcast_blocking * _BF16 + _ALIGN  # tr_src
+    return Primitive("jit_bf16_1x1:avx512_core_bf16",
+                     src=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
+                     diff_dst=_blocked(c.mb, c.oc, c.out_spatial, _SIMD), dst=oc * ic * _BF16,
+                     bias=bias, scratchpad=scratch)

@@ -25,6 +25,7 @@ import torch
 
 from ...devices import onednn, onednn_bf16
 from ...torch_compat import select_conv_backend
+from .reductions import half_sum_accumulates_in_float
 from .registry import RULES, WORKSPACE, Alloc, Free, Output
 
 __all__ = ["conv_problem", "forward_steps", "backward_steps"]
@@ -321,13 +322,12 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
         for i in (0, 2, 1):
             if mask[i]:
                 steps.append(Output(i))
-            if i == 2 and mask[2] and x.dtype in (torch.bfloat16, torch.float16):
-                # the bias gradient of a reduced-precision grad_output sums in float: a float
-                # result and a float copy of grad_output (measured: sum_out into the
-                # accumulate type, then copied into the bf16 gradient)
-                steps += [Alloc("float bias", grad_output.shape[1] * 4),
-                          Alloc("float grad_output", grad_output.numel() * 4),
-                          Free("float grad_output"), Free("float bias")]
+            if i == 2 and mask[2]:
+                # the bias gradient is `at::sum_out(grad_bias, grad_output, {0, 2, 3})`: in half
+                # types a float copy and a float result (reductions.py)
+                steps += half_sum_accumulates_in_float(
+                    grad_output, [0, *range(2, grad_output.dim())], grad_output.shape[1],
+                    grad_output.dtype)
         if mask[1]:
             steps += [Alloc("columns", _columns_bytes(x, weight, *slow)), Free("columns")]
         return steps
