@@ -68,6 +68,8 @@ class Conv:
     dilation: tuple         # PyTorch's (1 = none); oneDNN's is this minus 1
     channels_last: bool
     bias: bool
+    itemsize: int = 4       # the operands' element size: 4 (fp32 kernels, here), 2 (bf16:
+                            # devices/onednn_bf16.py)
 
     @property
     def ic_g(self) -> int:

@@ -23,8 +23,9 @@ from math import prod
 
 import torch
 
-from ...devices import onednn
+from ...devices import onednn, onednn_bf16
 from ...torch_compat import select_conv_backend
+from .reductions import half_sum_accumulates_in_float
 from .registry import RULES, WORKSPACE, Alloc, Free, Output
 
 __all__ = ["conv_problem", "forward_steps", "backward_steps"]
@@ -41,7 +42,7 @@ def _conv_output_size(size, k, s, p, d):
 
 
 def conv_problem(x_shape, w_shape, bias_defined, stride, padding, dilation, groups,
-                 channels_last) -> onednn.Conv:
+                 channels_last, itemsize: int = 4) -> onednn.Conv:
     """The convolution of an input of `x_shape` (N, C, *spatial) with weights of `w_shape`."""
     spatial = tuple(x_shape[2:])
     kernel = tuple(w_shape[2:])
@@ -49,7 +50,12 @@ def conv_problem(x_shape, w_shape, bias_defined, stride, padding, dilation, grou
                 for i, k, s, p, d in zip(spatial, kernel, stride, padding, dilation))
     return onednn.Conv(x_shape[0], x_shape[1], w_shape[0], groups, spatial, out, kernel,
                        tuple(stride), tuple(padding), tuple(dilation), channels_last,
-                       bias_defined)
+                       bias_defined, itemsize)
+
+
+# the kernel model of each dtype oneDNN convolves in (forward, backward_data, backward_weights):
+# oneDNN's fp32 and bf16 kernels are different code with their own layouts and scratchpads
+_KERNELS = {torch.float32: onednn, torch.bfloat16: onednn_bf16}
 
 
 def _as_seen(t) -> tuple[tuple, tuple]:
@@ -143,6 +149,8 @@ def forward_steps(c: onednn.Conv, p: onednn.Primitive) -> list:
 
 def backward_steps(c: onednn.Conv, d: onednn.Primitive | None,
                    w: onednn.Primitive | None, weight_numel: int) -> list:
+    """`weight_numel`: the weight's elements (its dense channels-last copy has c.itemsize
+    bytes each)."""
     steps = []
     if d is not None:
         if c.channels_last:
@@ -159,7 +167,7 @@ def backward_steps(c: onednn.Conv, d: onednn.Primitive | None,
                   Alloc("w.diff_bias", w.bias), Free("w.src"), Free("w.diff_dst"),
                   Free("w.scratchpad"), Output(2)]
         if c.channels_last:  # mkldnn_to_dense(grad_w).to(ChannelsLast)
-            steps += [Alloc("w.dense", weight_numel * 4), Output(1), Free("w.dense")]
+            steps += [Alloc("w.dense", weight_numel * c.itemsize), Output(1), Free("w.dense")]
         else:
             steps += [Output(1)]
         steps += [Free("w.diff_weights"), Free("w.diff_bias")]
@@ -179,12 +187,26 @@ def _on_onednn_transposed(x, weight, stride, padding, dilation, transposed, outp
                                output_padding, groups) == _MKLDNN_TRANSPOSE
 
 
-def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
-               groups) -> bool:
-    if transposed or x.dtype != torch.float32 or x.dim() not in (3, 4, 5):
-        return False  # reduced precision is not modelled; transposed: below
+def _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+             groups) -> str:
+    """PyTorch's backend for this convolution on the profiled CPU: the host's choice, except a
+    bf16 convolution oneDNN runs here for a target below AVX-512, where oneDNN has no bf16 kernel
+    (`mkldnn_bf16_device_check` fails) and ATen's slow kernels run (Convolution.cpp: dilated or
+    not, 2-D or 3-D)."""
     backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
                                   output_padding, groups)
+    if backend == "Mkldnn" and x.dtype == torch.bfloat16 and ctx.cpu.isa != "avx512":
+        dilated = any(d != 1 for d in _per_dim(dilation, x.dim() - 2))
+        backend = ("SlowDilated" if dilated else "Slow") + ("3d" if x.dim() == 5 else "2d")
+    return backend
+
+
+def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+               groups) -> bool:
+    if transposed or x.dtype not in _KERNELS or x.dim() not in (3, 4, 5):
+        return False  # fp16 is not modelled; transposed: below
+    backend = _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                       groups)
     threads = ctx.cpu.threads
     if threads != torch.get_num_threads() and backend in ("Mkldnn", "Slow2d"):
         # Convolution.cpp use_mkldnn decides one case by the thread count: a stride-1,
@@ -207,15 +229,15 @@ def _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_paddin
     oneDNN's reduced-precision kernels)."""
     if transposed or x.dim() not in (3, 4, 5) or not x.is_floating_point():
         return None
-    backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
-                                  output_padding, groups)
+    backend = _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                       groups)
     if backend == "Slow2d" and groups == 1 and not _uses_channels_last(x, weight):
         _, _, stride, padding, _ = _as_2d(x, weight, stride, padding, dilation)
         return stride, padding
     if backend.startswith("Slow"):
         ctx.note("oneDNN convolution scratch", f"ATen's {backend} kernel (not oneDNN) makes "
                  "im2col columns inside the op: not counted (an estimate)")
-    elif backend == "Mkldnn" and x.dtype != torch.float32:
+    elif backend == "Mkldnn" and x.dtype not in _KERNELS:
         ctx.note("oneDNN convolution scratch", f"oneDNN's {str(x.dtype)[6:]} convolution "
                  "kernels' reorders and scratchpad are not counted (an estimate)")
     return None
@@ -271,8 +293,9 @@ def convolution_scratch(ctx, func, args, kwargs, out):
                                           Output(0), Free("columns")]
     cl = _uses_channels_last(x, weight)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
-    c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl)
-    prim = onednn.forward(c, ctx.cpu)
+    c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl,
+                     x.dtype.itemsize)
+    prim = _KERNELS[x.dtype].forward(c, ctx.cpu)
     _note(ctx, prim)
     return (_copy_if_needed("input", x, cl) + _copy_if_needed("weight", weight, cl)
             + forward_steps(c, prim))
@@ -296,16 +319,26 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
         # _slow2d_backward: grad_input (its per-thread fgrad_input buffers are `new`ed, not the
         # allocator's), grad_bias, grad_weight, then the whole batch's columns again
         steps = _copy_if_needed("grad_output", grad_output, False)
-        steps += [Output(i) for i in (0, 2, 1) if mask[i]]
+        for i in (0, 2, 1):
+            if mask[i]:
+                steps.append(Output(i))
+            if i == 2 and mask[2]:
+                # the bias gradient is `at::sum_out(grad_bias, grad_output, {0, 2, 3})`: in half
+                # types a float copy and a float result (reductions.py)
+                steps += half_sum_accumulates_in_float(
+                    grad_output, [0, *range(2, grad_output.dim())], grad_output.shape[1],
+                    grad_output.dtype)
         if mask[1]:
             steps += [Alloc("columns", _columns_bytes(x, weight, *slow)), Free("columns")]
         return steps
     cl = _uses_channels_last(x, weight)
     _note_ambiguous_1d(ctx, x, cl)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
-    c = conv_problem(xs, ws, bool(mask[2]), stride, padding, dilation, groups, cl)
-    d = onednn.backward_data(c, ctx.cpu) if mask[0] else None
-    w = onednn.backward_weights(c, ctx.cpu) if (mask[1] or mask[2]) else None
+    c = conv_problem(xs, ws, bool(mask[2]), stride, padding, dilation, groups, cl,
+                     x.dtype.itemsize)
+    kernels = _KERNELS[x.dtype]
+    d = kernels.backward_data(c, ctx.cpu) if mask[0] else None
+    w = kernels.backward_weights(c, ctx.cpu) if (mask[1] or mask[2]) else None
     for prim in (d, w):
         if prim is not None:
             _note(ctx, prim)

@@ -1,34 +1,124 @@
-"""CPU matrix functions: buffers their kernels allocate inside themselves, not modelled yet - said.
+"""CPU matrix functions: buffers their kernels allocate inside themselves.
 
-`linalg_matrix_exp` (LinearAlgebra.cpp `mexp_impl`) picks the degree of its Taylor / Padé
-approximation from the matrix's 1-norm - a value a fake tensor lacks - and each degree makes its
-own powers and products; its backward (`backward_analytic_function_of_a_matrix`) exponentiates a
-2n x 2n block matrix with the same kernel (an orthogonal parametrization's step measured 0.23x the
-allocator's peak without them). The LAPACK-backed decompositions (eigh, svd, qr, cholesky, LU,
-inverse, solve, det) allocate work arrays and column-major copies sized by LAPACK's workspace
-queries. None is counted yet: each such op notes that the step's figure is an estimate, so the
-report does not call it exact.
+Counted (aten/src/ATen/native/BatchLinearAlgebra.cpp, BatchLinearAlgebraKernel.cpp), exact against
+the allocator (tests/test_kernel_workspace.py::test_linear_algebra_matches_the_allocator):
+- `linalg_lu_solve` checks its pivots (`(pivots > 0).all()`, `(pivots <= n).all()`): each
+  comparison wraps its number as an int64 0-d tensor, casts it to int32, makes a bool per pivot,
+  and `all` a 1-byte result;
+- `_linalg_solve_ex` (solve) factors into its LU and pivots outputs, then runs that check;
+- `linalg_inv_ex` solves against the identity in its result through a solve of its own: an LU
+  copy and int32 pivots, the check, freed before it returns;
+- `_linalg_eigh` (eigh with eigenvectors, LAPACK syevd): an int32 info per matrix, then the work
+  arrays LAPACK's workspace query asks for - `lwork = 1 + 6n + 2n^2` and `liwork = 3 + 5n` in
+  LAPACK's documentation of ?syevd for jobz='V'; the MKL torch links answers the query with one
+  element more than that (measured at n = 32, 64 and 100), which is what ATen allocates - then
+  the check of the infos (`any`: a byte and a bool per info);
+- `_linalg_check_errors` after a factorization (`info.any()`, the same).
+
+Not counted, and said in the report: `linalg_matrix_exp` (LinearAlgebra.cpp `mexp_impl`) picks the
+degree of its Taylor / Padé approximation from the matrix's 1-norm - a value a fake tensor lacks -
+and each degree makes its own powers and products; its backward exponentiates a 2n x 2n block
+matrix with the same kernel. The SVD and QR work arrays (gesdd, geqrf/orgqr) are sized by MKL's
+own blocking (its answer to the workspace query is not LAPACK's documented formula), eigvalsh's
+(jobz='N'), LU factorization, determinants and the general eigendecomposition are not modelled.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .registry import RULES, WORKSPACE
+from .registry import RULES, WORKSPACE, Alloc, Free, Output
 
 __all__ = []
 
 aten = torch.ops.aten
-
-_MATRIX_FUNCTIONS = (aten.linalg_matrix_exp.default, aten._linalg_eigh.default,
-                     aten._linalg_svd.default, aten.linalg_qr.default,
-                     aten.linalg_cholesky_ex.default, aten.linalg_inv_ex.default,
-                     aten._linalg_solve_ex.default, aten.linalg_lu_factor_ex.default,
-                     aten._linalg_slogdet.default, aten._linalg_det.default,
-                     aten.linalg_eig.default)
+_SOURCE = "aten/src/ATen/native/BatchLinearAlgebra.cpp (linalg_lu_solve, linalg_solve_ex, " \
+          "linalg_inv_ex, linalg_eigh, _linalg_check_errors)"
+_TEST = "tests/test_kernel_workspace.py::test_linear_algebra_matches_the_allocator"
 
 
-@RULES.register(WORKSPACE, *_MATRIX_FUNCTIONS, devices={"cpu"},
+def _pivot_checks(pivots: int) -> list:
+    """linalg_lu_solve's two pivot checks over `pivots` int32 pivots (each `pivots > 0` /
+    `pivots <= n`: the number wrapped as int64, cast to int32, a bool per pivot; `all`)."""
+    steps = []
+    for check in ("gt", "le"):
+        steps += [Alloc(f"{check} number", 8), Alloc(f"{check} number as int", 4),
+                  Alloc(f"{check} mask", pivots), Free(f"{check} number"),
+                  Free(f"{check} number as int"), Alloc(f"{check} all", 1),
+                  Free(f"{check} all"), Free(f"{check} mask")]
+    return steps
+
+
+def _info_check(infos: int) -> list:
+    """`info.any()` over `infos` int32 infos: its 1-byte result, then the infos cast to bool
+    (ReduceOps.cpp: `any` of a non-bool input reduces a bool copy), both freed."""
+    return [Alloc("any", 1), Alloc("infos as bool", infos), Free("infos as bool"), Free("any")]
+
+
+def _matrices(shape) -> tuple[int, int]:
+    """(how many matrices, n) of a batch of square matrices."""
+    batch = 1
+    for s in shape[:-2]:
+        batch *= s
+    return batch, shape[-1]
+
+
+@RULES.register(WORKSPACE, aten.linalg_lu_solve.default, devices={"cpu"}, source=_SOURCE,
+                test=_TEST)
+def lu_solve_checks_its_pivots(ctx, func, args, kwargs, out):
+    pivots = args[1]
+    return [Output(0)] + _pivot_checks(pivots.numel())
+
+
+@RULES.register(WORKSPACE, aten._linalg_solve_ex.default, devices={"cpu"}, source=_SOURCE,
+                test=_TEST)
+def solve_checks_its_pivots(ctx, func, args, kwargs, out):
+    """Its outputs (result, LU, pivots, info) first, then linalg_lu_solve's check."""
+    pivots = out[2]
+    return [Output(0), Output(1), Output(2), Output(3)] + _pivot_checks(pivots.numel())
+
+
+@RULES.register(WORKSPACE, aten.linalg_inv_ex.default, devices={"cpu"}, source=_SOURCE,
+                test=_TEST)
+def inverse_solves_inside(ctx, func, args, kwargs, out):
+    """The inverse and info, then linalg_solve_ex's LU copy and pivots, its check, freed."""
+    a = args[0]
+    batch, n = _matrices(a.shape)
+    return [Output(0), Output(1), Alloc("LU", a.numel() * a.dtype.itemsize),
+            Alloc("pivots", batch * n * 4)] + _pivot_checks(batch * n) + [Free("pivots"),
+                                                                           Free("LU")]
+
+
+@RULES.register(WORKSPACE, aten._linalg_eigh.default, devices={"cpu"}, source=_SOURCE,
+                test=_TEST)
+def eigh_work_arrays(ctx, func, args, kwargs, out):
+    """syevd's work arrays (see the module docstring), with eigenvectors; else noted."""
+    a = args[0]
+    compute_v = args[2] if len(args) > 2 else kwargs.get("compute_v", True)
+    if not compute_v or a.dtype not in (torch.float32, torch.float64):
+        ctx.note("matrix function temporaries", "eigvalsh / complex eigh: the work arrays of "
+                 "its CPU kernel are not counted (an estimate)")
+        return None
+    batch, n = _matrices(a.shape)
+    lwork = 1 + 6 * n + 2 * n * n + 1          # LAPACK's minimum, + 1 as MKL's query answers
+    liwork = 3 + 5 * n
+    return [Output(1), Output(0), Alloc("infos", batch * 4),
+            Alloc("work", lwork * a.dtype.itemsize), Alloc("iwork", liwork * 4),
+            Free("iwork"), Free("work")] + _info_check(batch) + [Free("infos")]
+
+
+@RULES.register(WORKSPACE, aten._linalg_check_errors.default, devices={"cpu"}, source=_SOURCE,
+                test=_TEST)
+def check_errors_reads_the_infos(ctx, func, args, kwargs, out):
+    return _info_check(args[0].numel())
+
+
+_NOT_MODELLED = (aten.linalg_matrix_exp.default, aten._linalg_svd.default,
+                 aten.linalg_qr.default, aten.linalg_lu_factor_ex.default,
+                 aten._linalg_slogdet.default, aten._linalg_det.default, aten.linalg_eig.default)
+
+
+@RULES.register(WORKSPACE, *_NOT_MODELLED, devices={"cpu"},
                 source="aten/src/ATen/native/LinearAlgebra.cpp (mexp_impl), "
                        "BatchLinearAlgebra.cpp (LAPACK workspace queries)",
                 test="tests/test_kernel_workspace.py::test_matrix_functions_say_they_are_estimates")

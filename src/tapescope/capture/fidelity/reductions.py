@@ -20,7 +20,7 @@ import torch
 
 from .registry import RULES, WORKSPACE, Alloc, Free
 
-__all__ = ["reduction_scratch"]
+__all__ = ["reduction_scratch", "half_sum_accumulates_in_float"]
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -44,6 +44,34 @@ def reduction_scratch(numel, dtype: torch.dtype, out_numel, out_dtype: torch.dty
     return steps
 
 
+def _reduced_groups(x, dims) -> int:
+    """How many separate runs the reduced dimensions (of size > 1) form in memory order: runs
+    TensorIterator cannot coalesce into one dimension (each dim adjacent in memory to the
+    previous reduced one joins its run)."""
+    reduced = {d % x.dim() for d in dims} if dims else set(range(x.dim()))
+    reduced = {d for d in reduced if x.shape[d] > 1}
+    runs, prev = 0, None
+    for d in sorted(range(x.dim()), key=lambda d: x.stride(d)):
+        if d not in reduced:
+            continue
+        if prev is None or x.stride(d) != x.stride(prev) * x.shape[prev]:
+            runs += 1
+        prev = d
+    return runs
+
+
+def half_sum_accumulates_in_float(x, dims, out_numel: int, out_dtype: torch.dtype) -> list:
+    """ReduceOps.cpp sum_out's `should_use_acc_buffer`: a CPU half / bfloat16 sum whose
+    iterator's two innermost dimensions are both reduced - reduced dimensions that form two or
+    more runs in memory (a bias gradient's sum over (0, 2, 3)) - sums a float copy of the input
+    into a float result, then copies it into the output (checked against the allocator for every
+    dimension subset of contiguous and permuted 2-D to 4-D tensors)."""
+    if x.dtype not in _HALF or out_dtype != x.dtype or _reduced_groups(x, dims) < 2:
+        return []
+    return [Alloc("float result", out_numel * 4), Alloc("float input", x.numel() * 4),
+            Free("float input"), Free("float result")]
+
+
 @RULES.register(WORKSPACE, aten.sum.default, aten.sum.dim_IntList, devices={"cpu"},
                 source="aten/src/ATen/native/ReduceOps.cpp (sum_out: make_reduction_from_out_ty, "
                        "make_reduction's self.to(in_dtype))",
@@ -51,7 +79,9 @@ def reduction_scratch(numel, dtype: torch.dtype, out_numel, out_dtype: torch.dty
 def sum_casts_its_input(ctx, func, args, kwargs, out):
     """A sum into another dtype (bool or int32 into int64, bf16 into float) copies its input."""
     x = args[0]
-    return reduction_scratch(x.numel(), x.dtype, out.numel(), out.dtype, mean=False) or None
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    return (reduction_scratch(x.numel(), x.dtype, out.numel(), out.dtype, mean=False)
+            or half_sum_accumulates_in_float(x, dims, out.numel(), out.dtype) or None)
 
 
 @RULES.register(WORKSPACE, aten.mean.default, aten.mean.dim, devices={"cpu"},
