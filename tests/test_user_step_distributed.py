@@ -3,7 +3,9 @@ user's step on its shards. Truth: two real gloo processes running the same step 
 step with the same loss: forward, loss, backward, optimizer step, zero_grad, as the user's step
 does), each rank's first and steady peak to the byte. As in tests/test_distributed.py, a real
 peak can be higher in one run (gloo's threads free a collective's tensors late): the job runs 3
-times for 3 steps, no observation is below the prediction and one equals it."""
+times for 3 steps, no observation is below the prediction and one equals it, or is above it by
+no more than the bytes the harness saw a backend thread free late in that step (the rule of
+tests/test_distributed.py: under load every run's first step can have such a late free)."""
 
 import torch
 
@@ -12,6 +14,7 @@ from tapescope.validate.distributed import RealJob, run_real_jobs
 
 from . import distributed_models as dm
 from . import user_step_models as um
+from .test_distributed import _matches, _observed_with_late_frees
 
 
 def test_user_step_under_fsdp_matches_gloo_runs():
@@ -24,5 +27,4 @@ def test_user_step_under_fsdp_matches_gloo_runs():
         assert all(run[rank].unstepped == 0 for run in runs)
         for predicted, steps in ((p.ranks[rank].first_step_peak_bytes, [1]),
                                  (p.ranks[rank].peak_bytes, [2, 3])):
-            observed = [run[rank].peaks[s] for run in runs for s in steps]
-            assert min(observed) == predicted, (predicted, sorted(observed))
+            _matches(predicted, _observed_with_late_frees(runs, [rank], steps), tolerance=0)
