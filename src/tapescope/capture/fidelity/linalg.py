@@ -113,9 +113,9 @@ def check_errors_reads_the_infos(ctx, func, args, kwargs, out):
     return _info_check(args[0].numel())
 
 
-_NOT_MODELLED = (aten.linalg_matrix_exp.default, aten._linalg_svd.default,
-                 aten.linalg_qr.default, aten.linalg_lu_factor_ex.default,
-                 aten._linalg_slogdet.default, aten._linalg_det.default, aten.linalg_eig.default)
+# SVD, QR, LU unpacking and determinants: linalg_factorizations.py (lu_factor_ex allocates only
+# its outputs)
+_NOT_MODELLED = (aten.linalg_matrix_exp.default, aten.linalg_eig.default)
 
 
 @RULES.register(WORKSPACE, *_NOT_MODELLED, devices={"cpu"},
