@@ -494,6 +494,11 @@ class DataValues:
         self._set(idx, real, frozenset((a,)))
         return True
 
+    def assume(self, kind: str, where: str, detail: str) -> None:
+        """Record an assumption a rule made about values it could not know (a matrix's norm),
+        named in the report as deciding this step."""
+        self.used.add(self._assumption(kind, where, detail))
+
     def _assumption(self, kind, where, detail) -> int:
         key = (kind, where, detail)
         i = self._sources.get(key)

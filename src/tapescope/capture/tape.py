@@ -710,6 +710,7 @@ class Tape(SizeFreeCacheCheck):
                 raise
         if traits.workspace:
             self._tape_depth += 1  # a rule reads metadata; what it ran is not the program's
+            self.fidelity.where = self._op_frame  # the source line a rule's assumption names
             try:
                 workspace = self.rules.workspace(self.fidelity, func, args, kwargs, out)
             finally:

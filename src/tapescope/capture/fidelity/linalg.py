@@ -115,7 +115,8 @@ def check_errors_reads_the_infos(ctx, func, args, kwargs, out):
 
 # SVD, QR, LU unpacking and determinants: linalg_factorizations.py (lu_factor_ex allocates only
 # its outputs)
-_NOT_MODELLED = (aten.linalg_matrix_exp.default, aten.linalg_eig.default)
+# matrix_exp: matrix_exp.py
+_NOT_MODELLED = (aten.linalg_eig.default,)
 
 
 @RULES.register(WORKSPACE, *_NOT_MODELLED, devices={"cpu"},

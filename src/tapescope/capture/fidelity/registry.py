@@ -132,6 +132,7 @@ class FidelityContext:
     views: Any = None                   # capture.view_replay.ViewRegeneration of this capture
     values: Any = None                  # capture.data_values.DataValues, when sizes depend on data
     node: Any = None                    # the autograd node running (backward), else None
+    where: Any = None                   # () -> the user's Frame of the op a WORKSPACE rule sees
     running: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)   # e.g. "sdpa:flash" -> calls
     functions: dict = field(default_factory=dict)  # function -> its FUNCTION rule's handler
