@@ -1173,23 +1173,6 @@ def test_linear_algebra_matches_the_allocator(which, n, batch):
     assert 0 <= real.peaks[1] - p.first_step_peak_bytes <= 12
 
 
-def test_matrix_functions_say_they_are_estimates():
-    """An orthogonal parametrization (matrix_exp forward and backward): the kernel's temporaries
-    depend on the matrix norm and are not modelled, and the profile says so; the allocator's
-    peak is higher than the trace's."""
-    from torch.nn.utils.parametrizations import orthogonal
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
-    orthogonal(model[0], orthogonal_map="matrix_exp")
-    x = tapescope.spec((32, 64))
-    p = tapescope.profile(model, x, optimizer="adamw")
-    notes = p.facts["heuristics"].get("matrix function temporaries", [])
-    assert any(n.startswith("linalg_matrix_exp:") for n in notes), p.facts["heuristics"]
-    real = run_real_steps(lambda: model, (x,), optimizer="adamw")
-    assert p.first_step_peak_bytes < real.peaks[1]  # the gap the note admits
-
-
 class _MixedDtypes(torch.nn.Module):
     """Binary ops whose tensor operands differ in dtype: a float activation times a bool mask
     (a message-passing layer's `mul(float, bool)`), plus an int64 tensor, and an in-place bf16

@@ -10,17 +10,17 @@ the allocator (tests/test_kernel_workspace.py::test_linear_algebra_matches_the_a
   copy and int32 pivots, the check, freed before it returns;
 - `_linalg_eigh` (eigh with eigenvectors, LAPACK syevd): an int32 info per matrix, then the work
   arrays LAPACK's workspace query asks for - `lwork = 1 + 6n + 2n^2` and `liwork = 3 + 5n` in
-  LAPACK's documentation of ?syevd for jobz='V'; the MKL torch links answers the query with one
-  element more than that (measured at n = 32, 64 and 100), which is what ATen allocates - then
-  the check of the infos (`any`: a byte and a bool per info);
+  LAPACK's documentation of ?syevd for jobz='V', which is what MKL's query answers, and ATen
+  allocates one element more (`lapack_work_to_int`, below) - then the check of the infos
+  (`any`: a byte and a bool per info);
 - `_linalg_check_errors` after a factorization (`info.any()`, the same).
 
-Not counted, and said in the report: `linalg_matrix_exp` (LinearAlgebra.cpp `mexp_impl`) picks the
-degree of its Taylor / Padé approximation from the matrix's 1-norm - a value a fake tensor lacks -
-and each degree makes its own powers and products; its backward exponentiates a 2n x 2n block
-matrix with the same kernel. The SVD and QR work arrays (gesdd, geqrf/orgqr) are sized by MKL's
-own blocking (its answer to the workspace query is not LAPACK's documented formula), eigvalsh's
-(jobz='N'), LU factorization, determinants and the general eigendecomposition are not modelled.
+The SVD, QR, LU and determinant kernels are linalg_factorizations.py; matrix_exp's Taylor
+buffers are matrix_exp.py. The `+ 1` of syevd's work array is ATen's `lapack_work_to_int`
+(one ULP up before the cast: a whole-number answer becomes one element more).
+
+Not counted, and said in the report: the general eigendecomposition (`linalg_eig`, geev: its
+complex results are rebuilt from the real ones) and eigvalsh's work arrays (jobz='N').
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def eigh_work_arrays(ctx, func, args, kwargs, out):
                  "its CPU kernel are not counted (an estimate)")
         return None
     batch, n = _matrices(a.shape)
-    lwork = 1 + 6 * n + 2 * n * n + 1          # LAPACK's minimum, + 1 as MKL's query answers
+    lwork = 1 + 6 * n + 2 * n * n + 1          # LAPACK's minimum, + 1 (lapack_work_to_int)
     liwork = 3 + 5 * n
     return [Output(1), Output(0), Alloc("infos", batch * 4),
             Alloc("work", lwork * a.dtype.itemsize), Alloc("iwork", liwork * 4),
@@ -120,9 +120,9 @@ _NOT_MODELLED = (aten.linalg_eig.default,)
 
 
 @RULES.register(WORKSPACE, *_NOT_MODELLED, devices={"cpu"},
-                source="aten/src/ATen/native/LinearAlgebra.cpp (mexp_impl), "
-                       "BatchLinearAlgebra.cpp (LAPACK workspace queries)",
-                test="tests/test_kernel_workspace.py::test_matrix_functions_say_they_are_estimates")
+                source="aten/src/ATen/native/BatchLinearAlgebra.cpp (linalg_eig_out), "
+                       "BatchLinearAlgebraKernel.cpp (apply_linalg_eig)",
+                test="tests/test_linalg_memory.py::test_eig_says_it_is_an_estimate")
 def matrix_function_temporaries(ctx, func, args, kwargs, out):
     """Notes the op's in-kernel temporaries as not counted (see the module docstring)."""
     name = func.name().split("::")[-1].lstrip("_")
