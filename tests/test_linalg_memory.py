@@ -32,29 +32,31 @@ def _excess(ops, name, phase=None):
 
 
 class _Factorized(torch.nn.Module):
-    """One parameter (or a batch of them) through several factorizations, each output into the
-    loss (the ones torch cannot differentiate, detached)."""
+    """Parameters (single matrices or batches) through several factorizations each, every output
+    into the loss (the ones torch cannot differentiate, detached)."""
 
-    def __init__(self, which, shape, dtype):
+    def __init__(self, which, params):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(*shape, dtype=dtype) / shape[-1] ** 0.5)
+        self.ws = torch.nn.ParameterList(
+            [torch.randn(*shape, dtype=dtype) / shape[-1] ** 0.5 for shape, dtype in params])
         self.which = which
 
     def forward(self, x):
-        w, la = self.w, torch.linalg
-        outs = {"svd": lambda: la.svd(w, full_matrices=False),
-                "svd full": lambda: la.svd(w.detach(), full_matrices=True)[:1],
-                "svdvals": lambda: (la.svdvals(w),),
-                "qr": lambda: la.qr(w),
-                "qr r": lambda: la.qr(w.detach(), mode="r")[1:],
-                "lu_factor + lu_solve": lambda: (la.lu_solve(
-                    *la.lu_factor(w), x.T.to(w.dtype).expand(*w.shape[:-1], -1)),),
-                "lu": lambda: la.lu(w),
-                "det": lambda: (la.det(w),),
-                "slogdet": lambda: la.slogdet(w)}
-        loss = x.sum() + w.sum()
-        for which in self.which:
-            loss = loss + sum(o.sum() for o in outs[which]()).float()
+        loss, la = x.sum(), torch.linalg
+        for w in self.ws:
+            outs = {"svd": lambda: la.svd(w, full_matrices=False),
+                    "svd full": lambda: la.svd(w.detach(), full_matrices=True)[:1],
+                    "svdvals": lambda: (la.svdvals(w),),
+                    "qr": lambda: la.qr(w),
+                    "qr r": lambda: la.qr(w.detach(), mode="r")[1:],
+                    "lu_factor + lu_solve": lambda: (la.lu_solve(
+                        *la.lu_factor(w), x[:1, :1].to(w.dtype).expand(*w.shape[:-1], 3)),),
+                    "lu": lambda: la.lu(w),
+                    "det": lambda: (la.det(w),),
+                    "slogdet": lambda: la.slogdet(w)}
+            loss = loss + w.sum()
+            for which in self.which:
+                loss = loss + sum(o.sum() for o in outs[which]()).float()
         return loss
 
 
@@ -65,21 +67,18 @@ _SQUARE = ("svd", "svdvals", "qr", "qr r", "lu_factor + lu_solve", "lu", "det", 
 _RECTANGULAR = ("svd", "svd full", "qr", "qr r", "lu")
 
 
-@pytest.mark.parametrize("which,shape,dtype", [(_SQUARE, (48, 48), torch.float32),
-                                               (_SQUARE, (3, 20, 20), torch.float64),
-                                               (_RECTANGULAR, (40, 24), torch.float32),
-                                               (_RECTANGULAR, (2, 24, 40), torch.float64)],
-                         ids=["48x48-float32", "3x20x20-float64", "40x24-float32",
-                              "2x24x40-float64"])
-def test_factorizations_match_the_allocator(which, shape, dtype):
+@pytest.mark.parametrize("which,params", [
+    (_SQUARE, [((48, 48), torch.float32), ((3, 20, 20), torch.float64)]),
+    (_RECTANGULAR, [((40, 24), torch.float32), ((2, 24, 40), torch.float64)])],
+    ids=["square", "tall-and-wide"])
+def test_factorizations_match_the_allocator(which, params):
     """SVD's input copy and info check; QR's tau and geqrf/orgqr work arrays as long as LAPACK's
     own workspace query answers; linalg_lu's column-major copy, pivots and permutation;
     lu_unpack's permutation; det/slogdet's lu_det_P temporaries: each op's excess equal to
-    the allocator's, forward and backward, and the step's peak."""
-    p, real, ops = _measure(lambda: _Factorized(which, shape, dtype),
-                            (tapescope.spec((8, shape[-1])),))
+    the allocator's, forward and backward, fp32 and fp64, one matrix and a batch; the peak."""
+    p, real, ops = _measure(lambda: _Factorized(which, params), (tapescope.spec((8, 4)),))
     checked = {name: _excess(ops, name) for name in _OPS}
-    assert sum(map(len, checked.values())) >= len(which), checked
+    assert sum(map(len, checked.values())) >= 2 * len(which), checked
     assert all(m == q for c in checked.values() for m, q in c), checked
     assert 0 <= real.peaks[1] - p.first_step_peak_bytes <= 12
     assert not p.facts["heuristics"].get("matrix function temporaries")
@@ -275,3 +274,29 @@ def test_eig_says_it_is_an_estimate():
     p = tapescope.profile(Eig, tapescope.spec((4, 16)), optimizer="sgd")
     notes = p.facts["heuristics"].get("matrix function temporaries", [])
     assert any(n.startswith("linalg_eig:") for n in notes), p.facts["heuristics"]
+
+
+def test_batched_factorization_backward_matches_the_allocator():
+    """The backward of a batched wide QR and a batched tall LU: `bmm` of the expanded gradient
+    (the split path's per-matrix copies), `tril`/`triu` of a stride-0 or narrowed batch (a
+    contiguous copy), `linalg_solve_triangular` of a narrowed A (cloned column-major): every
+    backward op exact."""
+
+    class Batched(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wide = torch.nn.Parameter(torch.randn(2, 24, 40))
+            self.tall = torch.nn.Parameter(torch.randn(2, 40, 24))
+
+        def forward(self, x):
+            q, r = torch.linalg.qr(self.wide)
+            _, lower, upper = torch.linalg.lu(self.tall)
+            return q.sum() + r.sum() + lower.sum() + upper.sum() + x.sum()
+
+    p, real, ops = _measure(Batched, (tapescope.spec((4, 8)),))
+    backward = [(o.name, o.measured_excess, o.predicted_excess) for o in ops
+                if o.phase == "backward"]
+    names = {name for name, _, _ in backward}
+    assert {"aten.bmm", "aten.tril", "aten.triu", "aten.linalg_solve_triangular"} <= names
+    assert all(m == q for _, m, q in backward), backward
+    assert p.first_step_peak_bytes == real.peaks[1]

@@ -28,6 +28,7 @@ import torch
 from .lapack_query import workspace_elements
 from .linalg import _info_check, _matrices
 from .registry import RULES, WORKSPACE, Alloc, Free, Output
+from .triangular import batch_packed
 
 __all__ = []
 
@@ -143,19 +144,6 @@ def slogdet_from_lu(ctx, func, args, kwargs, out):
                Alloc("abs of diagonal", batch * n * s), Free("abs of diagonal")])
 
 
-def _batch_contiguous(t) -> bool:
-    """TriangularOpsUtils.h checkTrilTriuBatchContiguous (out of place): whether triu/tril read
-    `t` as it is; otherwise they take `t.contiguous()` (a copy)."""
-    if t.is_contiguous() or t.dim() <= 2:
-        return True
-    expected = t.shape[-1] * t.shape[-2]
-    for i in range(t.dim() - 3, -1, -1):
-        if t.stride(i) != expected:
-            return False
-        expected *= t.shape[i]
-    return True
-
-
 @RULES.register(WORKSPACE, aten.linalg_lu.default, devices={"cpu"}, test=_TEST,
                 source="aten/src/ATen/native/BatchLinearAlgebra.cpp (linalg_lu_out, "
                        "linalg_lu_factor_ex_out, lu_unpack_out)")
@@ -179,7 +167,7 @@ def lu_factors_into_l_or_u(ctx, func, args, kwargs, out):
         steps.append(Free("LU (column-major)"))
     # lu_unpack_out: the triangle read from the factored output, narrowed to k x k
     narrowed = factored[..., :n, :] if m > n else factored[..., :, :m]
-    if m != n and not _batch_contiguous(narrowed):
+    if m != n and not batch_packed(narrowed):
         steps += [Alloc("triangle input copy", narrowed.numel() * s),
                   Free("triangle input copy")]
     steps.append(Alloc("arange", m * 8))
