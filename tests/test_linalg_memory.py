@@ -46,14 +46,16 @@ class _Factorized(torch.nn.Module):
         for w in self.ws:
             outs = {"svd": lambda: la.svd(w, full_matrices=False),
                     "svd full": lambda: la.svd(w.detach(), full_matrices=True)[:1],
-                    "svdvals": lambda: (la.svdvals(w),),
+                    "svdvals": lambda: (la.svdvals(w), la.svdvals(w.detach())),
                     "qr": lambda: la.qr(w),
                     "qr r": lambda: la.qr(w.detach(), mode="r")[1:],
                     "lu_factor + lu_solve": lambda: (la.lu_solve(
                         *la.lu_factor(w), x[:1, :1].to(w.dtype).expand(*w.shape[:-1], 3)),),
                     "lu": lambda: la.lu(w),
                     "det": lambda: (la.det(w),),
-                    "slogdet": lambda: la.slogdet(w)}
+                    "slogdet": lambda: la.slogdet(w),
+                    "eigvalsh": lambda: (la.eigvalsh(w.detach() + w.detach().mT),
+                                         la.eigvalsh(w + w.mT))}
             loss = loss + w.sum()
             for which in self.which:
                 loss = loss + sum(o.sum() for o in outs[which]()).float()
@@ -62,8 +64,9 @@ class _Factorized(torch.nn.Module):
 
 _OPS = ["aten._linalg_svd", "aten.linalg_qr", "aten.linalg_lu_factor_ex",
         "aten._linalg_check_errors", "aten.linalg_lu_solve", "aten.lu_unpack", "aten.linalg_lu",
-        "aten._linalg_det", "aten._linalg_slogdet"]
-_SQUARE = ("svd", "svdvals", "qr", "qr r", "lu_factor + lu_solve", "lu", "det", "slogdet")
+        "aten._linalg_det", "aten._linalg_slogdet", "aten._linalg_eigh"]
+_SQUARE = ("svd", "svdvals", "qr", "qr r", "lu_factor + lu_solve", "lu", "det", "slogdet",
+           "eigvalsh")
 _RECTANGULAR = ("svd", "svd full", "qr", "qr r", "lu")
 
 
@@ -74,7 +77,8 @@ _RECTANGULAR = ("svd", "svd full", "qr", "qr r", "lu")
 def test_factorizations_match_the_allocator(which, params):
     """SVD's input copy and info check; QR's tau and geqrf/orgqr work arrays as long as LAPACK's
     own workspace query answers; linalg_lu's column-major copy, pivots and permutation;
-    lu_unpack's permutation; det/slogdet's lu_det_P temporaries: each op's excess equal to
+    lu_unpack's permutation; det/slogdet's lu_det_P temporaries; eigvalsh's input copy and
+    syevd's work arrays without and with eigenvectors: each op's excess equal to
     the allocator's, forward and backward, fp32 and fp64, one matrix and a batch; the peak."""
     p, real, ops = _measure(lambda: _Factorized(which, params), (tapescope.spec((8, 4)),))
     checked = {name: _excess(ops, name) for name in _OPS}

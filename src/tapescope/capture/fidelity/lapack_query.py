@@ -63,3 +63,29 @@ def workspace_elements(routine: str, dtype: torch.dtype, *sizes: int) -> int | N
     if info.value != 0:
         return None
     return _ceil_after(work[0], dtype)
+
+
+@functools.cache
+def syevd_workspace(dtype: torch.dtype, n: int, vectors: bool) -> tuple[int, int] | None:
+    """(work elements, iwork elements) ATen allocates for syevd of an n x n matrix, as this
+    process's LAPACK answers the query (BatchLinearAlgebraKernel.cpp apply_lapack_eigh: work by
+    `lapack_work_to_int`, iwork by `max(1, iwkopt)`); None where the routine cannot be reached."""
+    lib = _library()
+    if dtype not in _PREFIX or lib is None:
+        return None
+    prefix, scalar = _PREFIX[dtype]
+    fn = getattr(lib, f"{prefix}syevd_", None)
+    if fn is None:
+        return None
+    jobz, uplo = ctypes.c_char(b"V" if vectors else b"N"), ctypes.c_char(b"L")
+    a, w, work = (scalar * 1)(), (scalar * 1)(), (scalar * 1)()
+    iwork = (ctypes.c_int * 1)()
+    n_, lda = ctypes.c_int(n), ctypes.c_int(max(1, n))
+    lwork, liwork, info = ctypes.c_int(-1), ctypes.c_int(-1), ctypes.c_int(0)
+    # syevd(jobz, uplo, n, a, lda, w, work, lwork, iwork, liwork, info, [hidden char lengths])
+    fn(ctypes.byref(jobz), ctypes.byref(uplo), ctypes.byref(n_), a, ctypes.byref(lda), w, work,
+       ctypes.byref(lwork), iwork, ctypes.byref(liwork), ctypes.byref(info),
+       ctypes.c_size_t(1), ctypes.c_size_t(1))
+    if info.value != 0:
+        return None
+    return _ceil_after(work[0], dtype), max(1, iwork[0])

@@ -8,11 +8,12 @@ the allocator (tests/test_kernel_workspace.py::test_linear_algebra_matches_the_a
 - `_linalg_solve_ex` (solve) factors into its LU and pivots outputs, then runs that check;
 - `linalg_inv_ex` solves against the identity in its result through a solve of its own: an LU
   copy and int32 pivots, the check, freed before it returns;
-- `_linalg_eigh` (eigh with eigenvectors, LAPACK syevd): an int32 info per matrix, then the work
-  arrays LAPACK's workspace query asks for - `lwork = 1 + 6n + 2n^2` and `liwork = 3 + 5n` in
-  LAPACK's documentation of ?syevd for jobz='V', which is what MKL's query answers, and ATen
-  allocates one element more (`lapack_work_to_int`, below) - then the check of the infos
-  (`any`: a byte and a bool per info);
+- `_linalg_eigh` (LAPACK syevd): an int32 info per matrix, then the work arrays LAPACK's
+  workspace query asks for (lapack_query.py asks it; with eigenvectors it answers LAPACK's
+  documented `lwork = 1 + 6n + 2n^2` and `liwork = 3 + 5n`), ATen's work one element more
+  (`lapack_work_to_int`, below) - then the check of the infos (`any`: a byte and a bool per
+  info). Without eigenvectors (eigvalsh, jobz='N') a copy of the input comes first: syevd
+  overwrites it;
 - `_linalg_check_errors` after a factorization (`info.any()`, the same).
 
 The SVD, QR, LU and determinant kernels are linalg_factorizations.py; matrix_exp's Taylor
@@ -20,13 +21,14 @@ buffers are matrix_exp.py. The `+ 1` of syevd's work array is ATen's `lapack_wor
 (one ULP up before the cast: a whole-number answer becomes one element more).
 
 Not counted, and said in the report: the general eigendecomposition (`linalg_eig`, geev: its
-complex results are rebuilt from the real ones) and eigvalsh's work arrays (jobz='N').
+complex results are rebuilt from the real ones).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .lapack_query import syevd_workspace
 from .registry import RULES, WORKSPACE, Alloc, Free, Output
 
 __all__ = []
@@ -92,19 +94,28 @@ def inverse_solves_inside(ctx, func, args, kwargs, out):
 @RULES.register(WORKSPACE, aten._linalg_eigh.default, devices={"cpu"}, source=_SOURCE,
                 test=_TEST)
 def eigh_work_arrays(ctx, func, args, kwargs, out):
-    """syevd's work arrays (see the module docstring), with eigenvectors; else noted."""
+    """syevd's work arrays (see the module docstring); without eigenvectors (eigvalsh), a copy of
+    the input for syevd to overwrite first, and the work arrays of jobz='N'."""
     a = args[0]
     compute_v = args[2] if len(args) > 2 else kwargs.get("compute_v", True)
-    if not compute_v or a.dtype not in (torch.float32, torch.float64):
-        ctx.note("matrix function temporaries", "eigvalsh / complex eigh: the work arrays of "
-                 "its CPU kernel are not counted (an estimate)")
+    if a.dtype not in (torch.float32, torch.float64):
+        ctx.note("matrix function temporaries", "complex eigh: the work arrays of its CPU kernel "
+                 "are not counted (an estimate)")
         return None
     batch, n = _matrices(a.shape)
-    lwork = 1 + 6 * n + 2 * n * n + 1          # LAPACK's minimum, + 1 (lapack_work_to_int)
-    liwork = 3 + 5 * n
-    return [Output(1), Output(0), Alloc("infos", batch * 4),
-            Alloc("work", lwork * a.dtype.itemsize), Alloc("iwork", liwork * 4),
-            Free("iwork"), Free("work")] + _info_check(batch) + [Free("infos")]
+    asked = syevd_workspace(a.dtype, n, bool(compute_v))
+    if asked is None:  # LAPACK's documented minimum for jobz='V' (MKL answers it), + 1
+        if not compute_v:
+            ctx.note("matrix function temporaries", "eigvalsh: LAPACK's workspace query is not "
+                     "reachable here; its work arrays are not counted (an estimate)")
+            return None
+        asked = 1 + 6 * n + 2 * n * n + 1, 3 + 5 * n
+    lwork, liwork = asked
+    outputs = [Output(1), Output(0)] if compute_v else [
+        Output(0), Output(1), Alloc("input copy", a.numel() * a.dtype.itemsize)]
+    return outputs + [Alloc("infos", batch * 4),
+                      Alloc("work", lwork * a.dtype.itemsize), Alloc("iwork", liwork * 4),
+                      Free("iwork"), Free("work")] + _info_check(batch) + [Free("infos")]
 
 
 @RULES.register(WORKSPACE, aten._linalg_check_errors.default, devices={"cpu"}, source=_SOURCE,

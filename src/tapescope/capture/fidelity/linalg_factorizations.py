@@ -27,7 +27,7 @@ import torch
 
 from .lapack_query import workspace_elements
 from .linalg import _info_check, _matrices
-from .registry import RULES, WORKSPACE, Alloc, Free, Output
+from .registry import FUNCTION, RULES, WORKSPACE, Alloc, Free, Output
 from .triangular import batch_packed
 
 __all__ = []
@@ -174,3 +174,38 @@ def lu_factors_into_l_or_u(ctx, func, args, kwargs, out):
     if a.dim() > 2:
         steps += [Alloc("permutation", batch * m * 8), Free("arange")]
     return steps
+
+
+# ---- values-only calls: the branch a plain tensor takes ------------------------------------------
+# BatchLinearAlgebra.cpp `_may_require_fw_or_bw_grad(A)` decides whether eigvalsh / svdvals also
+# compute eigenvectors / singular vectors (for the backward): `(GradMode && A.requires_grad()) ||
+# A has a forward grad || isTensorSubclassLike(A)`. A FakeTensor is a subclass, so the traced call
+# always takes the slower branch: syevd with jobz='V' and U, Vh outputs that a plain tensor which
+# needs no gradient never allocates. These rules call the kernel the way a plain tensor does.
+
+def _needs_vectors(a) -> bool:
+    from torch.autograd.forward_ad import unpack_dual
+
+    return (torch.is_grad_enabled() and a.requires_grad) or unpack_dual(a).tangent is not None
+
+
+@RULES.register(FUNCTION, torch.linalg.eigvalsh, test=_TEST,
+                source="aten/src/ATen/native/BatchLinearAlgebra.cpp (linalg_eigvalsh, "
+                       "_may_require_fw_or_bw_grad)")
+def eigvalsh_of_a_plain_tensor(ctx, func, args, kwargs):
+    a = args[0] if args else kwargs.get("input")
+    if kwargs.get("out") is not None or not isinstance(a, torch.Tensor) or _needs_vectors(a):
+        return func(*args, **kwargs)
+    uplo = args[1] if len(args) > 1 else kwargs.get("UPLO", "L")
+    return aten._linalg_eigh.default(a, uplo, False)[0]
+
+
+@RULES.register(FUNCTION, torch.linalg.svdvals, test=_TEST,
+                source="aten/src/ATen/native/BatchLinearAlgebra.cpp (linalg_svdvals, "
+                       "_may_require_fw_or_bw_grad)")
+def svdvals_of_a_plain_tensor(ctx, func, args, kwargs):
+    a = args[0] if args else kwargs.get("A")
+    if kwargs.get("out") is not None or not isinstance(a, torch.Tensor) or _needs_vectors(a):
+        return func(*args, **kwargs)
+    driver = kwargs.get("driver")
+    return aten._linalg_svd.default(a, False, False, driver=driver)[1]
