@@ -87,7 +87,8 @@ __all__ = [
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
-    "profiler_event_tree", "schema_types", "shape_env_facts", "suggest_memory_format",
+    "profiler_event_tree", "profiler_running", "schema_types", "shape_env_facts",
+    "suggest_memory_format",
     "select_conv_backend", "PRIVATE_NAMES", "TRITON_NAMES",
     "function_modes_suspended", "saved_tensor_hooks_suspended", "graph_task_keep_graph_query",
     "is_wrapper_subclass", "local_shard_shape", "process_group_ranks", "unset_fake_mode",
@@ -824,8 +825,14 @@ def active_fake_mode():
     return detect_fake_mode()
 
 
+def profiler_running() -> bool:
+    """Is a torch.profiler session on (a second cannot start)?"""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
 # What tests/test_torch_compat.py checks on every torch CI installs: each entry must resolve.
 PRIVATE_NAMES = (
+    "torch.autograd.profiler._is_profiler_enabled",
     "torch._C.DisableTorchFunction", "torch._C._DisableTorchDispatch",
     "torch._C._meta_in_tls_dispatch_include", "torch._C._set_meta_in_tls_dispatch_include",
     "torch._C._PreserveDispatchKeyGuard",

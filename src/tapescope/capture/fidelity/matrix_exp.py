@@ -33,7 +33,8 @@ import os
 
 import torch
 
-from ...torch_compat import profiler_event_tree, profiler_event_types, unset_fake_temporarily
+from ...torch_compat import (disable_current_modes, disable_torch_function, profiler_event_tree,
+                             profiler_event_types, profiler_running, unset_fake_temporarily)
 from .registry import RULES, WORKSPACE, Alloc, Free, Output
 
 __all__ = []
@@ -77,7 +78,7 @@ def _kernel_allocations(shape: tuple, dtype, buckets: tuple) -> tuple | None:
     """The allocator's events inside linalg_matrix_exp on a stand-in of `shape` whose matrices
     fall in `buckets`: ((size, key), ...) with key the allocation's index, negative sizes for
     frees; None where a profiler is already running (a second one cannot start)."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiler_running():
         return None
     return _measured(shape, dtype, buckets)
 
@@ -175,7 +176,8 @@ def matrix_exp_temporaries(ctx, func, args, kwargs, out):
             ctx.values.assume("matrix norm", _user_line(ctx), detail)
         else:
             ctx.note("matrix function temporaries", f"{name}: {detail}")
-    with unset_fake_temporarily(), torch.utils._python_dispatch._disable_current_modes():
+    # the stand-in is a plain CPU tensor: no fake mode, dispatch mode or function mode sees it
+    with unset_fake_temporarily(), disable_current_modes(), disable_torch_function():
         events = _kernel_allocations(tuple(a.shape), a.dtype, buckets)
     if events is None:
         ctx.note("matrix function temporaries", f"{name}: not measured while a profiler runs; "
