@@ -54,20 +54,24 @@ class _Factorized(torch.nn.Module):
                     "lu": lambda: la.lu(w),
                     "det": lambda: (la.det(w),),
                     "slogdet": lambda: la.slogdet(w),
+                    "householder": lambda: (la.householder_product(
+                        w, w.detach()[..., 0, :6]),) if w.shape[-2] >= w.shape[-1] else (),
                     "eigvalsh": lambda: (la.eigvalsh(w.detach() + w.detach().mT),
                                          la.eigvalsh(w + w.mT))}
             loss = loss + w.sum()
             for which in self.which:
-                loss = loss + sum(o.sum() for o in outs[which]()).float()
+                for o in outs[which]():
+                    loss = loss + o.sum().float()
         return loss
 
 
 _OPS = ["aten._linalg_svd", "aten.linalg_qr", "aten.linalg_lu_factor_ex",
         "aten._linalg_check_errors", "aten.linalg_lu_solve", "aten.lu_unpack", "aten.linalg_lu",
-        "aten._linalg_det", "aten._linalg_slogdet", "aten._linalg_eigh"]
+        "aten._linalg_det", "aten._linalg_slogdet", "aten._linalg_eigh",
+        "aten.linalg_householder_product"]
 _SQUARE = ("svd", "svdvals", "qr", "qr r", "lu_factor + lu_solve", "lu", "det", "slogdet",
            "eigvalsh")
-_RECTANGULAR = ("svd", "svd full", "qr", "qr r", "lu")
+_RECTANGULAR = ("svd", "svd full", "qr", "qr r", "lu", "householder")
 
 
 @pytest.mark.parametrize("which,params", [
@@ -78,11 +82,16 @@ def test_factorizations_match_the_allocator(which, params):
     """SVD's input copy and info check; QR's tau and geqrf/orgqr work arrays as long as LAPACK's
     own workspace query answers; linalg_lu's column-major copy, pivots and permutation;
     lu_unpack's permutation; det/slogdet's lu_det_P temporaries; eigvalsh's input copy and
-    syevd's work arrays without and with eigenvectors: each op's excess equal to
+    syevd's work arrays without and with eigenvectors; householder_product's orgqr work array
+    and a strided tau's copy: each op's excess equal to
     the allocator's, forward and backward, fp32 and fp64, one matrix and a batch; the peak."""
     p, real, ops = _measure(lambda: _Factorized(which, params), (tapescope.spec((8, 4)),))
     checked = {name: _excess(ops, name) for name in _OPS}
-    assert sum(map(len, checked.values())) >= 2 * len(which), checked
+    op_of = {"svd": "_linalg_svd", "svd full": "_linalg_svd", "svdvals": "_linalg_svd",
+             "qr": "linalg_qr", "qr r": "linalg_qr", "lu_factor + lu_solve": "linalg_lu_solve",
+             "lu": "linalg_lu", "det": "_linalg_det", "slogdet": "_linalg_slogdet",
+             "eigvalsh": "_linalg_eigh", "householder": "linalg_householder_product"}
+    assert all(checked[f"aten.{op_of[w]}"] for w in which), checked
     assert all(m == q for c in checked.values() for m, q in c), checked
     assert 0 <= real.peaks[1] - p.first_step_peak_bytes <= 12
     assert not p.facts["heuristics"].get("matrix function temporaries")

@@ -10,6 +10,8 @@ Counted, exact against the allocator (tests/test_linalg_memory.py):
   then orgqr's (when Q is computed), freed. Each work array is as long as LAPACK's answer to its
   workspace query (lapack_query.py asks the library this torch runs). Where geqrf's m x n
   workspace fits neither Q nor R (mode "r" of a tall matrix), a column-major copy of the input.
+- `linalg_householder_product` (`householder_product_out_helper`): the result, a contiguous
+  copy of a strided tau, orgqr's work array (its query's answer).
 - `lu_unpack` with its pivots (`lu_unpack_out`): the identity permutation `arange(m)` as int64,
   expanded over the batch and made contiguous (a copy only for a batch).
 - `_linalg_det` / `_linalg_slogdet` (LinearAlgebra.cpp, BatchLinearAlgebra.cpp): their outputs,
@@ -104,6 +106,30 @@ def lu_unpack_builds_the_permutation(ctx, func, args, kwargs, out):
     if lu.dim() > 2:  # expand(...).contiguous() copies only over a batch
         steps += [Alloc("permutation", batch * m * 8), Free("arange")]
     return steps
+
+
+@RULES.register(WORKSPACE, aten.linalg_householder_product.default, devices={"cpu"},
+                test=_TEST,
+                source="aten/src/ATen/native/BatchLinearAlgebra.cpp "
+                       "(householder_product_out_helper), BatchLinearAlgebraKernel.cpp "
+                       "(apply_orgqr)")
+def householder_product_work_array(ctx, func, args, kwargs, out):
+    """The result (the input copied in), a contiguous copy of a strided tau, and orgqr's work
+    array as LAPACK's workspace query answers (the orthogonal parametrization of a non-square
+    weight: torch.nn.utils.parametrizations.orthogonal's default map)."""
+    a, tau = args[0], args[1]
+    if a.dtype not in _REAL or a.numel() == 0:
+        return None
+    m, n, k = a.shape[-2], a.shape[-1], tau.shape[-1]
+    elements = workspace_elements("orgqr", a.dtype, m, n, k)
+    if elements is None:
+        _estimate(ctx, func, "LAPACK's workspace query is not reachable here; orgqr's work "
+                  "array is not counted")
+        return None
+    steps = [Output(0)]
+    if not tau.is_contiguous():
+        steps.append(Alloc("tau (contiguous)", tau.numel() * tau.dtype.itemsize))
+    return steps + [Alloc("orgqr work", elements * a.dtype.itemsize), Free("orgqr work")]
 
 
 def _det_p(batch: int, n: int) -> list:
