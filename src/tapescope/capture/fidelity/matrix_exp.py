@@ -109,6 +109,7 @@ def _measured(shape: tuple, dtype, buckets: tuple) -> tuple:
 
     for root in profiler_event_tree(prof):
         walk(root, False)
+    walk = None  # noqa: F841 - break its self-reference while the session's events are alive
     found.sort(key=lambda r: r[0])
     live, steps = {}, []
     for k, (_, size, ptr) in enumerate(found):
