@@ -11,6 +11,7 @@ all-to-all (`permute_tensor`) at each of its `cp` steps. No real run checks the 
 attention ops are CUDA's.
 """
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -50,6 +51,7 @@ def step(model, batch, optimizer):
 
 
 def test_context_parallel_ring_attention_collectives():
+    """The hand count of the module docstring, at the default options (all-gather, causal)."""
     p = tapescope.profile(Attention, tapescope.spec((BATCH, SEQ, HEADS * HEAD_DIM)),
                           mesh={"cp": CP}, parallelize=parallelize, step=step, gpu="h100",
                           dtype=torch.bfloat16)
@@ -107,3 +109,78 @@ def test_torchtitan_llama3_context_parallel_on_cuda_without_a_gpu(monkeypatch):
     assert sorted(seen) == sorted([("all_gather", cp * 2 * kv * 2, "forward")] * layers
                                   + [("all_gather", cp * 2 * kv * 2, "backward")] * layers
                                   + [("all_to_all", 2 * kv * 4, "backward")] * cp * layers)
+
+
+# -- torch's own ring expansion as the truth ----------------------------------------------------
+
+RING_SEQ, RING_HEAD_DIM = 64, 16  # small: the collectives follow the shapes, not the sizes
+
+
+class RingAttention(nn.Module):
+    def __init__(self, causal):
+        super().__init__()
+        self.causal = causal
+        self.qkv = nn.Linear(HEADS * RING_HEAD_DIM, 3 * HEADS * RING_HEAD_DIM, bias=False)
+        self.out = nn.Linear(HEADS * RING_HEAD_DIM, HEADS * RING_HEAD_DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, RING_HEAD_DIM).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.out(y.transpose(1, 2).reshape(b, s, HEADS * RING_HEAD_DIM))
+
+
+def _ring_step(rotate, load_balance):
+    """The user's step with torch's two CP settings: the rotater and the load balancer."""
+    def ring_step(model, batch, optimizer):
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import (_cp_options,
+                                                                      set_rotate_method)
+
+        set_rotate_method(rotate)
+        _cp_options.enable_load_balance = load_balance
+        step(model, batch, optimizer)
+    return ring_step
+
+
+@pytest.fixture
+def torch_cp_options():
+    """torch keeps the rotate method and the load-balance flag in a module global: restore them."""
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    saved = (_cp_options.rotate_method, _cp_options.enable_load_balance)
+    yield
+    _cp_options.rotate_method, _cp_options.enable_load_balance = saved
+
+
+# Load balancing is causal-only in torch ("Load balancing requires `is_causal=True`"). Every
+# (causal, load balance) pair with both rotaters, each rotater at both degrees (pairwise: the
+# suite's time budget)
+RING_CASES = [(True, "allgather", True, 2), (True, "alltoall", True, 4),
+              (True, "allgather", False, 4), (True, "alltoall", False, 2),
+              (False, "allgather", False, 2), (False, "alltoall", False, 4)]
+
+
+@pytest.mark.parametrize("causal,rotate,load_balance,cp", RING_CASES)
+def test_ring_collectives_equal_torchs_own_ring_run(torch_cp_options, causal, rotate,
+                                                    load_balance, cp):
+    """The profile's collectives (kind, bytes, group size, phase, in order) equal those every
+    rank of torch's own ring attention issues running the same step with real CPU tensors on
+    torch's fake process group (tapescope.validate.ring_attention: torch's CUDA flash handler
+    and ring code as written, the CPU flash kernel for the per-block CUDA kernel)."""
+    from tapescope.validate.ring_attention import torch_ring_collectives
+
+    ring_step = _ring_step(rotate, load_balance)
+    shape = (BATCH, RING_SEQ, HEADS * RING_HEAD_DIM)
+    p = tapescope.profile(lambda: RingAttention(causal), tapescope.spec(shape), mesh={"cp": cp},
+                          parallelize=parallelize, step=ring_step, gpu="h100",
+                          dtype=torch.bfloat16)
+    traced = [(c.kind, c.nbytes, c.group_size, c.phase)
+              for c in sorted(p.collectives, key=lambda c: c.op)]
+    for rank in range(cp):
+        real = torch_ring_collectives(lambda: RingAttention(causal).to(torch.bfloat16),
+                                      (torch.randn(shape, dtype=torch.bfloat16),),
+                                      parallelize, ring_step, cp, rank)
+        assert traced == [(c.kind, c.nbytes, c.group_size, c.phase) for c in real], rank
+    rotations = 1 if rotate == "allgather" else cp - 1   # kv exchanges per pass
+    assert len(traced) == 2 * rotations + cp             # + the fp32 dk/dv ring of backward
