@@ -134,12 +134,13 @@ def _handlers(recorder: _Recorder) -> dict:
             _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: run(backward, 3)}
 
 
-def torch_ring_collectives(build, inputs: tuple, parallelize, step, cp: int, rank: int = 0,
+def torch_ring_collectives(build, inputs: tuple, parallelize, step, mesh: dict, rank: int = 0,
                            optimizer=None) -> list[RingCollective]:
-    """The collectives rank `rank` of a `cp`-way ring issues in one `step(model, inputs,
-    optimizer)` of `parallelize(build(), mesh)` (mesh: {"cp": cp} on the CPU), in order, with
-    real CPU tensors on torch's fake process group (module docstring). The step's own settings
-    (`set_rotate_method`, `_cp_options.enable_load_balance`) are torch's, read as it runs."""
+    """The functional collectives rank `rank` issues in one `step(model, inputs, optimizer)` of
+    `parallelize(build(), device_mesh)` (`mesh`: dimension name -> size, outermost first, on
+    the CPU), in order, with real CPU tensors on torch's fake process group (module docstring).
+    The step's own settings (`set_rotate_method`, `_cp_options.enable_load_balance`) are
+    torch's, read as it runs. FSDP2's collectives go through c10d's own ops, not these."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -149,13 +150,17 @@ def torch_ring_collectives(build, inputs: tuple, parallelize, step, cp: int, ran
     recorder = _Recorder()
     handlers = _handlers(recorder)
     saved_aten = cp_module.aten
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    world = 1
+    for size in mesh.values():
+        world *= size
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         cp_module.aten = _AtenWithCpuFlash()
         # context_parallel merges `custom_ops` into DTensor's handlers on entry
         cp_module.custom_ops.update(handlers)
-        mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-        model = parallelize(build(), mesh)
+        device_mesh = init_device_mesh("cpu", tuple(mesh.values()),
+                                       mesh_dim_names=tuple(mesh))
+        model = parallelize(build(), device_mesh)
         opt = optimizer(model.parameters()) if optimizer else torch.optim.SGD(
             model.parameters(), lr=1e-3)
         with recorder:
