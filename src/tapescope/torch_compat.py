@@ -1173,6 +1173,15 @@ class Patched:
 
 
 PATCHED = (
+    # the context-parallel truth (validate/ring_attention.py): torch's ring code run on the CPU
+    Patched("torch.distributed.tensor.experimental._context_parallel._attention",
+            ("aten", "custom_ops"), "validate/ring_attention.py",
+            "the CPU flash op goes to torch's own CUDA flash ring handler, whose per-block CUDA "
+            "kernel is the CPU one; the truth for CP collectives, never used by a profile"),
+    # a compile=True profile: the user's own torch.compile outside the model (a compiled loss)
+    Patched("torch._inductor.compile_fx", ("compile_fx",), "capture/compiled.py",
+            "torch.compile's default backend calls it by name; tapescope's backend answers, so "
+            "the generated code runs on fake tensors (user_compiles)"),
     # the backward: tapescope's Python engine runs it, and answers what the C++ engine would
     Patched("torch._C", ("_current_graph_task_id", "_will_engine_execute_node"),
             "capture/graph_task.py", "FSDP2's is_bw(), checkpoint and hooks ask the running "

@@ -451,9 +451,17 @@ class CaptureSession:
     def _compiling(self):
         if self.options.compile is None:
             return self._user_compiles_run_eagerly()
-        from .compiled import compiling
+        from contextlib import ExitStack
 
-        return compiling(self.options.compile, unrecorded=self._while_compiling)
+        from .compiled import compiling, user_compiles
+
+        stack = ExitStack()
+        stack.enter_context(compiling(self.options.compile, unrecorded=self._while_compiling))
+        # a compiled loss (or any torch.compile of the user's outside the model): tapescope's
+        # backend as well, its graphs regions of the step's record
+        stack.enter_context(user_compiles(self.options.compile, self.compile_record,
+                                          self.tape.compiled_call))
+        return stack
 
     def _user_compiles_run_eagerly(self):
         """An eager profile: code the user compiled with torch.compile outside the model

@@ -147,27 +147,24 @@ def torch_ring_collectives(build, inputs: tuple, parallelize, step, mesh: dict, 
 
     if dist.is_initialized():
         raise RuntimeError("torch_ring_collectives needs torch.distributed uninitialized")
+    from ..torch_compat import patched
+
     recorder = _Recorder()
-    handlers = _handlers(recorder)
-    saved_aten = cp_module.aten
     world = 1
     for size in mesh.values():
         world *= size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        cp_module.aten = _AtenWithCpuFlash()
-        # context_parallel merges `custom_ops` into DTensor's handlers on entry
-        cp_module.custom_ops.update(handlers)
-        device_mesh = init_device_mesh("cpu", tuple(mesh.values()),
-                                       mesh_dim_names=tuple(mesh))
-        model = parallelize(build(), device_mesh)
-        opt = optimizer(model.parameters()) if optimizer else torch.optim.SGD(
-            model.parameters(), lr=1e-3)
-        with recorder:
-            step(model, inputs, opt)
-    finally:
-        for op in handlers:
-            cp_module.custom_ops.pop(op, None)
-        cp_module.aten = saved_aten
-        dist.destroy_process_group()
+    # context_parallel merges the module's `custom_ops` into DTensor's handlers on entry
+    with patched(cp_module, aten=_AtenWithCpuFlash(),
+                 custom_ops={**cp_module.custom_ops, **_handlers(recorder)}):
+        try:
+            device_mesh = init_device_mesh("cpu", tuple(mesh.values()),
+                                           mesh_dim_names=tuple(mesh))
+            model = parallelize(build(), device_mesh)
+            opt = optimizer(model.parameters()) if optimizer else torch.optim.SGD(
+                model.parameters(), lr=1e-3)
+            with recorder:
+                step(model, inputs, opt)
+        finally:
+            dist.destroy_process_group()
     return recorder.calls
