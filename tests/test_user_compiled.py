@@ -99,6 +99,7 @@ def test_compiled_loss_in_a_compiled_profile_against_a_real_compiled_step():
     loss = torch.compile(_sum_loss)
     p = tapescope.profile(build, INPUT, loss_fn=loss, compile=True)
     real = run_real_steps(build, (INPUT,), loss_fn=loss, compile=True)
+    assert p.compiled.regions == 2   # the model's graph and the loss's
     assert any("aten.sum" in g.graph.code for g in p.compiled.graphs if g.kind == "forward")
     assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 12
     assert abs(p.peak_bytes - real.peaks[2]) <= 12

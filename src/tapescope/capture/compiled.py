@@ -411,24 +411,20 @@ def user_compiles(options: CompileOptions, record: CompileRecord, on_call=None):
     tensor and backward stopped at "Please convert all Tensors to FakeTensors". torch.compile's
     default backend calls `torch._inductor.compile_fx.compile_fx` by name at each compile
     (`_TorchCompileInductorWrapper`), so that name answers with tapescope's backend while the
-    step runs; the model's own backend holds inductor's function from before, and inductor's own
-    calls inside a compile (its recursion through config patches) go to it too. The user's mode
+    step runs. Only such a call is taken: torch.compile's wrapper never passes `inner_compile`,
+    and every other caller does (inductor's recursion through config patches, tapescope's own
+    backend for the model), so those go to inductor's function as before. The user's mode
     options are the profile's (`options`): the backend applies those. Another backend a user
     names (aot_eager, eager) runs no kernel and needs nothing."""
     import torch._inductor.compile_fx as module
 
     original = module.compile_fx
     backend = _make_backend(options, record, on_call)
-    inside: list = []   # a compile of ours is running: inductor's own calls go through
 
     def compile_fx(model_, example_inputs_, *args, **kwargs):
-        if inside:
+        if args or "inner_compile" in kwargs:
             return original(model_, example_inputs_, *args, **kwargs)
-        inside.append(True)
-        try:
-            return backend(model_, example_inputs_)
-        finally:
-            inside.pop()
+        return backend(model_, example_inputs_)
 
     return patched(module, compile_fx=compile_fx)
 
