@@ -66,6 +66,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls: list[RingCollective] = []
+        self.ring_runs = 0   # torch's ring handler ran (forward or backward)
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -111,6 +112,7 @@ def _handlers(recorder: _Recorder) -> dict:
         def handler(op_call, args, kwargs):
             info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
             mesh = info.compute_mesh
+            recorder.ring_runs += 1
             with recorder:
                 local = ring(mesh, *info.local_args, **info.local_kwargs)
             return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
@@ -167,4 +169,8 @@ def torch_ring_collectives(build, inputs: tuple, parallelize, step, mesh: dict, 
                 step(model, inputs, opt)
         finally:
             dist.destroy_process_group()
+    if not recorder.ring_runs:
+        raise RuntimeError("torch's ring attention never ran: SDPA on these CPU DTensors did not "
+                           "dispatch to the CPU flash kernel (a mask, or a case its flash path "
+                           "refuses), so these collectives are no ring's")
     return recorder.calls
