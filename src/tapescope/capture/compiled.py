@@ -416,8 +416,9 @@ def user_compiles(options: CompileOptions, record: CompileRecord, on_call=None):
     backend for the model), so those go to inductor's function as before. The user's mode
     options are the profile's (`options`): the backend applies those. Another backend a user
     names (aot_eager, eager) runs no kernel and needs nothing."""
-    import torch._inductor.compile_fx as module
+    from ..torch_compat import inductor_compile_fx_module
 
+    module = inductor_compile_fx_module()
     original = module.compile_fx
     backend = _make_backend(options, record, on_call)
 

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..torch_compat import (TorchDispatchMode, context_parallel_module, fake_store, in_backward,
+                            patched)
 
 __all__ = ["RingCollective", "torch_ring_collectives"]
 
@@ -75,7 +77,7 @@ class _Recorder(TorchDispatchMode):
         if kind is not None:
             group = dist.distributed_c10d._resolve_process_group(args[-1])
             data = out if kind == "all_gather" else args[0]
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            phase = "backward" if in_backward() else "forward"
             self.calls.append(RingCollective(kind, data.nbytes, phase, group.size()))
         return out
 
@@ -106,7 +108,8 @@ class _AtenWithCpuFlash:
 
 def _handlers(recorder: _Recorder) -> dict:
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    cp = context_parallel_module()
 
     def run(ring, result_count):
         def handler(op_call, args, kwargs):
@@ -144,18 +147,16 @@ def torch_ring_collectives(build, inputs: tuple, parallelize, step, mesh: dict, 
     The step's own settings (`set_rotate_method`, `_cp_options.enable_load_balance`) are
     torch's, read as it runs. FSDP2's collectives go through c10d's own ops, not these."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_module
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cp_module = context_parallel_module()
 
     if dist.is_initialized():
         raise RuntimeError("torch_ring_collectives needs torch.distributed uninitialized")
-    from ..torch_compat import patched
-
     recorder = _Recorder()
     world = 1
     for size in mesh.values():
         world *= size
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
     # context_parallel merges the module's `custom_ops` into DTensor's handlers on entry
     with patched(cp_module, aten=_AtenWithCpuFlash(),
                  custom_ops={**cp_module.custom_ops, **_handlers(recorder)}):
