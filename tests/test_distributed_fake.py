@@ -410,3 +410,27 @@ def test_a_second_rank_class_takes_the_first_ones_sharding_decisions_rebound(mon
     assert taken  # rank 6 took rank 0's decisions
     monkeypatch.setattr(profile, "decisions_shared_by_ranks", nullcontext)
     assert shared == traced()
+
+
+def test_collective_table_counts_each_run_of_a_repeated_micro_batch():
+    """accumulate=6 with FSDP2 on the root only, reshard_after_forward=False: by hand each
+    micro-batch all-gathers the model once (forward; backward finds it unsharded) and
+    reduce-scatters its gradients once, 2 x (64 x 64 + 64) fp32 = 33,280 B. The capture traces
+    micro-batches until one repeats and lets it stand for the rest (Op.runs); the table counts
+    6 of each, and their seconds 6 x one's, as the step time prices them."""
+    import torch.nn as nn
+
+    def parallelize(model, mesh):
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(model, mesh=mesh["fsdp"], reshard_after_forward=False)
+
+    p = tapescope.profile(lambda: nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)),
+                          tapescope.spec((4, 64)), mesh={"fsdp": 2}, parallelize=parallelize,
+                          gpu="h100", accumulate=6)
+    size = 2 * (64 * 64 + 64) * F32
+    assert len(p.collectives) < 12 and any(c.runs > 1 for c in p.collectives)  # stood for
+    assert _rows(p) == {("all_gather", "fsdp", size): 6, ("reduce_scatter", "fsdp", size): 6}
+    one = collective_seconds("all_gather", size, range(2), interconnect(get_gpu("h100")))[0]
+    row = next(r for r in p.collective_table if r.kind == "all_gather")
+    assert row.seconds == pytest.approx(6 * one)

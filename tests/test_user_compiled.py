@@ -78,3 +78,28 @@ def test_torchtitan_apply_compile_without_compile_runs_eagerly_with_a_printed_li
     text = _console(p)
     assert "modules compiled with Module.compile() (layers.0, layers.1) ran eagerly in this " \
            "profile; pass --compile (compile=True)" in text, text
+
+
+def _sum_loss(out, x):
+    return out.sum()
+
+
+def test_compiled_loss_in_a_compiled_profile_against_a_real_compiled_step():
+    """A torch.compile'd loss under compile=True. Before, inductor compiled the loss for real and
+    its wrapper allocated real buffers (`empty_strided_cpu` bypasses the fake mode): backward
+    stopped at "Please convert all Tensors to FakeTensors". Now the loss is compiled by
+    tapescope's backend, a region of the compiled step beside the model's. Truth: the same model
+    and compiled loss run for real with torch.compile on this CPU (inductor's C++ kernels),
+    under the allocator's profiler; the 12 bytes are the scalar tensors CPU kernels make for
+    Python numbers, as in tests/test_compile.py. (A bias-free linear and a sum: one C++ kernel
+    to build for the real run.)"""
+    def build():
+        return torch.nn.Linear(64, 64, bias=False)
+
+    loss = torch.compile(_sum_loss)
+    p = tapescope.profile(build, INPUT, loss_fn=loss, compile=True)
+    real = run_real_steps(build, (INPUT,), loss_fn=loss, compile=True)
+    assert p.compiled.regions == 2   # the model's graph and the loss's
+    assert any("aten.sum" in g.graph.code for g in p.compiled.graphs if g.kind == "forward")
+    assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 12
+    assert abs(p.peak_bytes - real.peaks[2]) <= 12

@@ -283,6 +283,7 @@ FsdpOpt = typer.Option(1, "--fsdp", help="FSDP2 over N ranks: every block and th
 TpOpt = typer.Option(1, "--tp", help="Tensor parallel over M ranks, with the architecture's Megatron-style plan.")
 HsdpOpt = typer.Option(1, "--hsdp", help="With --fsdp: replicate the shards R times (HSDP); alone, DDP over R ranks.")
 DpReplicateOpt = typer.Option(1, "--dp-replicate", help="Data parallel replicas R (same as --hsdp).")
+CpOpt = typer.Option(1, "--cp", help="Context parallel over C ranks: the sequence split, SDPA as torch's ring attention; FSDP shards over fsdp x cp.")
 ParallelizeOpt = typer.Option(None, "--parallelize", help="file.py:fn, your parallelize(model, mesh); with --mesh dp=4,tp=2.")
 MeshOpt = typer.Option(None, "--mesh", help="With --parallelize: the device mesh, names and sizes, e.g. dp=4,tp=2.")
 QuietOpt = typer.Option(False, "--quiet", "-q",
@@ -301,9 +302,9 @@ PpSplitOpt = typer.Option(None, "--pp-split",
                                "module (default: the block list split evenly).")
 
 
-def _parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, pp=1) -> dict:
+def _parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, pp=1, cp=1) -> dict:
     return dict(fsdp=fsdp, tp=tp, hsdp=hsdp, dp_replicate=dp_replicate, parallelize=parallelize,
-                mesh=mesh, pp=pp)
+                mesh=mesh, pp=pp, cp=cp)
 
 
 def _pipeline(schedule, microbatches, split) -> dict | None:
@@ -387,6 +388,7 @@ def profile_cmd(
     setup: Optional[str] = SetupOpt,
     pp: int = PpOpt, pp_schedule: Optional[str] = PpScheduleOpt,
     microbatches: Optional[int] = MicrobatchesOpt, pp_split: Optional[str] = PpSplitOpt,
+    cp: int = CpOpt,
     json_file: Optional[str] = typer.Option(None, "--json", help="Write the whole profile as JSON."),
     graph_file: Optional[str] = typer.Option(None, "--graph", help="Write the step's FX graph (Python code with meta)."),
     html_file: Optional[str] = typer.Option(None, "--html", help="Write an interactive, self-contained HTML report."),
@@ -414,7 +416,7 @@ def profile_cmd(
                          alloc_conf, loss, compile=compile_options, threads=threads,
                          cpu_isa=cpu_isa,
                          parallel=_parallel(fsdp, tp, hsdp, dp_replicate, parallelize, mesh,
-                                            pp),
+                                            pp, cp),
                          routing=routing, mask=mask_fraction, accumulate=accumulate,
                          step=step, setup=setup, checkpointing=_checkpointing(checkpoint),
                          quiet=quiet, pipeline=_pipeline(pp_schedule, microbatches, pp_split),
@@ -609,6 +611,7 @@ def fit_cmd(
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Also print the peak for sizes A..B, e.g. 1..4096."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Compare the (FSDP, TP) layouts of this many GPUs of --gpu."),
     pp: Optional[str] = typer.Option(None, "--pp", help="With --gpus: pipeline degrees to try too, e.g. 1,2,4 (1F1B, one micro-batch per sample)."),
+    cp: Optional[str] = typer.Option(None, "--cp", help="With --gpus: context-parallel degrees to try too, e.g. 1,2,4 (the sequence split; without a pipeline)."),
     checkpoint: Optional[List[str]] = CheckpointOpt,
     json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
     calibration: Optional[str] = CalibrationOpt,
@@ -630,10 +633,12 @@ def fit_cmd(
                                      "at one batch); drop --sweep, or run fit without --gpus")
             return _fit_layouts(spec, gpus, gpu, batch, seq, input, loss, dtype, amp, optimizer,
                                 json_file, parse_bytes(budget) if budget is not None else None,
-                                quiet, _pp_degrees(pp), calibration, _checkpointing(checkpoint))
-        if pp is not None:
-            raise TapescopeError("--pp goes with --gpus (the pipeline degrees to compare); to "
-                                 "profile one pipelined layout, run profile --pp N")
+                                quiet, _pp_degrees(pp), calibration, _checkpointing(checkpoint),
+                                _pp_degrees(cp, "--cp"))
+        if pp is not None or cp is not None:
+            flag = "--pp" if pp is not None else "--cp"
+            raise TapescopeError(f"{flag} goes with --gpus (the degrees to compare); to profile "
+                                 f"one such layout, run profile {flag} N")
         dim = "seq" if batch is not None else "batch"
         sweep_range = parse_sweep(sweep) if sweep else None
         budget_bytes = parse_bytes(budget) if budget is not None else None
@@ -699,8 +704,8 @@ def plan_cmd(
         raise typer.Exit(1)
 
 
-def _pp_degrees(text) -> tuple:
-    """--pp 1,2,4 -> (1, 2, 4); default (1,): no pipeline."""
+def _pp_degrees(text, flag: str = "--pp") -> tuple:
+    """--pp 1,2,4 (or --cp) -> (1, 2, 4); default (1,): not parallelised that way."""
     if text is None:
         return (1,)
     try:
@@ -708,13 +713,13 @@ def _pp_degrees(text) -> tuple:
     except ValueError:
         degrees = ()
     if not degrees or any(d < 1 for d in degrees):
-        raise TapescopeError(f"cannot read --pp {text!r}: give pipeline degrees >= 1, e.g. 1,2,4")
+        raise TapescopeError(f"cannot read {flag} {text!r}: give degrees >= 1, e.g. 1,2,4")
     return tuple(dict.fromkeys(degrees))
 
 
 def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimizer,
                  json_file, budget=None, quiet=False, pp_degrees=(1,),
-                 calibration=None, checkpointing=()) -> None:
+                 calibration=None, checkpointing=(), cp_degrees=(1,)) -> None:
     """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank; with a budget, a
     layout fits when its peak per rank is within it; a checkpointing plan applied in each.
     Exits 1 when none fits."""
@@ -727,7 +732,7 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
     with _progress(f"profiling the layouts of {gpus} GPUs for {workload.name}",
                    quiet) as progress:
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
-                           stage=progress, pp_degrees=pp_degrees)
+                           stage=progress, pp_degrees=pp_degrees, cp_degrees=cp_degrees)
     best = best_layout(rows)
     shapes = " × ".join("x".join(str(n) for n in a.shape) for a in workload.args
                         if getattr(a, "shape", None) is not None)
@@ -813,6 +818,7 @@ def search_cmd(
     dtype: Optional[str] = DtypeOpt, optimizer: str = OptimOpt,
     pp: Optional[str] = typer.Option(None, "--pp", help="Pipeline degrees to try, e.g. 1,2,4 (default: powers of two up to 8)."),
     tp: Optional[str] = typer.Option(None, "--tp", help="Tensor-parallel degrees to try (default: powers of two within a node)."),
+    cp: Optional[str] = typer.Option(None, "--cp", help="Context-parallel degrees to try (default: those leaving each rank 8k tokens or more of --seq)."),
     hsdp: bool = typer.Option(True, "--hsdp/--no-hsdp", help="Also HSDP, shard groups of one and two nodes."),
     checkpointing: str = typer.Option("none,selective,full", "--checkpointing", help="Activation checkpointing modes to try on every block."),
     schedule: str = typer.Option("1f1b", "--pp-schedule", help="Pipeline schedules to try, e.g. 1f1b,gpipe."),
@@ -846,6 +852,7 @@ def search_cmd(
             r = search(spec, gpus=gpus, gpu=gpu, global_batch=global_batch, seq=seq,
                        amp=None if amp.lower() in ("none", "fp32") else amp, dtype=dtype,
                        optimizer=optimizer, pp=_ints(pp, "--pp"), tp=_ints(tp, "--tp"),
+                       cp=_ints(cp, "--cp"),
                        hsdp=hsdp, checkpointing=modes,
                        schedules=tuple(x.strip() for x in schedule.split(",") if x.strip()),
                        compile=(False, True) if compile else (False,), max_steps=max_steps,

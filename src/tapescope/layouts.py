@@ -3,16 +3,18 @@
 The sensible layouts of N GPUs, as torchtitan users pick them: tensor parallelism inside a node
 (TP degree a power of two up to the GPUs of a node, dividing N), FSDP over the rest; with
 `--pp 1,2,4`, the same for each pipeline degree (1F1B, one micro-batch per sample, the step time
-the schedule's with its bubble). Each is
+the schedule's with its bubble); with `--cp 1,2,4`, the same for each context-parallel degree
+(without a pipeline: the sequence split over the CP ranks, FSDP over FSDP x CP, torch's ring
+attention; distributed/presets.py). Each is
 profiled with the preset parallelisation (distributed/presets.py) at the model's per-rank batch;
 a row gives the highest rank's peak, whether it fits the GPU (the caching allocator's predicted
 reserved memory plus the CUDA context against the GPU's memory), the step time, MFU and the
 tokens per second of the whole job. With a budget (`fit --gpus N --budget 40GiB`), a layout fits when its
 peak per rank is within the budget, as `fit` compares one device's peak.
 
-The batch given is each data-parallel rank's: the TP ranks of a group share one batch, so the
-global batch is that batch times the data-parallel degree (FSDP x replicas), and differs between
-layouts. Step times are therefore not comparable across rows; throughput (tokens, else samples,
+The batch given is each data-parallel rank's: the TP ranks of a group share one batch (and the
+CP ranks one batch of the full sequence), so the global batch is that batch times the
+data-parallel degree (FSDP x replicas), and differs between layouts. Step times are therefore not comparable across rows; throughput (tokens, else samples,
 per second of the whole job) is, and `best_layout` picks the fitting layout with the most.
 """
 
@@ -56,6 +58,7 @@ class LayoutRow:
 
     def to_dict(self) -> dict:
         return {"pp": self.layout.pp, "fsdp": self.layout.fsdp, "tp": self.layout.tp,
+                "cp": self.layout.cp,
                 "dp_replicate": self.layout.dp_replicate, "batch_per_rank": self.batch_per_rank,
                 "global_batch": self.global_batch, "peak_bytes": self.peak_bytes,
                 "nvidia_smi_bytes": self.reserved_bytes, "oom": self.oom, "fits": self.fits,
@@ -75,24 +78,28 @@ def best_layout(rows: list[LayoutRow]) -> LayoutRow | None:
     return max(timed, key=lambda r: r.tokens_per_second or r.samples_per_second or 0.0)
 
 
-def candidate_layouts(gpus: int, gpus_per_node: int = 8, pp_degrees=(1,)) -> list[Layout]:
-    """For each pipeline degree dividing `gpus`: TP a power of two up to a node's GPUs dividing
-    what is left, FSDP over the rest."""
+def candidate_layouts(gpus: int, gpus_per_node: int = 8, pp_degrees=(1,),
+                      cp_degrees=(1,)) -> list[Layout]:
+    """For each pipeline degree and context-parallel degree dividing `gpus` (CP without a
+    pipeline: distributed/presets.py): TP a power of two up to a node's GPUs dividing what is
+    left, FSDP over the rest."""
     if gpus < 1:
         raise TapescopeError("--gpus must be at least 1")
     out = []
     for pp in pp_degrees:
-        if pp < 1:
-            raise TapescopeError(f"a pipeline degree must be at least 1, got {pp}")
-        if gpus % pp:
-            continue
-        rest, tp = gpus // pp, 1
-        while tp <= min(rest, gpus_per_node):
-            if rest % tp == 0:
-                out.append(Layout(fsdp=rest // tp, tp=tp, pp=pp))
-            tp *= 2
+        for cp in cp_degrees:
+            if pp < 1 or cp < 1:
+                raise TapescopeError(f"a degree must be at least 1, got {min(pp, cp)}")
+            if gpus % (pp * cp) or pp > 1 and cp > 1:
+                continue
+            rest, tp = gpus // (pp * cp), 1
+            while tp <= min(rest, gpus_per_node):
+                if rest % tp == 0:
+                    out.append(Layout(fsdp=rest // tp, tp=tp, pp=pp, cp=cp))
+                tp *= 2
     if not out:
-        raise TapescopeError(f"no pipeline degree of {list(pp_degrees)} divides {gpus} GPUs")
+        raise TapescopeError(f"no pipeline degree of {list(pp_degrees)} and context-parallel "
+                             f"degree of {list(cp_degrees)} divides {gpus} GPUs")
     return out
 
 
@@ -173,7 +180,7 @@ def layout_options(options, layout: Layout, schedule: str = "1f1b"):
     applied to the model before the preset (capture/session.py), as `profile --fsdp N
     --checkpoint plan.json` applies it."""
     mp = options.amp  # FSDP2's mixed precision stands in for autocast
-    sharded = layout.fsdp > 1 or layout.dp_replicate > 1
+    sharded = layout.shard_degree > 1 or layout.dp_replicate > 1
     return options.but(amp=None if sharded else mp, mesh=_mesh_spec(layout),
                        parallelize=preset_parallelize(layout, mp) if layout.parallelised
                        else None,
@@ -181,11 +188,13 @@ def layout_options(options, layout: Layout, schedule: str = "1f1b"):
 
 
 def fit_layouts(workload, options, gpus: int, budget: int | None = None, progress=None,
-                stage=None, pp_degrees=(1,), schedule: str = "1f1b") -> list[LayoutRow]:
+                stage=None, pp_degrees=(1,), schedule: str = "1f1b",
+                cp_degrees=(1,)) -> list[LayoutRow]:
     """Profile every candidate layout of `gpus` GPUs of `options.gpu` (device cuda); `budget`
     (bytes per rank) replaces the GPU's memory in the verdict. `progress(step, phase)` is told of
     each traced phase, `stage(message)` of each layout begun. pp_degrees: the pipeline degrees
-    to try (each with `schedule`, one micro-batch per sample of the batch)."""
+    to try (each with `schedule`, one micro-batch per sample of the batch); cp_degrees: the
+    context-parallel degrees to try."""
     from .api import profile_workload
     from .devices.gpus import interconnect
 
@@ -193,7 +202,8 @@ def fit_layouts(workload, options, gpus: int, budget: int | None = None, progres
         raise TapescopeError("fit --gpus compares layouts on a GPU: give --gpu (h100, a100, ...)")
     rows = []
     tokens = _tokens(workload)
-    layouts = candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node, pp_degrees)
+    layouts = candidate_layouts(gpus, interconnect(options.gpu).gpus_per_node, pp_degrees,
+                                cp_degrees)
     check_inputs(workload, options, layouts)
     for i, layout in enumerate(layouts):
         row = LayoutRow(layout, batch_per_rank=_batch(workload))

@@ -130,7 +130,7 @@ OPTIONS = (
            "product), in this process, with torch's fake process group. `p.peak_bytes` is the "
            "highest rank's, `p.ranks` every rank's; ranks whose shards have the same shapes "
            "are traced once. Inputs are one rank's.",
-           ("--fsdp", "--tp", "--hsdp", "--dp-replicate", "--mesh", "--pp")),
+           ("--fsdp", "--tp", "--hsdp", "--dp-replicate", "--mesh", "--pp", "--cp")),
     Option("parallelize", "Callable | None", None,
            "`parallelize(model, mesh)` applies your torch.distributed code (fully_shard, "
            "parallelize_module, replicate, HSDP ...) to the model and returns it, as your "

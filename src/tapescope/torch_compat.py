@@ -66,6 +66,7 @@ except ImportError:  # pragma: no cover - older torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map  # noqa: F401 - re-exported
 from torch.utils._pytree import SUPPORTED_NODES as pytree_node_types  # type -> its flattening
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - re-exported
 from torch.utils._mode_utils import no_dispatch  # noqa: F401
 
 __all__ = [
@@ -687,6 +688,26 @@ def fake_store():
     return FakeStore()
 
 
+def context_parallel_module():
+    """torch's context-parallel implementation (its ring handlers, `custom_ops`, `aten`):
+    validate/ring_attention.py runs its ring code on the CPU."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward (a graph task is current)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def inductor_compile_fx_module():
+    """The module whose `compile_fx` torch.compile's default backend calls by name."""
+    import torch._inductor.compile_fx as module
+
+    return module
+
+
 def replicate_with_fsdp():
     """FSDP2's DDP, `replicate(module, mesh=..., mp_policy=...)` (what torchtitan applies for
     data-parallel replicas)."""
@@ -942,6 +963,14 @@ PRIVATE_NAMES = (
     "torch.optim.optimizer._foreach_supported_types",
     "torch.utils._foreach_utils._foreach_supported_types",
     "torch.cuda.amp.common.amp_definitely_not_available",
+    # the context-parallel truth (validate/ring_attention.py) and a user's compile (compiled.py)
+    "torch.utils._python_dispatch.TorchDispatchMode",
+    "torch.distributed.tensor.experimental._context_parallel._attention.custom_ops",
+    "torch.distributed.tensor.experimental._context_parallel._attention.aten",
+    "torch.distributed.tensor.experimental._context_parallel._attention."
+    "_scaled_dot_product_ring_flash_attention",
+    "torch.distributed.tensor.experimental._context_parallel._attention."
+    "_scaled_dot_product_ring_flash_attention_backward",
 )
 
 # Triton's names (capture/gpu_less.py): its driver registry and CUDA driver class, checked where
@@ -1180,6 +1209,15 @@ class Patched:
 
 
 PATCHED = (
+    # the context-parallel truth (validate/ring_attention.py): torch's ring code run on the CPU
+    Patched("torch.distributed.tensor.experimental._context_parallel._attention",
+            ("aten", "custom_ops"), "validate/ring_attention.py",
+            "the CPU flash op goes to torch's own CUDA flash ring handler, whose per-block CUDA "
+            "kernel is the CPU one; the truth for CP collectives, never used by a profile"),
+    # a compile=True profile: the user's own torch.compile outside the model (a compiled loss)
+    Patched("torch._inductor.compile_fx", ("compile_fx",), "capture/compiled.py",
+            "torch.compile's default backend calls it by name; tapescope's backend answers, so "
+            "the generated code runs on fake tensors (user_compiles)"),
     # the backward: tapescope's Python engine runs it, and answers what the C++ engine would
     Patched("torch._C", ("_current_graph_task_id", "_will_engine_execute_node"),
             "capture/graph_task.py", "FSDP2's is_bw(), checkpoint and hooks ask the running "

@@ -110,6 +110,9 @@ class Collective:
     # (initNCCLComm: ncclStreams_.emplace(deviceKey, getStreamFromPool(...))), so collectives
     # of different groups (FSDP's and TP's) run side by side, those of one group in order
     stream: str = ""
+    # times it runs in the step: >1 inside a traced micro-batch (or pipeline block) that later
+    # ones were proven to repeat (Trace.repeated, analysis.ops.Op.runs); `seconds` is one run's
+    runs: int = 1
 
 
 @dataclass(frozen=True)
@@ -238,12 +241,15 @@ def collectives(ops: list, groups: dict, by_op: dict, gpu=None, ic=None,
         if calibration is not None and calibration.nccl and not inter and size > 1:
             seconds = measured_seconds(kind, nbytes, size, calibration) or seconds
         out.append(Collective(op.index, kind, g.label if g is not None else "?", size, nbytes,
-                              op.phase, op.module, inter, seconds, str(by_op.get(rec.index, ""))))
+                              op.phase, op.module, inter, seconds, str(by_op.get(rec.index, "")),
+                              op.runs))
     return out
 
 
 def collective_table(items: list[Collective], gpu=None) -> list[CollectiveRow]:
-    """Collectives grouped by kind, group and size, largest total time (else bytes) first."""
+    """Collectives grouped by kind, group and size, largest total time (else bytes) first; a
+    collective that stands for several runs (Collective.runs) counts, and takes time, for each,
+    as the step time prices it."""
     from ..devices.gpus import interconnect
 
     ic = interconnect(gpu) if gpu is not None else None
@@ -251,9 +257,9 @@ def collective_table(items: list[Collective], gpu=None) -> list[CollectiveRow]:
     for c in items:
         key = (c.kind, c.group, c.group_size, c.nbytes)
         r = rows.setdefault(key, [0, set(), 0.0, c.inter_node])
-        r[0] += 1
+        r[0] += c.runs
         r[1].add(c.phase)
-        r[2] += c.seconds
+        r[2] += c.seconds * c.runs
     out = []
     for (kind, group, size, nbytes), (count, phases, seconds, inter) in rows.items():
         link = "-" if ic is None else (ic.inter_kind if inter else ic.intra_kind)

@@ -57,7 +57,7 @@ from ..torch_compat import (INDUCTOR_KERNEL_COMPILERS, aot_autograd, compile_con
                             patched)
 
 __all__ = ["CompiledGraph", "CompileRecord", "GraphBreak", "compile_model", "compile_blocks",
-           "compiling", "input_name", "trampoline", "APPROXIMATIONS"]
+           "compiling", "input_name", "trampoline", "user_compiles", "APPROXIMATIONS"]
 
 APPROXIMATIONS = (
     "kernels are not run: a generated kernel allocates nothing the caching allocator sees",
@@ -400,6 +400,34 @@ def compiling(options: CompileOptions, unrecorded=None):
         if unrecorded is not None:
             stack.enter_context(_unrecorded_while_compiling(unrecorded))
         yield
+
+
+def user_compiles(options: CompileOptions, record: CompileRecord, on_call=None):
+    """The user's own `torch.compile` calls outside the model (a compiled loss: torchtitan's
+    `--compile.components loss`) compiled by tapescope's backend too, as regions of `record`.
+
+    Left to themselves they compile with inductor for real: the generated wrapper allocates its
+    buffers with `empty_strided_cpu`, which bypasses the fake mode, so the loss came back a real
+    tensor and backward stopped at "Please convert all Tensors to FakeTensors". torch.compile's
+    default backend calls `torch._inductor.compile_fx.compile_fx` by name at each compile
+    (`_TorchCompileInductorWrapper`), so that name answers with tapescope's backend while the
+    step runs. Only such a call is taken: torch.compile's wrapper never passes `inner_compile`,
+    and every other caller does (inductor's recursion through config patches, tapescope's own
+    backend for the model), so those go to inductor's function as before. The user's mode
+    options are the profile's (`options`): the backend applies those. Another backend a user
+    names (aot_eager, eager) runs no kernel and needs nothing."""
+    from ..torch_compat import inductor_compile_fx_module
+
+    module = inductor_compile_fx_module()
+    original = module.compile_fx
+    backend = _make_backend(options, record, on_call)
+
+    def compile_fx(model_, example_inputs_, *args, **kwargs):
+        if args or "inner_compile" in kwargs:
+            return original(model_, example_inputs_, *args, **kwargs)
+        return backend(model_, example_inputs_)
+
+    return patched(module, compile_fx=compile_fx)
 
 
 @contextmanager

@@ -62,6 +62,8 @@ class StepRuntime:
     grad(outputs, inputs, grad_outputs, retain_graph, allow_unused) -> gradients: the same for
         torch.autograd.grad; None: torch's own.
     forward_context / loss_context: opened around the built-in step's forward / loss.
+    train_context(args, kwargs): opened around each micro-batch's forward and backward (torch's
+        context_parallel for a CP preset, which must see both).
     on_optimizer(optimizer): an optimizer's step starts or ends (capture names its state).
     on_default_loss(what): the built-in step used default_loss, and which of its choices.
     micro_batch_done(i, n): micro-batch i of n has run; True ends the loop (capture/step.py).
@@ -72,6 +74,7 @@ class StepRuntime:
     grad: Callable | None = None
     forward_context: Callable = nullcontext
     loss_context: Callable = nullcontext
+    train_context: Callable = field(default=lambda args, kwargs: nullcontext())
     on_optimizer: Callable = field(default=lambda optimizer: None)
     on_default_loss: Callable = field(default=lambda what: None)
     micro_batch_done: Callable = field(default=lambda i, n: False)
@@ -121,6 +124,7 @@ class BuiltinStep(StepProgram):
                           phase=runtime.phase, backward=backward,
                           forward_context=runtime.forward_context,
                           loss_context=runtime.loss_context, accumulate=self.accumulate, end=end,
+                          train_context=runtime.train_context,
                           on_default_loss=runtime.on_default_loss,
                           micro_batch_done=runtime.micro_batch_done)
 

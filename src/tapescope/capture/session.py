@@ -451,9 +451,17 @@ class CaptureSession:
     def _compiling(self):
         if self.options.compile is None:
             return self._user_compiles_run_eagerly()
-        from .compiled import compiling
+        from contextlib import ExitStack
 
-        return compiling(self.options.compile, unrecorded=self._while_compiling)
+        from .compiled import compiling, user_compiles
+
+        stack = ExitStack()
+        stack.enter_context(compiling(self.options.compile, unrecorded=self._while_compiling))
+        # a compiled loss (or any torch.compile of the user's outside the model): tapescope's
+        # backend as well, its graphs regions of the step's record
+        stack.enter_context(user_compiles(self.options.compile, self.compile_record,
+                                          self.tape.compiled_call))
+        return stack
 
     def _user_compiles_run_eagerly(self):
         """An eager profile: code the user compiled with torch.compile outside the model
@@ -539,6 +547,9 @@ class CaptureSession:
                               forward_context=forward_context,
                               loss_context=lambda: self.recorder.modules.entered(LOSS_MODULE),
                               on_default_loss=self._default_loss_used)
+        train_context = getattr(opts.parallelize, "train_context", None)  # presets.py (CP)
+        if train_context is not None:
+            runtime.train_context = train_context
         if self._may_stop_repeating():
             ends: list = []  # (ops, events, Python state) when each micro-batch ended
             runtime.micro_batch_done = lambda i, n: self._micro_batch_repeats(ends, i, n)
@@ -586,6 +597,12 @@ class CaptureSession:
         """The user's step, as written, traced in full for each step (what it does between
         forward, backward and optimizer is its own: nothing of step 1 is assumed for step 2).
         Its setup, if any, is recorded as step 0: what it makes is alive when step 1 starts."""
+        if getattr(self.options.parallelize, "train_context", None) is not None:
+            raise TapescopeError(
+                "the --cp preset opens torch's context_parallel around the built-in step's "
+                "forward and backward; a step of your own opens it itself: wrap your forward and "
+                "backward in torch.distributed.tensor.experimental.context_parallel(mesh['cp'], "
+                "buffers=[...], buffer_seq_dims=[...]) and pass --parallelize with --mesh")
         program = self.program
         if program.records_setup:
             with self.tape.phase(0, SETUP):

@@ -82,23 +82,27 @@ def train_step(model, args, kwargs, loss_fn, optimizer, *, step: int = 1,
                accumulate: int = 1, end: bool = True,
                on_default_loss: Callable[[str], None] = lambda what: None,
                micro_batch_done: Callable[[int, int], bool] = lambda i, n: False,
+               train_context: Callable = lambda args, kwargs: nullcontext(),
                ) -> torch.Tensor | None:
     """Forward and backward of each of `accumulate` micro-batches, the optimizer step, then
     zero_grad; `phase(step, name)` brackets each part (FORWARD, BACKWARD, OPTIMIZER, ZERO_GRAD).
+    `train_context(args, kwargs)` is open around each micro-batch's forward and backward.
 
     end=False stops after optimizer.step() and returns the loss, still alive: the caller ends the
     step (zero_grad, then drops the loss inside its ZERO_GRAD phase), as tapescope's capture does
     when it decides how to trace step 2 (capture/session.py)."""
     loss = None
     for i in range(1, accumulate + 1):
-        with phase(step, FORWARD), forward_context():
-            # rebinding `loss` frees the previous micro-batch's, as a loop's assignment does
-            loss = forward_and_loss(model, args, kwargs, loss_fn, loss_context, on_default_loss)
-            if accumulate > 1:
-                with loss_context():
-                    loss = loss / accumulate
-        with phase(step, BACKWARD):
-            backward(loss)
+        with train_context(args, kwargs):
+            with phase(step, FORWARD), forward_context():
+                # rebinding `loss` frees the previous micro-batch's, as a loop's assignment does
+                loss = forward_and_loss(model, args, kwargs, loss_fn, loss_context,
+                                        on_default_loss)
+                if accumulate > 1:
+                    with loss_context():
+                        loss = loss / accumulate
+            with phase(step, BACKWARD):
+                backward(loss)
         if i < accumulate and micro_batch_done(i, accumulate):
             break  # micro-batches i+1..N repeat micro-batch i: the trace counts it N-i+1 times
     if optimizer is not None:

@@ -2,12 +2,21 @@
 applies them (torchtitan/models/llama3/infra/parallelize.py): tensor parallelism first, with the
 architecture's Megatron-style plan, then FSDP2 on every block and on the root.
 
-A `Layout` names the degrees; its mesh is ("dp_replicate", "dp_shard", "tp"), outermost first,
-dimensions of size 1 left out, as torchtitan's ParallelDims builds it:
+A `Layout` names the degrees; its mesh is ("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+outermost first, dimensions of size 1 left out, as torchtitan's ParallelDims builds it:
 - dp_shard (--fsdp N): FSDP2, parameters sharded over N ranks;
 - dp_replicate (--hsdp R, or --dp-replicate R): with dp_shard, HSDP (fully_shard on the 2-D
   (dp_replicate, dp_shard) mesh: replicate across, shard within); alone, data parallelism with
   `replicate` (torch's FSDP2-based DDP);
+- cp (--cp C): context parallelism: each rank takes 1/C of the sequence, and SDPA runs as
+  torch's ring attention. As torchtitan does, FSDP2 shards over dp_shard x cp (the flattened
+  "dp_shard_cp" mesh), and the step's forward and backward run inside torch's
+  `context_parallel(cp_mesh, buffers=<the inputs>, buffer_seq_dims=<1 each>)`, which shards every
+  input on its sequence dimension (head-tail load-balanced for causal attention, torch's default)
+  and patches SDPA for the duration (`train_context` below). The inputs are the CP group's: one
+  batch of the full sequence, as the trainer's data loader gives every rank of the group. Only
+  inputs are sharded, no model buffer: a rotary table held as a buffer of the full sequence
+  (torchtitan's `freqs_cis`) is not split; the zoo's models compute theirs from the shapes.
 - tp (--tp M): tensor parallelism with the plan of the model's architecture (TP_PLANS), on the
   innermost dimension, so that a tensor-parallel group sits inside a node.
 
@@ -39,28 +48,34 @@ class Layout:
     tp: int = 1
     dp_replicate: int = 1
     pp: int = 1        # pipeline stages (fit --gpus; profile's --pp builds its mesh itself)
+    cp: int = 1        # context parallel: the sequence split over cp ranks (ring attention)
 
     def __post_init__(self):
-        for name in ("fsdp", "tp", "dp_replicate", "pp"):
+        for name in ("fsdp", "tp", "dp_replicate", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise TapescopeError(f"--{name.replace('_', '-')} must be at least 1")
 
     @property
     def world_size(self) -> int:
-        return self.fsdp * self.tp * self.dp_replicate * self.pp
+        return self.fsdp * self.tp * self.dp_replicate * self.pp * self.cp
 
     @property
     def mesh(self) -> dict:
-        """torchtitan's order, outermost first: pp, dp_replicate, dp_shard, tp."""
+        """torchtitan's order, outermost first: pp, dp_replicate, dp_shard, cp, tp."""
         dims = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.fsdp,
-                "tp": self.tp}
+                "cp": self.cp, "tp": self.tp}
         mesh = {k: v for k, v in dims.items() if v > 1}
         return mesh or {"dp_shard": 1}
 
     @property
+    def shard_degree(self) -> int:
+        """The ranks FSDP2 shards over: dp_shard x cp (torchtitan's "dp_shard_cp")."""
+        return self.fsdp * self.cp
+
+    @property
     def parallelised(self) -> bool:
         """Whether a preset parallelize has anything to do (pipeline stages alone need none)."""
-        return self.fsdp * self.tp * self.dp_replicate > 1
+        return self.fsdp * self.tp * self.dp_replicate * self.cp > 1
 
     def __str__(self) -> str:
         parts = [f"PP {self.pp}"] if self.pp > 1 else []
@@ -68,6 +83,8 @@ class Layout:
             parts.append(f"{'HSDP' if self.fsdp > 1 else 'DDP'} {self.dp_replicate}")
         if self.fsdp > 1:
             parts.append(f"FSDP {self.fsdp}")
+        if self.cp > 1:
+            parts.append(f"CP {self.cp}")
         if self.tp > 1:
             parts.append(f"TP {self.tp}")
         return " x ".join(parts) or "1 rank"
@@ -230,9 +247,30 @@ def _check_shards(model: nn.Module, fsdp: int) -> None:
             "(or --dp-replicate for more data parallelism)")
 
 
+def _shard_mesh(layout: Layout, mesh):
+    """The mesh FSDP2 shards over: dp_shard, or dp_shard x cp flattened (torchtitan's
+    "dp_shard_cp": FSDP on a 2-D mesh would replicate over the first dimension), with the
+    replicas outermost for HSDP."""
+    import warnings
+
+    shard = [d for d in ("dp_shard", "cp") if d in mesh.mesh_dim_names]
+    if len(shard) == 1:
+        return mesh["dp_replicate", shard[0]] if layout.dp_replicate > 1 else mesh[shard[0]]
+    flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if layout.dp_replicate == 1:
+        return flat
+    with warnings.catch_warnings():
+        # torch's notice that slicing a flattened dimension from the root mesh will change;
+        # torchtitan 0.3.0 builds a second view of the world instead, which needs the world mesh
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh["dp_replicate", "dp_shard_cp"]
+
+
 def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> Callable:
     """parallelize(model, mesh) for a Layout: TP plan, then FSDP2 per block and at the root (or
-    replicate for data parallelism without sharding)."""
+    replicate for data parallelism without sharding). With CP, `parallelize.train_context(args,
+    kwargs)` is the context the step's forward and backward run in (the module docstring)."""
+    cp_mesh: list = []  # this preset's "cp" mesh, once parallelize has seen the mesh
 
     def parallelize(model: nn.Module, mesh) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -240,11 +278,13 @@ def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> C
         if layout.tp > 1:
             _, plan = tp_plan_for(model)
             plan(model, mesh["tp"])
+        if layout.cp > 1:
+            cp_mesh[:] = [mesh["cp"]]
         mp = MixedPrecisionPolicy() if mp_dtype is None else \
             MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
-        if layout.fsdp > 1:
-            _check_shards(model, layout.fsdp)
-            dp = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        if layout.shard_degree > 1:
+            _check_shards(model, layout.shard_degree)
+            dp = _shard_mesh(layout, mesh)
             blocks = transformer_blocks(model)
             for i, block in enumerate(blocks):
                 # torchtitan: the last block stays unsharded after forward (backward needs it next)
@@ -257,12 +297,33 @@ def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> C
             replicate_with_fsdp()(model, mesh=mesh["dp_replicate"], mp_policy=mp)
         return model
 
-    mixed = mp_dtype is not None and (layout.fsdp > 1 or layout.dp_replicate > 1)
+    mixed = mp_dtype is not None and (layout.shard_degree > 1 or layout.dp_replicate > 1)
     parallelize.param_dtype = str(mp_dtype).replace("torch.", "") if mixed else None
     parallelize.__name__ = f"the {layout} preset" + (
-        f" with FSDP2 mixed precision {str(mp_dtype).replace('torch.', '')}"
-        if mp_dtype is not None and (layout.fsdp > 1 or layout.dp_replicate > 1) else "")
+        f" with FSDP2 mixed precision {str(mp_dtype).replace('torch.', '')}" if mixed else "")
+    if layout.cp > 1:
+        parallelize.train_context = lambda args, kwargs: context_parallel_inputs(
+            cp_mesh[0], layout.cp, args, kwargs)
     return parallelize
+
+
+def context_parallel_inputs(cp_mesh, cp: int, args: tuple, kwargs: dict):
+    """torch's `context_parallel` over the step's inputs: every input tensor with the first
+    input's sequence length at dim 1 is sharded there (token ids, targets, a position or mask
+    row), in place, for the duration. A sequence the degree does not divide is refused: torch
+    would shard it unevenly and the ring's key/value blocks would differ between ranks."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].dim() < 2:
+        raise TapescopeError("context parallelism shards the inputs on their sequence "
+                             "dimension (dim 1): give the model a (batch, seq, ...) input first")
+    seq = tensors[0].shape[1]
+    if seq % cp:
+        raise TapescopeError(f"--cp {cp} does not divide the sequence of {seq} tokens: each rank "
+                             f"takes seq / cp of them; use a sequence that is a multiple of {cp}")
+    buffers = [t for t in tensors if t.dim() >= 2 and t.shape[1] == seq]
+    return context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers))
 
 
 # ---- what the CLI flags ask for ----------------------------------------------------------------
@@ -302,26 +363,31 @@ def load_function(text: str) -> Callable:
 
 def parallelization(fsdp: int = 1, tp: int = 1, hsdp: int = 1, dp_replicate: int = 1,
                     parallelize: str | None = None, mesh: str | None = None, amp=None,
-                    pp: int = 1):
+                    pp: int = 1, cp: int = 1):
     """(mesh dict, parallelize fn, amp for autocast) from the CLI's flags; (None, None, amp)
     when none asks for more than one rank. With a preset and amp, FSDP2's MixedPrecisionPolicy
     takes the place of autocast. --pp N puts a "pp" dimension outermost (torchtitan's order):
     the presets then parallelise each pipeline stage over the other dimensions."""
     if pp < 1:
         raise TapescopeError(f"--pp {pp}: a degree must be at least 1")
+    if pp > 1 and cp > 1:
+        raise TapescopeError(f"--pp {pp} with --cp {cp} is not supported yet: the preset opens "
+                             "torch's context_parallel around the built-in step, which a pipeline "
+                             "schedule does not run; drop one of them")
     if pp > 1:
         if mesh is not None:
             raise TapescopeError("--mesh gives the whole layout: put the pipeline in it "
                                  f"(--mesh pp={pp},...) instead of --pp {pp}")
         inner, fn, amp = parallelization(fsdp, tp, hsdp, dp_replicate, parallelize, None, amp)
         return {"pp": pp, **(inner or {})}, fn, amp
-    return _parallelization(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, amp)
+    return _parallelization(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, amp, cp)
 
 
-def _parallelization(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, amp):
+def _parallelization(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, amp, cp=1):
     from ..options import resolve_dtype
 
-    degrees = {"--fsdp": fsdp, "--tp": tp, "--hsdp": hsdp, "--dp-replicate": dp_replicate}
+    degrees = {"--fsdp": fsdp, "--tp": tp, "--hsdp": hsdp, "--dp-replicate": dp_replicate,
+               "--cp": cp}
     for flag, n in degrees.items():
         if n < 1:
             raise TapescopeError(f"{flag} {n}: a degree must be at least 1 (1, the default, "
@@ -340,19 +406,20 @@ def _parallelization(fsdp, tp, hsdp, dp_replicate, parallelize, mesh, amp):
         fn = load_function(parallelize)
         if mesh_dims is not None:
             return mesh_dims, fn, amp
-        layout = Layout(fsdp=fsdp, tp=tp, dp_replicate=replicate)
+        layout = Layout(fsdp=fsdp, tp=tp, dp_replicate=replicate, cp=cp)
         if layout.world_size == 1:
             raise TapescopeError("--parallelize needs the mesh it runs on: --mesh dp=4,tp=2 (or "
-                                 "--fsdp/--tp/--hsdp, which name it dp_replicate, dp_shard, tp)")
+                                 "--fsdp/--tp/--hsdp/--cp, which name it dp_replicate, dp_shard, "
+                                 "cp, tp)")
         return layout.mesh, fn, amp
     if mesh is not None:
         raise TapescopeError("--mesh goes with --parallelize file.py:fn (the presets --fsdp/--tp "
                              "name their own mesh)")
-    layout = Layout(fsdp=fsdp, tp=tp, dp_replicate=replicate)
+    layout = Layout(fsdp=fsdp, tp=tp, dp_replicate=replicate, cp=cp)
     if layout.world_size == 1:
         return None, None, amp
     mp = None
-    if amp is not None and (layout.fsdp > 1 or layout.dp_replicate > 1):
+    if amp is not None and (layout.shard_degree > 1 or layout.dp_replicate > 1):
         try:
             mp, amp = resolve_dtype(amp), None
         except ValueError as e:

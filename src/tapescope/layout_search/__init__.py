@@ -21,15 +21,16 @@ __all__ = ["search", "profile_candidate", "SearchResult", "SearchSpace", "Candid
 
 def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: int | None = None,
            amp: str | None = "bf16", dtype: str | None = None, optimizer: str = "adamw",
-           pp=None, tp=None, hsdp: bool = True, checkpointing=("none", "selective", "full"),
+           pp=None, tp=None, cp=None, hsdp: bool = True,
+           checkpointing=("none", "selective", "full"),
            schedules=("1f1b",), compile=(False,), max_steps: int = 16,
            gpus_per_node: int | None = None, workers: int = 1,
            ray: str | None = None, cache: str | None = None, brute_force: bool = False,
            top: int | None = 10, progress=None) -> SearchResult:
     """Search the layouts of `gpus` GPUs of `gpu` for model `spec` (a zoo / hf / file spec, as
     the CLI takes it: workers rebuild the model from it) at `global_batch` samples of `seq`
-    tokens per optimizer step. pp, tp: the degrees to try (default: powers of two, TP within a
-    node); hsdp: also HSDP with shard groups of one and two nodes (gpus_per_node: default the
+    tokens per optimizer step. pp, tp, cp: the degrees to try (default: powers of two, TP within
+    a node, CP where each rank keeps 8k tokens or more: space.cp_degrees); hsdp: also HSDP with shard groups of one and two nodes (gpus_per_node: default the
     GPU's node, devices/gpus.py); checkpointing: the modes
     tried on every block; max_steps: the most micro-batches per step a candidate may trace.
     workers: local processes (1: this process); ray: a Ray cluster address ("local" starts
@@ -45,7 +46,8 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
     space = SearchSpace(gpus, global_batch, gpus_per_node or interconnect(gpu_entry).gpus_per_node,
                         tuple(pp) if pp else None, tuple(tp) if tp else None, hsdp,
                         tuple(checkpointing), tuple(schedules), tuple(compile), max_steps,
-                        shape["blocks"], shape["heads"])
+                        shape["blocks"], shape["heads"], shape["seq"],
+                        tuple(cp) if cp else None)
     if ray is not None:
         from .ray_pool import RayPool
 

@@ -56,7 +56,10 @@ class Known:
         c = o.candidate
         if o.kernel_seconds:
             self.by_micro_batch.setdefault(_same_kernels(c), []).append(o)
-        if o.matmul_flops and c.layout.tp == 1 and c.layout.pp == 1 and not c.compile:
+        # a purely data-parallel trace: per sample, the model's whole matmul work (a CP rank
+        # does its share of a sample's)
+        if o.matmul_flops and c.layout.tp == 1 and c.layout.pp == 1 and c.layout.cp == 1 \
+                and not c.compile:
             dp = c.layout.fsdp * c.layout.dp_replicate
             own, again = (f / (c.rank_batch * dp) for f in o.matmul_flops)
             self.flops_per_sample["own"] = max(self.flops_per_sample.get("own", 0.0), own)

@@ -41,7 +41,7 @@ def tapescope_command(source: Source, c: Candidate) -> str:
     if source.optimizer != "adamw":
         args += ["--optimizer", source.optimizer]
     for flag, n in (("--pp", layout.pp), ("--hsdp", layout.dp_replicate), ("--fsdp", layout.fsdp),
-                    ("--tp", layout.tp)):
+                    ("--cp", layout.cp), ("--tp", layout.tp)):
         if n > 1:
             args += [flag, str(n)]
     if layout.pp > 1:
@@ -66,6 +66,7 @@ def _titan_fields(c: Candidate, seq: int | None, global_batch: int) -> dict:
         training["seq_len"] = seq
     parallelism = {"data_parallel_replicate_degree": layout.dp_replicate,
                    "data_parallel_shard_degree": layout.fsdp,
+                   "context_parallel_degree": layout.cp,
                    "tensor_parallel_degree": layout.tp,
                    "pipeline_parallel_degree": layout.pp}
     if layout.pp > 1:

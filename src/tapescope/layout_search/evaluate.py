@@ -107,7 +107,8 @@ class Outcome:
         from ..distributed.presets import Layout
 
         c = dict(d["candidate"])
-        layout = Layout(**{k: c.pop(k) for k in ("fsdp", "tp", "dp_replicate", "pp")})
+        layout = Layout(**{k: c.pop(k) for k in ("fsdp", "tp", "dp_replicate", "pp")},
+                        cp=c.pop("cp", 1))
         ranks = tuple(RankMemory(**{**{k: v for k, v in r.items() if k != "headroom_bytes"},
                                     "ranks": tuple(r["ranks"])}) for r in d["ranks"])
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
@@ -152,6 +153,8 @@ def _parallelize(candidate: Candidate, mp_dtype):
         return preset(model, mesh) if preset is not None else model
 
     parallelize.__name__ = candidate.label()
+    if preset is not None and hasattr(preset, "train_context"):  # CP: presets.py
+        parallelize.train_context = preset.train_context
     return parallelize
 
 
@@ -166,7 +169,7 @@ def candidate_options(source: Source, candidate: Candidate):
     # a pipeline splits the rank's batch into its micro-batches; otherwise one micro-batch is
     # traced per accumulation step
     workload, loss = source.workload(candidate.rank_batch if pipelined else candidate.micro_batch)
-    sharded = layout.fsdp > 1 or layout.dp_replicate > 1
+    sharded = layout.shard_degree > 1 or layout.dp_replicate > 1
     mp = resolve_dtype(source.amp) if sharded and source.amp else None
     single = layout.world_size == 1
     options = Options.create(

@@ -36,6 +36,9 @@ CHECKPOINTING = {"none": None, "selective": ("selective", SELECTIVE_SAVE), "full
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
+_ADDED_LATER = {"cp": 1}   # field -> its "not used" value
+
+
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
@@ -69,8 +72,9 @@ class Candidate:
         return ", ".join(parts)
 
     def key(self) -> str:
-        """A stable text key (the cache's)."""
-        d = self.to_dict()
+        """A stable text key (the cache's); a field added later is left out at its "not used"
+        value, so a candidate written before it keeps its key."""
+        d = {k: v for k, v in self.to_dict().items() if _ADDED_LATER.get(k, object()) != v}
         return ",".join(f"{k}={d[k]}" for k in sorted(d))
 
     def to_dict(self) -> dict:
@@ -97,6 +101,8 @@ class SearchSpace:
     max_steps: int = 16           # micro-batches per optimizer step traced at most
     n_blocks: int | None = None   # the model's repeated blocks (a stage holds at least one)
     heads: tuple = ()             # (heads, kv heads): TP must divide them
+    seq: int | None = None        # tokens of one sample: context parallelism splits them
+    cp: tuple | None = None       # context-parallel degrees (default: cp_degrees(seq))
 
     def __post_init__(self):
         if self.gpus < 1 or self.global_batch < 1:
@@ -115,26 +121,44 @@ def _powers(limit: int) -> list:
     return out
 
 
+# Context parallelism pays for its ring only on long sequences: a degree is tried when each of
+# its ranks keeps at least this many tokens (torchtitan's CP examples start at 8k per GPU of a
+# 32k-128k sequence), and when 2 x cp divides the sequence (torch's head-tail load balancing
+# splits it into 2 x cp chunks).
+CP_MIN_TOKENS_PER_RANK = 8192
+
+
+def cp_degrees(seq: int | None) -> tuple:
+    """The context-parallel degrees worth trying for `seq` tokens (see CP_MIN_TOKENS_PER_RANK)."""
+    if not seq:
+        return (1,)
+    return tuple(c for c in _powers(8) if c == 1 or seq // c >= CP_MIN_TOKENS_PER_RANK
+                 and seq % (2 * c) == 0)
+
+
 def layouts_of(space: SearchSpace) -> list[Layout]:
-    """The layouts of the space whose data-parallel degree divides the global batch."""
+    """The layouts of the space whose data-parallel degree divides the global batch (CP degrees
+    without a pipeline: distributed/presets.py)."""
     out = []
     for pp in space.pp or _powers(8):
         if space.gpus % pp or space.n_blocks is not None and pp > space.n_blocks:
             continue
-        for tp in space.tp or _powers(space.gpus_per_node):
-            rest = space.gpus // pp
-            if rest % tp or any(h and h % tp for h in space.heads):
-                continue
-            dp = rest // tp
-            if space.global_batch % dp:
-                continue
-            out.append(Layout(fsdp=dp, tp=tp, pp=pp))
-            if not space.hsdp:
-                continue
-            for nodes in (1, 2):  # shard over one or two nodes' worth of GPUs, replicate across
-                shard = space.gpus_per_node * nodes // tp
-                if 1 < shard < dp and dp % shard == 0:
-                    out.append(Layout(fsdp=shard, tp=tp, pp=pp, dp_replicate=dp // shard))
+        for cp in (space.cp or cp_degrees(space.seq)) if pp == 1 else (1,):
+            for tp in space.tp or _powers(space.gpus_per_node):
+                rest = space.gpus // pp
+                if rest % (tp * cp) or any(h and h % tp for h in space.heads):
+                    continue
+                dp = rest // (tp * cp)
+                if space.global_batch % dp:
+                    continue
+                out.append(Layout(fsdp=dp, tp=tp, pp=pp, cp=cp))
+                if not space.hsdp:
+                    continue
+                for nodes in (1, 2):  # shard over one or two nodes' GPUs, replicate across
+                    shard = space.gpus_per_node * nodes // (tp * cp)
+                    if 1 < shard < dp and dp % shard == 0:
+                        out.append(Layout(fsdp=shard, tp=tp, pp=pp, cp=cp,
+                                          dp_replicate=dp // shard))
     return list(dict.fromkeys(out))
 
 

@@ -381,8 +381,9 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
         console.print("  pipelined layouts: 1F1B over one micro-batch per sample; their step is "
                       "the schedule's, bubble included", highlight=False, markup=False)
     console.print("  global batch = batch per rank x FSDP x replicas (the TP ranks of a group "
-                  "share a batch), so it differs between layouts: compare throughput, not step "
-                  "time", highlight=False, markup=False)
+                  "share a batch, the CP ranks one batch of the whole sequence), so it differs "
+                  "between layouts: compare throughput, not step time", highlight=False,
+                  markup=False)
     if budget is not None:
         console.print(f"  fits: the peak per rank within the budget, {fmt_bytes(budget)}",
                       highlight=False, markup=False)
