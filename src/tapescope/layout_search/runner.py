@@ -122,7 +122,7 @@ class InProcess:
             f.set_exception(e)
         return f
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         pass
 
 
@@ -140,8 +140,18 @@ class LocalPool:
     def submit(self, fn, *args) -> Future:
         return self.pool.submit(fn, *args)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers. abort (Ctrl-C, SIGTERM, an error): end the candidates they are
+        tracing too; a 70B trace runs for minutes, and ProcessPoolExecutor's shutdown lets a
+        running task finish. concurrent.futures has no public way to end its processes before
+        Python 3.14 (terminate_workers), so they are terminated by their handles."""
+        processes = list((self.pool._processes or {}).values()) if abort else []
         self.pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(timeout=10)
 
 
 # ---- the cache ---------------------------------------------------------------------------------
@@ -300,7 +310,7 @@ class _Grid:
         # (a pipelined candidate traces every stage's micro-batches), the most tensor
         # parallelism first (the least memory per rank), screens and small micro-batches first
         return sorted(dict.fromkeys(ready), key=lambda c: (
-            c.layout.pp, -c.layout.tp, c.layout.dp_replicate, c in self.all, c.micro_batch,
+            c.layout.pp, c.layout.tp, c.layout.dp_replicate, c in self.all, c.micro_batch,
             RECOMPUTE_ORDER.index(c.checkpointing)))
 
     def _open(self, c: Candidate) -> bool:
@@ -376,6 +386,24 @@ def _dominated(c: Candidate, outcomes: dict) -> bool:
                for o in (outcomes.get(replace(c, checkpointing=m)) for m in lighter))
 
 
+def _stop_on_sigterm():
+    """While the search runs, SIGTERM raises SystemExit (as Ctrl-C raises KeyboardInterrupt), so
+    that the search's `finally` ends its worker processes instead of leaving them tracing
+    (Python's default SIGTERM ends this process alone). Returns what puts the old handler back;
+    signal handlers can only be set from the main thread: elsewhere it changes nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
 def _ordinal(n: int) -> str:
     return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
@@ -416,6 +444,8 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
             best = o
         tell(o)
 
+    finished = False
+    restore = _stop_on_sigterm()
     try:
         while True:
             ready = grid.update(brute_force)
@@ -445,8 +475,10 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
                     # that candidate is unprofiled, the search goes on and says why
                     o = Outcome(c, ERROR, reason=f"{type(e).__name__}: {e}".split("\n")[0])
                 record(o)
+        finished = True
     finally:
-        pool.close()
+        restore()
+        pool.close(abort=not finished)
     evaluated = [grid.outcome[c] for ch in grid.chains.values() for c in ch if c in grid.outcome]
     reasons = {o.reason for o in evaluated}
     if evaluated and all(o.status == ERROR for o in evaluated) and len(reasons) == 1:
