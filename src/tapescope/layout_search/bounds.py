@@ -16,7 +16,14 @@ guess at the candidate's own figures:
   slowest rank, read off any trace of the same layout, schedule and micro-batch size: its
   one-micro-batch screen, or the same step with less recompute (a heavier mode runs the
   lighter one's kernels and more: checkpointing's own handling adds ~1% on a 70B TP 8 step;
-  the recomputed kernels count only from the same mode).
+  the recomputed kernels count only from the same mode). Each kernel counts at its price
+  alone (overlapped by a collective it only runs slower), plus the compute stream's waits
+  that no schedule hides: the stretch from the kernel that wrote a collective's input to the
+  first kernel that reads its output lasts at least the collective's seconds (a tensor-parallel
+  step's all-gathers and reduce-scatters between its matmuls; stream_floors below). And the
+  step lasts at least the micro-batches times one micro-batch's collectives on its busiest
+  NCCL stream (one process group's collectives run one after another; FSDP2 gathers and
+  reduces again every micro-batch).
 - `model_flops`: sharding splits the matmuls and never removes one (TP and PP split a matmul's
   rows, columns or layers over ranks; data parallelism splits the batch), so the job's matmul
   FLOPs are at least those of a purely data-parallel trace per sample times the global batch,
@@ -98,7 +105,7 @@ def model_flops(c: Candidate, known: Known) -> Bound | None:
 BOUNDS = (repeated_kernels, model_flops)
 
 
-def stream_floors(q) -> tuple:
+def stream_floors(q, waits: bool = True) -> tuple:
     """(own, recomputed, collectives, recomputed collectives): seconds a rank's compute stream
     provably spends in one step's forward and backward, and the busiest NCCL stream's
     collectives there (q: its Profile, timed by analysis/timing.py's eager model), as a sum that
@@ -120,7 +127,11 @@ def stream_floors(q) -> tuple:
     least its seconds on the interconnect, and the step lasts until they are done (timing.py:
     a collective's end closes its phase); every micro-batch repeats its forward's and
     backward's collectives (FSDP2 gathers again after resharding and reduces every
-    micro-batch's gradients: tapescope never turns gradient sync off)."""
+    micro-batch's gradients: tapescope never turns gradient sync off).
+
+    waits=False: the kernels alone, for a pipelined step, whose time is the schedule's
+    (distributed/pipeline.py: each rank's actions as long as its trace says, waiting on the
+    stages they depend on), not this stream model's."""
     from ..analysis.kernel_cost import on_gpu
     from ..analysis.op_classes import launches_kernel
     from ..analysis.timing import kernel_seconds
@@ -174,6 +185,8 @@ def stream_floors(q) -> tuple:
     running = [0.0]
     for i in positions:
         running.append(running[-1] + price[i])
+    if not waits:
+        return own, again, 0.0, 0.0
     last = -1
     for p, qi, seconds, recomputed in sorted(windows, key=lambda w: (w[1], w[0])):
         if p < last:

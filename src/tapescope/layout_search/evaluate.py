@@ -264,6 +264,7 @@ def _bound_figures(p, ranks) -> dict:
     from .bounds import stream_floors
 
     seconds, flops = [], [0, 0]
+    pipelined = p.distributed.pipeline if p.distributed is not None else None
     for r, q in zip(ranks, _traced(p)):
         t = q.time
         if t is None or t.calibration or q.compiled is not None or \
@@ -272,7 +273,7 @@ def _bound_figures(p, ranks) -> dict:
         for op in q.ops:
             if op.flops and op_class(op.record.func) == "matmul":
                 flops[op.recompute] += len(r.ranks) * op.total_flops
-        seconds.append(stream_floors(q))
+        seconds.append(stream_floors(q, waits=pipelined is None))
     return {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops)}
 
 

@@ -258,8 +258,9 @@ class _Grid:
             if len(modes) > 1:
                 screen = replace(probe, steps=1) if probe.layout.pp == 1 and probe.steps > 1 \
                     else None
-                check = self.screens.get(screen) if screen is not None else \
-                    self.outcome.get(probe)
+                check = self.screens.get(screen) if screen is not None else None
+                if check is None:   # its screen skipped (a cost choice) or none to make
+                    check = self.outcome.get(probe)
                 if self._ooms(probe) or check is not None and check.status == OOM:
                     for m in modes:
                         for c in family[m]:
@@ -306,12 +307,18 @@ class _Grid:
                     if i and not (chain[i - 1] in self.outcome or chain[i - 1] in self.pruned):
                         continue  # wait: the smaller micro-batch may run out
                     ready += self._gate(c)
-        # cheap and likely first, so that a best is known early: no pipeline before pipelines
+        # best first by an admissible estimate: the lower bound on the step the traces so far
+        # give (0 where none applies yet: it may be the best), so that the top is known early
+        # and the bounds prune more; then cheap and likely first: no pipeline before pipelines
         # (a pipelined candidate traces every stage's micro-batches), the most tensor
         # parallelism first (the least memory per rank), screens and small micro-batches first
+        def estimate(c):
+            b = lower_bound(c, self.known) if self.top is not None else None
+            return b.seconds if b is not None else 0.0
+
         return sorted(dict.fromkeys(ready), key=lambda c: (
-            c.layout.pp, c.layout.tp, c.layout.dp_replicate, c in self.all, c.micro_batch,
-            RECOMPUTE_ORDER.index(c.checkpointing)))
+            estimate(c), c.layout.pp, -c.layout.tp, c.layout.dp_replicate, c in self.all,
+            c.micro_batch, RECOMPUTE_ORDER.index(c.checkpointing)))
 
     def _open(self, c: Candidate) -> bool:
         return c not in self.outcome and c not in self.pruned and c not in self.started
