@@ -76,6 +76,7 @@ class SearchResult:
     top: int | None = None                            # the rows branch and bound kept exact
     bounds: dict = field(default_factory=dict)        # Candidate -> the step-time bound (s) that
                                                       # pruned it
+    screens: int = 0                                  # one-micro-batch screens traced (unlisted)
 
     @property
     def ranked(self) -> list:
@@ -493,4 +494,4 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     pruned = [(c, grid.pruned[c]) for ch in grid.chains.values() for c in ch if c in grid.pruned]
     return SearchResult(source, space, evaluated, pruned, list(grid.skipped),
                         time.perf_counter() - start, pool.name, grid.top,
-                        {c: b.seconds for c, b in grid.bounds.items()})
+                        {c: b.seconds for c, b in grid.bounds.items()}, len(grid.screens))
