@@ -16,7 +16,14 @@ guess at the candidate's own figures:
   slowest rank, read off any trace of the same layout, schedule and micro-batch size: its
   one-micro-batch screen, or the same step with less recompute (a heavier mode runs the
   lighter one's kernels and more: checkpointing's own handling adds ~1% on a 70B TP 8 step;
-  the recomputed kernels count only from the same mode).
+  the recomputed kernels count only from the same mode). Each kernel counts at its price
+  alone (overlapped by a collective it only runs slower), plus the compute stream's waits
+  that no schedule hides: the stretch from the kernel that wrote a collective's input to the
+  first kernel that reads its output lasts at least the collective's seconds (a tensor-parallel
+  step's all-gathers and reduce-scatters between its matmuls; stream_floors below). And the
+  step lasts at least the micro-batches times one micro-batch's collectives on its busiest
+  NCCL stream (one process group's collectives run one after another; FSDP2 gathers and
+  reduces again every micro-batch).
 - `model_flops`: sharding splits the matmuls and never removes one (TP and PP split a matmul's
   rows, columns or layers over ranks; data parallelism splits the batch), so the job's matmul
   FLOPs are at least those of a purely data-parallel trace per sample times the global batch,
@@ -30,6 +37,7 @@ least each bound the rules give it.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from .space import RECOMPUTE_ORDER, Candidate
@@ -77,8 +85,10 @@ def repeated_kernels(c: Candidate, known: Known) -> Bound | None:
         if RECOMPUTE_ORDER.index(x.candidate.checkpointing) > \
                 RECOMPUTE_ORDER.index(c.checkpointing):
             continue   # checkpointing adds kernels of its own (~1% on a 70B step): never less
-        seconds = max(c.steps * (own + (again if same_mode else 0.0)) / x.candidate.steps
-                      for own, again in x.kernel_seconds)
+        seconds = max(c.steps * max(own + (again if same_mode else 0.0),
+                                    comm + (comm_again if same_mode else 0.0))
+                      / x.candidate.steps
+                      for own, again, comm, comm_again in x.kernel_seconds)
         if best is None or seconds > best.seconds:
             best = Bound(seconds, f"{c.steps} x one micro-batch's forward and backward kernels, "
                                   f"as traced in {x.candidate.label()}")
@@ -96,6 +106,109 @@ def model_flops(c: Candidate, known: Known) -> Bound | None:
 
 
 BOUNDS = (repeated_kernels, model_flops)
+
+
+def stream_floors(q, waits: bool = True) -> tuple:
+    """(own, recomputed, collectives, recomputed collectives): seconds a rank's compute stream
+    provably spends in one step's forward and backward, and the busiest NCCL stream's
+    collectives there (q: its Profile, timed by analysis/timing.py's eager model), as a sum that
+    holds for every micro-batch running the same ops, whatever the collectives around them.
+
+    Each kernel at its price alone (kernel_cost; a kernel overlapped by a collective is only
+    slower). Plus the waits no schedule hides: a collective C whose input was last written by
+    compute-stream kernel P, read first by compute-stream kernel Q. The time model starts C no
+    earlier than P ends, and Q no earlier than C ends, and the compute stream runs in order, so
+    from P's end to Q's start it runs only the kernels issued between them and idles for the
+    rest: that stretch lasts at least max(C's seconds, their kernels' seconds). Windows that do
+    not overlap add up (a tensor-parallel step's all-gathers and reduce-scatters between its
+    matmuls and norms; an FSDP all-gather's input comes from its copy-in stream: no window).
+    A window counts as recomputed when C is a recomputed op (another mode would not run it).
+    A mode with more recompute runs the same ops with more between: each window's stretch
+    only grows, so a lighter mode's own floor bounds the heavier mode's step too.
+
+    The collectives: one process group's run on its NCCL stream one after another, each for at
+    least its seconds on the interconnect, and the step lasts until they are done (timing.py:
+    a collective's end closes its phase); every micro-batch repeats its forward's and
+    backward's collectives (FSDP2 gathers again after resharding and reduces every
+    micro-batch's gradients: tapescope never turns gradient sync off).
+
+    waits=False: the kernels alone, for a pipelined step, whose time is the schedule's
+    (distributed/pipeline.py: each rank's actions as long as its trace says, waiting on the
+    stages they depend on), not this stream model's."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import BACKWARD, FORWARD
+
+    comm = {c.op: c.seconds for c in q.collectives}
+    on_stream: dict = {}      # (NCCL stream, recomputed) -> collective seconds in fwd / bwd
+    for c in q.collectives:
+        op = q.ops[c.op] if c.op < len(q.ops) and q.ops[c.op].index == c.op else None
+        if op is not None and op.phase in (FORWARD, BACKWARD):
+            key = (c.stream, op.recompute)
+            on_stream[key] = on_stream.get(key, 0.0) + c.seconds * op.runs
+    storages = q.trace.storages
+    price: dict = {}          # position -> seconds alone, compute-stream kernels in fwd / bwd
+    writer: dict = {}         # storage -> position of the compute kernel that last wrote it
+    pending: list = []        # (collective position, P, its output storages)
+    windows: list = []        # (P, Q, collective seconds, recomputed)
+    for i, op in enumerate(q.ops):
+        if op.index in comm:
+            ps = [writer.get(r.storage) for r in op.inputs]
+            ps = [x for x in ps if x is not None]
+            outs = {r.storage for r in op.outputs}
+            for w in pending:   # a later collective's write decides when its readers start
+                w[1].difference_update(outs)
+            if op.phase in (FORWARD, BACKWARD) and ps and \
+                    q.ops[max(ps)].phase in (FORWARD, BACKWARD):
+                pending.append((max(ps), {r.storage for r in op.outputs},
+                                comm[op.index] * op.runs, op.recompute))
+            for r in op.outputs:
+                writer.pop(r.storage, None)
+            continue
+        kernel = launches_kernel(op.record.func) and on_gpu(op, storages)
+        if not kernel or op.record.stream:
+            if kernel:
+                for r in op.outputs:
+                    writer.pop(r.storage, None)
+            continue
+        if op.phase in (FORWARD, BACKWARD):
+            price[i] = kernel_seconds(op, q.gpu, storages)[0] * op.runs
+            reads = {r.storage for r in op.inputs}
+            for w in [w for w in pending if w[1] & reads]:
+                pending.remove(w)
+                windows.append((w[0], i, w[2], w[3]))
+        else:
+            pending.clear()   # a window leaving forward and backward does not count
+        for r in op.outputs:
+            writer[r.storage] = i
+    own = sum(t for i, t in price.items() if not q.ops[i].recompute)
+    again = sum(t for i, t in price.items() if q.ops[i].recompute)
+    positions = list(price)   # ascending
+    running = [0.0]
+    for i in positions:
+        running.append(running[-1] + price[i])
+    if not waits:
+        return own, again, 0.0, 0.0
+    last = -1
+    for p, qi, seconds, recomputed in sorted(windows, key=lambda w: (w[1], w[0])):
+        if p < last:
+            continue   # overlaps a window already counted
+        between = running[bisect.bisect_left(positions, qi)] - \
+            running[bisect.bisect_right(positions, p)]
+        idle = max(0.0, seconds - between)
+        if recomputed:
+            again += idle
+        else:
+            own += idle
+        last = qi
+    streams = {s for s, _ in on_stream}
+    busiest = max(streams, key=lambda s: on_stream.get((s, False), 0.0), default=None)
+    comm = on_stream.get((busiest, False), 0.0)
+    # with the same mode's recomputed collectives: the busiest stream counting them
+    both = max((on_stream.get((s, False), 0.0) + on_stream.get((s, True), 0.0)
+                for s in streams), default=0.0)
+    return own, again, comm, both - comm
 
 
 def lower_bound(c: Candidate, known: Known) -> Bound | None:

@@ -116,7 +116,7 @@ class Outcome:
                               "matmul_flops")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
-                   kernel_seconds=tuple(tuple(x) for x in d.get("kernel_seconds", ())),
+                   kernel_seconds=tuple((*x, 0.0, 0.0)[:4] for x in d.get("kernel_seconds", ())),
                    matmul_flops=tuple(d.get("matmul_flops", ())), **kept)
 
 
@@ -259,28 +259,24 @@ def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outc
 
 def _bound_figures(p, ranks) -> dict:
     """Outcome's kernel_seconds and matmul_flops: per traced rank class, (own, recomputed)
-    seconds of the forward's and backward's kernels on the compute stream; the job's matmul
-    FLOPs (own, recomputed). Empty where a rank's time is not the eager kernel model's."""
+    seconds the compute stream is provably busy or idle in forward and backward
+    and the busiest NCCL stream's collectives there
+    (layout_search/bounds.py, stream_floors); the job's matmul FLOPs (own, recomputed).
+    Empty where a rank's time is not the eager kernel model's."""
     from ..analysis.op_classes import op_class
-    from ..capture.records import BACKWARD, FORWARD
+    from .bounds import stream_floors
 
     seconds, flops = [], [0, 0]
+    pipelined = p.distributed.pipeline if p.distributed is not None else None
     for r, q in zip(ranks, _traced(p)):
         t = q.time
         if t is None or t.calibration or q.compiled is not None or \
                 len(t.op_seconds) != len(q.ops):
             return {}
-        own = again = 0.0
-        for op, s in zip(q.ops, t.op_seconds):
-            cls = op_class(op.record.func)
-            if cls == "matmul" and op.flops:
+        for op in q.ops:
+            if op.flops and op_class(op.record.func) == "matmul":
                 flops[op.recompute] += len(r.ranks) * op.total_flops
-            if op.phase in (FORWARD, BACKWARD) and not op.record.stream:
-                if op.recompute:
-                    again += s
-                else:
-                    own += s
-        seconds.append((own, again))
+        seconds.append(stream_floors(q, waits=pipelined is None))
     return {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops)}
 
 

@@ -37,6 +37,6 @@ class RayPool:
             self._task = self.ray.remote(num_cpus=1)(fn)
         return self._task.remote(*args).future()
 
-    def close(self) -> None:
-        if self._started:
+    def close(self, abort: bool = False) -> None:
+        if self._started:   # shutting down the instance it started ends its tasks too
             self.ray.shutdown()

@@ -76,6 +76,7 @@ class SearchResult:
     top: int | None = None                            # the rows branch and bound kept exact
     bounds: dict = field(default_factory=dict)        # Candidate -> the step-time bound (s) that
                                                       # pruned it
+    screens: int = 0                                  # one-micro-batch screens traced (unlisted)
 
     @property
     def ranked(self) -> list:
@@ -122,7 +123,7 @@ class InProcess:
             f.set_exception(e)
         return f
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         pass
 
 
@@ -140,8 +141,18 @@ class LocalPool:
     def submit(self, fn, *args) -> Future:
         return self.pool.submit(fn, *args)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers. abort (Ctrl-C, SIGTERM, an error): end the candidates they are
+        tracing too; a 70B trace runs for minutes, and ProcessPoolExecutor's shutdown lets a
+        running task finish. concurrent.futures has no public way to end its processes before
+        Python 3.14 (terminate_workers), so they are terminated by their handles."""
+        processes = list((self.pool._processes or {}).values()) if abort else []
         self.pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(timeout=10)
 
 
 # ---- the cache ---------------------------------------------------------------------------------
@@ -248,8 +259,9 @@ class _Grid:
             if len(modes) > 1:
                 screen = replace(probe, steps=1) if probe.layout.pp == 1 and probe.steps > 1 \
                     else None
-                check = self.screens.get(screen) if screen is not None else \
-                    self.outcome.get(probe)
+                check = self.screens.get(screen) if screen is not None else None
+                if check is None:   # its screen skipped (a cost choice) or none to make
+                    check = self.outcome.get(probe)
                 if self._ooms(probe) or check is not None and check.status == OOM:
                     for m in modes:
                         for c in family[m]:
@@ -296,12 +308,18 @@ class _Grid:
                     if i and not (chain[i - 1] in self.outcome or chain[i - 1] in self.pruned):
                         continue  # wait: the smaller micro-batch may run out
                     ready += self._gate(c)
-        # cheap and likely first, so that a best is known early: no pipeline before pipelines
+        # best first by an admissible estimate: the lower bound on the step the traces so far
+        # give (0 where none applies yet: it may be the best), so that the top is known early
+        # and the bounds prune more; then cheap and likely first: no pipeline before pipelines
         # (a pipelined candidate traces every stage's micro-batches), the most tensor
         # parallelism first (the least memory per rank), screens and small micro-batches first
+        def estimate(c):
+            b = lower_bound(c, self.known) if self.top is not None else None
+            return b.seconds if b is not None else 0.0
+
         return sorted(dict.fromkeys(ready), key=lambda c: (
-            c.layout.pp, -c.layout.tp, c.layout.dp_replicate, c in self.all, c.micro_batch,
-            RECOMPUTE_ORDER.index(c.checkpointing)))
+            estimate(c), c.layout.pp, -c.layout.tp, c.layout.dp_replicate, c in self.all,
+            c.micro_batch, RECOMPUTE_ORDER.index(c.checkpointing)))
 
     def _open(self, c: Candidate) -> bool:
         return c not in self.outcome and c not in self.pruned and c not in self.started
@@ -376,6 +394,24 @@ def _dominated(c: Candidate, outcomes: dict) -> bool:
                for o in (outcomes.get(replace(c, checkpointing=m)) for m in lighter))
 
 
+def _stop_on_sigterm():
+    """While the search runs, SIGTERM raises SystemExit (as Ctrl-C raises KeyboardInterrupt), so
+    that the search's `finally` ends its worker processes instead of leaving them tracing
+    (Python's default SIGTERM ends this process alone). Returns what puts the old handler back;
+    signal handlers can only be set from the main thread: elsewhere it changes nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
 def _ordinal(n: int) -> str:
     return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
@@ -416,6 +452,8 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
             best = o
         tell(o)
 
+    finished = False
+    restore = _stop_on_sigterm()
     try:
         while True:
             ready = grid.update(brute_force)
@@ -445,8 +483,10 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
                     # that candidate is unprofiled, the search goes on and says why
                     o = Outcome(c, ERROR, reason=f"{type(e).__name__}: {e}".split("\n")[0])
                 record(o)
+        finished = True
     finally:
-        pool.close()
+        restore()
+        pool.close(abort=not finished)
     evaluated = [grid.outcome[c] for ch in grid.chains.values() for c in ch if c in grid.outcome]
     reasons = {o.reason for o in evaluated}
     if evaluated and all(o.status == ERROR for o in evaluated) and len(reasons) == 1:
@@ -454,4 +494,4 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     pruned = [(c, grid.pruned[c]) for ch in grid.chains.values() for c in ch if c in grid.pruned]
     return SearchResult(source, space, evaluated, pruned, list(grid.skipped),
                         time.perf_counter() - start, pool.name, grid.top,
-                        {c: b.seconds for c, b in grid.bounds.items()})
+                        {c: b.seconds for c, b in grid.bounds.items()}, len(grid.screens))
