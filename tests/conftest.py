@@ -1,5 +1,7 @@
 """Shared helpers: small models, and the real-run ground truth."""
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -54,3 +56,31 @@ def _no_calibration_from_the_environment(monkeypatch):
     """A TAPESCOPE_CALIBRATION of the shell running the tests would price every CUDA profile's
     time from that file; tests that use one set it themselves."""
     monkeypatch.delenv("TAPESCOPE_CALIBRATION", raising=False)
+
+
+@pytest.fixture(scope="session")
+def real_runs(request):
+    """The real gloo runs of every collected test module that declares REAL_JOBS ({key: [RealJob,
+    ...]}), run in one spawn of processes per world size: starting a world (each process imports
+    torch and tapescope) costs about 9 s of CPU for 2 ranks, more than a small job. Each job is a
+    profiler session of its own, read from its own allocator events (validate/distributed.py), as
+    the jobs of one module already were. Returns {(module name, key): [each job's ranks]}.
+
+    Only the modules with a selected test that uses this fixture contribute, in name order, so a
+    file run alone runs its own jobs alone."""
+    from tapescope.validate.distributed import run_real_jobs
+
+    modules = {item.module for item in request.session.items
+               if "real_runs" in getattr(item, "fixturenames", ())}
+    by_world: dict = {}  # world size -> [(module name, key, jobs)]
+    for module in sorted(modules, key=lambda m: m.__name__):
+        for key, jobs in module.REAL_JOBS.items():
+            worlds = {math.prod(job.mesh.values()) for job in jobs}
+            assert len(worlds) == 1, (module.__name__, key, worlds)
+            by_world.setdefault(worlds.pop(), []).append((module.__name__, key, list(jobs)))
+    out = {}
+    for groups in by_world.values():
+        runs = iter(run_real_jobs([job for _, _, jobs in groups for job in jobs]))
+        for name, key, jobs in groups:
+            out[(name, key)] = [next(runs) for _ in jobs]
+    return out

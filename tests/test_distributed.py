@@ -4,7 +4,8 @@ Truth: `validate.distributed.run_real_jobs` runs each step in one process per ra
 CPU), applying the same parallelize function to the same model, and reads every rank's allocator
 through torch.profiler memory events, as the single-process truth tests do (counting the
 program's tensors, not gloo's internal buffers). tapescope traces every rank in this one process
-with the fake process group. Each world size is one spawn of processes.
+with the fake process group. Each world size is one spawn of processes (shared with the other
+modules' real runs of that size: conftest.real_runs).
 
 gloo's worker threads hold a collective's tensors until just after the wait returns; when the
 program has dropped its own reference by then, the free comes late, at a moment that varies from
@@ -19,7 +20,7 @@ the bytes a backend thread freed late in that step, which the truth counts (`lat
 import pytest
 
 import tapescope
-from tapescope.validate.distributed import RealJob, run_real_jobs
+from tapescope.validate.distributed import RealJob
 
 from . import distributed_models as dm
 
@@ -49,16 +50,20 @@ def _build(name):
     return dm.build_routed if "routed" in name else dm.build
 
 
+# each case's runs, one key a world size: the session runs them with the other modules' jobs
+# of that world size, in one spawn of processes (conftest.real_runs)
+NAMES = {world: [name for name, _, _ in cases for _ in range(CASE_REPEATS.get(name, REPEATS))]
+         for world, cases in CASES.items()}
+REAL_JOBS = {world: [RealJob(_build(name), (dm.INPUT,), mesh, par, steps=STEPS)
+                     for name, mesh, par in cases for _ in range(CASE_REPEATS.get(name, REPEATS))]
+             for world, cases in CASES.items()}
+
+
 @pytest.fixture(scope="module")
-def real():
+def real(real_runs):
     out = {}
-    for world, cases in CASES.items():
-        jobs, names = [], []
-        for name, mesh, par in cases:
-            for _ in range(CASE_REPEATS.get(name, REPEATS)):
-                jobs.append(RealJob(_build(name), (dm.INPUT,), mesh, par, steps=STEPS))
-                names.append(name)
-        for name, run in zip(names, run_real_jobs(jobs)):
+    for world, names in NAMES.items():
+        for name, run in zip(names, real_runs[(__name__, world)]):
             out.setdefault((world, name), []).append(run)
     return out
 

@@ -15,7 +15,7 @@ from tapescope.api import profile_workload
 from tapescope.distributed.presets import Layout
 from tapescope.layouts import layout_options
 from tapescope.options import Options, Workload
-from tapescope.validate.distributed import RealJob, run_real_jobs
+from tapescope.validate.distributed import RealJob
 
 from . import distributed_models as dm
 
@@ -27,15 +27,17 @@ LAYOUTS = {"fsdp": (Layout(fsdp=2), dm.ac_then_fsdp_llama),
            "tp": (Layout(tp=2), dm.tp_then_ac_llama)}
 
 
+# two runs a layout: a real rank's steady peak varies upward between steps and runs (gloo's
+# worker threads hold tensors: +256 B to +66 KiB seen here), so the trace must be at or under
+# every one and equal one (as tests/test_fsdp_checkpoint.py). Run with the other modules' real
+# jobs of 2 ranks, in one spawn of processes (conftest.real_runs)
+REAL_JOBS = {name: [RealJob(dm.pipeline_llama, INPUTS, layout.mesh, par, steps=STEPS)] * 2
+             for name, (layout, par) in LAYOUTS.items()}
+
+
 @pytest.fixture(scope="module")
-def real():
-    # two runs a layout: a real rank's steady peak varies upward between steps and runs (gloo's
-    # worker threads hold tensors: +256 B to +66 KiB seen here), so the trace must be at or under
-    # every one and equal one (as tests/test_fsdp_checkpoint.py)
-    jobs = [RealJob(dm.pipeline_llama, INPUTS, layout.mesh, par, steps=STEPS)
-            for layout, par in LAYOUTS.values() for _ in range(2)]
-    runs = run_real_jobs(jobs)
-    return {name: runs[2 * i:2 * i + 2] for i, name in enumerate(LAYOUTS)}
+def real(real_runs):
+    return {name: real_runs[(__name__, name)] for name in LAYOUTS}
 
 
 def _matches(pred: int, observed: list) -> None:

@@ -110,20 +110,27 @@ def test_fsdp_float8_all_gather_bytes_equal_a_fake_process_group_run(float8_all_
     assert gathered == ({weight} if float8_all_gather else {weight * 4})
 
 
-def test_float8_fsdp_rank_peaks_equal_gloo_runs():
+def _float8_real_jobs() -> dict:
+    from tapescope.validate.distributed import RealJob
+
+    return {"fsdp": [RealJob(float8_mlp_bf16_all_gather, (torch.randn(BATCH, D_IN),),
+                             {"fsdp": 2}, fully_shard_each_linear, steps=3)] * 3}
+
+
+# run with the other modules' real jobs of 2 ranks, in one spawn of processes (conftest.real_runs)
+REAL_JOBS = _float8_real_jobs()
+
+
+def test_float8_fsdp_rank_peaks_equal_gloo_runs(real_runs):
     """float8 linears under FSDP2 without the float8 all-gather (fp32 weights gathered, then cast
     to float8 for each GEMM), real gloo processes: every rank's first and steady peak to the
     byte. A real peak can be higher in one run than another (gloo's worker threads free a
     collective's tensors when they let go of them, tests/test_distributed.py), so as there: the
     job runs 3 times for 3 steps, no observation is below the prediction and one equals it.
     (gloo cannot all-gather float8, so the float8 all-gather has no such truth.)"""
-    from tapescope.validate.distributed import RealJob, run_real_jobs
-
     p = tapescope.profile(float8_mlp_bf16_all_gather, tapescope.spec((BATCH, D_IN)),
                           device="cpu", mesh={"fsdp": 2}, parallelize=fully_shard_each_linear)
-    job = RealJob(float8_mlp_bf16_all_gather, (torch.randn(BATCH, D_IN),), {"fsdp": 2},
-                  fully_shard_each_linear, steps=3)
-    runs = run_real_jobs([job] * 3)
+    runs = real_runs[(__name__, "fsdp")]
     for rank in range(2):
         assert all(run[rank].unstepped == 0 for run in runs)
         for predicted, steps in ((p.ranks[rank].first_step_peak_bytes, [1]),

@@ -6,18 +6,21 @@ wrapping the blocks in checkpoint_wrapper before fully_shard."""
 import pytest
 
 import tapescope
-from tapescope.validate.distributed import RealJob, run_real_jobs
+from tapescope.validate.distributed import RealJob
 
 from . import distributed_models as dm
 
 SCALAR_TEMPS = 16  # the CPU kernels' Python-scalar temporaries (README, Accuracy)
 
 
+# run with the other modules' real jobs of 2 ranks, in one spawn of processes (conftest.real_runs)
+REAL_JOBS = {"plan": [RealJob(dm.build, (dm.INPUT,), {"dp": 2}, par, steps=3)
+                      for par in (dm.ac_fsdp, dm.ac_fsdp, dm.fsdp)]}
+
+
 @pytest.fixture(scope="module")
-def real():
-    jobs = [RealJob(dm.build, (dm.INPUT,), {"dp": 2}, par, steps=3)
-            for par in (dm.ac_fsdp, dm.ac_fsdp, dm.fsdp)]
-    return run_real_jobs(jobs)
+def real(real_runs):
+    return real_runs[(__name__, "plan")]
 
 
 def test_a_checkpointing_plan_under_fsdp_matches_the_real_processes(real):

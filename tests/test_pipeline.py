@@ -15,7 +15,7 @@ import torch.nn as nn
 import tapescope
 from tapescope.distributed.pipeline import block_range, split_blocks
 from tapescope.errors import TapescopeError
-from tapescope.validate.distributed import RealJob, run_real_jobs
+from tapescope.validate.distributed import RealJob
 
 from . import distributed_models as dm
 
@@ -42,14 +42,19 @@ def _pipeline(schedule):
     return {"schedule": schedule, "microbatches": MICROBATCHES}
 
 
+RUN = {world: cases + [CHECKPOINTED] if world == 2 else cases for world, cases in CASES.items()}
+# one key a world size: the session runs them with the other modules' jobs of that world size,
+# in one spawn of processes (conftest.real_runs)
+REAL_JOBS = {world: [RealJob(dm.pipeline_llama, dm.PIPELINE_INPUTS, mesh, par,
+                             pipeline=_pipeline(schedule)) for schedule, mesh, par in cases]
+             for world, cases in RUN.items()}
+
+
 @pytest.fixture(scope="module")
-def real():
+def real(real_runs):
     out = {}
-    for world, cases in CASES.items():
-        cases = cases + [CHECKPOINTED] if world == 2 else cases
-        jobs = [RealJob(dm.pipeline_llama, dm.PIPELINE_INPUTS, mesh, par,
-                        pipeline=_pipeline(schedule)) for schedule, mesh, par in cases]
-        for (schedule, _, par), ranks in zip(cases, run_real_jobs(jobs)):
+    for world, cases in RUN.items():
+        for (schedule, _, par), ranks in zip(cases, real_runs[(__name__, world)]):
             out[(world, schedule, par is dm.ac_stage)] = ranks
     return out
 

@@ -11,7 +11,7 @@ import tapescope
 import tapescope.distributed.pipeline as pipeline
 from tapescope.capture.repeats import Region, repeating_regions
 from tapescope.capture.records import Segment, Trace
-from tapescope.validate.distributed import RealJob, run_real_jobs
+from tapescope.validate.distributed import RealJob
 
 from . import distributed_models as dm
 
@@ -81,13 +81,18 @@ def test_a_shortened_step_has_the_peaks_and_ops_of_every_micro_batch_traced(
             pipeline_not_repeated
 
 
-def test_a_shortened_1f1b_step_matches_its_real_gloo_processes():
+REAL_MICROBATCHES = 12
+REAL_PIPELINE = {"schedule": "1f1b", "microbatches": REAL_MICROBATCHES}
+# run with the other modules' real jobs of 2 ranks, in one spawn of processes (conftest.real_runs)
+REAL_JOBS = {"1f1b": [RealJob(dm.pipeline_llama, _inputs(REAL_MICROBATCHES), {"pp": 2}, None,
+                              pipeline=REAL_PIPELINE)]}
+
+
+def test_a_shortened_1f1b_step_matches_its_real_gloo_processes(real_runs):
     """12 micro-batches, 8 traced: each rank's first and steady peaks equal the real rank's
     allocator peak (above it only by what gloo's thread freed late, as tests/test_pipeline.py)."""
-    n = 12
-    pipe = {"schedule": "1f1b", "microbatches": n}
-    real = run_real_jobs([RealJob(dm.pipeline_llama, _inputs(n), {"pp": 2}, None,
-                                  pipeline=pipe)])[0]
+    n, pipe = REAL_MICROBATCHES, REAL_PIPELINE
+    real = real_runs[(__name__, "1f1b")][0]
     p = tapescope.profile(dm.pipeline_llama, *_inputs(n), mesh={"pp": 2}, pipeline=pipe)
     assert all(q.distributed.pipeline_traced_microbatches == 8
                for q in p.distributed.profiles.values())

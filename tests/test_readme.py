@@ -21,7 +21,8 @@ does not change what is shown:
   whose model state is over the RTX 4090 all the same, and examples/lora.py's `build_small` (4
   layers). `fit` exits 1 there, as README says: EXIT_CODES.
 - search traces every candidate: README's Llama narrowed to width 64 and a 128-token
-  vocabulary, in this process (--workers 1; Ray with its 2 workers).
+  vocabulary, in this process (--workers 1, without tensor parallel candidates: --tp 1; Ray
+  with its 2 workers, without pipelined ones: --pp 1).
 Every other command runs exactly as README writes it.
 """
 
@@ -126,10 +127,10 @@ COMMANDS = {
          ": fits", "activation checkpointing recomputes"], []),
     "tapescope search zoo:llama:n_layers=2 --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
     "--pp 1,2 --checkpointing none,full": (
-        # (a smaller space than README's: tests/test_search.py checks the ranking; this checks
-        # the command's answer and its config to run)
+        # (a smaller space than README's: tests/test_search.py checks the ranking, tensor
+        # parallel candidates included; this checks the command's answer and its config to run)
         f"tapescope search {TINY_LLAMA} --gpus 4 --gpu h100 --global-batch 8 --seq 128 "
-        "--pp 1,2 --checkpointing none --workers 1",
+        "--pp 1,2 --tp 1 --checkpointing none --workers 1",
         ["on 4 x h100-sxm", "Fits on every rank, fastest first", "Best: ", "torchtitan:",
          "[parallelism]", "torchrun"], []),
     "tapescope search zoo:llama:n_layers=2 --gpus 4 --gpu h100 --global-batch 8 --seq 128 "

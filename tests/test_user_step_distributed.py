@@ -10,19 +10,22 @@ tests/test_distributed.py: under load every run's first step can have such a lat
 import torch
 
 import tapescope
-from tapescope.validate.distributed import RealJob, run_real_jobs
+from tapescope.validate.distributed import RealJob
 
 from . import distributed_models as dm
 from . import user_step_models as um
 from .test_distributed import _matches, _observed_with_late_frees
 
 
-def test_user_step_under_fsdp_matches_gloo_runs():
+# run with the other modules' real jobs of 2 ranks, in one spawn of processes (conftest.real_runs)
+REAL_JOBS = {"step": [RealJob(dm.build, (torch.randn(8, 64, dm.D),), {"dp": 2}, dm.fsdp,
+                              loss_fn=um.square_mean, steps=3)] * 3}
+
+
+def test_user_step_under_fsdp_matches_gloo_runs(real_runs):
     p = tapescope.profile(dm.build, tapescope.spec((8, 64, dm.D)), mesh={"dp": 2},
                           parallelize=dm.fsdp, step=um.step)
-    job = RealJob(dm.build, (torch.randn(8, 64, dm.D),), {"dp": 2}, dm.fsdp,
-                  loss_fn=um.square_mean, steps=3)
-    runs = run_real_jobs([job] * 3)
+    runs = real_runs[(__name__, "step")]
     for rank in range(2):
         assert all(run[rank].unstepped == 0 for run in runs)
         for predicted, steps in ((p.ranks[rank].first_step_peak_bytes, [1]),
