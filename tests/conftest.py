@@ -1,6 +1,7 @@
 """Shared helpers: small models, and the real-run ground truth."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -67,11 +68,21 @@ def real_runs(request):
     the jobs of one module already were. Returns {(module name, key): [each job's ranks]}.
 
     Only the modules with a selected test that uses this fixture contribute, in name order, so a
-    file run alone runs its own jobs alone."""
-    from tapescope.validate.distributed import run_real_jobs
-
+    file run alone runs its own jobs alone. Under pytest-xdist a worker is sent its files one at a
+    time and never knows which it will get, so there each module's jobs run when the module first
+    asks for them (one spawn per module and world size)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return _RealRunsPerModule(request.session)
     modules = {item.module for item in request.session.items
                if "real_runs" in getattr(item, "fixturenames", ())}
+    return _run_modules_jobs(modules)
+
+
+def _run_modules_jobs(modules) -> dict:
+    """{(module name, key): [each job's ranks]} for every REAL_JOBS of `modules`, one spawn of
+    processes per world size."""
+    from tapescope.validate.distributed import run_real_jobs
+
     by_world: dict = {}  # world size -> [(module name, key, jobs)]
     for module in sorted(modules, key=lambda m: m.__name__):
         for key, jobs in module.REAL_JOBS.items():
@@ -84,3 +95,16 @@ def real_runs(request):
         for name, key, jobs in groups:
             out[(name, key)] = [next(runs) for _ in jobs]
     return out
+
+
+class _RealRunsPerModule(dict):
+    """real_runs under pytest-xdist: a module's jobs run on its first lookup."""
+
+    def __init__(self, session):
+        super().__init__()
+        self._modules = {item.module.__name__: item.module for item in session.items
+                         if "real_runs" in getattr(item, "fixturenames", ())}
+
+    def __missing__(self, key):
+        self.update(_run_modules_jobs([self._modules[key[0]]]))
+        return self[key]
