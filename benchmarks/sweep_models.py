@@ -230,8 +230,9 @@ ROWS += [_row("torchvision", f"torchvision:{n}", batch=2, seq=64) for n in (
 ROWS += [
     _row("torchvision", "torchvision:vit_b_16", batch=1, seq=224),
     _row("torchvision", "torchvision:googlenet", batch=2, seq=64),
+    # the RPN's proposals after NMS come from the network's outputs: the mask assumption sizes them
     Row("torchvision detection", "torchvision:fasterrcnn_mobilenet_v3_large_320_fpn",
-        _detection("fasterrcnn_mobilenet_v3_large_320_fpn"), "2 x 128"),
+        _detection("fasterrcnn_mobilenet_v3_large_320_fpn"), "2 x 128", {"sizes": {"mask": 0.5}}),
     Row("torchvision detection", "torchvision:retinanet_resnet50_fpn",
         _detection("retinanet_resnet50_fpn"), "2 x 128"),
     Row("torchvision segmentation", "torchvision:lraspp_mobilenet_v3_large",

@@ -393,3 +393,29 @@ def test_in_place_ops_on_views_regenerate_views_as_for_plain_tensors():
     fake, real = _same_ops(m, steps=2, optimizer="adamw")
     assert ("backward", "aten.new_zeros") in real
     assert fake == real
+
+
+class _Float64IntoFloat32Norm(nn.Module):
+    """A float64 input into a float32 RMSNorm (the weight broadcast over a float64 product), then
+    back to float32: the weight's gradient is a float64 product reduced to (64,) and cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.RMSNorm(64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.lin(self.norm(x).float())
+
+
+def test_reduced_gradient_is_released_before_its_cast():
+    """validate_outputs assigns the reduced gradient over the broadcast one (`grad =
+    maybe_reduce(i, std::move(grad))`), so the 65,536-byte float64 product is freed before
+    `.to(float32)` runs. Truth: the allocator's peaks of the real step (it peaks in the weight's
+    reduction, 256 B below where keeping the product alive through the cast would put it)."""
+    from tapescope.capture.model import spec as input_spec
+
+    inputs = (input_spec((8, 16, 64), dtype=torch.float64),)
+    with pytest.warns(UserWarning, match="Mismatch dtype"):
+        p = tapescope.profile(_Float64IntoFloat32Norm, *inputs)
+    real = run_real_steps(_Float64IntoFloat32Norm, inputs)
+    assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])

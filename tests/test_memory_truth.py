@@ -193,3 +193,52 @@ def test_loss_lives_through_the_optimizer_step(accumulate):
     real = _hand_written_loop(accumulate)
     assert p.first_step_peak_bytes == real[1]
     assert p.peak_bytes == real[2]
+
+
+class _ScaledChain(torch.nn.Module):
+    """Python numbers multiplied into and dividing activations that require grad, in every
+    spelling (`*`, `/`, `2 / x`, `.mul`, `torch.div`, `mul_`, an int and a bool), as attention
+    scales and normalising constants are; and the same under no_grad, where nothing is saved."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.lin(x)
+        for _ in range(4):
+            h = h * 0.5
+            h = h / 3
+            h = h.mul(2.0)
+            h = torch.div(h, 1.5)
+            h = 1.0 / (h + 10.0)
+            h = h * True
+            h = h.clone().mul_(0.25)
+        with torch.no_grad():
+            h.detach() * 0.5
+        return h
+
+
+def test_python_numbers_saved_for_backward():
+    """Truth: the allocator's peaks of the real step, and the count of saved wrapped numbers from
+    autograd itself (each node's `_saved_other` is the 0-dim tensor the number became): the
+    4 x 7 ops keep 24 wrapped float64/int64 numbers and 4 bools alive to the backward (196 B)."""
+    import tapescope
+
+    inputs = (tapescope.spec((64, 32)),)
+    p = tapescope.profile(_ScaledChain, *inputs, optimizer="sgd")
+    real = run_real_steps(_ScaledChain, inputs, optimizer="sgd")
+    assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])
+
+    out, saved, seen = _ScaledChain()(torch.randn(64, 32)), [], set()
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        other = getattr(node, "_saved_other", None)
+        if isinstance(other, torch.Tensor) and other.dim() == 0:
+            saved.append(other.element_size())
+        stack.extend(fn for fn, _ in node.next_functions)
+    assert sorted(saved) == [1] * 4 + [8] * 24

@@ -525,25 +525,32 @@ class PythonEngine:
 
     @without_torch_function
     def _validate(self, node, outputs: list) -> list:
-        """validate_outputs: reduce broadcast gradients and cast dtypes to what the next node expects."""
+        """validate_outputs: reduce broadcast gradients and cast dtypes to what the next node expects.
+
+        Each step assigns over the gradient in place (`grad = metadata.maybe_reduce(i,
+        std::move(grad))`, then `grad = grad.to(dtype)`), so the broadcast-sized gradient dies
+        before the cast runs: a float64 product reduced to a float32 weight's gradient is not
+        alive beside its cast."""
         for i, (nxt, nr) in enumerate(node.next_functions):
             if i >= len(outputs) or nxt is None or outputs[i] is None:
                 continue
-            g = outputs[i]
             meta = node_input_metadata(nxt)[nr]
             shape = tuple(meta.shape)
-            new = g
-            if not _same_shape(new.shape, shape):
-                new = new.sum_to_size(shape) if shape else new.sum()
-            if new.dtype != meta.dtype:
-                new = new.to(meta.dtype)
-            if new.device != meta.device:
-                new = new.to(meta.device)
-            if new is not g:
-                self._hold(new)
-                self._drop(g)
-                outputs[i] = new
+            if not _same_shape(outputs[i].shape, shape):
+                self._replace(outputs, i, outputs[i].sum_to_size(shape) if shape
+                              else outputs[i].sum())
+            if outputs[i].dtype != meta.dtype:
+                self._replace(outputs, i, outputs[i].to(meta.dtype))
+            if outputs[i].device != meta.device:
+                self._replace(outputs, i, outputs[i].to(meta.device))
         return outputs
+
+    def _replace(self, outputs: list, i: int, new) -> None:
+        """outputs[i] = new, the old gradient released now (no other reference of ours to it)."""
+        if new is not outputs[i]:
+            self._hold(new)
+            self._drop(outputs[i])
+            outputs[i] = new
 
 
 def _graph_not_kept() -> bool:

@@ -52,6 +52,9 @@ __all__ = ["SavedTensors", "HookRegistry", "VARIABLE_INPUTS"]
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
 
+_KEPT_WITH_NODE = "tapescope: saved without a hook"
+
+
 class _Held:
     """What a SavedVariable holds while the step runs: a tensor (our own hook) or what another
     saved-tensor hook packed, with that hook's unpack function. Clearing it is our
@@ -138,6 +141,15 @@ class SavedTensors:
                 setattr(t, _VALUE_ATTR, v)
             owner = gf.name()  # a saved output names the node that saved it (saved_for)
         return self._register(_Held(t, saved_as=(version, output_nr, owner)), seq)
+
+    def keep_with_node(self, node, value) -> None:
+        """Autograd saved `value` for `node` without calling any pack hook (SavedVariable skips
+        the hooks for a wrapped Python number): it lives as long as the node does (in the
+        node's own metadata dict) and is released when the node runs, as release_variables()
+        releases it."""
+        held = _Held(value)
+        node.metadata.setdefault(_KEPT_WITH_NODE, []).append(held)
+        self._register(held, node_sequence_nr(node))
 
     def unpack(self, held: _Held):
         t = held.value

@@ -127,6 +127,8 @@ class Recorder:
         tape = Tape(rules=rules, fidelity=fidelity, views=views, modules=modules,
                     shape_env=shape_env)
         saved = SavedTensors(tape)
+        fidelity.bytes_outside_ops, fidelity.keep_with_node = (tape.bytes_outside_ops,
+                                                               saved.keep_with_node)
         hooks = HookRegistry()
         engine = PythonEngine(saved, hooks, views, on_node=tape.set_backward_node)
         return cls(tape, fidelity, FunctionRulesMode(fidelity, rules), views, modules, saved,

@@ -151,6 +151,13 @@ class ModuleStack(list):
             self.pop()
 
 
+class HeldBytes:
+    """A token for bytes the tape recorded outside any op (`Tape.bytes_outside_ops`): they are
+    freed on the tape when the token goes."""
+
+    __slots__ = ("__weakref__",)
+
+
 class Tape(SizeFreeCacheCheck):
     """Fake execution that records a Trace. Use one Tape per profile; nothing is shared.
 
@@ -387,6 +394,25 @@ class Tape(SizeFreeCacheCheck):
                 trace.events.append((at, sid, 1))
             if nbytes_before:
                 trace.events.append((at, old, -1))
+
+    def bytes_outside_ops(self, nbytes: int, device: torch.device) -> "HeldBytes":
+        """Memory the real step allocates outside any op the dispatcher sees (a Python number
+        wrapped as a 0-dim tensor by the argument parser, before the op it is passed to): a
+        storage born now, before the next op, and dead when the returned token is released
+        or collected."""
+        trace = self.trace
+        sid, at = len(trace.storages), len(trace.ops) - 1
+        trace.storages.append(StorageRecord(sid, nbytes, device, at if at >= 0 else None))
+        if self._tape_recording:
+            trace.events.append((at, sid, 1))
+        token = HeldBytes()
+
+        def on_free(sid=sid, trace=trace):
+            if self._tape_recording:
+                trace.events.append((len(trace.ops) - 1, sid, -1))
+
+        weakref.finalize(token, on_free).atexit = False
+        return token
 
     @contextmanager
     def recording_resizes(self):

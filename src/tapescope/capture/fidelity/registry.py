@@ -138,6 +138,11 @@ class FidelityContext:
     functions: dict = field(default_factory=dict)  # function -> its FUNCTION rule's handler
     cache: dict = field(default_factory=dict)      # what a rule builds once per capture
     notes: dict = field(default_factory=dict)      # topic -> what a rule could only estimate
+    # memory a rule records outside any op: Tape.bytes_outside_ops(nbytes, device) -> a token
+    # whose release frees it, and SavedTensors.keep_with_node(node, token), which keeps it
+    # while that autograd node lives and releases it when the node runs
+    bytes_outside_ops: Any = None
+    keep_with_node: Any = None
 
     def inside(self, func) -> bool:
         return func in self.running
