@@ -1216,3 +1216,77 @@ def test_mixed_dtype_operands_are_copied():
                for name in ("aten.mul", "aten.add_", "aten.div", "aten.add")}
     assert all(checked.values()), checked
     assert all(m == p for c in checked.values() for m, p in c), checked
+
+
+class _Bf16Mlp(torch.nn.Module):
+    """Products that take each branch of oneDNN's bf16 matmul blocking: a reduction longer than
+    its 1024-wide K block (accumulators per N chunk), weight gradients read column-major (the
+    copied A buffer and up to 16 N chunks), a one-column result (oneDNN's src is the weight),
+    and a batch smaller than the threads' share."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(1536, 96), torch.nn.GELU(), torch.nn.Linear(96, 200),
+            torch.nn.GELU(), torch.nn.Linear(200, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _onednn_runs_bf16_matmul() -> bool:
+    """brg_matmul:avx512_core_bf16 is what runs: AVX512-BF16 without AMX (Linux's cpu flags)."""
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    return (torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in flags
+            and "amx_bf16" not in flags)
+
+
+def _bf16_matmul_checked(amp: bool) -> tuple[list, tuple, tuple]:
+    """(the mm/addmm excesses of step 1, measured and predicted), the real peaks of steps 1 and
+    2, the predicted ones) for _Bf16Mlp in bf16 (or under CPU autocast bf16)."""
+    x = tapescope.spec((48, 1536))
+    options = dict(amp="bf16") if amp else dict(dtype=torch.bfloat16)
+    p = tapescope.profile(_Bf16Mlp, x, optimizer="sgd", **options)
+    real = run_real_steps(_Bf16Mlp, (x,), optimizer="sgd", **options)
+    ops = compare_ops(p, real, 1)
+    return (_excess(ops, "aten.mm") + _excess(ops, "aten.addmm"), (real.peaks[1], real.peaks[2]),
+            (p.first_step_peak_bytes, p.peak_bytes))
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["bf16 weights", "autocast"])
+def test_bf16_matmul_scratchpad_matches_the_allocator(amp):
+    """oneDNN's brg_matmul:avx512_core_bf16 inside a bf16 mm/addmm (devices/onednn_matmul.py):
+    its batch, repacked-B, copied-A and f32 accumulator buffers per thread, every product exact
+    op by op, and both steps' peaks (main before: every product short by its scratchpad, which
+    is larger than most of these results)."""
+    if not _onednn_runs_bf16_matmul():
+        pytest.skip("oneDNN has no brgemm bf16 matmul here (avx512_core_bf16 without AMX)")
+    products, real_peaks, predicted_peaks = _bf16_matmul_checked(amp)
+    assert len(products) == 8 and all(m == p for m, p in products), products
+    assert predicted_peaks == real_peaks
+
+
+def test_bf16_matmul_with_the_isa_capped_at_avx2():
+    """Capped at AVX2 oneDNN has no bf16 matmul (mkldnn_bf16_device_check): ATen's own gemm runs
+    the same products and allocates nothing inside them; the trace, which reads the ISA from the
+    same environment, agrees op by op and at both peaks."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this host is not AVX-512: the test above covers its ISA")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    code = ("import json; from tests.test_kernel_workspace import _bf16_matmul_checked; "
+            "print(json.dumps(_bf16_matmul_checked(False)))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    products, real_peaks, predicted_peaks = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(products) == 8 and all(m == p for m, p in products), products
+    assert predicted_peaks == real_peaks
