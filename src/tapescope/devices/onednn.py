@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from math import prod
 
 from .cpu import CpuTarget
+from .onednn_brgemm_bwd import runs_strided_backward_data, strided_backward_data
 
 __all__ = ["Conv", "Primitive", "forward", "backward_data", "backward_weights", "nested",
            "deconvolution_forward"]
@@ -184,6 +185,8 @@ def backward_data(c: Conv, cpu: CpuTarget) -> Primitive:
     if c.channels_last:  # brgemm_convolution_bwd_t<isa>: weights into its IC blocks
         return Primitive(f"brg_conv_bwd:{isa}", weights=_rnd_up(c.ic_g, 3 * block) * c.groups
                          * c.oc_g * c.ks * _F32, scratchpad=_brgemm_scratch(c, cpu), exact=False)
+    if runs_strided_backward_data(c):  # brgconv_strided, ahead of the jit kernels
+        return strided_backward_data(c, cpu)
     if _flat(c, cpu) and not c.pointwise and isa != "avx512":
         # AVX2's direct kernel refuses a flat source; the brgemm kernels run in NHWC (AVX-512's
         # direct kernel pads the few channels to a block instead: is_1stconv is false there)

@@ -153,7 +153,14 @@ def backward_steps(c: onednn.Conv, d: onednn.Primitive | None,
     bytes each)."""
     steps = []
     if d is not None:
-        if c.channels_last:
+        if d.impl.startswith("brgconv_strided") and not c.channels_last:
+            # NHWC copies: diff_dst and the weights reordered, the kernel's NHWC diff_src, its
+            # scratchpad last; the diff_src reaches grad_input through one more buffer
+            steps += [Alloc("d.diff_dst", d.src), Alloc("d.weights", d.weights),
+                      Alloc("d.diff_src", d.dst), Alloc("d.scratchpad", d.scratchpad),
+                      Free("d.scratchpad"), Free("d.weights"), Free("d.diff_dst"), Output(0),
+                      Alloc("d.copy", d.dst), Free("d.copy"), Free("d.diff_src")]
+        elif c.channels_last:
             steps += [Output(0), Alloc("d.scratchpad", d.scratchpad),
                       Alloc("d.weights", d.weights), Free("d.weights"), Free("d.scratchpad")]
         else:
