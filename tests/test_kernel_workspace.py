@@ -1092,17 +1092,13 @@ def test_transposed_convolution(name):
     with the roles swapped. Its backward (grad_input is that convolution's forward, the weight
     gradient its weight gradient with grad_output as the source, each nested in the
     deconvolution's scratchpad) is checked op by op against the allocator, and so is the
-    forward at unit strides (the swapped backward-data kernel and the f32 output a bias needs);
-    a strided forward runs brgemm kernels whose scratchpad is an estimate, reported."""
+    forward at unit strides (the swapped backward-data kernel and the f32 output a bias needs)
+    and at other strides (that convolution's brgconv_strided, nested, on NHWC copies: main
+    before noted it as an estimate, 5-6% low)."""
     args, shape = DECONVS[name]
     p, real, ops = _measure(lambda: _Deconv(*args), (tapescope.spec(shape),), optimizer="sgd")
-    checked = _excess(ops, "aten.convolution_backward")
-    if args[3] == 1:
-        checked += _excess(ops, "aten.convolution")
-    else:
-        assert any("brg_deconv" in n
-                   for n in p.facts["heuristics"]["oneDNN convolution scratch"])
-    assert len(checked) == 1 + (args[3] == 1) and all(m == p for m, p in checked), checked
+    checked = _excess(ops, "aten.convolution_backward") + _excess(ops, "aten.convolution")
+    assert len(checked) == 2 and all(m == p for m, p in checked), checked
 
 
 class _CausalConv1d(torch.nn.Module):

@@ -359,8 +359,8 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
 def transposed_convolution_scratch(ctx, func, args, kwargs, out):
     """oneDNN's deconvolution forward (onednn.deconvolution_forward): at unit strides the
     swapped convolution's backward-data kernel with the f32 output copy a bias needs, in its
-    order; otherwise the brgemm strided kernel on NHWC copies, whose scratchpad is estimated,
-    then the dense output and an output-sized buffer (measured, not yet traced to its source).
+    order; otherwise the brgemm strided kernel on NHWC copies (devices/onednn_brgemm_bwd.py),
+    then the dense output and an output-sized buffer (the NHWC result copied through it).
     Channels-last deconvolutions are not modelled (noted)."""
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
     if not _on_onednn_transposed(x, weight, stride, padding, dilation, transposed,
@@ -377,6 +377,8 @@ def transposed_convolution_scratch(ctx, func, args, kwargs, out):
     if not prim.exact:
         ctx.note("oneDNN convolution scratch", f"{prim.impl} on {ctx.cpu.describe()}: a "
                  "transposed convolution's forward scratchpad is an estimate (devices/onednn.py)")
+    if "brgconv_strided" in prim.impl or not prim.exact:
+        # NHWC: the kernel's output reaches PyTorch's through one more buffer of its size
         out_bytes = out.numel() * out.dtype.itemsize
         return (_copy_if_needed("input", x, False) + _copy_if_needed("weight", weight, False)
                 + [Alloc("scratchpad", prim.scratchpad), Alloc("src", prim.src),
