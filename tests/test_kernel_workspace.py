@@ -1317,7 +1317,7 @@ def test_strided_backward_data_matches_the_allocator(dtype):
     """oneDNN runs a strided backward-data as brgconv_strided on NHWC copies (devices/
     onednn_brgemm_bwd.py: diff_dst and weights reordered, the NHWC diff_src copied back through
     one more buffer, the page-aligned batch, input, mask, row and bf16 accumulator buffers), on
-    AVX-512 and AVX2 alike (main before: the blocked direct kernel, -6.8% to -24% inside the op
+    AVX-512 and AVX2 alike (main before: the blocked direct kernel, 11% to 31% short inside the op
     on this host's fp32 rows). fp32 sizes that do not depend on the cache-driven blocking say
     exact; bf16's accumulators do, so bf16 says estimate while the sizes agree here."""
     if dtype == "bfloat16" and not _onednn_runs_bf16_convolutions():
