@@ -1092,17 +1092,13 @@ def test_transposed_convolution(name):
     with the roles swapped. Its backward (grad_input is that convolution's forward, the weight
     gradient its weight gradient with grad_output as the source, each nested in the
     deconvolution's scratchpad) is checked op by op against the allocator, and so is the
-    forward at unit strides (the swapped backward-data kernel and the f32 output a bias needs);
-    a strided forward runs brgemm kernels whose scratchpad is an estimate, reported."""
+    forward at unit strides (the swapped backward-data kernel and the f32 output a bias needs)
+    and at other strides (that convolution's brgconv_strided, nested, on NHWC copies: main
+    before noted it as an estimate, 5-6% low)."""
     args, shape = DECONVS[name]
     p, real, ops = _measure(lambda: _Deconv(*args), (tapescope.spec(shape),), optimizer="sgd")
-    checked = _excess(ops, "aten.convolution_backward")
-    if args[3] == 1:
-        checked += _excess(ops, "aten.convolution")
-    else:
-        assert any("brg_deconv" in n
-                   for n in p.facts["heuristics"]["oneDNN convolution scratch"])
-    assert len(checked) == 1 + (args[3] == 1) and all(m == p for m, p in checked), checked
+    checked = _excess(ops, "aten.convolution_backward") + _excess(ops, "aten.convolution")
+    assert len(checked) == 2 and all(m == p for m, p in checked), checked
 
 
 class _CausalConv1d(torch.nn.Module):
@@ -1199,3 +1195,173 @@ def test_mixed_dtype_operands_are_copied():
                for name in ("aten.mul", "aten.add_", "aten.div", "aten.add")}
     assert all(checked.values()), checked
     assert all(m == p for c in checked.values() for m, p in c), checked
+
+
+class _Bf16Mlp(torch.nn.Module):
+    """Products that take each branch of oneDNN's bf16 matmul blocking: a reduction longer than
+    its 1024-wide K block (accumulators per N chunk), weight gradients read column-major (the
+    copied A buffer and up to 16 N chunks), a one-column result (oneDNN's src is the weight),
+    and a batch smaller than the threads' share."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(1536, 96), torch.nn.GELU(), torch.nn.Linear(96, 200),
+            torch.nn.GELU(), torch.nn.Linear(200, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _onednn_runs_bf16_matmul() -> bool:
+    """brg_matmul:avx512_core_bf16 is what runs: AVX512-BF16 without AMX (Linux's cpu flags)."""
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    return (torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in flags
+            and "amx_bf16" not in flags)
+
+
+def _bf16_matmul_checked(amp: bool) -> tuple[list, tuple, tuple]:
+    """(the mm/addmm excesses of step 1, measured and predicted), the real peaks of steps 1 and
+    2, the predicted ones) for _Bf16Mlp in bf16 (or under CPU autocast bf16)."""
+    x = tapescope.spec((48, 1536))
+    options = dict(amp="bf16") if amp else dict(dtype=torch.bfloat16)
+    p = tapescope.profile(_Bf16Mlp, x, optimizer="sgd", **options)
+    real = run_real_steps(_Bf16Mlp, (x,), optimizer="sgd", **options)
+    ops = compare_ops(p, real, 1)
+    return (_excess(ops, "aten.mm") + _excess(ops, "aten.addmm"), (real.peaks[1], real.peaks[2]),
+            (p.first_step_peak_bytes, p.peak_bytes))
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["bf16 weights", "autocast"])
+def test_bf16_matmul_scratchpad_matches_the_allocator(amp):
+    """oneDNN's brg_matmul:avx512_core_bf16 inside a bf16 mm/addmm (devices/onednn_matmul.py):
+    its batch, repacked-B, copied-A and f32 accumulator buffers per thread, every product exact
+    op by op, and both steps' peaks (main before: every product short by its scratchpad, which
+    is larger than most of these results)."""
+    if not _onednn_runs_bf16_matmul():
+        pytest.skip("oneDNN has no brgemm bf16 matmul here (avx512_core_bf16 without AMX)")
+    products, real_peaks, predicted_peaks = _bf16_matmul_checked(amp)
+    assert len(products) == 8 and all(m == p for m, p in products), products
+    assert predicted_peaks == real_peaks
+
+
+def test_bf16_bmm_scratch_is_noted():
+    """A bf16 bmm on AVX-512 allocates oneDNN's scratchpad inside the call (42,624 bytes for
+    4 x 64x32 @ 32x64 with 2 threads, measured): not modelled, so the profile names it."""
+    class Bmm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 32, 64))
+
+        def forward(self, x):
+            return torch.bmm(x, self.w)
+
+    p = tapescope.profile(Bmm, tapescope.spec((4, 64, 32)), optimizer="sgd",
+                          dtype=torch.bfloat16, cpu_isa="avx512")
+    assert any("bmm" in text for text in p.run.heuristics.get("oneDNN matmul scratch", []))
+
+
+STRIDED_BACKWARD = {  # name -> (_Conv arguments, input shape): brgconv_strided backward-data
+    "3x3/2, a map the stride divides": ((16, 32, 3, 2, 1), (2, 16, 32, 32)),
+    "4x4/2 of few channels (padded to a block on AVX-512)": ((8, 16, 4, 2, 1), (2, 8, 20, 20)),
+    "3x3/2 on an odd map (exec_trans: a row buffer)": ((30, 60, 3, 2, 1), (2, 30, 17, 17)),
+}
+
+
+def _strided_backward_checked(names, dtype: str) -> dict:
+    """name -> [(measured, predicted) excess of convolution_backward, [real peak, predicted
+    peak], the kernel's exact flag] for STRIDED_BACKWARD in `dtype`, on this process's ISA."""
+    from tapescope.capture.fidelity.convolution import conv_problem
+    from tapescope.devices import onednn_brgemm_bwd
+    from tapescope.devices.cpu import cpu_target
+
+    dt = getattr(torch, dtype)
+    out = {}
+    for name in names:
+        args, shape = STRIDED_BACKWARD[name]
+        conv = _Conv(*args).conv
+        c = conv_problem(shape, conv.weight.shape, True, conv.stride, _padding(conv),
+                         conv.dilation, conv.groups, False, dt.itemsize)
+        exact = onednn_brgemm_bwd.strided_backward_data(c, cpu_target()).exact
+        p = tapescope.profile(lambda: _Conv(*args), tapescope.spec(shape), optimizer="sgd",
+                              dtype=dt, steps=1)
+        real = run_real_steps(lambda: _Conv(*args), (tapescope.spec(shape),), optimizer="sgd",
+                              dtype=dt, steps=1)
+        out[name] = [_excess(compare_ops(p, real, 1), "aten.convolution_backward"),
+                     [real.peaks[1], p.first_step_peak_bytes], exact]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_strided_backward_data_matches_the_allocator(dtype):
+    """oneDNN runs a strided backward-data as brgconv_strided on NHWC copies (devices/
+    onednn_brgemm_bwd.py: diff_dst and weights reordered, the NHWC diff_src copied back through
+    one more buffer, the page-aligned batch, input, mask, row and bf16 accumulator buffers), on
+    AVX-512 and AVX2 alike (main before: the blocked direct kernel, 11% to 31% short inside the op
+    on this host's fp32 rows). fp32 sizes that do not depend on the cache-driven blocking say
+    exact; bf16's accumulators do, so bf16 says estimate while the sizes agree here."""
+    if dtype == "bfloat16" and not _onednn_runs_bf16_convolutions():
+        pytest.skip("oneDNN has no bf16 convolution here (Slow2d)")
+    results = _strided_backward_checked(list(STRIDED_BACKWARD), dtype)
+    for name, (excesses, (real_peak, predicted_peak), exact) in results.items():
+        assert len(excesses) == 1 and excesses[0][0] == excesses[0][1], (name, excesses)
+        assert predicted_peak == real_peak, name
+        # bf16's accumulator block is the cache-driven search's choice: always an estimate; fp32
+        # is exact where the candidate ic blocks pad alike (all of these on AVX-512; on AVX2 a
+        # 24-channel block is a candidate too, and the rule says estimate for 30 channels)
+        if dtype == "bfloat16" or torch.backends.cpu.get_cpu_capability() == "AVX512":
+            assert exact == (dtype == "float32"), name
+
+
+def test_matmul_and_strided_backward_with_the_isa_capped_at_avx2():
+    """Capped at AVX2 (one child process: oneDNN reads its cap once): oneDNN has no bf16 matmul
+    (mkldnn_bf16_device_check), so ATen's gemm runs _Bf16Mlp's products and allocates nothing
+    inside them; the fp32 STRIDED_BACKWARD problems run brgconv_strided:avx2 with 8-channel
+    vectors (main before: +4% to +8% over on such models). Op by op and at the peaks."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this host is not AVX-512: the tests above cover its ISA")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    code = ("import json; from tests.test_kernel_workspace import _bf16_matmul_checked, "
+            "_strided_backward_checked, STRIDED_BACKWARD; print(json.dumps([_bf16_matmul_checked("
+            "False), _strided_backward_checked(list(STRIDED_BACKWARD), 'float32')]))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    matmul, strided = json.loads(done.stdout.strip().splitlines()[-1])
+    products, real_peaks, predicted_peaks = matmul
+    assert len(products) == 8 and all(m == p for m, p in products), products
+    assert predicted_peaks == real_peaks
+    for name, (excesses, (real_peak, predicted_peak), _) in strided.items():
+        assert len(excesses) == 1 and excesses[0][0] == excesses[0][1], (name, excesses)
+        assert predicted_peak == real_peak, name
+
+
+def test_fp16_channels_last_slow2d_forward_matches_the_allocator():
+    """fp16 without oneDNN's fp16 path runs ATen's Slow2d; on channels-last tensors it first
+    makes the weight contiguous in that format, then the im2col columns (counted now, exact op
+    by op; main before: not counted, -30% at this single convolution's peak). Its backward is
+    still noted as an estimate."""
+    from tapescope.torch_compat import select_conv_backend
+
+    x16 = torch.empty(2, 16, 16, 16, dtype=torch.half)
+    if select_conv_backend(x16, torch.empty(32, 16, 3, 3, dtype=torch.half), (1, 1), (1, 1),
+                           (1, 1), False, (0, 0), 1) != "Slow2d":
+        pytest.skip("fp16 convolutions do not run on Slow2d here")
+    args, shape = (16, 32, 3, 1, 1, 1, 1, True), (2, 16, 16, 16)
+    p = tapescope.profile(lambda: _Conv(*args), tapescope.spec(shape), optimizer="sgd",
+                          amp="fp16", steps=1)
+    real = run_real_steps(lambda: _Conv(*args), (tapescope.spec(shape),), optimizer="sgd",
+                          amp="fp16", steps=1)
+    (measured, predicted), = _excess(compare_ops(p, real, 1), "aten.convolution")
+    assert measured == predicted == 9216 + 147456 + 32768   # weight copy, columns, output
+    assert p.first_step_peak_bytes == real.peaks[1]
+    assert any("channels-last" in t for t in p.run.heuristics["oneDNN convolution scratch"])

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from math import prod
 
 from .cpu import CpuTarget
+from .onednn_brgemm_bwd import runs_strided_backward_data, strided_backward_data
 
 __all__ = ["Conv", "Primitive", "forward", "backward_data", "backward_weights", "nested",
            "deconvolution_forward"]
@@ -184,6 +185,8 @@ def backward_data(c: Conv, cpu: CpuTarget) -> Primitive:
     if c.channels_last:  # brgemm_convolution_bwd_t<isa>: weights into its IC blocks
         return Primitive(f"brg_conv_bwd:{isa}", weights=_rnd_up(c.ic_g, 3 * block) * c.groups
                          * c.oc_g * c.ks * _F32, scratchpad=_brgemm_scratch(c, cpu), exact=False)
+    if runs_strided_backward_data(c):  # brgconv_strided, ahead of the jit kernels
+        return strided_backward_data(c, cpu)
     if _flat(c, cpu) and not c.pointwise and isa != "avx512":
         # AVX2's direct kernel refuses a flat source; the brgemm kernels run in NHWC (AVX-512's
         # direct kernel pads the few channels to a block instead: is_1stconv is false there)
@@ -646,11 +649,19 @@ def deconvolution_forward(c: Conv, cpu: CpuTarget, bias: bool) -> Primitive:
 
     Unit strides: ref_deconvolution_fwd_t runs that convolution's backward-data primitive
     (nested) and, with a bias the convolution cannot add, an f32 copy of the padded output
-    (`key_deconv_bias`, ref_deconvolution.hpp init_scratchpad). Other strides: jit_brgemm_deconv
-    runs brgemm_convolution_bwd_strided_t on NHWC copies; its scratchpad is an estimate."""
+    (`key_deconv_bias`, ref_deconvolution.hpp init_scratchpad). Other strides: that convolution's
+    brgconv_strided on NHWC copies (devices/onednn_brgemm_bwd.py), nested: jit_brgemm_deconv runs
+    it inverted where the strides divide the map, adding the bias in the kernel; where they do
+    not (the inverted kernel refuses uneven maps) ref_deconvolution runs it with the bias's f32
+    output copy, as at unit strides."""
     block = cpu.simd_floats
-    if all(s == 1 for s in c.stride) and not c.channels_last:
+    strided = runs_strided_backward_data(c)
+    if (all(s == 1 for s in c.stride) or strided) and not c.channels_last:
         d = nested(backward_data(c, cpu))
+        uneven = any(i % s for i, s in zip(c.in_size, c.stride))
+        if strided and not uneven:
+            return Primitive(f"brg_deconv:{cpu.isa}+{d.impl}", src=d.src, weights=d.weights,
+                             dst=d.dst, scratchpad=d.scratchpad, exact=d.exact)
         if bias:
             d = Primitive(d.impl, src=d.src, weights=d.weights, dst=d.dst,
                           scratchpad=d.scratchpad + max(d.dst, _plain(c.mb, c.ic, c.in_spatial))

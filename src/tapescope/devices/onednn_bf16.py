@@ -39,6 +39,7 @@ import numpy as np
 
 from .cpu import CpuTarget
 from .onednn import Conv, Primitive, _best_divider, _dw_backward_weights_ok
+from .onednn_brgemm_bwd import runs_strided_backward_data, strided_backward_data
 
 __all__ = ["forward", "backward_data", "backward_weights"]
 
@@ -143,9 +144,10 @@ def backward_data(c: Conv, cpu: CpuTarget) -> Primitive:
                          weights=_rnd_up(c.groups, _SIMD) * c.ks * _BF16,
                          dst=_blocked(c.mb, c.ic, c.in_spatial, _SIMD),
                          exact=not _kernel_outside_src(c))
+    if runs_strided_backward_data(c):  # brgconv_strided (devices/onednn_brgemm_bwd.py)
+        return strided_backward_data(c, cpu)
     if any(s != 1 for s in c.stride):
-        # brgemm_convolution_bwd_strided_t comes before the jit kernels in oneDNN's list and
-        # takes strided problems: it runs in NHWC
+        # brgemm_convolution_bwd_strided_t on a problem not modelled there (groups): NHWC
         return _estimate("brgconv_strided", c, src=plain_dst,
                          weights=_rnd_up(c.ic_g, _SIMD) * c.groups * c.oc_g * c.ks * _BF16,
                          dst=plain_src)

@@ -153,7 +153,14 @@ def backward_steps(c: onednn.Conv, d: onednn.Primitive | None,
     bytes each)."""
     steps = []
     if d is not None:
-        if c.channels_last:
+        if d.impl.startswith("brgconv_strided") and not c.channels_last:
+            # NHWC copies: diff_dst and the weights reordered, the kernel's NHWC diff_src, its
+            # scratchpad last; the diff_src reaches grad_input through one more buffer
+            steps += [Alloc("d.diff_dst", d.src), Alloc("d.weights", d.weights),
+                      Alloc("d.diff_src", d.dst), Alloc("d.scratchpad", d.scratchpad),
+                      Free("d.scratchpad"), Free("d.weights"), Free("d.diff_dst"), Output(0),
+                      Alloc("d.copy", d.dst), Free("d.copy"), Free("d.diff_src")]
+        elif c.channels_last:
             steps += [Output(0), Alloc("d.scratchpad", d.scratchpad),
                       Alloc("d.weights", d.weights), Free("d.weights"), Free("d.scratchpad")]
         else:
@@ -222,18 +229,19 @@ def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_pad
 
 def _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
             groups) -> tuple | None:
-    """(stride, padding) of a convolution ATen's Slow2d kernel runs (ConvolutionMM2d.cpp: a
-    tiny one-sample convolution, a double one, bf16 where oneDNN has no bf16 kernel) that the
-    rules model: one group, NCHW-contiguous operands. Else None, and a note where the kernel
-    makes buffers no rule counts (other slow kernels, grouped or channels-last Slow2d, and
-    oneDNN's reduced-precision kernels)."""
+    """(stride, padding, channels_last) of a convolution ATen's Slow2d kernel runs
+    (ConvolutionMM2d.cpp: a tiny one-sample convolution, a double one, bf16 where oneDNN has no
+    bf16 kernel, fp16 without oneDNN's fp16 path) that the rules model: one group, NCHW or
+    channels-last (`thnn_conv_use_channels_last`: the weight made contiguous in that format
+    first). Else None, and a note where the kernel makes buffers no rule counts (other slow
+    kernels, grouped Slow2d, and oneDNN's reduced-precision kernels)."""
     if transposed or x.dim() not in (3, 4, 5) or not x.is_floating_point():
         return None
     backend = _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                        groups)
-    if backend == "Slow2d" and groups == 1 and not _uses_channels_last(x, weight):
+    if backend == "Slow2d" and groups == 1:
         _, _, stride, padding, _ = _as_2d(x, weight, stride, padding, dilation)
-        return stride, padding
+        return stride, padding, _uses_channels_last(x, weight)
     if backend.startswith("Slow"):
         ctx.note("oneDNN convolution scratch", f"ATen's {backend} kernel (not oneDNN) makes "
                  "im2col columns inside the op: not counted (an estimate)")
@@ -289,8 +297,13 @@ def convolution_scratch(ctx, func, args, kwargs, out):
                       groups):
         slow = _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                        groups)
-        return None if slow is None else [Alloc("columns", _columns_bytes(x, weight, *slow)),
-                                          Output(0), Free("columns")]
+        if slow is None:
+            return None
+        stride, padding, cl = slow
+        copies = _copy_if_needed("weight", weight, cl) + _copy_if_needed("input", x, cl)
+        columns = _columns_bytes(x, weight, stride, padding)
+        return ((copies if cl else [])
+                + [Alloc("columns", columns), Output(0), Free("columns")])
     cl = _uses_channels_last(x, weight)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
     c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl,
@@ -316,6 +329,14 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
                        groups)
         if slow is None:
             return None
+        stride, padding, cl = slow
+        if cl:
+            # measured: the weight made channels-last first, whatever the mask, then as below;
+            # but the traced grad_output of a channels-last step is not always channels-last
+            # where the real one is (its copy would be counted wrongly): not modelled yet
+            ctx.note("oneDNN convolution scratch", "ATen's Slow2d backward on channels-last "
+                     "tensors makes im2col columns inside the op: not counted (an estimate)")
+            return None
         # _slow2d_backward: grad_input (its per-thread fgrad_input buffers are `new`ed, not the
         # allocator's), grad_bias, grad_weight, then the whole batch's columns again
         steps = _copy_if_needed("grad_output", grad_output, False)
@@ -329,7 +350,8 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
                     grad_output, [0, *range(2, grad_output.dim())], grad_output.shape[1],
                     grad_output.dtype)
         if mask[1]:
-            steps += [Alloc("columns", _columns_bytes(x, weight, *slow)), Free("columns")]
+            steps += [Alloc("columns", _columns_bytes(x, weight, stride, padding)),
+                      Free("columns")]
         return steps
     cl = _uses_channels_last(x, weight)
     _note_ambiguous_1d(ctx, x, cl)
@@ -352,8 +374,8 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
 def transposed_convolution_scratch(ctx, func, args, kwargs, out):
     """oneDNN's deconvolution forward (onednn.deconvolution_forward): at unit strides the
     swapped convolution's backward-data kernel with the f32 output copy a bias needs, in its
-    order; otherwise the brgemm strided kernel on NHWC copies, whose scratchpad is estimated,
-    then the dense output and an output-sized buffer (measured, not yet traced to its source).
+    order; otherwise the brgemm strided kernel on NHWC copies (devices/onednn_brgemm_bwd.py),
+    then the dense output and an output-sized buffer (the NHWC result copied through it).
     Channels-last deconvolutions are not modelled (noted)."""
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
     if not _on_onednn_transposed(x, weight, stride, padding, dilation, transposed,
@@ -370,6 +392,8 @@ def transposed_convolution_scratch(ctx, func, args, kwargs, out):
     if not prim.exact:
         ctx.note("oneDNN convolution scratch", f"{prim.impl} on {ctx.cpu.describe()}: a "
                  "transposed convolution's forward scratchpad is an estimate (devices/onednn.py)")
+    if "brgconv_strided" in prim.impl or not prim.exact:
+        # NHWC: the kernel's output reaches PyTorch's through one more buffer of its size
         out_bytes = out.numel() * out.dtype.itemsize
         return (_copy_if_needed("input", x, False) + _copy_if_needed("weight", weight, False)
                 + [Alloc("scratchpad", prim.scratchpad), Alloc("src", prim.src),

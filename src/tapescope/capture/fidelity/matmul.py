@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...devices import onednn_matmul
 from .registry import RULES, WORKSPACE
 
 __all__ = ["blas_operand_copies"]
@@ -50,16 +51,59 @@ def blas_operand_copies(result: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor
     return copies
 
 
+def _onednn_src(result: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor):
+    """The problem oneDNN's matmul sees for result = m1 @ m2 (Matmul.cpp mkldnn_gemm after
+    addmm_impl_cpu_'s choices): (M, K, N, src read column-major). ATen computes C^T = B^T A^T in
+    column-major terms, so oneDNN's src is m1 for a row-major result and m2^T where the result is
+    read column-major (a one-column result); an operand neither reading fits is copied
+    contiguous first. oneDNN's src tag is "ba" where matmul_helper_t::transA says 'T' (a column-
+    major src, or a src of one row)."""
+    rs, rz = result.stride(), result.shape
+    column_major = rs[0] == 1 and (rz[1] == 1 or rs[1] >= max(1, rz[0]))
+    src = m2.t() if column_major else m1
+    M, K = src.shape
+    N = rz[0] if column_major else rz[1]
+    st = src.stride()
+    plain = st[1] == 1 and st[0] >= max(1, K)
+    transposed = not plain and st[0] == 1 and st[1] >= max(1, M)
+    return M, K, N, transposed or M == 1
+
+
 @RULES.register(WORKSPACE, aten.mm.default, aten.addmm.default, devices={"cpu"},
                 source="aten/src/ATen/native/LinearAlgebra.cpp (addmm_impl_cpu_: "
-                       "m1.clone(at::MemoryFormat::Contiguous) where neither stride reading fits)",
-                test="tests/test_kernel_workspace.py::test_mm_copies_an_expanded_gradient")
+                       "m1.clone(at::MemoryFormat::Contiguous) where neither stride reading fits); "
+                       "aten/src/ATen/native/mkldnn/Matmul.cpp (mkldnn_gemm) + oneDNN "
+                       "brgemm_matmul_utils.cpp (init_scratchpad) for bf16 on AVX-512",
+                test="tests/test_kernel_workspace.py::test_mm_copies_an_expanded_gradient, "
+                     "tests/test_kernel_workspace.py::"
+                     "test_bf16_matmul_scratchpad_matches_the_allocator")
 def mm_copies_unreadable_operands(ctx, func, args, kwargs, out):
-    """An expanded or otherwise strided operand is copied contiguous inside mm/addmm."""
+    """An expanded or otherwise strided operand is copied contiguous inside mm/addmm; a bf16
+    product on AVX-512 runs oneDNN's brgemm matmul, whose scratchpad lives inside the call."""
     m1, m2 = (args[0], args[1]) if func is aten.mm.default else (args[1], args[2])
-    if m1.dtype == torch.bfloat16 and ctx.cpu is not None and ctx.cpu.isa == "avx512":
-        # mkldnn_bf16_gemm: oneDNN's bf16 matmul (AVX-512) packs its operands in scratch of its
-        # own (100-135 KB measured in a small encoder's backward), not modelled yet
-        ctx.note("oneDNN matmul scratch", "oneDNN's bfloat16 matmul kernels' packing buffers "
-                 "are not counted (an estimate)")
-    return blas_operand_copies(out, m1, m2) or None
+    copies = blas_operand_copies(out, m1, m2)
+    if (m1.dtype == torch.bfloat16 and out.dtype == torch.bfloat16 and ctx.cpu is not None
+            and ctx.cpu.isa == "avx512" and out.numel() and m1.shape[1]):
+        M, K, N, transposed = _onednn_src(out, m1, m2)
+        scratch = onednn_matmul.bf16_matmul_scratchpad(M, K, N, transposed, ctx.cpu.threads)
+        if scratch is None:
+            ctx.note("oneDNN matmul scratch", f"a bfloat16 {M}x{K} @ {K}x{N} product's brgemm "
+                     "blocking is not modelled: its scratchpad is not counted (an estimate)")
+        elif scratch:
+            copies.append(scratch)
+    return copies or None
+
+
+@RULES.register(WORKSPACE, aten.bmm.default, aten.baddbmm.default, devices={"cpu"},
+                source="aten/src/ATen/native/mkldnn/Matmul.cpp (mkldnn_matmul: bmm/baddbmm in "
+                       "bf16 go to oneDNN's batched matmul with a scratchpad of its own)",
+                test="tests/test_kernel_workspace.py::test_bf16_bmm_scratch_is_noted")
+def bf16_bmm_scratch_noted(ctx, func, args, kwargs, out):
+    """A batched bf16 product on AVX-512 runs oneDNN's batched brgemm matmul (mkldnn_matmul,
+    which also copies operands it cannot read): its batch dimension enters the blocking search
+    and its scratchpad is not modelled yet, so the profile says so."""
+    b1 = args[0] if func is aten.bmm.default else args[1]
+    if b1.dtype == torch.bfloat16 and ctx.cpu is not None and ctx.cpu.isa == "avx512":
+        ctx.note("oneDNN matmul scratch", "batched bfloat16 products (bmm) run oneDNN's matmul, "
+                 "whose scratchpad inside each call is not counted (an estimate)")
+    return None
