@@ -5,8 +5,10 @@ applies it, before the preset's parallelize.
 Which Linears (torchtitan/components/quantization/utils.py, module_filter_fn): every dim a
 multiple of 16 (float8 GEMMs need it), and not one a filter names; torchtitan's training configs
 filter the output head (`filter_fqns = ["output"]`), which here is the model's head: its
-`get_output_embeddings()` (transformers) or its top-level `output` (torchtitan's and the zoo's
-Llama), matched by identity, not by a substring of every name.
+`get_output_embeddings()` (transformers) or its top-level `output` (torchtitan up to 0.2, the
+zoo's Llama) or `lm_head` (torchtitan 0.3), matched by identity, not by a substring of every name.
+(torchtitan 0.3.0's own default filters nothing, so its lm_head is converted when its dims allow:
+filter it as its earlier configs did, `filter_fqns=["lm_head"]`, for the same set.)
 
 tensorwise under FSDP (torchtitan's Float8 converter up to 0.2, and its llama3 70B/405B configs):
 `enable_fsdp_float8_all_gather` (FSDP2 gathers each weight in float8, after an all-reduce of its
@@ -64,14 +66,17 @@ def check_float8(recipe: str | None, device, gpu) -> str | None:
 def _output_head(model: nn.Module) -> nn.Module | None:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    return head if head is not None else getattr(model, "output", None)
+    if head is not None:
+        return head
+    return next((m for m in (getattr(model, n, None) for n in ("output", "lm_head"))
+                 if isinstance(m, nn.Module)), None)
 
 
 def float8_linear_names(model: nn.Module) -> list[str]:
     """The Linears torchtitan's filter converts: dims multiples of 16, the output head left out."""
     head = _output_head(model)
     return [fqn for fqn, m in model.named_modules()
-            if type(m) is nn.Linear and m is not head
+            if isinstance(m, nn.Linear) and m is not head
             and m.in_features % 16 == 0 and m.out_features % 16 == 0]
 
 
