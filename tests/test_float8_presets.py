@@ -7,6 +7,9 @@ Float8LinearConverter, run on its llama3 config and built on meta, gives the con
 """
 
 import copy
+from dataclasses import replace
+import functools
+import tomllib
 
 import pytest
 import torch
@@ -56,6 +59,7 @@ def _torchtitan_filter(module, fqn):  # module_filter_fn with filter_fqns=["outp
     return "output" not in fqn and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+@functools.cache  # the same real run for the preset's and the search's test
 def _real_steady_step_collectives(recipe: str) -> list:
     """Two real AdamW steps of the FSDP 2 preset on CPU tensors, world 2, fake process group;
     tensorwise as torchtitan runs it (float8 all-gather, scales precomputed after each optimizer
@@ -84,7 +88,7 @@ def _real_steady_step_collectives(recipe: str) -> list:
                 if tensorwise:
                     precompute_float8_dynamic_scale_for_fsdp(model)
                 opt.zero_grad()
-        return log.seen
+        return tuple(log.seen)
     finally:
         dist.destroy_process_group()
 
@@ -102,10 +106,10 @@ def test_float8_preset_collectives_equal_a_fake_process_group_run(recipe):
     p = tapescope.profile(lambda: Llama(CONFIG), tokens, tokens, gpu="h100",
                           mesh={"dp_shard": 2}, parallelize=preset_parallelize(Layout(fsdp=2)),
                           float8=recipe)
-    assert [(c.kind, c.nbytes) for c in p.collectives] == truth
+    assert tuple((c.kind, c.nbytes) for c in p.collectives) == truth
     block = 36864 * (1 if recipe == "tensorwise" else 4) + 512
     root = 2 * 256 * 64 * 4 + 64 * 4
-    assert truth[:4] == [("all_gather", root)] + [("all_gather", block)] * 3
+    assert list(truth[:4]) == [("all_gather", root)] + [("all_gather", block)] * 3
     assert [n for k, n in truth if k == "all_reduce"] == ([56] if recipe == "tensorwise" else [])
 
 
@@ -146,3 +150,36 @@ def test_float8_refusals_say_why_in_one_line(kwargs, says):
     with pytest.raises(tapescope.TapescopeError) as e:
         Options.create(**{"float8": "tensorwise", **kwargs})
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+SPEC = "zoo:llama:dim=64,n_layers=2,n_heads=4,n_kv_heads=2,ffn_dim=128,vocab_size=256,max_seq_len=32"
+
+
+def test_search_float8_is_a_dimension_and_its_candidate_profiles_as_the_real_run():
+    """search --float8: every candidate also with float8 (old keys unchanged without it); the
+    float8 candidate, profiled as the search profiles it, has the real run's collectives; its
+    torchtitan TOML converts as torchtitan's TOML releases name it."""
+    from tapescope.layout_search import profile_candidate
+    from tapescope.layout_search.config import tapescope_command, torchtitan_toml
+    from tapescope.layout_search.evaluate import Source
+    from tapescope.layout_search.space import Candidate, SearchSpace, candidate_grid
+
+    space = SearchSpace(2, 4, pp=(1,), tp=(1,), hsdp=False, checkpointing=("none",), seq=SEQ,
+                        float8=(None, "tensorwise"))
+    grid = candidate_grid(space).candidates
+    plain = [c for c in grid if c.float8 is None]
+    assert sorted(replace(c, float8=None).key() for c in grid if c.float8) == \
+        sorted(c.key() for c in plain) and plain
+    assert all("float8" not in c.key() for c in plain)
+
+    source = Source(SPEC, SEQ, "h100", amp=None)
+    c = Candidate(Layout(fsdp=2), micro_batch=BATCH, steps=1, float8="tensorwise")
+    p = profile_candidate(source, c)
+    assert tuple((x.kind, x.nbytes) for x in p.collectives) == \
+        _real_steady_step_collectives("tensorwise")
+    toml = tomllib.loads(torchtitan_toml(source, c, 4))
+    assert toml["model"]["converters"] == ["quantize.linear.float8"]
+    assert toml["quantize"]["linear"]["float8"] == {
+        "filter_fqns": ["output"], "enable_fsdp_float8_all_gather": True,
+        "precompute_float8_dynamic_scale_for_fsdp": True}
+    assert "--float8 tensorwise" in tapescope_command(source, c)

@@ -825,6 +825,7 @@ def search_cmd(
     checkpointing: str = typer.Option("none,selective,full", "--checkpointing", help="Activation checkpointing modes to try on every block."),
     schedule: str = typer.Option("1f1b", "--pp-schedule", help="Pipeline schedules to try, e.g. 1f1b,gpipe."),
     compile: bool = typer.Option(False, "--compile", help="Also try each candidate compiled."),
+    float8: Optional[str] = typer.Option(None, "--float8", help="Also try each candidate with float8 Linears of this recipe (tensorwise or rowwise; GPU sm89+)."),
     max_steps: int = typer.Option(16, "--max-steps", help="Most micro-batches per step a candidate may trace."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Local worker processes (default: the CPU cores)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Run candidates on this Ray cluster (local: start one here)."),
@@ -858,6 +859,7 @@ def search_cmd(
                        hsdp=hsdp, checkpointing=modes,
                        schedules=tuple(x.strip() for x in schedule.split(",") if x.strip()),
                        compile=(False, True) if compile else (False,), max_steps=max_steps,
+                       float8=(None, float8) if float8 else (None,),
                        workers=workers if workers is not None else (os.cpu_count() or 1),
                        ray=ray, cache=cache, brute_force=brute_force, top=top, progress=show)
         render_search(r, out, top=top, commands=winner_commands(r))

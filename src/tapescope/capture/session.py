@@ -311,7 +311,7 @@ class CaptureSession:
 
             layout = getattr(opts.parallelize, "layout", None)
             self.float8 = convert_float8(self.fmodel, opts.float8,
-                                         fsdp=layout is not None and layout.shard_degree > 1)
+                                         fsdp=layout is not None and layout.fsdp > 1)
         wrapped: list = []  # (wrapper, module, fqn) of a plan applied before the parallelisation
         if self.prepare is not None and opts.checkpointing:
             # torchtitan's order: activation checkpointing first (apply_ac), then FSDP / TP
