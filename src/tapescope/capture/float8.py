@@ -43,6 +43,12 @@ class Float8Plan:
     converted: tuple[str, ...]
     fsdp_float8_all_gather: bool
 
+    def describe(self) -> str:
+        gather = ("; FSDP2 gathers their weights in float8, scales precomputed after each "
+                  "optimizer step") if self.fsdp_float8_all_gather else ""
+        return (f"float8 {self.recipe}: {len(self.converted)} Linears of the traced copy "
+                f"swapped to torchao's Float8Linear{gather}")
+
 
 def check_float8(recipe: str | None, device, gpu) -> str | None:
     """The recipe, or one clear refusal: an unknown recipe, the CPU, a GPU without float8."""
