@@ -282,7 +282,8 @@ def profile(model, *inputs, loss_fn: Callable | str | None = None,
             parallelize: Callable | None = None, sizes: Sizes | dict | None = None,
             step: Callable | str | None = None, setup: Callable | str | None = None,
             pipeline: str | dict | PipelineSpec | None = None,
-            calibration: str | Calibration | None = None, input_kwargs: dict | None = None,
+            calibration: str | Calibration | None = None, float8: str | None = None,
+            input_kwargs: dict | None = None,
             name: str | None = None, progress: Callable | None = None) -> Profile:
     """Trace a training step of `model` on fake tensors and analyse it.
 

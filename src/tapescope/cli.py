@@ -125,7 +125,7 @@ def _workload(spec, batch, seq, inputs):
 def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, alloc_conf=None,
              symbolic=(), compile=None, threads=None, cpu_isa=None, parallel=None, routing=None,
              mask=None, accumulate=1, step=None, setup=None, pipeline=None, checkpointing=(),
-             calibration=None):
+             calibration=None, float8=None):
     from .options import Options
 
     mesh = parallelize = None
@@ -142,7 +142,7 @@ def _options(model_loss, loss, optimizer, device, gpu, dtype, amp, steps=2, allo
                           threads=threads, cpu_isa=cpu_isa, mesh=mesh, parallelize=parallelize,
                           sizes=_sizes(routing, mask), accumulate=accumulate, step=step,
                           setup=setup, pipeline=pipeline, checkpointing=checkpointing,
-                          calibration=calibration)
+                          calibration=calibration, float8=float8)
 
 
 def _sizes(routing, mask):
@@ -161,7 +161,7 @@ def _sizes(routing, mask):
 def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=None, gpu=None,
                  alloc_conf=None, loss=None, compile=None, threads=None, cpu_isa=None,
                  parallel=None, routing=None, mask=None, accumulate=1, step=None, setup=None,
-                 checkpointing=(), quiet=False, pipeline=None, calibration=None):
+                 checkpointing=(), quiet=False, pipeline=None, calibration=None, float8=None):
     from .api import profile_workload
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
@@ -179,7 +179,7 @@ def _run_profile(spec, batch, seq, device, dtype, optimizer, steps, inputs, amp=
                        compile=compile, threads=threads, cpu_isa=cpu_isa, parallel=parallel,
                        routing=routing, mask=mask, accumulate=accumulate, step=step, setup=setup,
                        pipeline=pipeline, checkpointing=checkpointing,
-                       calibration=calibration)
+                       calibration=calibration, float8=float8)
     what = "compiling and tracing" if compile else "tracing"
     with _progress(f"{what} {workload.name} on fake {options.device.type} tensors",
                    quiet) as progress:
@@ -332,6 +332,7 @@ MaskOpt = typer.Option(None, "--mask-fraction",
                             "no routing decides it.")
 AllocConfOpt = option_flag("alloc_conf")
 CalibrationOpt = option_flag("calibration")
+Float8Opt = option_flag("float8")
 CheckpointOpt = typer.Option(
     None, "--checkpoint",
     help="Checkpoint a module (repeat): MODULE (full), MODULE:selective:OP,OP (keep those aten "
@@ -398,7 +399,7 @@ def profile_cmd(
     dynamic: Optional[str] = DynamicOpt, activation_memory_budget: Optional[float] = BudgetOpt,
     compile_optimizer: bool = CompileOptimOpt, compile_backend: Optional[str] = BackendOpt,
     checkpoint: Optional[List[str]] = CheckpointOpt, quiet: bool = QuietOpt,
-    calibration: Optional[str] = CalibrationOpt,
+    calibration: Optional[str] = CalibrationOpt, float8: Optional[str] = Float8Opt,
 ):
     """Peak memory and what causes it, FLOPs by phase, top modules, uncounted ops; with --compile,
     the step as torch.compile runs it beside the eager one."""
@@ -420,7 +421,7 @@ def profile_cmd(
                          routing=routing, mask=mask_fraction, accumulate=accumulate,
                          step=step, setup=setup, checkpointing=_checkpointing(checkpoint),
                          quiet=quiet, pipeline=_pipeline(pp_schedule, microbatches, pp_split),
-                         calibration=calibration)
+                         calibration=calibration, float8=float8)
         elapsed = time.perf_counter() - t0
         from .report.console import render_compiled, render_summary
 
@@ -614,7 +615,7 @@ def fit_cmd(
     cp: Optional[str] = typer.Option(None, "--cp", help="With --gpus: context-parallel degrees to try too, e.g. 1,2,4 (the sequence split; without a pipeline)."),
     checkpoint: Optional[List[str]] = CheckpointOpt,
     json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
-    calibration: Optional[str] = CalibrationOpt,
+    calibration: Optional[str] = CalibrationOpt, float8: Optional[str] = Float8Opt,
 ):
     """The largest batch (or, with --batch, sequence length) whose step fits the memory budget.
 
@@ -634,7 +635,7 @@ def fit_cmd(
             return _fit_layouts(spec, gpus, gpu, batch, seq, input, loss, dtype, amp, optimizer,
                                 json_file, parse_bytes(budget) if budget is not None else None,
                                 quiet, _pp_degrees(pp), calibration, _checkpointing(checkpoint),
-                                _pp_degrees(cp, "--cp"))
+                                _pp_degrees(cp, "--cp"), float8)
         if pp is not None or cp is not None:
             flag = "--pp" if pp is not None else "--cp"
             raise TapescopeError(f"{flag} goes with --gpus (the degrees to compare); to profile "
@@ -644,7 +645,8 @@ def fit_cmd(
         budget_bytes = parse_bytes(budget) if budget is not None else None
         workload, model_loss = _workload(spec, batch, seq, input)
         options = _options(model_loss, loss, optimizer, device, gpu, dtype, amp,
-                           calibration=calibration, checkpointing=_checkpointing(checkpoint))
+                           calibration=calibration, checkpointing=_checkpointing(checkpoint),
+                           float8=float8)
         with _progress(f"tracing {workload.name} with a symbolic {dim}", quiet) as progress:
             r = fit_workload(workload, options, budget=budget_bytes, dim=dim, progress=progress)
         rows = sweep_sizes(r, *sweep_range) if sweep_range else None
@@ -719,7 +721,7 @@ def _pp_degrees(text, flag: str = "--pp") -> tuple:
 
 def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimizer,
                  json_file, budget=None, quiet=False, pp_degrees=(1,),
-                 calibration=None, checkpointing=(), cp_degrees=(1,)) -> None:
+                 calibration=None, checkpointing=(), cp_degrees=(1,), float8=None) -> None:
     """fit --gpus: every (FSDP, TP) layout of this many GPUs, profiled per rank; with a budget, a
     layout fits when its peak per rank is within it; a checkpointing plan applied in each.
     Exits 1 when none fits."""
@@ -728,7 +730,7 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
 
     workload, model_loss = _workload(spec, batch, seq, inputs)
     options = _options(model_loss, loss, optimizer, "cuda", gpu, dtype, amp,
-                       calibration=calibration, checkpointing=checkpointing)
+                       calibration=calibration, checkpointing=checkpointing, float8=float8)
     with _progress(f"profiling the layouts of {gpus} GPUs for {workload.name}",
                    quiet) as progress:
         rows = fit_layouts(workload, options, gpus, budget=budget, progress=progress,
@@ -823,6 +825,7 @@ def search_cmd(
     checkpointing: str = typer.Option("none,selective,full", "--checkpointing", help="Activation checkpointing modes to try on every block."),
     schedule: str = typer.Option("1f1b", "--pp-schedule", help="Pipeline schedules to try, e.g. 1f1b,gpipe."),
     compile: bool = typer.Option(False, "--compile", help="Also try each candidate compiled."),
+    float8: Optional[str] = typer.Option(None, "--float8", help="Also try each candidate with float8 Linears of this recipe (tensorwise or rowwise; GPU sm89+)."),
     max_steps: int = typer.Option(16, "--max-steps", help="Most micro-batches per step a candidate may trace."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Local worker processes (default: the CPU cores)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Run candidates on this Ray cluster (local: start one here)."),
@@ -856,6 +859,7 @@ def search_cmd(
                        hsdp=hsdp, checkpointing=modes,
                        schedules=tuple(x.strip() for x in schedule.split(",") if x.strip()),
                        compile=(False, True) if compile else (False,), max_steps=max_steps,
+                       float8=(None, float8) if float8 else (None,),
                        workers=workers if workers is not None else (os.cpu_count() or 1),
                        ray=ray, cache=cache, brute_force=brute_force, top=top, progress=show)
         render_search(r, out, top=top, commands=winner_commands(r))

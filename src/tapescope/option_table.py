@@ -181,6 +181,16 @@ OPTIONS = (
            ("--calibration",),
            "A file `tapescope calibrate` wrote on a GPU of this kind: price the step time from "
            "its measurements (default: $TAPESCOPE_CALIBRATION; without --gpu, the file's GPU)."),
+    Option("float8", "str | None", None,
+           "\"tensorwise\" or \"rowwise\": train the Linears in float8 with torchao's "
+           "`convert_to_float8_training`, as torchtitan's float8 converter applies it (dims "
+           "multiples of 16, the output head left out; tensorwise under FSDP gathers float8 "
+           "weights and precomputes their scales after each optimizer step), on the traced "
+           "copy before the preset parallelisation. Needs a GPU of compute capability 8.9+ and "
+           "torchao; with your own `parallelize`, convert there instead.",
+           ("--float8",),
+           "tensorwise or rowwise: float8 Linears (torchao, as torchtitan converts them); GPU "
+           "sm89+ only."),
 )
 
 OPTION = {o.name: o for o in OPTIONS}

@@ -205,6 +205,8 @@ class Options:
         (devices.calibration.Calibration): the step time is priced from it. Given as a file, or
         read from TAPESCOPE_CALIBRATION for CUDA profiles; a given file with no GPU named makes
         the profile one of the file's GPU.
+    float8: "tensorwise" or "rowwise": the model's Linears trained in float8 as torchtitan's
+        converter swaps them (capture/float8.py); None without.
     """
 
     loss_fn: Callable | None = None
@@ -228,6 +230,7 @@ class Options:
     setup: Callable | None = None
     pipeline: PipelineSpec | None = None
     calibration: Calibration | None = None
+    float8: str | None = None
 
     @classmethod
     def create(cls, *, loss_fn: Callable | str | None = None,
@@ -242,7 +245,8 @@ class Options:
                parallelize: Callable | None = None, sizes: Sizes | dict | None = None,
                step: Callable | str | None = None, setup: Callable | str | None = None,
                pipeline: str | dict | PipelineSpec | None = None,
-               calibration: str | Calibration | None = None) -> "Options":
+               calibration: str | Calibration | None = None,
+               float8: str | None = None) -> "Options":
         """Check and resolve every option (declared in option_table.py); a bad one raises a
         TapescopeError that says why. The checks run in this order, the first failing one
         speaks: what runs the step (device, GPU, calibration), precision, the optimizer and
@@ -262,6 +266,7 @@ class Options:
         mesh = _check_mesh(mesh, parallelize, dev, symbolic, engine,
                            pipelined=pipeline is not None)
         _check_pipelined(pipeline, checkpointing, compile)
+        float8 = _check_float8(float8, dev, gpu_entry, parallelize)
         step, setup = _resolve_step(step, setup, loss_fn=loss_fn, accumulate=accumulate,
                                     amp=amp, compile=compile, pipeline=pipeline,
                                     symbolic=symbolic)
@@ -271,7 +276,7 @@ class Options:
                    checkpointing=_resolve_checkpointing(checkpointing), compile=compile,
                    cpu=_resolve_cpu(cpu_isa, threads), mesh=mesh, parallelize=parallelize,
                    sizes=Sizes.create(sizes), accumulate=accumulate, step=step, setup=setup,
-                   pipeline=pipeline, calibration=calibration)
+                   pipeline=pipeline, calibration=calibration, float8=float8)
 
     def but(self, **changes) -> "Options":
         """A copy with some fields changed (already resolved values)."""
@@ -435,6 +440,20 @@ def _resolve_pipeline(pipeline, mesh, accumulate):
                              "accumulate (--accumulate) and set the micro-batches "
                              "(pipeline={'microbatches': M}, CLI --microbatches M)")
     return spec or PipelineSpec()
+
+
+def _check_float8(float8, device, gpu, parallelize):
+    """The float8 recipe (capture/float8.py) for the built-in presets; a user's parallelize
+    applies its own converter, as torchtitan's does (tests/test_float8.py)."""
+    from .capture.float8 import check_float8
+
+    recipe = check_float8(float8, device, gpu)
+    if recipe is not None and parallelize is not None and \
+            getattr(parallelize, "layout", None) is None:
+        raise TapescopeError(f"--float8 {recipe} converts the model for tapescope's presets "
+                             "(--fsdp/--tp/--cp, fit --gpus); with your own --parallelize, call "
+                             "torchao's convert_to_float8_training in it, as torchtitan does")
+    return recipe
 
 
 def _check_mesh(mesh, parallelize, device, symbolic, engine, pipelined: bool = False):

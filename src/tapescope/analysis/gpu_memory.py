@@ -78,6 +78,7 @@ def _events(trace: Trace, gpu=None):
     successors = _successors(trace, views[1], steady) if steady is not views[1] else {}
     for run, view in (("step1", views[1]), ("step2", steady), ("step3", steady)):
         live_keys = {}
+        freed_successors: set = set()  # step 2's leftovers step 3 has freed (_successors)
         for e, _, sid, delta in device_events(trace, view):
             op = view.events[e][0]
             if delta > 0:
@@ -90,6 +91,9 @@ def _events(trace: Trace, gpu=None):
                 if key is None and run == "step3" and sid in successors:
                     # what step 1 left and step 2 freed: step 3 frees what step 2 left instead
                     key = ("step2", successors[sid])
+                    if key in freed_successors:
+                        continue  # several of step 1's stood for this one of step 2
+                    freed_successors.add(key)
                 if key is None:  # alive before this step: setup, or a previous step's state
                     key = _previous_key(out, sid)
                 out.append((key, None))
@@ -115,10 +119,40 @@ def _successors(trace: Trace, first, steady) -> dict:
     for sid in sorted(end2 - steady.initial):
         left.setdefault((storages[sid].device, storages[sid].nbytes), []).append(sid)
     out = {}
+    unpaired = []
     for sid in freed:
         same = left.get((storages[sid].device, storages[sid].nbytes))
         if same:
             out[sid] = same.pop(0)
+        else:
+            unpaired.append(sid)
+    out.update(_successors_by_bytes(storages, unpaired, [s for ss in left.values() for s in ss]))
+    return out
+
+
+def _successors_by_bytes(storages: dict, freed: list, left: list) -> dict:
+    """What the same-size pairing left over, paired by bytes when, on a device, step 1's
+    leftovers and step 2's add up to the same: several storages of step 1 stand for one of step 2
+    (torchao's float8 weights: step 1's all-gathers compute a 4-byte scale per weight, which the
+    gathered weights keep; from step 2 on they keep views of the one scale tensor the optimizer's
+    `precompute_float8_dynamic_scale_for_fsdp` made). Each freed storage maps to the leftover that
+    holds its first byte, in the order made; step 3 frees each leftover once (_events)."""
+    out = {}
+    for device in {storages[s].device for s in freed}:
+        old = sorted(s for s in freed if storages[s].device == device)
+        new = sorted(s for s in left if storages[s].device == device)
+        if not new or sum(storages[s].nbytes for s in old) != \
+                sum(storages[s].nbytes for s in new):
+            continue
+        start, ends, i = 0, [], 0
+        for s in new:
+            ends.append((start := start + storages[s].nbytes, s))
+        start = 0
+        for s in old:
+            while start >= ends[i][0]:
+                i += 1
+            out[s] = ends[i][1]
+            start += storages[s].nbytes
     return out
 
 

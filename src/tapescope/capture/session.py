@@ -212,6 +212,11 @@ class CaptureSession:
                     self.optimizer = program.setup(self.fmodel, self.params, opts.device)
                 if self.optimizer is not None:
                     self.optimizers.append(self.optimizer)
+                    if self.float8 is not None and self.float8.fsdp_float8_all_gather:
+                        # torchtitan's post-optimizer hook: one amax all-reduce for all weights
+                        from .float8 import precompute_scales
+
+                        self.optimizer.register_step_post_hook(precompute_scales(self.fmodel))
             self.step_model = self.fmodel
             self.user_compiled_graphs = 0  # graphs of the user's own torch.compile calls, eager
             if opts.compile is not None:
@@ -302,6 +307,14 @@ class CaptureSession:
         self.isolation = Isolation(module_tensor, state_tensor)
         with tape.unrecorded_through_front():  # ~100 us an op saved per tensor copied
             self.fmodel = self.isolation.copy_model(self.model)
+        self.float8 = None
+        if opts.float8 is not None:  # the copy's Linears, before any parallelisation
+            from .float8 import convert_float8
+
+            layout = getattr(opts.parallelize, "layout", None)
+            self.float8 = convert_float8(self.fmodel, opts.float8,
+                                         fsdp=layout is not None and layout.fsdp > 1)
+            self.isolation.notes.append(self.float8.describe())
         wrapped: list = []  # (wrapper, module, fqn) of a plan applied before the parallelisation
         if self.prepare is not None and opts.checkpointing:
             # torchtitan's order: activation checkpointing first (apply_ac), then FSDP / TP
@@ -734,7 +747,22 @@ def _tensors_fingerprint(model: nn.Module) -> tuple:
         for d in (mod._parameters, mod._buffers):
             for k, v in d.items():
                 out.append((id(mod), k, id(v), None if v is None else storage_key(v)))
+                out += [(id(mod), k, name, id(x)) for name, x in _held_tensors(v)]
     return tuple(out)
+
+
+def _held_tensors(t) -> list:
+    """The tensors a parameter of a wrapper subclass holds besides its data (through DTensor's
+    local shard): torchao's float8 weight gets a `_precomputed_scale` after the optimizer step
+    (precompute_float8_dynamic_scale_for_fsdp), and the next forward's all-gather then skips its
+    amax all-reduce, so step 2 is not step 1's forward again."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    inner = getattr(t, "_local_tensor", t)
+    if inner is None or isinstance(inner, FakeTensor) or \
+            not hasattr(type(inner), "__tensor_flatten__"):
+        return []
+    return [(k, x) for k, x in vars(inner).items() if isinstance(x, torch.Tensor)]
 
 
 def _symbols(shape_env, names, inputs) -> tuple[dict, dict]:

@@ -298,6 +298,7 @@ def preset_parallelize(layout: Layout, mp_dtype: torch.dtype | None = None) -> C
         return model
 
     mixed = mp_dtype is not None and (layout.shard_degree > 1 or layout.dp_replicate > 1)
+    parallelize.layout = layout  # what the session's float8 conversion asks (capture/float8.py)
     parallelize.param_dtype = str(mp_dtype).replace("torch.", "") if mixed else None
     parallelize.__name__ = f"the {layout} preset" + (
         f" with FSDP2 mixed precision {str(mp_dtype).replace('torch.', '')}" if mixed else "")

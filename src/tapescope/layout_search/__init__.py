@@ -23,7 +23,7 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
            amp: str | None = "bf16", dtype: str | None = None, optimizer: str = "adamw",
            pp=None, tp=None, cp=None, hsdp: bool = True,
            checkpointing=("none", "selective", "full"),
-           schedules=("1f1b",), compile=(False,), max_steps: int = 16,
+           schedules=("1f1b",), compile=(False,), max_steps: int = 16, float8=(None,),
            gpus_per_node: int | None = None, workers: int = 1,
            ray: str | None = None, cache: str | None = None, brute_force: bool = False,
            top: int | None = 10, progress=None) -> SearchResult:
@@ -32,7 +32,8 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
     tokens per optimizer step. pp, tp, cp: the degrees to try (default: powers of two, TP within
     a node, CP where each rank keeps 8k tokens or more: space.cp_degrees); hsdp: also HSDP with shard groups of one and two nodes (gpus_per_node: default the
     GPU's node, devices/gpus.py); checkpointing: the modes
-    tried on every block; max_steps: the most micro-batches per step a candidate may trace.
+    tried on every block; max_steps: the most micro-batches per step a candidate may trace;
+    float8: the float8 recipes tried, None for without (capture/float8.py).
     workers: local processes (1: this process); ray: a Ray cluster address ("local" starts
     one); cache: a file of finished candidates that a later search resumes from; top: the rows
     of the ranking kept exact (a candidate whose step provably takes longer than the top-th best
@@ -41,13 +42,15 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
     from ..options import Options
 
     gpu_entry = Options.create(gpu=gpu).gpu
+    for recipe in float8:  # refused before any trace: a GPU without float8, an unknown recipe
+        Options.create(gpu=gpu, float8=recipe)
     source = Source(spec, seq, gpu_entry.key, amp, dtype, optimizer)
     shape = _model_shape(source)
     space = SearchSpace(gpus, global_batch, gpus_per_node or interconnect(gpu_entry).gpus_per_node,
                         tuple(pp) if pp else None, tuple(tp) if tp else None, hsdp,
                         tuple(checkpointing), tuple(schedules), tuple(compile), max_steps,
                         shape["blocks"], shape["heads"], shape["seq"],
-                        tuple(cp) if cp else None)
+                        tuple(cp) if cp else None, tuple(float8))
     if ray is not None:
         from .ray_pool import RayPool
 

@@ -56,7 +56,7 @@ class Known:
     """What the traces so far measured, indexed for the rules."""
 
     matmul_rate: float | None = None   # FLOP/s no matmul kernel exceeds on this GPU
-    # (layout, schedule, compile, micro-batch) -> [Outcome]
+    # (layout, schedule, compile, micro-batch, float8) -> [Outcome]
     by_micro_batch: dict = field(default_factory=dict)
     flops_per_sample: dict = field(default_factory=dict)  # "own" / mode -> matmul FLOPs per sample
 
@@ -75,7 +75,7 @@ class Known:
 
 
 def _same_kernels(c: Candidate) -> tuple:
-    return (c.layout, c.schedule, c.compile, c.micro_batch)
+    return (c.layout, c.schedule, c.compile, c.micro_batch, c.float8)
 
 
 def repeated_kernels(c: Candidate, known: Known) -> Bound | None:

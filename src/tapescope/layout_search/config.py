@@ -14,6 +14,7 @@ line is a starting point, not the profiled step.
 
 from __future__ import annotations
 
+import json
 import shlex
 
 from .evaluate import Source
@@ -50,6 +51,8 @@ def tapescope_command(source: Source, c: Candidate) -> str:
         args += ["--accumulate", str(c.steps)]
     if c.compile:
         args.append("--compile")
+    if c.float8:
+        args += ["--float8", c.float8]
     line = shlex.join(args)
     if CHECKPOINTING[c.checkpointing] is not None:
         # profile's --checkpoint does not combine with a mesh (a distributed step checkpoints
@@ -86,13 +89,35 @@ def torchtitan_toml(source: Source, c: Candidate, global_batch: int) -> str:
     fields = _titan_fields(c, source.seq, global_batch)
     if source.amp:
         fields["training"]["mixed_precision_param"] = _titan_dtype(source.amp)
+    fields.update(_titan_float8(c))
     for section, values in fields.items():
         lines += ["", f"[{section}]"]
         for k, v in values.items():
             text = str(v).lower() if isinstance(v, bool) else \
-                f'"{v}"' if isinstance(v, str) else str(v)
+                f'"{v}"' if isinstance(v, str) else \
+                json.dumps(v) if isinstance(v, list) else str(v)  # a TOML array of strings
             lines.append(f"{k} = {text}")
     return "\n".join(lines) + "\n"
+
+
+def _titan_float8(c: Candidate) -> dict:
+    """torchtitan's float8 converter as its TOML releases register and configure it
+    (components/quantization/float8.py: `register_model_converter(Float8LinearConverter,
+    "quantize.linear.float8")`): tensorwise is no recipe name, with the float8 all-gather and
+    precomputed scales under FSDP (only without a recipe: torchtitan asserts so); rowwise is
+    `recipe_name`. The output head is filtered as its configs filter it. In 0.3 a registered
+    config with `Float8LinearConverter` in its model's converters does the same."""
+    if not c.float8:
+        return {}
+    settings: dict = {"filter_fqns": ["output"]}
+    if c.float8 == "tensorwise":
+        fsdp = c.layout.fsdp > 1
+        settings.update(enable_fsdp_float8_all_gather=fsdp,
+                        precompute_float8_dynamic_scale_for_fsdp=fsdp)
+    else:
+        settings["recipe_name"] = c.float8
+    return {"model": {"converters": ["quantize.linear.float8"]},
+            "quantize.linear.float8": settings}
 
 
 def _titan_dtype(amp: str) -> str:

@@ -153,6 +153,7 @@ def _parallelize(candidate: Candidate, mp_dtype):
         return preset(model, mesh) if preset is not None else model
 
     parallelize.__name__ = candidate.label()
+    parallelize.layout = layout  # a preset's: capture/float8.py asks whether FSDP shards
     if preset is not None and hasattr(preset, "train_context"):  # CP: presets.py
         parallelize.train_context = preset.train_context
     return parallelize
@@ -182,7 +183,7 @@ def candidate_options(source: Source, candidate: Candidate):
         pipeline={"schedule": candidate.schedule, "microbatches": candidate.steps}
         if pipelined else None,
         checkpointing=_single_device_policies(workload, candidate) if single else (),
-        compile=True if candidate.compile else None)
+        compile=True if candidate.compile else None, float8=candidate.float8)
     return workload, options
 
 

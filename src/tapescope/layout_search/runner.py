@@ -201,11 +201,11 @@ class _Grid:
         grid = candidate_grid(space)
         self.skipped = grid.skipped
         self.chains = grid.chains
-        # chains of one layout, schedule and compile setting by checkpointing mode
+        # chains of one layout, schedule, compile and float8 setting by checkpointing mode
         self.families: dict = {}
         for key, chain in grid.chains.items():
-            layout, ac, schedule, compiled = key
-            self.families.setdefault((layout, schedule, compiled), {})[ac] = chain
+            layout, ac, schedule, compiled, float8 = key
+            self.families.setdefault((layout, schedule, compiled, float8), {})[ac] = chain
         self.outcome: dict = {}     # Candidate -> Outcome
         self.pruned: dict = {}      # Candidate -> reason
         self.started: set = set()

@@ -19,6 +19,7 @@ used", so a candidate written before them keeps its key.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from itertools import product
 
 from ..distributed.presets import Layout
 from ..errors import TapescopeError
@@ -36,7 +37,7 @@ CHECKPOINTING = {"none": None, "selective": ("selective", SELECTIVE_SAVE), "full
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
-_ADDED_LATER = {"cp": 1}   # field -> its "not used" value
+_ADDED_LATER = {"cp": 1, "float8": None}   # field -> its "not used" value
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Candidate:
     checkpointing: str = "none"   # a CHECKPOINTING mode, on every repeated block
     schedule: str | None = None   # the pipeline schedule (pp > 1)
     compile: bool = False
+    float8: str | None = None     # a float8 recipe (capture/float8.py), None: not used
 
     @property
     def rank_batch(self) -> int:
@@ -57,7 +59,7 @@ class Candidate:
     def chain(self) -> tuple:
         """What the candidates of one micro-batch series share: memory grows with the micro-batch
         along it (layout_search/runner.py prunes on that)."""
-        return (self.layout, self.checkpointing, self.schedule, self.compile)
+        return (self.layout, self.checkpointing, self.schedule, self.compile, self.float8)
 
     def label(self) -> str:
         parts = [str(self.layout), f"mb {self.micro_batch}"]
@@ -69,6 +71,8 @@ class Candidate:
             parts.append(f"AC {self.checkpointing}")
         if self.compile:
             parts.append("compiled")
+        if self.float8:
+            parts.append(f"float8 {self.float8}")
         return ", ".join(parts)
 
     def key(self) -> str:
@@ -103,6 +107,7 @@ class SearchSpace:
     heads: tuple = ()             # (heads, kv heads): TP must divide them
     seq: int | None = None        # tokens of one sample: context parallelism splits them
     cp: tuple | None = None       # context-parallel degrees (default: cp_degrees(seq))
+    float8: tuple = (None,)       # float8 recipes to try, None: without (search --float8)
 
     def __post_init__(self):
         if self.gpus < 1 or self.global_batch < 1:
@@ -186,10 +191,11 @@ def candidate_grid(space: SearchSpace) -> Grid:
         rank_batch = space.global_batch // dp
         for schedule in (space.schedules if layout.pp > 1 else (None,)):
             for compiled in space.compile:
-                for ac in space.checkpointing:
+                for ac, float8 in product(space.checkpointing, space.float8):
                     chain = []
                     for mb in _divisors(rank_batch):
-                        c = Candidate(layout, mb, rank_batch // mb, ac, schedule, compiled)
+                        c = Candidate(layout, mb, rank_batch // mb, ac, schedule, compiled,
+                                      float8)
                         if layout.pp > 1 and c.steps < layout.pp:
                             grid.skipped.append((c, f"{c.steps} micro-batches cannot fill "
                                                     f"{layout.pp} pipeline stages"))
