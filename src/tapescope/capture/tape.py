@@ -853,6 +853,16 @@ class Tape(SizeFreeCacheCheck):
         if "empty" in names:
             self._record(torch.ops.aten.empty.memory_format, (list(real.shape),),
                          {"dtype": real.dtype, "device": out.device, "pin_memory": False}, out)
+        else:
+            # `x[i] = 3`: C++ makes the scalar's tensor without a dispatched op (scalar_to_tensor)
+            # and the real run allocates it there, just before it is lifted. Registered here it is
+            # the lift's own, allocated at the lift; left to `_in_ref` it would be a storage no op
+            # made, alive from the step's start, and each micro-batch of an accumulated step would
+            # free one that none of them allocated (no repeat proven: capture/session.py)
+            index = len(self.trace.ops)
+            sid, new = self._storage_of(out, index)
+            if new:
+                self.trace.events.append((index, sid, 1))
         self._record(_LIFT_FRESH, (out,), {}, out)
         if "detach_" in names:
             self._record(torch.ops.aten.detach_.default, (out,), {}, out)
