@@ -19,6 +19,9 @@ import torch
 
 from .errors import DeviceError, TapescopeError
 
+# torchao float8 training recipes the presets apply (capture/float8.py)
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
 if TYPE_CHECKING:  # the resolved values' types (imported where resolved: options stay light)
     from .devices.calibration import Calibration
     from .devices.cpu import CpuTarget
@@ -442,12 +445,30 @@ def _resolve_pipeline(pipeline, mesh, accumulate):
     return spec or PipelineSpec()
 
 
+def _float8_recipe(recipe: str | None, device, gpu) -> str | None:
+    """The recipe, or one clear refusal: an unknown recipe, the CPU, a GPU without float8."""
+    if recipe is None:
+        return None
+    if recipe not in FLOAT8_RECIPES:
+        raise TapescopeError(f"--float8 {recipe!r}: choose one of {', '.join(FLOAT8_RECIPES)}")
+    if device.type != "cuda" or gpu is None:
+        raise TapescopeError(f"--float8 {recipe} profiles float8 training on a GPU: add --gpu "
+                             "h100 (or another GPU of compute capability 8.9 or newer); the CPU "
+                             "runs float8 matmuls only as an fp32 emulation")
+    if tuple(gpu.compute_capability) < (8, 9):
+        major, minor = gpu.compute_capability
+        raise TapescopeError(f"--float8 {recipe}: the {gpu.name} (sm{major}{minor}) has no float8 "
+                             "matmul (torch's _scaled_mm needs sm89 or newer, as torchtitan's "
+                             "float8 converter checks); use an Ada, Hopper or Blackwell GPU, or "
+                             "drop --float8")
+    return recipe
+
+
+
 def _check_float8(float8, device, gpu, parallelize):
     """The float8 recipe (capture/float8.py) for the built-in presets; a user's parallelize
     applies its own converter, as torchtitan's does (tests/test_float8.py)."""
-    from .capture.float8 import check_float8
-
-    recipe = check_float8(float8, device, gpu)
+    recipe = _float8_recipe(float8, device, gpu)
     if recipe is not None and parallelize is not None and \
             getattr(parallelize, "layout", None) is None:
         raise TapescopeError(f"--float8 {recipe} converts the model for tapescope's presets "

@@ -29,9 +29,7 @@ import torch.nn as nn
 
 from ..errors import TapescopeError
 
-__all__ = ["RECIPES", "Float8Plan", "check_float8", "convert_float8", "float8_linear_names"]
-
-RECIPES = ("tensorwise", "rowwise")
+__all__ = ["Float8Plan", "convert_float8", "float8_linear_names"]
 
 
 @dataclass(frozen=True)
@@ -48,25 +46,6 @@ class Float8Plan:
                   "optimizer step") if self.fsdp_float8_all_gather else ""
         return (f"float8 {self.recipe}: {len(self.converted)} Linears of the traced copy "
                 f"swapped to torchao's Float8Linear{gather}")
-
-
-def check_float8(recipe: str | None, device, gpu) -> str | None:
-    """The recipe, or one clear refusal: an unknown recipe, the CPU, a GPU without float8."""
-    if recipe is None:
-        return None
-    if recipe not in RECIPES:
-        raise TapescopeError(f"--float8 {recipe!r}: choose one of {', '.join(RECIPES)}")
-    if device.type != "cuda" or gpu is None:
-        raise TapescopeError(f"--float8 {recipe} profiles float8 training on a GPU: add --gpu "
-                             "h100 (or another GPU of compute capability 8.9 or newer); the CPU "
-                             "runs float8 matmuls only as an fp32 emulation")
-    if tuple(gpu.compute_capability) < (8, 9):
-        major, minor = gpu.compute_capability
-        raise TapescopeError(f"--float8 {recipe}: the {gpu.name} (sm{major}{minor}) has no float8 "
-                             "matmul (torch's _scaled_mm needs sm89 or newer, as torchtitan's "
-                             "float8 converter checks); use an Ada, Hopper or Blackwell GPU, or "
-                             "drop --float8")
-    return recipe
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:

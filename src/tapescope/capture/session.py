@@ -32,9 +32,9 @@ from ..losses import describe_loss, grad_tensors, sum_of
 from ..errors import (DataDependentError, TapescopeError, from_trace_failure, raised_by_tapescope,
                       source_dirs)
 from ..options import Options, Workload
-from ..torch_compat import (DimDynamic, FakeTensorMode, ShapeEnv, constant_source, patched,
-                            hook_guard_locations, pytree_node_types, shape_env_facts, tree_leaves,
-                            tree_map, user_source_location, without_torch_function)
+from ..torch_compat import (DimDynamic, FakeTensor, FakeTensorMode, ShapeEnv, constant_source,
+                            hook_guard_locations, patched, pytree_node_types, shape_env_facts,
+                            tree_leaves, tree_map, user_source_location, without_torch_function)
 from .data_values import DataValues
 from .distributed_roles import assign_roles, sharded_parameter_names
 from .engine import PythonEngine
@@ -756,8 +756,6 @@ def _held_tensors(t) -> list:
     local shard): torchao's float8 weight gets a `_precomputed_scale` after the optimizer step
     (precompute_float8_dynamic_scale_for_fsdp), and the next forward's all-gather then skips its
     amax all-reduce, so step 2 is not step 1's forward again."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     inner = getattr(t, "_local_tensor", t)
     if inner is None or isinstance(inner, FakeTensor) or \
             not hasattr(type(inner), "__tensor_flatten__"):

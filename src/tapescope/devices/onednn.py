@@ -38,6 +38,7 @@ from math import prod
 
 from .cpu import CpuTarget
 from .onednn_brgemm_bwd import runs_strided_backward_data, strided_backward_data
+from .onednn_primitive import Primitive
 
 __all__ = ["Conv", "Primitive", "forward", "backward_data", "backward_weights", "nested",
            "deconvolution_forward"]
@@ -103,20 +104,6 @@ class Conv:
     @property
     def out_spatial(self) -> int:
         return prod(self.out_size)
-
-
-@dataclass(frozen=True)
-class Primitive:
-    """One oneDNN primitive as PyTorch runs it: bytes beside PyTorch's own tensors."""
-
-    impl: str                # oneDNN's implementation name (as ONEDNN_VERBOSE prints it)
-    src: int = 0             # the source (or diff_dst) reordered into the kernel's layout
-    weights: int = 0         # the weights reordered (forward, backward-data)
-    dst: int = 0             # the kernel's own destination (ideep's, before PyTorch's copy)
-    diff_dst: int = 0        # backward weights: diff_dst reordered
-    bias: int = 0            # backward weights: ideep's own bias gradient
-    scratchpad: int = 0
-    exact: bool = True       # False: a heuristic (see the module doc)
 
 
 def _blocked(n: int, channels: int, spatial: int, block: int) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from math import prod
 
 from .cpu import CpuTarget
+from .onednn_primitive import Primitive
 
 __all__ = ["runs_strided_backward_data", "strided_backward_data"]
 
@@ -75,8 +76,6 @@ def _ovf(ext: int, pad_front: int, pad_end: int, stride: int) -> tuple[int, int]
 def strided_backward_data(c, cpu: CpuTarget):
     """The primitive's reorders and scratchpad (an onednn.Primitive; `dst` is the NHWC diff_src,
     which is copied into grad_input through a buffer of the same size)."""
-    from .onednn import Primitive
-
     itemsize, isa = c.itemsize, cpu.isa
     bf16 = itemsize == 2
     simd = 16 if isa == "avx512" else 8                # acc_simd_w: f32 lanes
