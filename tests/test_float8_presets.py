@@ -6,9 +6,11 @@ the collectives and their sizes (checked by hand below too); torchtitan 0.3.0's 
 Float8LinearConverter, run on its llama3 config and built on meta, gives the converted set.
 """
 
+from collections import Counter
 import copy
 from dataclasses import replace
 import functools
+import json
 import tomllib
 
 import pytest
@@ -31,13 +33,16 @@ BATCH, SEQ = 2, 32
 
 
 class _Collectives(TorchDispatchMode):
-    """(kind, bytes) of each collective a real step issues, the larger of the op's tensors. An op
+    """(kind, bytes) of each collective a real step issues, the largest of the op's tensors, its
+    result included (a functional all-gather returns the gathered tensor, not in its args). An op
     on DTensors is let through first (NotImplemented, as torch's CommDebugMode does), so the
     all-reduce DTensor issues inside it (precompute_float8_dynamic_scale_for_fsdp's clamp of a
     Partial(max)) is seen too."""
 
     KINDS = {"all_reduce": "all_reduce", "_allgather_base_": "all_gather",
-             "_reduce_scatter_base_": "reduce_scatter"}
+             "_reduce_scatter_base_": "reduce_scatter",
+             # DTensor's redistribute (TP's sequence-parallel boundaries): functional ops
+             "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 
     def __init__(self):
         super().__init__()
@@ -50,7 +55,7 @@ class _Collectives(TorchDispatchMode):
         kind = self.KINDS.get(func._opname)
         if func.namespace in ("c10d", "_c10d_functional") and kind is not None:
             self.seen.append((kind, max(t.numel() * t.element_size()
-                                        for t in tree_leaves((args, kwargs))
+                                        for t in tree_leaves((args, kwargs, out))
                                         if isinstance(t, torch.Tensor))))
         return out
 
@@ -60,32 +65,33 @@ def _torchtitan_filter(module, fqn):  # module_filter_fn with filter_fqns=["outp
 
 
 @functools.cache  # the same real run for the preset's and the search's test
-def _real_steady_step_collectives(recipe: str) -> list:
-    """Two real AdamW steps of the FSDP 2 preset on CPU tensors, world 2, fake process group;
-    tensorwise as torchtitan runs it (float8 all-gather, scales precomputed after each optimizer
-    step). The second step's collectives."""
+def _real_steady_step_collectives(recipe: str, layout: Layout = Layout(fsdp=2)) -> list:
+    """Two real AdamW steps of the layout's preset on CPU tensors, fake process group;
+    tensorwise as torchtitan runs it (under FSDP: float8 all-gather, scales precomputed after
+    each optimizer step). The second step's collectives, rank 0's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
                                 precompute_float8_dynamic_scale_for_fsdp)
 
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=layout.world_size, store=FakeStore())
     try:
         torch.manual_seed(0)
         model = Llama(CONFIG)
-        tensorwise = recipe == "tensorwise"
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True) if tensorwise else \
+        gather = recipe == "tensorwise" and layout.fsdp > 1
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True) if gather else \
             Float8LinearConfig.from_recipe_name(recipe)
         convert_to_float8_training(model, config=config, module_filter_fn=_torchtitan_filter)
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
-        model = preset_parallelize(Layout(fsdp=2))(model, mesh)
+        mesh = init_device_mesh("cpu", tuple(layout.mesh.values()),
+                                mesh_dim_names=tuple(layout.mesh))
+        model = preset_parallelize(layout)(model, mesh)
         opt = torch.optim.AdamW(model.parameters())
         tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ))
         for _ in range(2):
             with _Collectives() as log:
                 model(tokens, tokens).backward()
                 opt.step()
-                if tensorwise:
+                if gather:
                     precompute_float8_dynamic_scale_for_fsdp(model)
                 opt.zero_grad()
         return tuple(log.seen)
@@ -183,3 +189,52 @@ def test_search_float8_is_a_dimension_and_its_candidate_profiles_as_the_real_run
         "filter_fqns": ["output"], "enable_fsdp_float8_all_gather": True,
         "precompute_float8_dynamic_scale_for_fsdp": True}
     assert "--float8 tensorwise" in tapescope_command(source, c)
+
+
+def _one_line(text: str) -> str:  # the console wraps at its width
+    return " ".join(text.split())
+
+
+def test_distributed_report_says_float8_and_tp_collectives_equal_a_fake_process_group_run(
+        tmp_path):
+    """`profile --fsdp 2 --tp 2 --float8 tensorwise`: the distributed console report and --json
+    carry the float8 note, saying the TP styles stay plain (torchtitan 0.3.0's dtype-agnostic
+    sharding); the step's collectives, FSDP's float8 gathers and TP's sequence-parallel
+    boundaries in the model's dtype, equal the real run of that preset and conversion."""
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", SPEC, "--batch", str(BATCH), "--seq", str(SEQ),
+                                 "--fsdp", "2", "--tp", "2", "--float8", "tensorwise",
+                                 "--gpu", "h100", "--json", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    text = _one_line(r.output)
+    assert "Collectives of rank 0 per step" in text  # the distributed report
+    assert ("note: float8 tensorwise: 14 Linears of the traced copy swapped to torchao's "
+            "Float8Linear; FSDP2 gathers their weights in float8") in text
+    assert "the TP styles stay plain, as torchtitan 0.3.0 applies them" in text
+    p = json.loads(out.read_text())
+    notes = [n for n in p["facts"]["isolation_notes"] if n.startswith("float8 tensorwise")]
+    assert len(notes) == 1 and _one_line(notes[0]) in text
+    got = Counter()
+    for c in p["collectives"]:
+        got[(c["kind"], c["bytes_per_rank"])] += c["count_per_step"]
+    assert got == Counter(_real_steady_step_collectives("tensorwise", Layout(fsdp=2, tp=2)))
+
+
+def test_fit_gpus_says_float8_on_the_console_and_in_json(tmp_path):
+    """`fit --gpus --float8 rowwise`: a line above the table and "float8" in --json."""
+    from typer.testing import CliRunner
+
+    from tapescope.cli import app
+
+    out = tmp_path / "fit.json"
+    r = CliRunner().invoke(app, ["fit", SPEC, "--batch", str(BATCH), "--seq", str(SEQ),
+                                 "--gpus", "1", "--gpu", "h100", "--float8", "rowwise",
+                                 "--json", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    assert ("float8 rowwise in every layout: the Linears torchtitan's converter swaps are "
+            "torchao's Float8Linear") in _one_line(r.output)
+    assert json.loads(out.read_text())["float8"] == "rowwise"

@@ -745,6 +745,7 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
                             "budget_bytes": budget, "layouts": [r.to_dict() for r in rows],
                             "checkpointing": [p.to_dict() for p in options.checkpointing],
+                            "float8": options.float8,
                             "best": None if best is None else str(best.layout)})
     if not any(r.fits for r in rows):
         raise typer.Exit(1)

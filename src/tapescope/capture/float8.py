@@ -16,6 +16,14 @@ amax) and `precompute_float8_dynamic_scale_for_fsdp` after each optimizer step (
 of every weight's amax, so the gather needs none). rowwise takes torchao's recipe as it is
 (`Float8LinearConfig.from_recipe_name`); it has no float8 all-gather.
 
+Under TP the preset's styles stay plain (ColwiseParallel / RowwiseParallel), as torchtitan 0.3.0
+applies them: its sharding is dtype-agnostic ("quantization (Float8/MXFP8) is orthogonal",
+protocols/sharding.py), so the TP collectives move activations in the model's dtype and each
+Float8Linear casts its local shard. torchtitan up to 0.2 instead applied torchao's
+Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput for tensorwise
+(`enable_float8_tensorwise_tp`), gathering activations in float8; that is not modelled, and the
+note says so.
+
 Refused: on the CPU (the float8 GEMM there is an emulation, not what a training run does) and on a
 GPU below compute capability 8.9, as torch's `_scaled_mm` and torchtitan's converter refuse it.
 Not done: float8 for MoE grouped experts (torchtitan's Float8GroupedExpertsConverter), MXFP8.
@@ -40,12 +48,17 @@ class Float8Plan:
     recipe: str
     converted: tuple[str, ...]
     fsdp_float8_all_gather: bool
+    tensor_parallel: bool = False  # the preset shards with TP: its styles stay plain
 
     def describe(self) -> str:
         gather = ("; FSDP2 gathers their weights in float8, scales precomputed after each "
                   "optimizer step") if self.fsdp_float8_all_gather else ""
+        tp = ("; the TP styles stay plain, as torchtitan 0.3.0 applies them: TP collectives "
+              "move activations in the model's dtype, not float8 (torchtitan up to 0.2's "
+              "Float8ColwiseParallel / Float8RowwiseParallel are not modelled)"
+              ) if self.tensor_parallel else ""
         return (f"float8 {self.recipe}: {len(self.converted)} Linears of the traced copy "
-                f"swapped to torchao's Float8Linear{gather}")
+                f"swapped to torchao's Float8Linear{gather}{tp}")
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
@@ -65,7 +78,8 @@ def float8_linear_names(model: nn.Module) -> list[str]:
             and m.in_features % 16 == 0 and m.out_features % 16 == 0]
 
 
-def convert_float8(model: nn.Module, recipe: str, fsdp: bool) -> Float8Plan:
+def convert_float8(model: nn.Module, recipe: str, fsdp: bool,
+                   tensor_parallel: bool = False) -> Float8Plan:
     """Swap the model's Linears (in place: the traced copy) to torchao's Float8Linear."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -78,7 +92,7 @@ def convert_float8(model: nn.Module, recipe: str, fsdp: bool) -> Float8Plan:
         Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(model, config=config,
                                module_filter_fn=lambda m, fqn: fqn in names)
-    return Float8Plan(recipe, tuple(sorted(names)), all_gather)
+    return Float8Plan(recipe, tuple(sorted(names)), all_gather, tensor_parallel)
 
 
 def precompute_scales(model: nn.Module):

@@ -313,7 +313,8 @@ class CaptureSession:
 
             layout = getattr(opts.parallelize, "layout", None)
             self.float8 = convert_float8(self.fmodel, opts.float8,
-                                         fsdp=layout is not None and layout.fsdp > 1)
+                                         fsdp=layout is not None and layout.fsdp > 1,
+                                         tensor_parallel=layout is not None and layout.tp > 1)
             self.isolation.notes.append(self.float8.describe())
         wrapped: list = []  # (wrapper, module, fqn) of a plan applied before the parallelisation
         if self.prepare is not None and opts.checkpointing:

@@ -394,6 +394,14 @@ def render_layouts(rows, name: str, gpus: int, options, console: Console,
         units = ", ".join(f"{p.module} ({p.mode})" for p in options.checkpointing)
         console.print(f"  activation checkpointing in every layout: {units}, applied before the "
                       "preset parallelisation", highlight=False, markup=False)
+    if options.float8 is not None:  # capture/float8.py: what each layout's trace converted
+        gather = ("; FSDP layouts gather those weights in float8" if options.float8 ==
+                  "tensorwise" else "")
+        tp = ("; TP layouts keep plain TP styles, as torchtitan 0.3.0 does (activations cross "
+              "them unquantised)" if any(r.layout.tp > 1 for r in rows) else "")
+        console.print(f"  float8 {options.float8} in every layout: the Linears torchtitan's "
+                      f"converter swaps are torchao's Float8Linear{gather}{tp}",
+                      highlight=False, markup=False)
     tokens = any(r.tokens_per_second for r in rows)
     t = Table(box=None)
     for col in ("layout", "batch/rank", "global batch", "peak per rank", "nvidia-smi", "fits",
