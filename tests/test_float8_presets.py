@@ -224,8 +224,10 @@ def test_distributed_report_says_float8_and_tp_collectives_equal_a_fake_process_
     assert got == Counter(_real_steady_step_collectives("tensorwise", Layout(fsdp=2, tp=2)))
 
 
-def test_fit_gpus_says_float8_on_the_console_and_in_json(tmp_path):
-    """`fit --gpus --float8 rowwise`: a line above the table and "float8" in --json."""
+def test_fit_gpus_says_float8_on_the_console_in_json_and_in_its_next_commands(tmp_path):
+    """`fit --gpus --float8 rowwise`: a line above the table, "float8" in --json, and (nothing
+    fits a 1 MiB budget: the step peaks at about 2 MiB) the next fit and profile commands keep
+    --float8."""
     from typer.testing import CliRunner
 
     from tapescope.cli import app
@@ -233,8 +235,12 @@ def test_fit_gpus_says_float8_on_the_console_and_in_json(tmp_path):
     out = tmp_path / "fit.json"
     r = CliRunner().invoke(app, ["fit", SPEC, "--batch", str(BATCH), "--seq", str(SEQ),
                                  "--gpus", "1", "--gpu", "h100", "--float8", "rowwise",
-                                 "--json", str(out), "-q"])
-    assert r.exit_code == 0, r.output
+                                 "--budget", "1MiB", "--json", str(out), "-q"])
+    assert r.exit_code == 1, r.output
     assert ("float8 rowwise in every layout: the Linears torchtitan's converter swaps are "
             "torchao's Float8Linear") in _one_line(r.output)
     assert json.loads(out.read_text())["float8"] == "rowwise"
+    commands = [line.strip() for line in r.output.splitlines()
+                if line.strip().startswith("tapescope ")]
+    assert [c.split()[1] for c in commands] == ["fit", "profile"], r.output
+    assert all("--float8 rowwise" in c for c in commands), commands

@@ -203,14 +203,15 @@ def _compile_stages(progress, steps: int):
 
 
 def _invocation(command, spec, batch, seq, inputs, loss, dtype, amp, optimizer, gpu=None,
-                budget=None, param_dtype=None):
+                budget=None, param_dtype=None, float8=None):
     """How the user asked (report/advice.py), to write the next commands with the same model,
-    sizes and precision."""
+    sizes and precision. `float8` only where every next command takes --float8 (fit --gpus
+    suggests fit and profile; profile's advice also suggests plan, which has no --float8)."""
     from .report.advice import Invocation
 
     flags = []
     for flag, value in (("--batch", batch), ("--seq", seq), ("--dtype", dtype), ("--amp", amp),
-                        ("--loss", loss)):
+                        ("--loss", loss), ("--float8", float8)):
         if value is not None:
             flags += [flag, str(value)]
     for i in inputs or ():
@@ -741,7 +742,8 @@ def _fit_layouts(spec, gpus, gpu, batch, seq, inputs, loss, dtype, amp, optimize
     render_layouts(rows, workload.name, gpus, options, out, budget=budget, best=best, inputs=shapes,
                    invocation=_invocation("fit", spec, batch, seq, inputs, loss, dtype, amp,
                                           optimizer, gpu=options.gpu.key,
-                                          budget=None if budget is None else f"{budget}B"))
+                                          budget=None if budget is None else f"{budget}B",
+                                          float8=float8))
     _write_json(json_file, {"model": workload.name, "gpus": gpus, "gpu": options.gpu.key,
                             "budget_bytes": budget, "layouts": [r.to_dict() for r in rows],
                             "checkpointing": [p.to_dict() for p in options.checkpointing],
