@@ -85,15 +85,18 @@ def linear_bias_added_in_place(ctx, func, args, kwargs):
 
     Under autocast that branch is taken by the linear autocast runs after casting its arguments;
     run in Python here, autocast would see only `matmul` and cast `weight.t()` (a view: never
-    cached) and not the bias. So the wrapper's work is done first, as it does it: the arguments
-    cast right to left (bias, weight, input) through the weight-cast cache, then linear with
-    autocast off (the wrapper's ExcludeDispatchKeyGuard)."""
+    cached) and not the bias. So for that branch the wrapper's work is done first, as it does it:
+    the arguments cast right to left (bias, weight, input) through the weight-cast cache, then
+    linear with autocast off (the wrapper's ExcludeDispatchKeyGuard), which decides the branch
+    again on the cast arguments. Every other linear goes to torch's wrapper and its cache."""
     input, weight, bias = (list(args) + [None] * 3)[:3]
     input, weight, bias = (kwargs.get("input", input), kwargs.get("weight", weight),
                            kwargs.get("bias", bias))
     dtype = _autocast_dtype(input.device.type)
     if dtype is None:
         return _linear(*args, **kwargs)
+    if not linear_adds_in_place(input, weight, bias):
+        return linear_builtin(*args, **kwargs)  # autocast's own wrapper and cache, in C++
     casts = ctx.cache.setdefault(_cached_cast, {})
     device_type = input.device.type
     bias = _cached_cast(casts, bias, dtype, device_type)
