@@ -495,6 +495,10 @@ sdpa_builtin = torch._C._nn.scaled_dot_product_attention
 
 # No torch function mode or subclass handler sees the calls made inside (a context manager).
 disable_torch_function = torch._C.DisableTorchFunction
+# Autocast's dispatch keys excluded inside (a context manager): what an autocast wrapper's
+# ExcludeDispatchKeyGuard does around the op it runs on the cast arguments; the autocast state,
+# nesting and cast cache stay as they are.
+disable_autocast = torch._C._DisableAutocast
 # No torch dispatch mode or subclass handler sees the ops run inside (the C++ guard that
 # in_kernel_invocation_manager holds, without its meta-key and generator work)
 disable_torch_dispatch = torch._C._DisableTorchDispatch
@@ -1209,6 +1213,10 @@ class Patched:
 
 
 PATCHED = (
+    # autocast's weight-cast cache, which a FUNCTION rule that runs linear in Python keeps itself
+    Patched("torch", ("clear_autocast_cache",), "capture/fidelity/linear.py",
+            "autocast's __exit__ clears torch's cast cache through it; the casts the linear rule "
+            "keeps (autocast_mode.cpp's cached_cast has no Python binding) are cleared with it"),
     # the context-parallel truth (validate/ring_attention.py): torch's ring code run on the CPU
     Patched("torch.distributed.tensor.experimental._context_parallel._attention",
             ("aten", "custom_ops"), "validate/ring_attention.py",

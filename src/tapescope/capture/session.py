@@ -41,6 +41,7 @@ from .engine import PythonEngine
 from .fidelity import RULES, FidelityContext, FunctionRulesMode
 from .fidelity.attention import sdpa_composite_of_the_gpu
 from .fidelity.libraries import library_branches
+from .fidelity.linear import autocast_casts_cleared_with_torchs
 from .hooks import HookRegistry, SavedTensors
 from .isolation import Isolation
 from .rng_state import track_rng_states
@@ -383,7 +384,9 @@ class CaptureSession:
                 track_modules(rec.modules, self.names), \
                 rec.saved.active(), rec.hooks.recording(), track_rng_states(rec.tape), \
                 _quiet_fake_tensor_log(), library_branches(rec.tape), \
-                sdpa_composite_of_the_gpu(rec.fidelity), rec.function_rules, self._compiling():
+                sdpa_composite_of_the_gpu(rec.fidelity), \
+                autocast_casts_cleared_with_torchs(rec.fidelity), rec.function_rules, \
+                self._compiling():
             yield
 
     # ---- a compiled step (options.compile) ---------------------------------------------------
