@@ -94,16 +94,39 @@ def mm_copies_unreadable_operands(ctx, func, args, kwargs, out):
     return copies or None
 
 
+def _onednn_optimized_layout(t: torch.Tensor) -> bool:
+    """mkldnn_matmul's `is_mkldnn_optimized_format` for a 3-D operand: contiguous, or its last two
+    dimensions transposed over a dense batch; anything else it copies contiguous first."""
+    b, r, c = t.shape
+    return t.is_contiguous() or t.stride() == (r * c, 1, r)
+
+
 @RULES.register(WORKSPACE, aten.bmm.default, aten.baddbmm.default, devices={"cpu"},
-                source="aten/src/ATen/native/mkldnn/Matmul.cpp (mkldnn_matmul: bmm/baddbmm in "
-                       "bf16 go to oneDNN's batched matmul with a scratchpad of its own)",
-                test="tests/test_kernel_workspace.py::test_bf16_bmm_scratch_is_noted")
-def bf16_bmm_scratch_noted(ctx, func, args, kwargs, out):
-    """A batched bf16 product on AVX-512 runs oneDNN's batched brgemm matmul (mkldnn_matmul,
-    which also copies operands it cannot read): its batch dimension enters the blocking search
-    and its scratchpad is not modelled yet, so the profile says so."""
-    b1 = args[0] if func is aten.bmm.default else args[1]
-    if b1.dtype == torch.bfloat16 and ctx.cpu is not None and ctx.cpu.isa == "avx512":
-        ctx.note("oneDNN matmul scratch", "batched bfloat16 products (bmm) run oneDNN's matmul, "
-                 "whose scratchpad inside each call is not counted (an estimate)")
-    return None
+                source="aten/src/ATen/native/mkldnn/Matmul.cpp (mkldnn_matmul: operands not "
+                       "contiguous nor last-two-transposed are copied contiguous; checksize: "
+                       "b * m * k * n > 16^3) + oneDNN brgemm_matmul_utils.cpp "
+                       "(compute_blocking_heuristic_avx512 with the batch, init_scratchpad)",
+                test="tests/test_kernel_workspace.py::test_bf16_bmm_scratchpad_matches_the_allocator")
+def bf16_bmm_copies_and_scratchpad(ctx, func, args, kwargs, out):
+    """A batched bf16 product on AVX-512 runs oneDNN's brgemm matmul with the batch as its
+    outer dimension (LinearAlgebra.cpp bmm_out_or_baddbmm_ -> mkldnn_matmul): the operands it
+    cannot read are copied contiguous (mat1, then mat2: an expanded gradient, a permuted view),
+    then the primitive's scratchpad lives inside the call."""
+    b1, b2 = (args[0], args[1]) if func is aten.bmm.default else (args[1], args[2])
+    if not (b1.dtype == b2.dtype == out.dtype == torch.bfloat16 and ctx.cpu is not None
+            and ctx.cpu.isa == "avx512" and b1.numel() and b2.numel()):
+        return None
+    B, M, K = b1.shape
+    N = b2.shape[2]
+    if B * M * K * N <= 16 * 16 * 16:   # checksize: ATen's own batched gemm runs instead
+        return None
+    copies = [t.numel() * t.dtype.itemsize for t in (b1, b2) if not _onednn_optimized_layout(t)]
+    # a copied or contiguous mat1 is plain ("abc"); the transposed view is read as "acb"
+    transposed = _onednn_optimized_layout(b1) and not b1.is_contiguous()
+    scratch = onednn_matmul.bf16_matmul_scratchpad(M, K, N, transposed, ctx.cpu.threads, batch=B)
+    if scratch is None:
+        ctx.note("oneDNN matmul scratch", f"a batched bfloat16 {B}x{M}x{K} @ {K}x{N} product's "
+                 "brgemm blocking is not modelled: its scratchpad is not counted (an estimate)")
+    elif scratch:
+        copies.append(scratch)
+    return copies or None
