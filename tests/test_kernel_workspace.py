@@ -1248,20 +1248,75 @@ def test_bf16_matmul_scratchpad_matches_the_allocator(amp):
     assert predicted_peaks == real_peaks
 
 
-def test_bf16_bmm_scratch_is_noted():
-    """A bf16 bmm on AVX-512 allocates oneDNN's scratchpad inside the call (42,624 bytes for
-    4 x 64x32 @ 32x64 with 2 threads, measured): not modelled, so the profile names it."""
-    class Bmm(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(4, 32, 64))
+class _Bf16Batches(torch.nn.Module):
+    """bf16 batched products of several shapes: baddbmm into the input, then bmm (their
+    backwards read the expanded gradient of the sum and transposed operands)."""
+    SHAPES = [(4, 64, 32, 64), (3, 100, 40, 70), (16, 17, 64, 17), (2, 2, 16, 16)]  # B, M, K, N
 
-        def forward(self, x):
-            return torch.bmm(x, self.w)
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.ParameterList(torch.randn(b, m, k) for b, m, k, _ in self.SHAPES)
+        self.w = torch.nn.ParameterList(torch.randn(b, k, n) for b, _, k, n in self.SHAPES)
 
-    p = tapescope.profile(Bmm, tapescope.spec((4, 64, 32)), optimizer="sgd",
-                          dtype=torch.bfloat16, cpu_isa="avx512")
-    assert any("bmm" in text for text in p.run.heuristics.get("oneDNN matmul scratch", []))
+    def forward(self, x):
+        outs = [torch.baddbmm(x[:, :m, :n], a, w) if i == 0 else torch.bmm(a, w)
+                for i, ((_, m, _, n), a, w) in enumerate(zip(self.SHAPES, self.a, self.w))]
+        return sum(o.float().sum() for o in outs)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bf16_bmm_scratchpad_matches_the_allocator(threads):
+    """A bf16 bmm/baddbmm on AVX512-BF16 runs oneDNN's brg_matmul with the batch as its outer
+    dimension (capture/fidelity/batched_matmul.py): the batch enters the blocking search, so the
+    per-thread accumulators differ from one 2-D product's (4 x 64x32 @ 32x64 on 2 threads: 42,624
+    bytes, against 26,240 for one); mkldnn_matmul copies the expanded gradient of the sum first.
+    The last shape (16^3 multiply-adds in all) stays in ATen's split path. Every product exact
+    op by op at 1 and 3 threads, and both steps' peaks (main before: noted, each short by its
+    scratchpad)."""
+    if not _onednn_runs_bf16_matmul():
+        pytest.skip("oneDNN has no brgemm bf16 matmul here (avx512_core_bf16 without AMX)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = tapescope.spec((4, 64, 64))
+        p = tapescope.profile(_Bf16Batches, x, optimizer="sgd", dtype=torch.bfloat16)
+        real = run_real_steps(_Bf16Batches, (x,), optimizer="sgd", dtype=torch.bfloat16)
+    finally:
+        torch.set_num_threads(before)
+    ops = compare_ops(p, real, 1)
+    products = _excess(ops, "aten.bmm") + _excess(ops, "aten.baddbmm")
+    assert len(products) == 12 and all(m == p for m, p in products), products
+    assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])
+    assert "oneDNN matmul scratch" not in p.run.heuristics
+
+
+class _EagerAttention(torch.nn.Module):
+    """Self-attention spelt out (scores, softmax, weighted values), as models without SDPA do."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+def test_eager_attention_bmm_under_autocast_matches_the_allocator():
+    """Eager attention under CPU autocast bf16: the scores and weighted-value products and their
+    four backward products run oneDNN's batched matmul (a transposed key read as is, the
+    permuted gradient copied): each exact op by op (main before: 50,816 to 116,480 bytes short
+    each), both steps' peaks exact."""
+    if not _onednn_runs_bf16_matmul():
+        pytest.skip("oneDNN has no brgemm bf16 matmul here (avx512_core_bf16 without AMX)")
+    x = tapescope.spec((2, 128, 64))
+    p = tapescope.profile(_EagerAttention, x, optimizer="sgd", amp="bf16")
+    real = run_real_steps(_EagerAttention, (x,), optimizer="sgd", amp="bf16")
+    products = _excess(compare_ops(p, real, 1), "aten.bmm")
+    assert len(products) == 6 and all(m == p for m, p in products), products
+    assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])
 
 
 STRIDED_BACKWARD = {  # name -> (_Conv arguments, input shape): brgconv_strided backward-data
