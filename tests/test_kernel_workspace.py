@@ -1264,17 +1264,9 @@ class _Bf16Batches(torch.nn.Module):
         return sum(o.float().sum() for o in outs)
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_bf16_bmm_scratchpad_matches_the_allocator(threads):
-    """A bf16 bmm/baddbmm on AVX512-BF16 runs oneDNN's brg_matmul with the batch as its outer
-    dimension (capture/fidelity/batched_matmul.py): the batch enters the blocking search, so the
-    per-thread accumulators differ from one 2-D product's (4 x 64x32 @ 32x64 on 2 threads: 42,624
-    bytes, against 26,240 for one); mkldnn_matmul copies the expanded gradient of the sum first.
-    The last shape (16^3 multiply-adds in all) stays in ATen's split path. Every product exact
-    op by op at 1 and 3 threads, and both steps' peaks (main before: noted, each short by its
-    scratchpad)."""
-    if not _onednn_runs_bf16_matmul():
-        pytest.skip("oneDNN has no brgemm bf16 matmul here (avx512_core_bf16 without AMX)")
+def _bf16_batches_checked(threads: int) -> tuple[list, tuple, tuple, list]:
+    """(the bmm/baddbmm excesses of step 1, measured and predicted), the real peaks of steps 1
+    and 2, the predicted ones, the profile's matmul notes) for _Bf16Batches at `threads`."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -1284,10 +1276,26 @@ def test_bf16_bmm_scratchpad_matches_the_allocator(threads):
     finally:
         torch.set_num_threads(before)
     ops = compare_ops(p, real, 1)
-    products = _excess(ops, "aten.bmm") + _excess(ops, "aten.baddbmm")
+    return (_excess(ops, "aten.bmm") + _excess(ops, "aten.baddbmm"),
+            (real.peaks[1], real.peaks[2]), (p.first_step_peak_bytes, p.peak_bytes),
+            p.run.heuristics.get("oneDNN matmul scratch", []))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bf16_bmm_scratchpad_matches_the_allocator(threads):
+    """A bf16 bmm/baddbmm on AVX512-BF16 runs oneDNN's brg_matmul with the batch as its outer
+    dimension (capture/fidelity/batched_matmul.py): the batch enters the blocking search, so the
+    per-thread accumulators differ from one 2-D product's (4 x 64x32 @ 32x64 on 2 threads: 42,624
+    bytes, against 26,240 for one); mkldnn_matmul copies the expanded gradient of the sum first.
+    The last shape (16^3 multiply-adds in all) stays in ATen's split path. Every product exact
+    op by op at 1 and 3 threads, and both steps' peaks (main before: noted, each short by its
+    scratchpad). Capped at AVX2: tested with the mm products below."""
+    if not _onednn_runs_bf16_matmul():
+        pytest.skip("oneDNN has no brgemm bf16 matmul here (avx512_core_bf16 without AMX)")
+    products, real_peaks, predicted_peaks, notes = _bf16_batches_checked(threads)
     assert len(products) == 12 and all(m == p for m, p in products), products
-    assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])
-    assert "oneDNN matmul scratch" not in p.run.heuristics
+    assert predicted_peaks == real_peaks
+    assert not notes
 
 
 class _EagerAttention(torch.nn.Module):
@@ -1374,8 +1382,10 @@ def test_strided_backward_data_matches_the_allocator(dtype):
 def test_matmul_and_strided_backward_with_the_isa_capped_at_avx2():
     """Capped at AVX2 (one child process: oneDNN reads its cap once): oneDNN has no bf16 matmul
     (mkldnn_bf16_device_check), so ATen's gemm runs _Bf16Mlp's products and allocates nothing
-    inside them; the fp32 STRIDED_BACKWARD problems run brgconv_strided:avx2 with 8-channel
-    vectors (main before: +4% to +8% over on such models). Op by op and at the peaks."""
+    inside them, and _Bf16Batches' bmm/baddbmm split into one addmm per matrix (one matrix's copy
+    of the expanded gradient at a time; main before: not counted for bf16); the fp32
+    STRIDED_BACKWARD problems run brgconv_strided:avx2 with 8-channel vectors (main before: +4%
+    to +8% over on such models). Op by op and at the peaks."""
     import json
     import os
     import subprocess
@@ -1386,15 +1396,20 @@ def test_matmul_and_strided_backward_with_the_isa_capped_at_avx2():
         pytest.skip("this host is not AVX-512: the tests above cover its ISA")
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
     code = ("import json; from tests.test_kernel_workspace import _bf16_matmul_checked, "
-            "_strided_backward_checked, STRIDED_BACKWARD; print(json.dumps([_bf16_matmul_checked("
-            "False), _strided_backward_checked(list(STRIDED_BACKWARD), 'float32')]))")
+            "_strided_backward_checked, STRIDED_BACKWARD, _bf16_batches_checked; print(json.dumps("
+            "[_bf16_matmul_checked(False), _strided_backward_checked(list(STRIDED_BACKWARD), "
+            "'float32'), _bf16_batches_checked(2)]))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    matmul, strided = json.loads(done.stdout.strip().splitlines()[-1])
+    matmul, strided, batches = json.loads(done.stdout.strip().splitlines()[-1])
     products, real_peaks, predicted_peaks = matmul
     assert len(products) == 8 and all(m == p for m, p in products), products
     assert predicted_peaks == real_peaks
+    # bf16 batches without oneDNN bf16: ATen's split path, one matrix's operand copies at a time
+    products, real_peaks, predicted_peaks, notes = batches
+    assert len(products) == 12 and all(m == p for m, p in products), products
+    assert predicted_peaks == real_peaks and not notes
     for name, (excesses, (real_peak, predicted_peak), _) in strided.items():
         assert len(excesses) == 1 and excesses[0][0] == excesses[0][1], (name, excesses)
         assert predicted_peak == real_peak, name
