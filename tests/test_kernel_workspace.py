@@ -1303,7 +1303,8 @@ class _EagerAttention(torch.nn.Module):
 
     def __init__(self, dim=64, heads=4):
         super().__init__()
-        self.heads, self.qkv, self.out = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.heads = heads
+        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
 
     def forward(self, x):
         b, t, d = x.shape
