@@ -1,4 +1,4 @@
-"""The scratchpad oneDNN's bfloat16 matmul books inside a CPU `mm`/`addmm` on AVX512-BF16.
+"""The scratchpad oneDNN's bfloat16 matmul books inside a CPU `mm`/`addmm`/`bmm` on AVX512-BF16.
 
 ATen's bf16 gemm (aten/src/ATen/native/mkldnn/Matmul.cpp, `mkldnn_gemm`) hands every product with
 m * n * k > 16^3 to oneDNN's matmul through ideep, with the operands' own strides (src = mat1,
@@ -17,8 +17,14 @@ imbalance search of compute_blocking_heuristic_avx512, which reads only the shap
 threads: no cache size enters on this ISA (the AMX kernels' blocking reads L1/L2 sizes; an AMX
 host is not modelled and says so).
 
+A bf16 `bmm`/`baddbmm` (mkldnn_matmul) runs the same primitive with the batch as its outer
+dimension: the batch multiplies get_parallel_work, enters the low-parallel-work test and the
+work count, and rules out the K split (`bwd_w_par_k_blk` wants batch 1); the bookings stay per
+thread.
+
 Checked against the CPU allocator on an AVX512-BF16 host (tests/test_kernel_workspace.py::
-test_bf16_matmul_scratchpad_matches_the_allocator). Where oneDNN has no bf16 matmul (AVX2 and
+test_bf16_matmul_scratchpad_matches_the_allocator, test_bf16_bmm_scratchpad_matches_the_allocator;
+benchmarks/bf16_bmm_sweep.py). Where oneDNN has no bf16 matmul (AVX2 and
 below: `mkldnn_bf16_device_check`), ATen's own gemm runs and allocates nothing.
 """
 
