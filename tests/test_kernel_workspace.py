@@ -1248,20 +1248,84 @@ def test_bf16_matmul_scratchpad_matches_the_allocator(amp):
     assert predicted_peaks == real_peaks
 
 
-def test_bf16_bmm_scratch_is_noted():
-    """A bf16 bmm on AVX-512 allocates oneDNN's scratchpad inside the call (42,624 bytes for
-    4 x 64x32 @ 32x64 with 2 threads, measured): not modelled, so the profile names it."""
-    class Bmm(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(4, 32, 64))
+class _Bf16Batches(torch.nn.Module):
+    """bf16 batched products of several shapes: baddbmm into the input, then bmm (their
+    backwards read the expanded gradient of the sum and transposed operands)."""
+    SHAPES = [(4, 64, 32, 64), (3, 100, 40, 70), (16, 17, 64, 17), (2, 2, 16, 16)]  # B, M, K, N
 
-        def forward(self, x):
-            return torch.bmm(x, self.w)
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.ParameterList(torch.randn(b, m, k) for b, m, k, _ in self.SHAPES)
+        self.w = torch.nn.ParameterList(torch.randn(b, k, n) for b, _, k, n in self.SHAPES)
 
-    p = tapescope.profile(Bmm, tapescope.spec((4, 64, 32)), optimizer="sgd",
-                          dtype=torch.bfloat16, cpu_isa="avx512")
-    assert any("bmm" in text for text in p.run.heuristics.get("oneDNN matmul scratch", []))
+    def forward(self, x):
+        outs = [torch.baddbmm(x[:, :m, :n], a, w) if i == 0 else torch.bmm(a, w)
+                for i, ((_, m, _, n), a, w) in enumerate(zip(self.SHAPES, self.a, self.w))]
+        return sum(o.float().sum() for o in outs)
+
+
+def _bf16_batches_checked(threads: int) -> tuple[list, tuple, tuple, list]:
+    """(the bmm/baddbmm excesses of step 1, measured and predicted), the real peaks of steps 1
+    and 2, the predicted ones, the profile's matmul notes) for _Bf16Batches at `threads`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = tapescope.spec((4, 64, 64))
+        p = tapescope.profile(_Bf16Batches, x, optimizer="sgd", dtype=torch.bfloat16)
+        real = run_real_steps(_Bf16Batches, (x,), optimizer="sgd", dtype=torch.bfloat16)
+    finally:
+        torch.set_num_threads(before)
+    ops = compare_ops(p, real, 1)
+    return (_excess(ops, "aten.bmm") + _excess(ops, "aten.baddbmm"),
+            (real.peaks[1], real.peaks[2]), (p.first_step_peak_bytes, p.peak_bytes),
+            p.run.heuristics.get("oneDNN matmul scratch", []))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bf16_bmm_scratchpad_matches_the_allocator(threads):
+    """A bf16 bmm/baddbmm on AVX512-BF16 runs oneDNN's brg_matmul with the batch as its outer
+    dimension (capture/fidelity/batched_matmul.py): the batch enters the blocking search, so the
+    per-thread accumulators differ from one 2-D product's (4 x 64x32 @ 32x64 on 2 threads: 42,624
+    bytes, against 26,240 for one); mkldnn_matmul copies the expanded gradient of the sum first.
+    The last shape (16^3 multiply-adds in all) stays in ATen's split path. Every product exact
+    op by op at 1 and 3 threads, and both steps' peaks (main before: noted, each short by its
+    scratchpad). Capped at AVX2: tested with the mm products below."""
+    if not _onednn_runs_bf16_matmul():
+        pytest.skip("oneDNN has no brgemm bf16 matmul here (avx512_core_bf16 without AMX)")
+    products, real_peaks, predicted_peaks, notes = _bf16_batches_checked(threads)
+    assert len(products) == 12 and all(m == p for m, p in products), products
+    assert predicted_peaks == real_peaks
+    assert not notes
+
+
+class _EagerAttention(torch.nn.Module):
+    """Self-attention spelt out (scores, softmax, weighted values), as models without SDPA do."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+def test_eager_attention_bmm_under_autocast_matches_the_allocator():
+    """Eager attention under CPU autocast bf16: the scores and weighted-value products and their
+    four backward products run oneDNN's batched matmul (a transposed key read as is, the
+    permuted gradient copied): each exact op by op (main before: 50,816 to 116,480 bytes short
+    each), both steps' peaks exact."""
+    if not _onednn_runs_bf16_matmul():
+        pytest.skip("oneDNN has no brgemm bf16 matmul here (avx512_core_bf16 without AMX)")
+    x = tapescope.spec((2, 128, 64))
+    p = tapescope.profile(_EagerAttention, x, optimizer="sgd", amp="bf16")
+    real = run_real_steps(_EagerAttention, (x,), optimizer="sgd", amp="bf16")
+    products = _excess(compare_ops(p, real, 1), "aten.bmm")
+    assert len(products) == 6 and all(m == p for m, p in products), products
+    assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])
 
 
 STRIDED_BACKWARD = {  # name -> (_Conv arguments, input shape): brgconv_strided backward-data
@@ -1319,8 +1383,10 @@ def test_strided_backward_data_matches_the_allocator(dtype):
 def test_matmul_and_strided_backward_with_the_isa_capped_at_avx2():
     """Capped at AVX2 (one child process: oneDNN reads its cap once): oneDNN has no bf16 matmul
     (mkldnn_bf16_device_check), so ATen's gemm runs _Bf16Mlp's products and allocates nothing
-    inside them; the fp32 STRIDED_BACKWARD problems run brgconv_strided:avx2 with 8-channel
-    vectors (main before: +4% to +8% over on such models). Op by op and at the peaks."""
+    inside them, and _Bf16Batches' bmm/baddbmm split into one addmm per matrix (one matrix's copy
+    of the expanded gradient at a time; main before: not counted for bf16); the fp32
+    STRIDED_BACKWARD problems run brgconv_strided:avx2 with 8-channel vectors (main before: +4%
+    to +8% over on such models). Op by op and at the peaks."""
     import json
     import os
     import subprocess
@@ -1331,15 +1397,20 @@ def test_matmul_and_strided_backward_with_the_isa_capped_at_avx2():
         pytest.skip("this host is not AVX-512: the tests above cover its ISA")
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
     code = ("import json; from tests.test_kernel_workspace import _bf16_matmul_checked, "
-            "_strided_backward_checked, STRIDED_BACKWARD; print(json.dumps([_bf16_matmul_checked("
-            "False), _strided_backward_checked(list(STRIDED_BACKWARD), 'float32')]))")
+            "_strided_backward_checked, STRIDED_BACKWARD, _bf16_batches_checked; print(json.dumps("
+            "[_bf16_matmul_checked(False), _strided_backward_checked(list(STRIDED_BACKWARD), "
+            "'float32'), _bf16_batches_checked(2)]))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    matmul, strided = json.loads(done.stdout.strip().splitlines()[-1])
+    matmul, strided, batches = json.loads(done.stdout.strip().splitlines()[-1])
     products, real_peaks, predicted_peaks = matmul
     assert len(products) == 8 and all(m == p for m, p in products), products
     assert predicted_peaks == real_peaks
+    # bf16 batches without oneDNN bf16: ATen's split path, one matrix's operand copies at a time
+    products, real_peaks, predicted_peaks, notes = batches
+    assert len(products) == 12 and all(m == p for m, p in products), products
+    assert predicted_peaks == real_peaks and not notes
     for name, (excesses, (real_peak, predicted_peak), _) in strided.items():
         assert len(excesses) == 1 and excesses[0][0] == excesses[0][1], (name, excesses)
         assert predicted_peak == real_peak, name

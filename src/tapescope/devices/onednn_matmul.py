@@ -1,4 +1,4 @@
-"""The scratchpad oneDNN's bfloat16 matmul books inside a CPU `mm`/`addmm` on AVX512-BF16.
+"""The scratchpad oneDNN's bfloat16 matmul books inside a CPU `mm`/`addmm`/`bmm` on AVX512-BF16.
 
 ATen's bf16 gemm (aten/src/ATen/native/mkldnn/Matmul.cpp, `mkldnn_gemm`) hands every product with
 m * n * k > 16^3 to oneDNN's matmul through ideep, with the operands' own strides (src = mat1,
@@ -17,8 +17,14 @@ imbalance search of compute_blocking_heuristic_avx512, which reads only the shap
 threads: no cache size enters on this ISA (the AMX kernels' blocking reads L1/L2 sizes; an AMX
 host is not modelled and says so).
 
+A bf16 `bmm`/`baddbmm` (mkldnn_matmul) runs the same primitive with the batch as its outer
+dimension: the batch multiplies get_parallel_work, enters the low-parallel-work test and the
+work count, and rules out the K split (`bwd_w_par_k_blk` wants batch 1); the bookings stay per
+thread.
+
 Checked against the CPU allocator on an AVX512-BF16 host (tests/test_kernel_workspace.py::
-test_bf16_matmul_scratchpad_matches_the_allocator). Where oneDNN has no bf16 matmul (AVX2 and
+test_bf16_matmul_scratchpad_matches_the_allocator, test_bf16_bmm_scratchpad_matches_the_allocator;
+benchmarks/bf16_bmm_sweep.py). Where oneDNN has no bf16 matmul (AVX2 and
 below: `mkldnn_bf16_device_check`), ATen's own gemm runs and allocates nothing.
 """
 
@@ -56,12 +62,12 @@ def _spatial_disbalance(work: int, block: int) -> np.float32:
     return np.float32(scalar) / np.float32(block)
 
 
-def _imbalance(M, N, K, m_blk, n_blk, n_chunks, k_blk, nthr_k, nthr) -> np.float32:
-    """matmul_avx512_blocking_params_t::get_imbalance (m_chunks 1, batch 1), in float32 as the
-    C++ computes it."""
+def _imbalance(M, N, K, m_blk, n_blk, n_chunks, k_blk, nthr_k, nthr, batch) -> np.float32:
+    """matmul_avx512_blocking_params_t::get_imbalance (m_chunks 1), in float32 as the C++
+    computes it; the batch multiplies the parallel work (get_parallel_work)."""
     f = np.float32
     cur_nthr = nthr // nthr_k
-    parallel_work = _div_up(M, m_blk) * _div_up(N, n_blk * n_chunks)
+    parallel_work = _div_up(M, m_blk) * _div_up(N, n_blk * n_chunks) * batch
     parallel_work_disb = _spatial_disbalance(parallel_work, cur_nthr)
     m_blk_disb = f((m_blk * _div_up(M, m_blk)) % M) / f(M)
     num_n_blk = _div_up(N, n_blk)
@@ -73,10 +79,11 @@ def _imbalance(M, N, K, m_blk, n_blk, n_chunks, k_blk, nthr_k, nthr) -> np.float
     return (((parallel_work_disb + m_blk_disb) + n_chunk_disb) + thread_disb + k_disb) / f(5)
 
 
-def _blocking(M, N, K, transposed_a, use_buffer_a, nthr):
-    """compute_blocking_heuristic_avx512 for a 2-D bf16 problem with a fixed N block (ideep
-    passes concrete weight strides, so n_blk_fixed): (m_blk, n_chunks, k_blk, nthr_k), or None
-    where no blocking passes (the primitive then refuses)."""
+def _blocking(M, N, K, transposed_a, use_buffer_a, nthr, batch):
+    """compute_blocking_heuristic_avx512 for a bf16 problem of `batch` products with a fixed N
+    block (ideep passes concrete weight strides, so n_blk_fixed): (m_blk, n_chunks, k_blk,
+    nthr_k), or None where no blocking passes (the primitive then refuses). The batch enters the
+    parallel work, the low-parallel-work test and the work count; K is split only unbatched."""
     max_m_blk = min(256, M)
     min_m_blk = min(32, M)
     n_blk = min(_N_BLK, N)
@@ -84,39 +91,41 @@ def _blocking(M, N, K, transposed_a, use_buffer_a, nthr):
     n_chunks_start = min(16 if use_buffer_a else 1, n_chunks)
     k_blk = min(K, 1024 if K > 1024 and not transposed_a else 512)
     start_nthr_k = 1
-    if nthr > n_chunks:  # low parallel work
+    if nthr > batch * n_chunks:  # low parallel work
         min_m_blk = min(M, 16)
-        if transposed_a and _pow2(K) and K >= 2048:   # bwd_w_par_k_blk
+        if batch == 1 and transposed_a and _pow2(K) and K >= 2048:   # bwd_w_par_k_blk
             start_nthr_k = min(nthr, 4)
     best, best_imb = None, np.float32(1.0)
     for nthr_k in range(start_nthr_k, 0, -1):
         found = False
         for n_chunk_size in range(n_chunks_start, 0, -1):
             for m_blk in range(max_m_blk, min_m_blk - 1, -1):
-                imb = _imbalance(M, N, K, m_blk, n_blk, n_chunk_size, k_blk, nthr_k, nthr)
-                work = _div_up(M, m_blk) * _div_up(N, n_blk * n_chunk_size)
+                imb = _imbalance(M, N, K, m_blk, n_blk, n_chunk_size, k_blk, nthr_k, nthr, batch)
+                work = batch * _div_up(M, m_blk) * _div_up(N, n_blk * n_chunk_size)
                 nthr_bmn = nthr // nthr_k
                 if work < nthr_bmn * 3 and work % nthr_bmn and start_nthr_k == 1:
                     continue
                 if imb < best_imb:
                     best_imb, best, found = imb, (m_blk, n_chunk_size, k_blk, nthr_k), True
         if not found:
-            imb = _imbalance(M, N, K, min_m_blk, n_blk, 1, k_blk, nthr_k, nthr)
+            imb = _imbalance(M, N, K, min_m_blk, n_blk, 1, k_blk, nthr_k, nthr, batch)
             if imb < best_imb:
                 best_imb, best = imb, (min_m_blk, 1, k_blk, nthr_k)
     return best
 
 
-def bf16_matmul_scratchpad(M: int, K: int, N: int, transposed_a: bool, threads: int) -> int | None:
+def bf16_matmul_scratchpad(M: int, K: int, N: int, transposed_a: bool, threads: int,
+                           batch: int = 1) -> int | None:
     """Bytes of brg_matmul:avx512_core_bf16's scratchpad for dst(M x N) = src(M x K) @ wei(K x N)
-    with a bf16 result (0 where ATen keeps the product: m * n * k <= 16^3); `transposed_a`: mat1
-    is read column-major. None where the blocking search finds nothing (not modelled)."""
-    if M * N * K <= _MIN_ONEDNN_WORK:
+    with a bf16 result, `batch` such products in one call (bmm/baddbmm), 0 where ATen keeps a
+    2-D product (m * n * k <= 16^3); `transposed_a`: mat1 is read column-major. None where the
+    blocking search finds nothing (not modelled)."""
+    if batch == 1 and M * N * K <= _MIN_ONEDNN_WORK:
         return 0
     transposed_a = transposed_a and M != 1           # treat_A_as_plain
     # prefer_copy_a: a plain A with a big power-of-two row stride (8 KB) and many rows
     use_buffer_a = transposed_a or (_pow2(K) and K >= 8192 // _BF16 and M >= 1024)
-    blocking = _blocking(M, N, K, transposed_a, use_buffer_a, threads)
+    blocking = _blocking(M, N, K, transposed_a, use_buffer_a, threads, batch)
     if blocking is None:
         return None
     m_blk, n_chunks, k_blk, nthr_k = blocking

@@ -92,18 +92,3 @@ def mm_copies_unreadable_operands(ctx, func, args, kwargs, out):
         elif scratch:
             copies.append(scratch)
     return copies or None
-
-
-@RULES.register(WORKSPACE, aten.bmm.default, aten.baddbmm.default, devices={"cpu"},
-                source="aten/src/ATen/native/mkldnn/Matmul.cpp (mkldnn_matmul: bmm/baddbmm in "
-                       "bf16 go to oneDNN's batched matmul with a scratchpad of its own)",
-                test="tests/test_kernel_workspace.py::test_bf16_bmm_scratch_is_noted")
-def bf16_bmm_scratch_noted(ctx, func, args, kwargs, out):
-    """A batched bf16 product on AVX-512 runs oneDNN's batched brgemm matmul (mkldnn_matmul,
-    which also copies operands it cannot read): its batch dimension enters the blocking search
-    and its scratchpad is not modelled yet, so the profile says so."""
-    b1 = args[0] if func is aten.bmm.default else args[1]
-    if b1.dtype == torch.bfloat16 and ctx.cpu is not None and ctx.cpu.isa == "avx512":
-        ctx.note("oneDNN matmul scratch", "batched bfloat16 products (bmm) run oneDNN's matmul, "
-                 "whose scratchpad inside each call is not counted (an estimate)")
-    return None
