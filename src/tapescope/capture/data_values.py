@@ -53,7 +53,7 @@ import torch
 
 from ..errors import TapescopeError, UnknownValueRead
 from ..torch_compat import (DynamicOutputShapeException, FakeTensor, free_unbacked_symbols,
-                            tree_flatten, tree_map, unset_fake_temporarily)
+                            pytree_node_types, tree_flatten, tree_map, unset_fake_temporarily)
 from ..values.sizes import ROUTINGS, Sizes
 from .build_values import build_value
 
@@ -226,7 +226,7 @@ class DataValues:
         draw no rule of `_DRAWS` gives a value, a meta buffer) raises UnknownValueRead."""
         if torch.Tag.data_dependent_output not in func.tags:
             return False, None
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
         self.check_known(func, tensors)
         if not tensors or any(self.value(t) is None for t in tensors):
             return False, None
@@ -257,6 +257,12 @@ class DataValues:
         if not self.live:
             return  # no tensor has values and no size can depend on them: nothing to do
         tensors = _tensors(args, kwargs.values())
+        if tensors and self.shape_env is None and func not in _LOOKED_AT and not any(
+                getattr(t, _ATTR, None) is not None or hasattr(t, _UNKNOWN) for t in tensors):
+            # what the branches below decide for such an op (no input valued or unknown, no
+            # symbolic size, no table names it: nothing), without their work: once an
+            # optimizer's step counters have values every op of the step passes here
+            return
         outs = [out] if isinstance(out, torch.Tensor) else \
             _tensors(out) if isinstance(out, (list, tuple)) else []
         unknown = next((getattr(t, _UNKNOWN) for t in tensors if hasattr(t, _UNKNOWN)), None)
@@ -676,7 +682,11 @@ def _as_values(args, kwargs, value, size):
             return c
         return x
 
-    vargs, vkwargs = tree_map(convert, (args, kwargs))
+    try:
+        vargs = tuple(_map_one_level(convert, a) for a in args)
+        vkwargs = {k: _map_one_level(convert, v) for k, v in kwargs.items()}
+    except _Deeper:
+        vargs, vkwargs = tree_map(convert, (args, kwargs))
     if "device" in vkwargs:
         vkwargs["device"] = _CPU
     if "pin_memory" in vkwargs:
@@ -843,6 +853,8 @@ _OVERWRITES = {aten.fill_.Scalar: lambda a: a[1], aten.zero_.default: lambda a: 
 _FILLS = {aten.ones_like.default: lambda a, k: 1, aten.zeros_like.default: lambda a, k: 0,
           aten.full_like.default: lambda a, k: a[1], aten.new_ones.default: lambda a, k: 1,
           aten.new_zeros.default: lambda a, k: 0, aten.new_full.default: lambda a, k: a[2]}
+# every op a branch of `DataValues.after` names by table (its fast path skips the others)
+_LOOKED_AT = frozenset().union(_VALIDITY, _STATISTICS, _FINITE_CHECKS, _OVERWRITES, _FILLS)
 
 
 def _small_factory(func, outs, limit: int = FACTORY_LIMIT) -> bool:
@@ -863,6 +875,38 @@ def _static_small(outs, limit) -> bool:
     """Whether tensors have static shapes and at most `limit` elements in all."""
     return not any(isinstance(s, torch.SymInt) for o in outs for s in o.shape) \
         and sum(o.numel() for o in outs) <= limit
+
+
+class _Deeper(Exception):
+    """An argument nested deeper than aten's lists of tensors or sizes: walk it with pytree."""
+
+
+def _map_one_level(convert, x):
+    """tree_map(convert, x) for an aten argument: a leaf, or a list or tuple of leaves. Written
+    out because pytree's walk cost ~0.2 ms an op here, and an optimizer's step counters (values:
+    `step_t += 1`, `step_t.item()` for each parameter, each step) run hundreds of ops on values
+    a profile. Raises _Deeper for anything pytree would open further, so the result is always
+    tree_map's."""
+    kind = type(x)
+    if kind is list or kind is tuple:
+        for y in x:
+            if type(y) in pytree_node_types or isinstance(y, tuple):
+                raise _Deeper
+        return kind(convert(y) for y in x)
+    if kind in pytree_node_types or isinstance(x, tuple):
+        raise _Deeper
+    return convert(x)
+
+
+def _leaves(args, kwargs) -> list:
+    """tree_flatten((args, kwargs))[0] for an aten op's arguments, one level deep when that is
+    all there is (as `_map_one_level`)."""
+    try:
+        return [y for group in (args, kwargs.values()) for x in group
+                for y in _map_one_level(lambda leaf: leaf, x if type(x) in (list, tuple)
+                                        else (x,))]
+    except _Deeper:
+        return tree_flatten((args, kwargs))[0]
 
 
 def _tensors(*groups) -> list:
