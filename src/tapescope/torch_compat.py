@@ -499,6 +499,8 @@ disable_torch_function = torch._C.DisableTorchFunction
 # ExcludeDispatchKeyGuard does around the op it runs on the cast arguments; the autocast state,
 # nesting and cast cache stay as they are.
 disable_autocast = torch._C._DisableAutocast
+# Whether autocast has a dtype policy for a device type (a string): the check torch.autocast makes
+is_autocast_available = torch._C._is_autocast_available
 # No torch dispatch mode or subclass handler sees the ops run inside (the C++ guard that
 # in_kernel_invocation_manager holds, without its meta-key and generator work)
 disable_torch_dispatch = torch._C._DisableTorchDispatch

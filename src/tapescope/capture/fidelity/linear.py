@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import has_torch_function
 
-from ...torch_compat import disable_autocast, forward_ad_level, linear_builtin, patched, \
-    sdpa_builtin
+from ...torch_compat import disable_autocast, forward_ad_level, is_autocast_available, \
+    linear_builtin, patched, sdpa_builtin
 from ...errors import passes_user_calls
 from .registry import FUNCTION, RULES
 
@@ -50,7 +50,7 @@ def _linear(input, weight, bias=None):
 def _autocast_dtype(device_type: str):
     """The dtype autocast's linear wrapper casts to on this device, None where autocast is off
     (linear is on every device's lower-precision list: autocast_mode.cpp)."""
-    if not torch._C._is_autocast_available(device_type):
+    if not is_autocast_available(device_type):
         return None
     if not torch.is_autocast_enabled(device_type):
         return None
