@@ -157,7 +157,17 @@ class DataValues:
     _given: int = 0                                        # values set so far (`building`)
     _active: bool = False                                  # some tensor has values
     _deferred: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # _Deferred not yet run
+    _counts: dict = field(default_factory=dict)   # source line -> [sizes.counts not yet taken]
+    _calls: dict = field(default_factory=dict)    # source line -> counts taken so far
     routers = None   # the ops whose selections are routings (set below the class)
+
+    def __post_init__(self):
+        self._counts = self.sizes.counts_at()
+
+    def counts_left(self) -> bool:
+        """Whether sizes.counts holds sizes no call took yet (a second step's: then step 2 is
+        traced with them, not repeated from step 1)."""
+        return any(self._counts.values())
 
     @property
     def live(self) -> bool:
@@ -336,8 +346,14 @@ class DataValues:
             for t, v in zip(tensors, valued):  # an in-place op with inputs we cannot follow
                 if v is not None and _written(func, t, args, kwargs):
                     self._drop(t)
+        given = self._given_count(fresh, where)
+        if given is not None:
+            self._check_given(func, fresh, given, where)
         fresh = [s for s in fresh if s not in self.names]
-        if fresh:
+        if fresh and given is not None:
+            for sym in fresh:
+                self._name(sym, given[1], func, where, frozenset((given[0],)))
+        elif fresh:
             self._mask_sizes(func, args, kwargs, fresh, tensors, where)
 
     def write(self, trace) -> None:
@@ -617,6 +633,40 @@ class DataValues:
         self.names[sym] = name
         self.used.update(sources)
 
+    # ---- sizes given per source line (sizes.counts) -----------------------------------------------
+
+    def _given_count(self, fresh, where):
+        """(assumption index, size) the counts give the call of a data-dependent op (one that
+        made new unbacked sizes) at this line, or None (no counts, none left)."""
+        if not fresh or not self._counts:
+            return None
+        line = _short(where()) or "?"
+        left = self._counts.get(line)
+        if not left:
+            return None
+        n = self._calls[line] = self._calls.get(line, 0) + 1
+        value = left.pop(0)
+        a = self._assumption("counts", line, f"the sizes given for this line (sizes counts=): "
+                                             f"{', '.join(map(str, self.sizes.counts_at()[line]))}")
+        return a, value
+
+    def _check_given(self, func, fresh, given, where) -> None:
+        """A size the values decided must be the one given for the call: else the counts and
+        the step do not line up (another step's counts, a list in another order)."""
+        for sym in fresh:
+            name = self.names.get(sym)
+            if name is None:
+                continue
+            decided = next(d.value for d in self.data_sizes if d.name == name)
+            if decided != given[1]:
+                line = _short(where()) or "?"
+                raise TapescopeError(
+                    f"sizes counts for {line} give {given[1]} at call {self._calls[line]} of "
+                    f"{func}, but the step's values decide {decided} there: the counts do not "
+                    f"follow this step's calls (record them from the same step: "
+                    f"tapescope.validate.data_sizes)")
+            self.used.add(given[0])
+
     # ---- masks no routing decided -----------------------------------------------------------------
 
     def _fresh_symbols(self, outs) -> list:
@@ -642,14 +692,27 @@ class DataValues:
         if fraction is None or not tensors:
             # torch's own error for it: the capture names the op, module and line, and the fix
             raise DynamicOutputShapeException(func)
-        bools = [t for t in tensors if t.dtype == torch.bool]
-        numel = 1  # of the mask (x[mask], masked_select), else of the input (nonzero(x), unique)
-        for s in (bools or tensors)[0].shape:
-            numel *= self._int(s) or 0
-        a = self._assumption("mask", str(_short(w) if w else "?"),
-                             f"a boolean mask keeps {fraction:.0%} of its {numel} elements")
+        candidates = _CANDIDATES.get(func.name())
+        if candidates is not None:  # an op that keeps some of its candidates (NMS's boxes)
+            numel, noun = self._int(candidates[0](args)) or 0, candidates[1]
+            what = f"{func.name().split('::')[-1]} keeps {fraction:.0%} of its {numel} {noun}"
+        else:
+            bools = [t for t in tensors if t.dtype == torch.bool]
+            numel = 1  # of the mask (x[mask], masked_select), else of the input (nonzero(x))
+            for s in (bools or tensors)[0].shape:
+                numel *= self._int(s) or 0
+            what = f"a boolean mask keeps {fraction:.0%} of its {numel} elements"
+        a = self._assumption("mask", str(_short(w) if w else "?"), what)
         for sym in fresh:
             self._name(sym, int(round(fraction * numel)), func, where, frozenset((a,)))
+
+
+# ops of libraries that keep some of their candidates, where the candidates are not the
+# elements of an input: op name -> (args -> how many candidates, what they are). torchvision's
+# nms(boxes (N, 4), scores (N,), iou) keeps at most N boxes, not 4N.
+_CANDIDATES = {
+    "torchvision::nms": (lambda args: args[0].shape[0], "boxes"),
+}
 
 
 @dataclass(frozen=True)
