@@ -86,3 +86,61 @@ def test_detection_without_an_assumption_names_the_line():
     with pytest.raises(tapescope.TapescopeError) as e:
         tapescope.profile(_faster_rcnn, images, targets, optimizer="sgd")
     assert "boxes.py" in str(e.value) and "sizes={'mask': F}" in str(e.value)
+
+
+# ---- every data-decided size as the real step's: the trace alone is compared ---------------------
+
+def _real_with_sizes(build, inputs):
+    """The real step's peaks and, from a second identical real run (the same seed), the size
+    each data-dependent op had, per source line (validate/data_sizes.py)."""
+    from tapescope.validate.data_sizes import RecordedSizes
+
+    with RecordedSizes() as recorded:
+        run_real_steps(build, inputs, optimizer="sgd")
+    return run_real_steps(build, inputs, optimizer="sgd"), recorded.counts
+
+
+def test_detection_with_the_real_steps_sizes_is_exact():
+    """Faster R-CNN with every size its data decides (proposals left by each NMS, the sampler's
+    positives, the pooler's ROIs per level, both steps) given as the real step's: no size comes
+    from the mask assumption, and the peaks are the allocator's."""
+    images, targets = _batch()
+    real, counts = _real_with_sizes(_faster_rcnn, (images, targets))
+    p = tapescope.profile(_faster_rcnn, images, targets, optimizer="sgd",
+                          sizes={"counts": counts})
+    assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])
+    kinds = {a.kind for a in p.trace.assumptions if a.decided}
+    assert "counts" in kinds and "mask" not in kinds
+    assert p.trace.step2 == "traced"  # step 2's own sizes (its NMS kept other boxes)
+    nms = [d.value for d in p.trace.data_sizes if d.op == "torchvision.nms.default"]
+    assert sorted(set(nms)) == sorted(set(counts["boxes.py:54"]))
+
+
+def test_counts_that_contradict_the_targets_are_refused():
+    """The RPN's matcher finds each target's best anchors from the targets' values (10 here, as
+    the real step): a count given for that line must agree, else the counts follow another
+    step's calls."""
+    images, targets = _batch()
+    with pytest.raises(tapescope.TapescopeError, match=r"_utils.py:408 give 11 at call 1"):
+        tapescope.profile(_faster_rcnn, images, targets, optimizer="sgd",
+                          sizes={"mask": 0.5, "counts": {"_utils.py:408": [11]}})
+
+
+def test_nms_under_the_mask_assumption_keeps_a_fraction_of_its_boxes():
+    """torchvision's nms(boxes (N, 4), scores (N,)) keeps at most N boxes: the mask fraction is
+    of N, not of the 4N coordinates (which gave more proposals than boxes)."""
+    images, targets = _batch()
+    p = tapescope.profile(_faster_rcnn, images, targets, optimizer="sgd", sizes={"mask": 0.5})
+    nms = [a.detail for a in p.trace.assumptions if a.where == "boxes.py:54"]
+    assert nms and all(d.startswith("nms keeps 50% of its ") and d.endswith(" boxes") for d in nms)
+    for d in p.trace.data_sizes:
+        if d.op == "torchvision.nms.default":
+            boxes = int(p.trace.assumptions[d.assumptions[0]].detail.split()[-2])
+            assert d.value == round(boxes / 2)
+
+
+@pytest.mark.parametrize("bad", [{"counts": {"boxes.py": 3}}, {"counts": {"boxes.py:54": -1}},
+                                 {"counts": {"boxes.py:54": [1.5]}}, {"counts": 3}])
+def test_bad_counts_are_refused(bad):
+    with pytest.raises(tapescope.TapescopeError, match="counts must map source lines"):
+        tapescope.profile(_faster_rcnn, *_batch(), optimizer="sgd", sizes=bad)
