@@ -12,6 +12,8 @@ from the mask assumption (sizes={'mask': F}), and the report names each line.
 Truth: the same step run for real under torch.profiler (validate.real), its allocator peaks.
 """
 
+from math import prod
+
 import pytest
 import torch
 from torchvision.models.detection import FCOS, FasterRCNN, RetinaNet
@@ -144,3 +146,71 @@ def test_nms_under_the_mask_assumption_keeps_a_fraction_of_its_boxes():
 def test_bad_counts_are_refused(bad):
     with pytest.raises(tapescope.TapescopeError, match="counts must map source lines"):
         tapescope.profile(_faster_rcnn, *_batch(), optimizer="sgd", sizes=bad)
+
+
+
+class _Resized(torch.nn.Module):
+    """An input resized (a detector's transform: a 3-channel image, bilinear), then scaled by a
+    parameter."""
+
+    def __init__(self, **interpolate):
+        super().__init__()
+        self.w, self.interpolate = torch.nn.Parameter(torch.ones(())), interpolate
+
+    def forward(self, x):
+        return (torch.nn.functional.interpolate(x, **self.interpolate) * self.w).sum()
+
+
+def _bytes(out_lengths, interp, itemsize):
+    """By hand, from UpSampleKernel.cpp's compute_indices_weights: interp_size x (int64 index,
+    weight) of each interpolated output length."""
+    return sum(interp * n * (8 + itemsize) for n in out_lengths)
+
+
+RESIZES = {  # name -> (input shape, interpolate's arguments, threads, bytes inside beyond out)
+    "bilinear image, 1 thread": ((2, 3, 40, 40), dict(size=(100, 100), mode="bilinear"), 1,
+                                 2 * 3 * 40 * 40 * 4 + 2 * 3 * 100 * 100 * 4),  # channels-last
+    "bilinear image, 2 threads": ((2, 3, 40, 40), dict(size=(100, 100), mode="bilinear"), 2,
+                                  _bytes((100, 100), 2, 4)),
+    "bilinear mask, 1 thread": ((2, 1, 40, 40), dict(size=(70, 90), mode="bilinear"), 1,
+                                _bytes((70, 90), 2, 4)),
+    "bilinear, small output": ((2, 4, 20, 20), dict(size=(60, 60), mode="bilinear"), 2,
+                               2 * 4 * 20 * 20 * 4 + 2 * 4 * 60 * 60 * 4),  # channels-last
+    "nearest 2-D": ((2, 3, 40, 40), dict(size=(70, 90), mode="nearest"), 2, _bytes((70, 90), 1, 4)),
+    "nearest-exact 2-D": ((2, 3, 40, 40), dict(size=(70, 90), mode="nearest-exact"), 2,
+                          _bytes((70, 90), 1, 4)),
+    "bicubic": ((2, 3, 20, 20), dict(size=(30, 40), mode="bicubic"), 2, _bytes((30, 40), 4, 4)),
+    "linear 1-D": ((2, 3, 50), dict(size=70, mode="linear"), 2, _bytes((70,), 2, 4)),
+    "trilinear": ((2, 3, 5, 6, 7), dict(size=(20, 30, 10), mode="trilinear"), 2,
+                  _bytes((20, 30, 10), 2, 4)),
+    "nearest 3-D, float64": ((2, 3, 5, 6, 7), dict(size=(20, 30, 10), mode="nearest"), 2,
+                             _bytes((20, 30, 10), 1, 8)),
+}
+
+
+@pytest.mark.parametrize("name", RESIZES)
+def test_generic_upsampling_allocates_its_indices_and_weights(name):
+    """UpSampleKernel.cpp: the generic kernel makes an int64 index and a weight per tap along
+    each output dimension; the channels-last kernel (small 2-D outputs, and a bilinear 3-channel
+    image on one thread: upsample_bilinear2d_kernel_impl_float) copies the input and the output
+    instead. The op's excess inside it against the allocator's."""
+    shape, interpolate, threads, extra = RESIZES[name]
+    dtype = torch.float64 if "float64" in name else torch.float32
+    build = lambda: _Resized(**interpolate).to(dtype)  # noqa: E731
+    inputs = (tapescope.spec(shape, dtype=dtype),)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        p = tapescope.profile(build, *inputs, optimizer="sgd", threads=threads)
+        real = run_real_steps(build, inputs, optimizer="sgd")
+    finally:
+        torch.set_num_threads(before)
+    from tapescope.validate.per_op import compare_ops
+
+    op = {"bilinear": "upsample_bilinear2d", "nearest": "upsample_nearest", "bicubic":
+          "upsample_bicubic2d", "linear": "upsample_linear1d", "trilinear": "upsample_trilinear3d",
+          "nearest-exact": "_upsample_nearest_exact2d"}[interpolate["mode"]]
+    ops = [o for o in compare_ops(p, real, 1) if o.phase == "forward" and op in o.name]
+    out = prod(shape[:2]) * prod(interpolate["size"] if isinstance(interpolate["size"], tuple)
+                                 else (interpolate["size"],)) * dtype.itemsize
+    assert [(o.measured_excess, o.predicted_excess) for o in ops] == [(out + extra,) * 2]

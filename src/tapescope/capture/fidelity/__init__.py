@@ -10,7 +10,7 @@ from . import (attention, backward, batched_matmul, checks, collectives, contigu
                convolution, cpu_attention, cuda_kernels, data, fake_kernels, float8, layouts,
                library_kernels, linalg, linalg_factorizations, linear, literals, losses,
                matmul, matrix_exp, norms, pooling, promotion, reductions, rnn, triangular,
-               views, wrapped_numbers)  # registers
+               upsampling, views, wrapped_numbers)  # registers
 from .registry import (ANY_OP, BACKWARD_OP, CHECK, FORWARD_OP, FUNCTION, KERNEL, OUTPUT, RULES,
                        WORKSPACE, Alloc, FidelityContext, Free, FunctionRulesMode, Output, Rule,
                        RuleSet)

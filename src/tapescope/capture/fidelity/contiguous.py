@@ -22,7 +22,7 @@ import torch
 from ...torch_compat import suggest_memory_format
 from .registry import RULES, WORKSPACE
 
-__all__ = ["format_copies"]
+__all__ = ["format_copies", "upsample_2d_channels_last"]
 
 aten = torch.ops.aten
 _TEST = "tests/test_kernel_workspace.py::test_kernels_copy_an_expanded_gradient"
@@ -150,15 +150,24 @@ def gelu_backward_copies_through_onednn(ctx, func, args, kwargs, out):
                        "(_use_vectorized_kernel_cond_2d: input channels-last with C > 3, or "
                        "output H + W <= 128, picks cpu_upsample_{nearest,linear}_channels_last: "
                        "input_.contiguous(channels_last), output_.contiguous(channels_last), "
-                       "copied back)", test=_TEST)
+                       "copied back; upsample_bilinear2d_kernel_impl_float also when "
+                       "at::get_num_threads() == 1 && C == 3)", test=_TEST)
 def upsample_2d_runs_channels_last(ctx, func, args, kwargs, out):
     """A small 2-D upsampling output (H + W <= 128) runs the vectorized channels-last kernel
-    whatever the layout: a contiguous input and output are both copied into channels-last."""
+    whatever the layout: a contiguous input and output are both copied into channels-last.
+    A bilinear one of a 3-channel image does so at any size on one thread (ATen's benchmarks
+    found images faster that way): a detector's resize of its input images."""
     x = args[0]
-    if not isinstance(out, torch.Tensor) or out.dim() != 4:
-        return None
-    vectorized = ((x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 3)
-                  or out.shape[-2] + out.shape[-1] <= 128)
-    if not vectorized:
+    if not isinstance(out, torch.Tensor) or out.dim() != 4 \
+            or not upsample_2d_channels_last(ctx, func, x, out):
         return None
     return format_copies(torch.channels_last, x, out) or None
+
+
+def upsample_2d_channels_last(ctx, func, x, out) -> bool:
+    """Whether a 2-D upsampling runs the channels-last kernel (else the generic one:
+    upsampling.py), as UpSampleKernel.cpp decides."""
+    return ((x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 3)
+            or out.shape[-2] + out.shape[-1] <= 128
+            or (func is aten.upsample_bilinear2d.default and ctx.cpu.threads == 1
+                and x.shape[1] == 3 and x.dtype is not torch.uint8))
