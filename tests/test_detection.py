@@ -214,3 +214,52 @@ def test_generic_upsampling_allocates_its_indices_and_weights(name):
     out = prod(shape[:2]) * prod(interpolate["size"] if isinstance(interpolate["size"], tuple)
                                  else (interpolate["size"],)) * dtype.itemsize
     assert [(o.measured_excess, o.predicted_excess) for o in ops] == [(out + extra,) * 2]
+
+
+class _Sorted(torch.nn.Module):
+    """torch.sort / torch.unique on an input (batched_nms's `torch.unique(idxs)` on the CPU)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.w, self.how = torch.nn.Parameter(torch.ones(())), how
+
+    def forward(self, x):
+        if self.how == "sort rows":
+            return (self.w * x.sort(dim=1)[0]).sum()
+        if self.how == "sort columns, stable":
+            return (self.w * torch.sort(x, dim=0, stable=True)[0]).sum()
+        if self.how == "unique":
+            return self.w * torch.unique(x).shape[0]
+        if self.how == "unique of a transpose, inverse and counts":
+            u, inverse, counts = torch.unique(x.t(), return_inverse=True, return_counts=True)
+            return self.w * (u.shape[0] + inverse.shape[0] + counts.shape[0])
+
+
+SORTS = {  # name -> (input, bytes inside the op by hand from Sorting/Unique.cpp)
+    # values 4 B + indices 8 B each, then at::arange(256) int64 (the row length)
+    "sort rows": (torch.rand(6, 256), 6 * 256 * 12 + 256 * 8),
+    "sort columns, stable": (torch.rand(6, 256), 6 * 256 * 12 + 6 * 8),
+    # int64: the sort of the flattened input (values, indices, arange: 3 x 8 B; the arange
+    # freed before the 5 values are written)
+    "unique": (torch.arange(1023) % 5, 1023 * 16 + max(1023 * 8, 5 * 8)),
+    # int32 (4, 300) transposed: its contiguous copy and the sort's values and indices (4 + 4
+    # + 8 B), then the larger of the sort's arange (8 B, freed) and the outputs: 5 values, the
+    # inverse (1200 x 8), 5 counts, unique_index (6 x 8)
+    "unique of a transpose, inverse and counts": (
+        (torch.arange(1200, dtype=torch.int32) % 5).view(4, 300),
+        1200 * 16 + max(1200 * 8, 5 * 4 + 1200 * 8 + 5 * 8 + 6 * 8)),
+}
+
+
+@pytest.mark.parametrize("name", SORTS)
+def test_sort_and_unique_allocate_as_their_cpu_kernels(name):
+    """The op's excess inside it, the allocator's against the trace's and against the bytes
+    derived by hand."""
+    x, inside = SORTS[name]
+    build = lambda: _Sorted(name)  # noqa: E731
+    p = tapescope.profile(build, x, optimizer="sgd")
+    real = run_real_steps(build, (x,), optimizer="sgd")
+    from tapescope.validate.per_op import compare_ops
+
+    ops = [o for o in compare_ops(p, real, 1) if o.name in ("aten.sort", "aten._unique2")]
+    assert [(o.measured_excess, o.predicted_excess) for o in ops] == [(inside, inside)]
