@@ -263,3 +263,40 @@ def test_sort_and_unique_allocate_as_their_cpu_kernels(name):
 
     ops = [o for o in compare_ops(p, real, 1) if o.name in ("aten.sort", "aten._unique2")]
     assert [(o.measured_excess, o.predicted_excess) for o in ops] == [(inside, inside)]
+
+
+class _FocalHead(torch.nn.Module):
+    """torchvision's sigmoid_focal_loss on a linear head's logits (RetinaNet's classification
+    loss): binary_cross_entropy_with_logits(reduction="none") times a modulating factor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 512)
+
+    def forward(self, x, target):
+        from torchvision.ops import sigmoid_focal_loss
+
+        return sigmoid_focal_loss(self.lin(x), target, reduction="sum")
+
+
+def test_bce_with_logits_backward_works_in_place():
+    """FunctionsManual.cpp: for plain tensors with grad mode off (the engine's backward) the
+    gradient is `input.sigmoid().sub_(target).mul_(grad)`: the same ops as the real step, and its
+    peaks, where the out-of-place version made one more logits-sized tensor at each."""
+    inputs = (tapescope.spec((256, 32)), (torch.arange(256 * 512) % 3 == 0).float().view(256, 512))
+    p = tapescope.profile(_FocalHead, *inputs, optimizer="sgd")
+    real = run_real_steps(_FocalHead, inputs, optimizer="sgd")
+    from tapescope.validate.harness import same_ops
+
+    ok, diff = same_ops(p, [f"{ph} {n.replace('::', '.')}" for s, ph, n in real.ops
+                            if s == 1 and ph])
+    assert ok, diff
+    from tapescope.validate.per_op import compare_ops
+
+    # each in-place op allocates nothing inside, as for real (out of place: 524,288 B each)
+    ops = [o for o in compare_ops(p, real, 1) if o.phase == "backward"]
+    inplace = [o for o in ops if o.name in ("aten.sub_", "aten.mul_")]
+    assert len(inplace) == 2 and all(o.measured_excess == o.predicted_excess == 0 for o in inplace)
+    # the peaks: within the 8-12 B Python-number temporaries of the focal loss's `1 - p`
+    # (docs/validation.md, "where the last 8-16 bytes come from")
+    assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 16

@@ -81,3 +81,24 @@ def gather_backward_scatters_in_place(ctx, func, args, kwargs):
     if ctx.node is None or ctx.node.name() != "GatherBackward0":
         return None
     return _SCATTER_ADD_, args, kwargs
+
+
+_SUB, _SUB_ = torch.ops.aten.sub.Tensor, torch.ops.aten.sub_.Tensor
+_MUL, _MUL_ = torch.ops.aten.mul.Tensor, torch.ops.aten.mul_.Tensor
+
+
+@RULES.register(BACKWARD_OP, _SUB, _MUL,
+                source="torch/csrc/autograd/FunctionsManual.cpp (binary_cross_entropy_with_logits"
+                       "_backward: input.sigmoid().sub_(target), grad_input.mul_(grad), "
+                       ".mul_(weight) unless a tensor is a subclass or grad mode is on)",
+                test="tests/test_detection.py::test_bce_with_logits_backward_works_in_place")
+def bce_with_logits_backward_works_in_place(ctx, func, args, kwargs):
+    """BinaryCrossEntropyWithLogitsBackward0 (RetinaNet's and FCOS's sigmoid focal loss) writes
+    into the sigmoid it just made for plain tensors; a subclass takes `sub`/`mul`, one more
+    input-sized tensor at each. Left as traced with a pos_weight (its `pos_weight.mul(target)`
+    stays out of place) and under create_graph (grad mode on: out of place for real too)."""
+    node = ctx.node
+    if node is None or node.name() != "BinaryCrossEntropyWithLogitsBackward0" \
+            or torch.is_grad_enabled() or getattr(node, "_saved_pos_weight", None) is not None:
+        return None
+    return (_SUB_ if func is _SUB else _MUL_), args, kwargs
