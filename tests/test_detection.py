@@ -300,3 +300,39 @@ def test_bce_with_logits_backward_works_in_place():
     # the peaks: within the 8-12 B Python-number temporaries of the focal loss's `1 - p`
     # (docs/validation.md, "where the last 8-16 bytes come from")
     assert abs(p.first_step_peak_bytes - real.peaks[1]) <= 16
+
+
+class _Nms(torch.nn.Module):
+    """Scores from a linear layer, NMS over the given boxes, the kept scores as the loss (a
+    detector's post-processing, where the kept count is what the data decides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 1)
+
+    def forward(self, feats, boxes):
+        from torchvision.ops import nms
+
+        scores = self.lin(feats).squeeze(1)
+        keep = nms(boxes, scores.detach(), 0.5)
+        return scores[keep].sum()
+
+
+def test_nms_allocates_as_its_cpu_kernel():
+    """torchvision's CPU nms (nms_kernel.cpp): its coordinate copies, the sort, suppressed and
+    areas inside it, and a result that keeps all N x 8 bytes of its buffer; with the kept count
+    given as the real step's, the peaks are the allocator's."""
+    from tapescope.validate.data_sizes import RecordedSizes
+
+    g = torch.Generator().manual_seed(0)
+    n = 3000
+    xy = torch.rand(n, 2, generator=g) * 400
+    boxes = torch.cat([xy, xy + torch.rand(n, 2, generator=g) * 40 + 1], 1)
+    inputs = (tapescope.spec((n, 16)), boxes)
+    with RecordedSizes() as recorded:
+        run_real_steps(_Nms, inputs, optimizer="sgd")
+    real = run_real_steps(_Nms, inputs, optimizer="sgd")
+    p = tapescope.profile(_Nms, *inputs, optimizer="sgd", sizes={"counts": recorded.counts})
+    kept = [d.value for d in p.trace.data_sizes if d.op == "torchvision.nms.default"]
+    assert kept and 0 < kept[0] < n
+    assert (p.first_step_peak_bytes, p.peak_bytes) == (real.peaks[1], real.peaks[2])
