@@ -23,9 +23,9 @@ import os
 import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..torch_compat import FakeTensorMode, ShapeEnv, free_unbacked_symbols, tree_flatten, tree_map
+from ..torch_compat import (FakeTensorMode, ShapeEnv, TorchDispatchMode, free_unbacked_symbols,
+                            tree_flatten, tree_map)
 
 __all__ = ["RecordedSizes"]
 
