@@ -59,8 +59,9 @@ class RecordedSizes(TorchDispatchMode):
                 return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                            for i in args[1])
             return True
-        if func.namespace in ("aten", "prims"):
-            return False
+        if func.namespace in ("aten", "prims") or not any(
+                isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs))[0]):
+            return False  # no tensor in, no size a tensor's values decide
         known = self._library.get(func)
         if known is None:
             known = self._library[func] = _makes_unbacked_size(func, args, kwargs)
