@@ -633,7 +633,7 @@ class DataValues:
         self.names[sym] = name
         self.used.update(sources)
 
-    # ---- sizes given per source line (sizes.counts) -----------------------------------------------
+    # ---- sizes given per source line (sizes.counts) ---------------------------------------------
 
     def _given_count(self, fresh, where):
         """(assumption index, size) the counts give the call of a data-dependent op (one that

@@ -13,8 +13,12 @@ makes an unbacked size (torchvision's nms), asked once per op. The line is the i
 outside torch and tapescope, as the trace names it (basename:line).
 
     with RecordedSizes() as sizes:
-        real = run_real_steps(build, inputs, optimizer="sgd")
+        run_real_steps(build, inputs, optimizer="sgd")   # the sizes (the same seed each run)
+    real = run_real_steps(build, inputs, optimizer="sgd")  # the allocator's peaks
     p = tapescope.profile(build, *inputs, optimizer="sgd", sizes={"counts": sizes.counts})
+
+The peaks come from a second run: under this mode, `run_real_steps`' profiler loses its step
+markers (only setup's peak is read; not investigated).
 """
 
 from __future__ import annotations
