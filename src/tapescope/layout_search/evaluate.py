@@ -116,7 +116,8 @@ class Outcome:
                               "matmul_flops")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
-                   kernel_seconds=tuple((*x, 0.0, 0.0)[:4] for x in d.get("kernel_seconds", ())),
+                   kernel_seconds=tuple((*x, 0.0, 0.0, 0.0)[:5]
+                                      for x in d.get("kernel_seconds", ())),
                    matmul_flops=tuple(d.get("matmul_flops", ())), **kept)
 
 
