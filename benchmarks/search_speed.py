@@ -93,12 +93,11 @@ def main():
           f"confirmed by brute force: {rules_hold}; every bound at most the traced step: "
           f"{bounds_hold}\nruled out by rule: "
           + ", ".join(f"{k} {v}" for k, v in sorted(rules.items())))
-    # what caps the ratio: the time bounds read a trace of the same layout and micro-batch
-    # size, the memory rules one of the same chain, so each (layout, schedule, micro-batch)
-    # that may enter the top is traced once at least (its screen or a candidate)
-    pairs = {(c.layout, c.schedule, c.micro_batch) for c in by}
-    print(f"(layout, schedule, micro-batch) pairs: {len(pairs)} of {len(by)} candidates; the "
-          f"pruned search traced {len(pruned.outcomes)} candidates and {pruned.screens} screens")
+    # what caps the ratio: a bound transfers within a layout's model split (bounds.py), so each
+    # split that may enter the top is traced once at least
+    splits = {(c.layout.tp, c.layout.pp, c.layout.cp, c.schedule) for c in by}
+    print(f"layouts: {len({c.layout for c in by})}, model splits (TP, PP, CP): {len(splits)}; "
+          f"the pruned search traced {len(pruned.outcomes)} of {len(by)} candidates")
 
 
 if __name__ == "__main__":

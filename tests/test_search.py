@@ -86,6 +86,32 @@ def test_every_bound_holds_on_every_candidate(searches):
                                                 for o in brute.outcomes) > 0
 
 
+def test_each_trace_bounds_every_size_and_twin(searches):
+    """Each single trace's bound on each other candidate, one pair at a time (not only the
+    largest of them): from a larger micro-batch of the same layout (scaled by
+    bounds._per_micro_batch_share) and from another data-parallel split of the same model
+    split, at most the traced step; and both transfers happen."""
+    from tapescope.layout_search.bounds import Known, repeated_kernels, same_model_kernels
+
+    _, brute = searches
+    kinds = set()
+    for x in brute.outcomes:
+        known = Known()
+        known.add(x)
+        for o in brute.outcomes:
+            if not o.fits or o.candidate == x.candidate:
+                continue
+            for rule in (repeated_kernels, same_model_kernels):
+                b = rule(o.candidate, known)
+                if b is not None:
+                    assert b.seconds <= o.step_seconds, (rule.__name__, x.candidate.label(),
+                                                         o.candidate.label())
+                    kinds.add((rule.__name__,
+                               o.candidate.micro_batch < x.candidate.micro_batch))
+    assert {("repeated_kernels", True), ("same_model_kernels", False),
+            ("same_model_kernels", True)} <= kinds, kinds
+
+
 def test_every_pruning_rule_holds_when_traced(searches):
     """What the rules ruled out, brute force traced: out of memory where a rule said so,
     slower than the candidate that dominates it where one did."""

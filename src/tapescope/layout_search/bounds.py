@@ -17,8 +17,8 @@ guess at the candidate's own figures:
   out-of-memory trace is a whole trace, only its allocator replay ran out), or the same step
   with less recompute (a heavier mode runs the lighter one's kernels and more: checkpointing's
   own handling adds ~1% on a 70B TP 8 step; the recomputed kernels count only from the same
-  mode). From another micro-batch size, scaled (_per_micro_batch_share): a larger micro-batch
-  costs each kernel at least as much, a whole fraction of it at least that fraction. Each kernel counts at its price
+  mode). From a larger micro-batch size, scaled (_per_micro_batch_share): a whole fraction of
+  it costs each kernel at least that fraction. Each kernel counts at its price
   alone (overlapped by a collective it only runs slower), plus the compute stream's waits
   that no schedule hides: the stretch from the kernel that wrote a collective's input to the
   first kernel that reads its output lasts at least the collective's seconds (a tensor-parallel
@@ -100,21 +100,18 @@ def _same_model_kernels(c: Candidate) -> tuple:
 
 def _per_micro_batch_share(c: Candidate, x: Candidate) -> float | None:
     """How many of `x`'s micro-batches `c`'s step provably runs the work of, as far as the
-    compute-stream floor goes (None: no transfer). A micro-batch of another size runs the same
-    ops at the batch dimension scaled, and every kernel price in analysis/kernel_cost.py
-    (max(FLOPs / rate, bytes / bandwidth) + a launch, the FLOPs' fill and a GEMM's tile waves
-    rounding up) is non-decreasing in the size and subadditive over a whole multiple of it, as
-    is a collective's (latency + bytes / bandwidth) and so a wait window's stretch
-    max(collective, kernels between): one micro-batch of m' >= m costs at least one of m; one
-    of m' = m / j costs at least 1 / j of one of m. A later micro-batch adds gradient
-    accumulation (outside FSDP2, an add per gradient on the compute stream), so x's per-micro-
-    batch average holds for c only when c runs as many micro-batches or x runs one."""
+    compute-stream floor goes (None: no transfer). A micro-batch a whole fraction 1 / j of x's
+    runs the same ops at the batch dimension divided by j, and every kernel price in
+    analysis/kernel_cost.py (max(FLOPs / rate, bytes / bandwidth) + a launch, the FLOPs' fill
+    and a GEMM's tile waves rounding up) is subadditive over a whole multiple of the size, as is
+    a collective's (latency + bytes / bandwidth) and so a wait window's stretch max(collective,
+    kernels between): one micro-batch of m / j costs at least 1 / j of one of m. A later
+    micro-batch adds gradient accumulation (outside FSDP2, an add per gradient on the compute
+    stream), so x's per-micro-batch average holds for c only when c runs as many micro-batches
+    or more. (A larger micro-batch than x's has fewer micro-batches in a step of the same
+    samples: no transfer.)"""
     m, mx = c.micro_batch, x.micro_batch
-    if not (x.steps == 1 or c.steps >= x.steps):
-        return None
-    if m >= mx:
-        return c.steps / x.steps
-    if mx % m:
+    if m > mx or mx % m or c.steps < x.steps:
         return None
     return c.steps * m / mx / x.steps
 
