@@ -92,10 +92,13 @@ def _same_model_kernels(c: Candidate) -> tuple:
     split and whether the parameters are sharded or replicated at all (then FSDP2's mixed
     precision computes in bf16 instead of autocast: evaluate.candidate_options). The FSDP and
     HSDP degrees decide how many samples a rank takes per step, not the ops of one
-    micro-batch: FSDP2 all-gathers the parameters whole before the module runs."""
+    micro-batch: FSDP2 all-gathers the parameters whole before the module runs. With float8,
+    whether FSDP shards at all decides too (float8 all-gather, capture/float8.py: the weights'
+    casts leave the model's forward)."""
     sharded = c.layout.shard_degree > 1 or c.layout.dp_replicate > 1
-    return (replace(c.layout, fsdp=1, dp_replicate=1), sharded, c.schedule, c.compile,
-            c.float8)
+    float8_gather = c.float8 is not None and c.layout.fsdp > 1
+    return (replace(c.layout, fsdp=1, dp_replicate=1), sharded, float8_gather, c.schedule,
+            c.compile, c.float8)
 
 
 def _per_micro_batch_share(c: Candidate, x: Candidate) -> float | None:
