@@ -70,14 +70,46 @@ def test_every_bound_holds_on_every_candidate(searches):
     known = Known(matmul_rate(Options.create(gpu=SPACE["gpu"]).gpu))
     for o in brute.outcomes:
         known.add(o)
-    checked = 0
+    checked = {rule.__name__: 0 for rule in BOUNDS}
     for o in brute.outcomes:
         for rule in BOUNDS:
             b = rule(o.candidate, known)
             if b is not None and o.fits:
                 assert b.seconds <= o.step_seconds, (rule.__name__, o.candidate.label())
-                checked += 1
-    assert checked >= len(brute.ranked) * len(BOUNDS)
+                checked[rule.__name__] += 1
+    # every rule gave bounds; repeated_kernels and model_flops one to every fitting candidate
+    # (another micro-batch size or mode of its layout was traced), same_model_kernels to
+    # those whose FSDP / HSDP twin was
+    assert checked["repeated_kernels"] == checked["model_flops"] == \
+        sum(o.fits for o in brute.outcomes)
+    assert checked["same_model_kernels"] >= sum(o.fits and o.candidate.layout.dp_replicate > 1
+                                                for o in brute.outcomes) > 0
+
+
+def test_each_trace_bounds_every_size_and_twin(searches):
+    """Each single trace's bound on each other candidate, one pair at a time (not only the
+    largest of them): from a larger micro-batch of the same layout (scaled by
+    bounds._per_micro_batch_share) and from another data-parallel split of the same model
+    split, at most the traced step; and both transfers happen."""
+    from tapescope.layout_search.bounds import Known, repeated_kernels, same_model_kernels
+
+    _, brute = searches
+    kinds = set()
+    for x in brute.outcomes:
+        known = Known()
+        known.add(x)
+        for o in brute.outcomes:
+            if not o.fits or o.candidate == x.candidate:
+                continue
+            for rule in (repeated_kernels, same_model_kernels):
+                b = rule(o.candidate, known)
+                if b is not None:
+                    assert b.seconds <= o.step_seconds, (rule.__name__, x.candidate.label(),
+                                                         o.candidate.label())
+                    kinds.add((rule.__name__,
+                               o.candidate.micro_batch < x.candidate.micro_batch))
+    assert {("repeated_kernels", True), ("same_model_kernels", False),
+            ("same_model_kernels", True)} <= kinds, kinds
 
 
 def test_every_pruning_rule_holds_when_traced(searches):
@@ -88,7 +120,6 @@ def test_every_pruning_rule_holds_when_traced(searches):
     label = {o.candidate.label(): o for o in brute.outcomes}
     reasons = {why.split(":")[0] for _, why in pruned.pruned}
     assert {"out of memory", "dominated", f"cannot enter the top {TOP}"} <= reasons
-    assert any("one-micro-batch step" in why for _, why in pruned.pruned)
     assert any("HSDP shards less" in why for _, why in pruned.pruned)
     top = brute.ranked[TOP - 1].step_seconds
     for c, why in pruned.pruned:

@@ -13,10 +13,12 @@ guess at the candidate's own figures:
   sync off, so every micro-batch reduces its gradients the same way); a later micro-batch adds
   gradient accumulation, and removes no kernel. So a candidate's step is at least its
   micro-batches times one micro-batch's forward and backward compute-stream seconds on its
-  slowest rank, read off any trace of the same layout, schedule and micro-batch size: its
-  one-micro-batch screen, or the same step with less recompute (a heavier mode runs the
-  lighter one's kernels and more: checkpointing's own handling adds ~1% on a 70B TP 8 step;
-  the recomputed kernels count only from the same mode). Each kernel counts at its price
+  slowest rank, read off any trace of the same layout and schedule (fit or out of memory: an
+  out-of-memory trace is a whole trace, only its allocator replay ran out), or the same step
+  with less recompute (a heavier mode runs the lighter one's kernels and more: checkpointing's
+  own handling adds ~1% on a 70B TP 8 step; the recomputed kernels count only from the same
+  mode). From a larger micro-batch size, scaled (_per_micro_batch_share): a whole fraction of
+  it costs each kernel at least that fraction. Each kernel counts at its price
   alone (overlapped by a collective it only runs slower), plus the compute stream's waits
   that no schedule hides: the stretch from the kernel that wrote a collective's input to the
   first kernel that reads its output lasts at least the collective's seconds (a tensor-parallel
@@ -24,6 +26,10 @@ guess at the candidate's own figures:
   step lasts at least the micro-batches times one micro-batch's collectives on its busiest
   NCCL stream (one process group's collectives run one after another; FSDP2 gathers and
   reduces again every micro-batch).
+- `same_model_kernels`: the same from a trace of another data-parallel split of the same TP /
+  CP / PP split (an HSDP layout from its FSDP twin, FSDP 8 x TP 2 from FSDP 4 x TP 2): the
+  model's kernels and the waits between them only; FSDP2's own kernels and the collectives
+  are left out.
 - `model_flops`: sharding splits the matmuls and never removes one (TP and PP split a matmul's
   rows, columns or layers over ranks; data parallelism splits the batch), so the job's matmul
   FLOPs are at least those of a purely data-parallel trace per sample times the global batch,
@@ -38,7 +44,7 @@ least each bound the rules give it.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .space import RECOMPUTE_ORDER, Candidate
 
@@ -56,14 +62,17 @@ class Known:
     """What the traces so far measured, indexed for the rules."""
 
     matmul_rate: float | None = None   # FLOP/s no matmul kernel exceeds on this GPU
-    # (layout, schedule, compile, micro-batch, float8) -> [Outcome]
+    # (layout, schedule, compile, float8) -> [Outcome]
     by_micro_batch: dict = field(default_factory=dict)
+    # the same with the layout's data-parallel degrees left out (_same_model_kernels) -> [Outcome]
+    by_model_split: dict = field(default_factory=dict)
     flops_per_sample: dict = field(default_factory=dict)  # "own" / mode -> matmul FLOPs per sample
 
     def add(self, o) -> None:
         c = o.candidate
         if o.kernel_seconds:
             self.by_micro_batch.setdefault(_same_kernels(c), []).append(o)
+            self.by_model_split.setdefault(_same_model_kernels(c), []).append(o)
         # a purely data-parallel trace: per sample, the model's whole matmul work (a CP rank
         # does its share of a sample's)
         if o.matmul_flops and c.layout.tp == 1 and c.layout.pp == 1 and c.layout.cp == 1 \
@@ -75,7 +84,39 @@ class Known:
 
 
 def _same_kernels(c: Candidate) -> tuple:
-    return (c.layout, c.schedule, c.compile, c.micro_batch, c.float8)
+    return (c.layout, c.schedule, c.compile, c.float8)
+
+
+def _same_model_kernels(c: Candidate) -> tuple:
+    """What decides the model's own kernels on a rank, FSDP2's left out: the TP, CP and PP
+    split and whether the parameters are sharded or replicated at all (then FSDP2's mixed
+    precision computes in bf16 instead of autocast: evaluate.candidate_options). The FSDP and
+    HSDP degrees decide how many samples a rank takes per step, not the ops of one
+    micro-batch: FSDP2 all-gathers the parameters whole before the module runs. With float8,
+    whether FSDP shards at all decides too (float8 all-gather, capture/float8.py: the weights'
+    casts leave the model's forward)."""
+    sharded = c.layout.shard_degree > 1 or c.layout.dp_replicate > 1
+    float8_gather = c.float8 is not None and c.layout.fsdp > 1
+    return (replace(c.layout, fsdp=1, dp_replicate=1), sharded, float8_gather, c.schedule,
+            c.compile, c.float8)
+
+
+def _per_micro_batch_share(c: Candidate, x: Candidate) -> float | None:
+    """How many of `x`'s micro-batches `c`'s step provably runs the work of, as far as the
+    compute-stream floor goes (None: no transfer). A micro-batch a whole fraction 1 / j of x's
+    runs the same ops at the batch dimension divided by j, and every kernel price in
+    analysis/kernel_cost.py (max(FLOPs / rate, bytes / bandwidth) + a launch, the FLOPs' fill
+    and a GEMM's tile waves rounding up) is subadditive over a whole multiple of the size, as is
+    a collective's (latency + bytes / bandwidth) and so a wait window's stretch max(collective,
+    kernels between): one micro-batch of m / j costs at least 1 / j of one of m. A later
+    micro-batch adds gradient accumulation (outside FSDP2, an add per gradient on the compute
+    stream), so x's per-micro-batch average holds for c only when c runs as many micro-batches
+    or more. (A larger micro-batch than x's has fewer micro-batches in a step of the same
+    samples: no transfer.)"""
+    m, mx = c.micro_batch, x.micro_batch
+    if m > mx or mx % m or c.steps < x.steps:
+        return None
+    return c.steps * m / mx / x.steps
 
 
 def repeated_kernels(c: Candidate, known: Known) -> Bound | None:
@@ -85,13 +126,40 @@ def repeated_kernels(c: Candidate, known: Known) -> Bound | None:
         if RECOMPUTE_ORDER.index(x.candidate.checkpointing) > \
                 RECOMPUTE_ORDER.index(c.checkpointing):
             continue   # checkpointing adds kernels of its own (~1% on a 70B step): never less
-        seconds = max(c.steps * max(own + (again if same_mode else 0.0),
-                                    comm + (comm_again if same_mode else 0.0))
-                      / x.candidate.steps
-                      for own, again, comm, comm_again in x.kernel_seconds)
+        share = _per_micro_batch_share(c, x.candidate)
+        if share is None:
+            continue
+        seconds = max(share * max(own + (again if same_mode else 0.0),
+                                  comm + (comm_again if same_mode else 0.0))
+                      for own, again, comm, comm_again, _ in x.kernel_seconds)
         if best is None or seconds > best.seconds:
-            best = Bound(seconds, f"{c.steps} x one micro-batch's forward and backward kernels, "
+            what = "one micro-batch's" if x.candidate.micro_batch == c.micro_batch else \
+                f"micro-batch {x.candidate.micro_batch}'s"
+            best = Bound(seconds, f"{c.steps} x {what} forward and backward kernels, scaled, "
                                   f"as traced in {x.candidate.label()}")
+    return best
+
+
+def same_model_kernels(c: Candidate, known: Known) -> Bound | None:
+    """`repeated_kernels` from a trace of another data-parallel split of the same model split
+    (an HSDP layout from its FSDP twin, FSDP 8 x TP 2 from FSDP 4 x TP 2): the model's kernels
+    and the waits between them only, FSDP2's own kernels left out (its copy-out reads the
+    all-gather buffer, padded to a multiple of the shard degree) and the collectives too (their
+    groups differ)."""
+    best = None
+    for x in known.by_model_split.get(_same_model_kernels(c), ()):
+        if x.candidate.layout == c.layout or RECOMPUTE_ORDER.index(x.candidate.checkpointing) > \
+                RECOMPUTE_ORDER.index(c.checkpointing):
+            continue
+        share = _per_micro_batch_share(c, x.candidate)
+        if share is None:
+            continue
+        same_mode = x.candidate.checkpointing == c.checkpointing
+        seconds = max(share * (own - data_parallel + (again if same_mode else 0.0))
+                      for own, again, _, _, data_parallel in x.kernel_seconds)
+        if best is None or seconds > best.seconds:
+            best = Bound(seconds, f"{c.steps} x micro-batch {x.candidate.micro_batch}'s model "
+                                  f"kernels, scaled, as traced in {x.candidate.label()}")
     return best
 
 
@@ -105,11 +173,11 @@ def model_flops(c: Candidate, known: Known) -> Bound | None:
     return Bound(seconds, "the model's matmul FLOPs, shared evenly, at the GPU's matmul ceiling")
 
 
-BOUNDS = (repeated_kernels, model_flops)
+BOUNDS = (repeated_kernels, same_model_kernels, model_flops)
 
 
 def stream_floors(q, waits: bool = True) -> tuple:
-    """(own, recomputed, collectives, recomputed collectives): seconds a rank's compute stream
+    """(own, recomputed, collectives, recomputed collectives, FSDP2's own): seconds a rank's compute stream
     provably spends in one step's forward and backward, and the busiest NCCL stream's
     collectives there (q: its Profile, timed by analysis/timing.py's eager model), as a sum that
     holds for every micro-batch running the same ops, whatever the collectives around them.
@@ -183,13 +251,17 @@ def stream_floors(q, waits: bool = True) -> tuple:
         for r in op.outputs:
             writer[r.storage] = i
     own = sum(t for i, t in price.items() if not q.ops[i].recompute)
+    # FSDP2's own kernels on the compute stream (its copy-out into the unsharded parameters):
+    # their sizes follow the shard degree's padding, the model's do not
+    data_parallel = sum(t for i, t in price.items() if not q.ops[i].recompute
+                        and q.ops[i].record.name.startswith("fsdp."))
     again = sum(t for i, t in price.items() if q.ops[i].recompute)
     positions = list(price)   # ascending
     running = [0.0]
     for i in positions:
         running.append(running[-1] + price[i])
     if not waits:
-        return own, again, 0.0, 0.0
+        return own, again, 0.0, 0.0, data_parallel
     last = -1
     for p, qi, seconds, recomputed in sorted(windows, key=lambda w: (w[1], w[0])):
         if p < last:
@@ -208,7 +280,7 @@ def stream_floors(q, waits: bool = True) -> tuple:
     # with the same mode's recomputed collectives: the busiest stream counting them
     both = max((on_stream.get((s, False), 0.0) + on_stream.get((s, True), 0.0)
                 for s in streams), default=0.0)
-    return own, again, comm, both - comm
+    return own, again, comm, both - comm, data_parallel
 
 
 def lower_bound(c: Candidate, known: Known) -> Bound | None:

@@ -73,7 +73,8 @@ class Outcome:
     trace_seconds: float = 0.0
     # what later candidates' lower bounds are made of (layout_search/bounds.py): per traced rank
     # class, the seconds of the compute stream's kernels in forward and backward (those the
-    # step runs once and, apart, those activation checkpointing recomputes); and the job's
+    # step runs once and, apart, those activation checkpointing recomputes; the collectives;
+    # FSDP2's own kernels among them: bounds.stream_floors); and the job's
     # matmul FLOPs over the step (all ranks; the same split). () where the step was not timed
     # from the kernel model (compiled, or priced by a calibration file)
     kernel_seconds: tuple = ()
@@ -116,7 +117,8 @@ class Outcome:
                               "matmul_flops")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
-                   kernel_seconds=tuple((*x, 0.0, 0.0)[:4] for x in d.get("kernel_seconds", ())),
+                   kernel_seconds=tuple((*x, 0.0, 0.0, 0.0)[:5]
+                                      for x in d.get("kernel_seconds", ())),
                    matmul_flops=tuple(d.get("matmul_flops", ())), **kept)
 
 
@@ -260,9 +262,10 @@ def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outc
 
 def _bound_figures(p, ranks) -> dict:
     """Outcome's kernel_seconds and matmul_flops: per traced rank class, (own, recomputed)
-    seconds the compute stream is provably busy or idle in forward and backward
-    and the busiest NCCL stream's collectives there
-    (layout_search/bounds.py, stream_floors); the job's matmul FLOPs (own, recomputed).
+    seconds the compute stream is provably busy or idle in forward and backward, the busiest
+    NCCL stream's collectives there (own, recomputed), and FSDP2's own kernels among the
+    compute stream's (layout_search/bounds.py, stream_floors); the job's matmul FLOPs (own,
+    recomputed).
     Empty where a rank's time is not the eager kernel model's."""
     from ..analysis.op_classes import op_class
     from .bounds import stream_floors

@@ -1,31 +1,29 @@
 """The search loop: which candidates to trace, in what order, on which workers, and which the
 traces already rule out.
 
-Two rules prune, each a consequence of traces already made, never a formula standing in for one:
+These rules prune, each a consequence of traces already made, never a formula standing in for
+one:
 
-- memory grows with the micro-batch within a chain (one layout, checkpointing mode, schedule):
-  once a micro-batch runs out of memory on some rank, every larger one of the chain is out, and a
-  chain whose smallest micro-batch does not fit is out whole;
-- memory grows with the micro-batches accumulated: a step of `steps` micro-batches runs the
-  one-micro-batch step's forward and backward first, then more of them into gradients that are
-  already there, then the same optimizer step. A candidate that accumulates is first screened
-  with its one-micro-batch step (a fraction of its trace); when that runs out of memory the
-  candidate does too, and the screen's rank, op and category are its reason (the screen is
-  skipped, a cost choice only, when a smaller micro-batch of the chain fits with room to grow
-  in proportion and no top is known yet);
+- memory grows with the micro-batch, and checkpointing saves memory: once a candidate runs out of
+  memory on some rank, every candidate of its layout and schedule with as little recompute or
+  less at a micro-batch as large or larger is out too. So at each micro-batch size the least
+  recompute is traced first, then, when it runs out, the most (when that runs out too, so does
+  every mode between), then the modes between;
 - memory grows as sharding shrinks: HSDP holds more of the parameters, gradients and optimizer
   state on each rank than FSDP over all its data-parallel ranks, and the same activations. An
   HSDP candidate waits for its FSDP twin and is out when that one is out of memory;
-- checkpointing saves memory: each layout (with its schedule) is probed first with the most
-  recompute at the smallest micro-batch, its least memory; when that runs out, the whole layout
-  is out;
 - at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
   forward ops: when a mode with less recompute fits there, the heavier one is not traced (it is
   listed as dominated, naming the candidate that fits);
 - branch and bound: a candidate whose step time is provably longer than the `top`-th best so far
   (a lower bound from earlier traces, layout_search/bounds.py) cannot enter the table's top rows
   and is not traced. The top `top` rows are therefore brute force's; rows below may miss a
-  candidate that was not traced.
+  candidate that was not traced. Each layout (with its schedule) is opened with its least
+  recompute at its largest micro-batch: its fewest micro-batches, the cheapest trace of the
+  layout, and, fit or not, its kernels bound every micro-batch size of the layout and of the
+  layouts that split the model the same way (bounds.py), so a layout far from the top costs one
+  trace. (One-micro-batch screens of accumulating candidates were tried and dropped: on
+  benchmarks/search_speed.py's spaces they cost more than they pruned.)
 
 The brute-force search checks each rule: every candidate the rules rule out runs out of memory
 (or is slower than the candidate that dominates it) when traced (tests/test_search.py).
@@ -61,7 +59,6 @@ class Progress:
     running: int
     best: Outcome | None
     last: Outcome | None      # the outcome just in (None: a start or prune notice)
-    screen: bool = False      # `last` is a one-micro-batch screen, not a listed candidate
 
 
 @dataclass
@@ -76,7 +73,6 @@ class SearchResult:
     top: int | None = None                            # the rows branch and bound kept exact
     bounds: dict = field(default_factory=dict)        # Candidate -> the step-time bound (s) that
                                                       # pruned it
-    screens: int = 0                                  # one-micro-batch screens traced (unlisted)
 
     @property
     def ranked(self) -> list:
@@ -209,7 +205,6 @@ class _Grid:
         self.outcome: dict = {}     # Candidate -> Outcome
         self.pruned: dict = {}      # Candidate -> reason
         self.started: set = set()
-        self.screens: dict = {}     # one-micro-batch step -> its Outcome (never listed)
         self.all = {c for ch in grid.chains.values() for c in ch}
         # branch and bound: the fitting candidates' step seconds, and what the traces measured
         # for the bounds (top None: no bound pruning)
@@ -219,7 +214,7 @@ class _Grid:
         self.bounds: dict = {}      # Candidate -> its lower bound (Bound) that pruned it
 
     def learn(self, o: Outcome) -> None:
-        """What a trace (a candidate or a screen) adds to the bounds and the top."""
+        """What a trace adds to the bounds and the top."""
         self.known.add(o)
         if o.candidate in self.all and o.fits and o.step_seconds:
             self.fit_seconds[o.candidate] = o.step_seconds
@@ -252,40 +247,32 @@ class _Grid:
             if brute_force:
                 ready += [c for m in modes for c in family[m] if self._open(c)]
                 continue
-            # the family's probe: the most recompute at the smallest micro-batch, its least
-            # memory (its one-micro-batch screen when it accumulates); when even that runs out,
-            # nothing of the family fits
-            probe = family[modes[-1]][0]
-            if len(modes) > 1:
-                screen = replace(probe, steps=1) if probe.layout.pp == 1 and probe.steps > 1 \
-                    else None
-                check = self.screens.get(screen) if screen is not None else None
-                if check is None:   # its screen skipped (a cost choice) or none to make
-                    check = self.outcome.get(probe)
-                if self._ooms(probe) or check is not None and check.status == OOM:
-                    for m in modes:
-                        for c in family[m]:
-                            if self._open(c):
-                                self.pruned[c] = (f"out of memory: even {probe.label()} (the "
-                                                  "most recompute, the smallest micro-batch) "
-                                                  "runs out")
-                    continue
-                if check is None and probe not in self.pruned:
-                    if probe not in self.started and screen not in self.started:
-                        ready += self._gate(probe)
-                    continue
+            # at each micro-batch size the least recompute first (when it fits, every heavier
+            # mode there is dominated), then the most (when that runs out, so does every
+            # mode between, and every larger micro-batch), then the modes between
+            order = [modes[0], *modes[:0:-1][:1], *modes[1:-1]]
+            # the family's opener: the least recompute at the largest micro-batch, its fewest
+            # micro-batches (the cheapest trace of the family, and the likeliest fastest when it
+            # fits); fit or not, its kernels bound every micro-batch size of the layout
+            # (bounds.py), so that a layout far from the top is ruled out after one trace
+            opener = family[modes[0]][-1]
+            if self._open(opener):
+                ready += self._gate(opener)
+                continue
+            if opener in self.started:
+                continue
             for k, ac in enumerate(modes):
                 chain = family[ac]
                 for i, c in enumerate(chain):
                     if not self._open(c):
                         continue
-                    before = chain[:i]
-                    oom = next((b for b in before if self._ooms(b)), None)
+                    oom = self._ran_out_before(family, modes, c)
                     if oom is not None:
-                        self.pruned[c] = (f"out of memory: micro-batch {oom.micro_batch} of "
-                                          "this layout and mode already runs out")
+                        self.pruned[c] = (f"out of memory: {oom.label()} already runs out "
+                                          "(as much recompute or more, a micro-batch as "
+                                          "small or smaller)")
                         continue
-                    failed = next((b for b in before + [probe] if b in self.outcome
+                    failed = next((b for b in chain[:i] + [opener] if b in self.outcome
                                    and self.outcome[b].status == ERROR), None)
                     if failed is not None:
                         self.pruned[c] = f"not profiled: {self.outcome[failed].reason}"
@@ -303,31 +290,46 @@ class _Grid:
                         self.pruned[c] = (f"cannot enter the top {self.top}: it recomputes "
                                           f"more than {slow.label()}, which cannot")
                         continue
-                    if not all(self._ooms(x) for x in lighter):
-                        continue  # wait: a lighter mode may fit at this size
-                    if i and not (chain[i - 1] in self.outcome or chain[i - 1] in self.pruned):
+                    before = [self._at(family, m, c.micro_batch)
+                              for m in order[:order.index(ac)]]
+                    if any(x is not None and not self._resolved(x) for x in before):
+                        continue  # wait: a mode tried before this one at this size
+                    if lighter and not self._ooms(lighter[0]):
+                        continue  # wait: the least recompute may fit at this size
+                    if i and not self._resolved(chain[i - 1]):
                         continue  # wait: the smaller micro-batch may run out
                     ready += self._gate(c)
         # best first by an admissible estimate: the lower bound on the step the traces so far
         # give (0 where none applies yet: it may be the best), so that the top is known early
         # and the bounds prune more; then cheap and likely first: no pipeline before pipelines
         # (a pipelined candidate traces every stage's micro-batches), the most tensor
-        # parallelism first (the least memory per rank), screens and small micro-batches first
+        # parallelism first (the least memory per rank), small micro-batches first
         def estimate(c):
             b = lower_bound(c, self.known) if self.top is not None else None
             return b.seconds if b is not None else 0.0
 
         return sorted(dict.fromkeys(ready), key=lambda c: (
-            estimate(c), c.layout.pp, -c.layout.tp, c.layout.dp_replicate, c in self.all,
+            estimate(c), c.layout.pp, -c.layout.tp, c.layout.dp_replicate,
             c.micro_batch, RECOMPUTE_ORDER.index(c.checkpointing)))
+
+    def _resolved(self, c: Candidate) -> bool:
+        return c in self.outcome or c in self.pruned
+
+    def _ran_out_before(self, family: dict, modes: list, c: Candidate) -> Candidate | None:
+        """A traced candidate of `c`'s family that ran out of memory with as much recompute or
+        more at a micro-batch as small or smaller: `c` holds more (memory grows with the
+        micro-batch; checkpointing saves memory)."""
+        heavier = modes[modes.index(c.checkpointing):]
+        return next((x for m in heavier for x in family[m] if x.micro_batch <= c.micro_batch
+                     and x is not c and self._ooms(x)),
+                    None)
 
     def _open(self, c: Candidate) -> bool:
         return c not in self.outcome and c not in self.pruned and c not in self.started
 
     def _gate(self, c: Candidate) -> list:
         """The last rules before tracing `c`: one that cannot enter the top is out, an HSDP
-        candidate waits for its FSDP twin, an accumulating one for its one-micro-batch screen.
-        What to trace now ([] to wait)."""
+        candidate waits for its FSDP twin. What to trace now ([] to wait)."""
         if self._beyond_top(c):
             return []
         if c.layout.dp_replicate > 1:
@@ -340,33 +342,7 @@ class _Grid:
                     return []
                 if twin not in self.outcome and twin not in self.pruned:
                     return []  # wait for the FSDP twin
-        if c.layout.pp == 1 and c.steps > 1 and not self._screen_useless(c):
-            screen = replace(c, steps=1)
-            o = self.screens.get(screen)
-            if o is None:
-                return [] if screen in self.started else [screen]
-            if o.status == OOM:
-                self.pruned[c] = f"out of memory already in its one-micro-batch step: {o.reason}"
-                return []
-            if self._beyond_top(c):   # the screen's kernels bound the whole step
-                return []
         return [c]
-
-    def _screen_useless(self, c: Candidate) -> bool:
-        """A cost choice, never a result: skip `c`'s one-micro-batch screen when a smaller
-        micro-batch of its chain fits with the room to grow in proportion (its worst rank's
-        nvidia-smi bytes times the micro-batch ratio within the GPU: the parameters and
-        optimizer state do not grow, so this overestimates), and no top is known yet for the
-        screen's bound to test. A screen that then fits is a trace thrown away."""
-        if self._limit() is not None:
-            return False
-        smaller = [b for b in self.chains[c.chain] if b.micro_batch < c.micro_batch
-                   and b in self.outcome and self.outcome[b].fits]
-        if not smaller:
-            return False
-        b = smaller[-1]
-        w = self.outcome[b].worst
-        return w.reserved_bytes * c.micro_batch / b.micro_batch <= w.capacity
 
     def _beyond_top(self, c: Candidate) -> bool:
         """Prune `c` when its step provably takes longer than the top-th best's."""
@@ -433,19 +409,15 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     running: dict = {}   # Future -> Candidate
     best: Outcome | None = None
 
-    def tell(last, screen=False):
+    def tell(last):
         if progress is not None:
             progress(Progress(len(grid.outcome), len(grid.pruned), grid.left() - len(running),
-                              len(running), best, last, screen))
+                              len(running), best, last))
 
     def record(o: Outcome):
         nonlocal best
         store.put(o)
         grid.learn(o)
-        if o.candidate not in grid.all:  # a screen: its own step, not a candidate
-            grid.screens[o.candidate] = o
-            tell(o, screen=True)
-            return
         grid.outcome[o.candidate] = o
         if o.fits and o.tokens_per_second and (best is None or
                                                o.tokens_per_second > best.tokens_per_second):
@@ -461,7 +433,7 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
                 hit = store.get(c)
                 if hit is not None:
                     record(hit)
-            ready = [c for c in ready if c not in grid.outcome and c not in grid.screens]
+            ready = [c for c in ready if c not in grid.outcome]
             if not ready and not running:
                 if grid.update(brute_force):
                     continue
@@ -494,4 +466,4 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     pruned = [(c, grid.pruned[c]) for ch in grid.chains.values() for c in ch if c in grid.pruned]
     return SearchResult(source, space, evaluated, pruned, list(grid.skipped),
                         time.perf_counter() - start, pool.name, grid.top,
-                        {c: b.seconds for c, b in grid.bounds.items()}, len(grid.screens))
+                        {c: b.seconds for c, b in grid.bounds.items()})

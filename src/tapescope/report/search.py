@@ -77,10 +77,8 @@ def progress_line(p) -> str:
     o = p.last
     if o is not None:
         what = f"{o.tokens_per_second:,.0f} tokens/s" if o.fits and o.tokens_per_second \
-            and not p.screen else o.status
+            else o.status
         name = o.candidate.label()
-        if p.screen:
-            name = f"screen {name} (its one-micro-batch step)"
         parts.append(f"{name}: {what} ({o.trace_seconds:.1f} s"
                      + (", cached" if o.cached else "") + ")")
     if p.best is not None:
