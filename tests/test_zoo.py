@@ -65,3 +65,32 @@ def test_hf_heads_and_inputs_follow_the_config():
 def test_hf_option_errors_are_clear():
     with pytest.raises(tapescope.TapescopeError, match="separated by commas"):
         resolve("hf:LlamaConfig:num_hidden_layers=2:hidden_size=256")
+
+
+def test_llama3_70b_preset_has_the_published_shape():
+    """Llama 3 70B (Dubey et al. 2024, Table 3): its parameter count from the shape by hand -
+    untied embedding and output 2 x 128,256 x 8,192; per layer q and o 8,192^2 each, k and v
+    8,192 x 1,024 each (8 KV heads of 128), SwiGLU 3 x 8,192 x 28,672, two norms; a final norm -
+    is 70,553,706,496, the count Meta publishes for Meta-Llama-3-70B."""
+    import torch
+
+    by_hand = 2 * 128256 * 8192 + 80 * (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672
+                                        + 2 * 8192) + 8192
+    assert by_hand == 70_553_706_496
+    m = resolve("zoo:llama3-70b", batch=1, seq=8192)
+    assert m.inputs[0].shape == (1, 8192)
+    with torch.device("meta"):
+        model = m.build()
+    assert sum(p.numel() for p in model.parameters()) == by_hand
+    assert model.config.rope_theta == 500000.0 and model.config.max_seq_len == 8192
+
+
+def test_a_longer_sequence_names_the_preset_that_takes_it():
+    """Llama 2 70B stops at 4,096 tokens: the refusal offers the override and Llama 3 70B."""
+    with pytest.raises(tapescope.TapescopeError) as e:
+        resolve("zoo:llama-70b", batch=1, seq=8192)
+    assert "zoo:llama-70b:max_seq_len=8192" in str(e.value)
+    assert "zoo:llama3-70b" in str(e.value)
+    with pytest.raises(tapescope.TapescopeError) as e:  # no preset of this size takes 16,384
+        resolve("zoo:llama-70b", batch=1, seq=16384)
+    assert "zoo:llama3-70b" not in str(e.value)

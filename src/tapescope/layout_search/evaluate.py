@@ -71,6 +71,8 @@ class Outcome:
     bubble: float | None = None          # pipelined: the largest share of the schedule a rank waits
     reason: str = ""                     # why it does not fit / could not be profiled
     trace_seconds: float = 0.0
+    cpu_seconds: float = 0.0             # the worker process's CPU time for this candidate (its
+                                         # cost on a shared machine, where wall time is the load's)
     # what later candidates' lower bounds are made of (layout_search/bounds.py): per traced rank
     # class, the seconds of the compute stream's kernels in forward and backward (those the
     # step runs once and, apart, those activation checkpointing recomputes; the collectives;
@@ -203,7 +205,7 @@ def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcom
     """Profile `candidate`; `global_tokens`: tokens of one optimizer step of the whole job."""
     from ..api import profile_workload
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         workload, options = candidate_options(source, candidate)
         p = profile_workload(workload, options)
@@ -211,7 +213,8 @@ def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcom
     except TapescopeError as e:
         out = Outcome(candidate, ERROR, reason=str(e).split("\n")[0])
     return Outcome(**{**{f: getattr(out, f) for f in out.__dataclass_fields__},
-                      "trace_seconds": time.perf_counter() - start})
+                      "trace_seconds": time.perf_counter() - start,
+                      "cpu_seconds": time.process_time() - cpu})
 
 
 def _rank_memory(q, ranks: tuple) -> RankMemory:

@@ -2,7 +2,7 @@
 
     zoo:gpt2                 GPT-2 small (zoo:gpt2:n_layer=2,n_embd=256 to resize)
     zoo:llama                a small Llama (RMSNorm, SwiGLU, RoPE, GQA); presets zoo:llama-7b,
-                             zoo:llama3-8b, zoo:llama-70b, zoo:llama3-405b;
+                             zoo:llama3-8b, zoo:llama-70b, zoo:llama3-70b, zoo:llama3-405b;
                              zoo:llama:dim=1024,n_layers=4 to resize
     torchvision:NAME         any torchvision.models name, random init
     timm:NAME                any timm model name, random init
@@ -89,13 +89,13 @@ def _with_options(config, options: dict, what: str):
 
 # ---- zoo ----------------------------------------------------------------------------------------
 
-def _check_seq(name: str, options: dict, seq, key: str, limit: int) -> None:
+def _check_seq(name: str, options: dict, seq, key: str, limit: int, peers: str = "") -> None:
     """The model refuses a longer sequence in its forward, the same for every size and layout:
-    refuse it here, once, with the override that accepts it."""
+    refuse it here, once, with the override that accepts it and `peers`, presets that take it."""
     if seq is not None and seq > limit:
-        spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in {**options, key: seq}.items())
+        ask = f"{name}:" + ",".join(f"{k}={v}" for k, v in {**options, key: seq}.items()) + peers
         raise SpecError(f"--seq {seq} exceeds {name}'s {key} {limit} (its forward refuses longer "
-                        f"sequences); to train at {seq}, ask for the model with that limit: {spec}")
+                        f"sequences); to train at {seq}, ask for the model with that limit: {ask}")
 
 
 def _gpt2(name, options, batch, seq):
@@ -113,13 +113,13 @@ def _llama(name, options, batch, seq):
 
     base = PRESETS[name.split(":", 1)[1]]
     c = _with_options(base, options, name)
-    _check_seq(name, options, seq, "max_seq_len", c.max_seq_len)
+    _check_seq(name, options, seq, "max_seq_len", c.max_seq_len, _llama_peers(c, seq))
     seq = seq or min(c.max_seq_len, 2048)
     tokens = make_spec((batch or 4, seq), dtype=torch.int64, high=c.vocab_size, dims=("batch", "seq"))
     return ModelSpec(name, lambda: Llama(c), (tokens, tokens))
 
 
-ZOO = {"gpt2": _gpt2, **{k: _llama for k in ("llama", "llama-7b", "llama3-8b", "llama-70b", "llama3-405b")}}
+ZOO = {"gpt2": _gpt2, **{k: _llama for k in ("llama", "llama-7b", "llama3-8b", "llama-70b", "llama3-70b", "llama3-405b")}}
 
 
 def _classification_loss(out, *inputs):
@@ -127,6 +127,20 @@ def _classification_loss(out, *inputs):
     if not isinstance(out, torch.Tensor):  # some models return (logits, aux)
         out = out[0] if isinstance(out, (tuple, list)) else out.logits
     return F.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long, device=out.device))
+
+
+def _llama_peers(c, seq) -> str:
+    """The presets of the same depth and width as `c` that take `seq` tokens (Llama 2 70B's
+    refusal of 8,192 names Llama 3 70B, trained at that length), as the refusal's tail."""
+    from .llama import PRESETS
+
+    if seq is None:
+        return ""
+    same = [f"zoo:{k} (the same {c.n_layers} layers x {c.dim:,} wide, vocabulary {p.vocab_size:,}, "
+            f"max_seq_len {p.max_seq_len:,})" for k, p in PRESETS.items()
+            if (p.dim, p.n_layers, p.n_heads) == (c.dim, c.n_layers, c.n_heads)
+            and p.max_seq_len >= seq]
+    return "".join(f", or {x}" for x in same)
 
 
 def _torchvision(name, options, batch, seq):

@@ -36,6 +36,10 @@ PRESETS = {
                              ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
     "llama-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                              max_seq_len=4096),
+    # Llama 3 70B's shape (Dubey et al. 2024, Table 3): 80 layers, model dim 8,192, FFN 28,672,
+    # 64 heads, 8 key/value heads, vocabulary 128,256, RoPE base 500,000; trained at 8,192 tokens
+    "llama3-70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                              ffn_dim=28672, max_seq_len=8192, rope_theta=500000.0),
     # Llama 3.1 405B's shape (Dubey et al. 2024, Table 3): 126 layers, model dim 16,384, FFN
     # 53,248, 128 heads, 8 key/value heads, vocabulary 128,256
     "llama3-405b": LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128,
