@@ -663,6 +663,52 @@ def test_slow_convolutions_match_the_allocator():
         assert predicted_peak == real_peak, name
 
 
+class _Conv1d(torch.nn.Module):
+    """One Conv1d whose input needs a gradient; `channels_last_input=True` feeds it the
+    transpose of an (N, L, C) tensor (a speech or sequence model's layout), non-contiguous."""
+
+    def __init__(self, c, o, k, stride=1, padding=0, dilation=1, groups=1,
+                 channels_last_input=False):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(c, o, k, stride, padding, dilation, groups)
+        self.scale = torch.nn.Parameter(torch.ones(c, 1))
+        self.channels_last_input = channels_last_input
+
+    def forward(self, x):
+        if self.channels_last_input:
+            x = x.transpose(1, 2)
+        return self.conv(x * self.scale).pow(2).sum()
+
+
+SLOW_1D = {  # name -> (_Conv1d arguments, input shape): fp16 1-D convolutions on slow kernels
+    "grouped 5-tap, 16 groups (wav2vec2's positional convolution)":
+        ((32, 32, 5, 1, 2, 1, 16), (2, 32, 40)),
+    "dilated, on a transposed (N, L, C) input": ((16, 32, 3, 1, 2, 2, 1, True), (2, 50, 16)),
+}
+
+
+@pytest.mark.parametrize("name", SLOW_1D)
+def test_slow_one_dimensional_convolutions_match_the_allocator(name):
+    """A 1-D convolution runs as a 2-D one of height 1 (Convolution.cpp view1d_as_2d, its input
+    made contiguous first): per-group copies and the dilated kernel's columns, fp16."""
+    from tapescope.torch_compat import select_conv_backend
+
+    args, shape = SLOW_1D[name]
+    m = _Conv1d(*args).half()
+    x = torch.empty(shape, dtype=torch.half)
+    x = x.transpose(1, 2) if m.channels_last_input else x
+    if select_conv_backend(x, m.conv.weight, m.conv.stride, m.conv.padding, m.conv.dilation,
+                           False, (0,), m.conv.groups) == "Mkldnn":
+        pytest.skip("fp16 convolutions run on oneDNN here")
+    build = lambda: _Conv1d(*args)  # noqa: E731
+    p = tapescope.profile(build, tapescope.spec(shape), optimizer="sgd", dtype=torch.half)
+    real = run_real_steps(build, (tapescope.spec(shape),), optimizer="sgd", dtype=torch.half)
+    ops = compare_ops(p, real, 1)
+    checked = _excess(ops, "aten.convolution") + _excess(ops, "aten.convolution_backward")
+    assert len(checked) == 2 and all(m == p for m, p in checked), checked
+    assert p.first_step_peak_bytes == real.peaks[1]
+
+
 def test_bf16_convolution_on_slow2d_with_the_isa_capped_at_avx2():
     """On an AVX-512 host oneDNN runs bf16 convolutions; capped at AVX2 (a child process: oneDNN
     reads its cap once) ATen's Slow2d does, and its columns are counted exactly."""
