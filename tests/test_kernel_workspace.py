@@ -588,7 +588,9 @@ def test_convolution_matches_the_allocator_with_the_isa_capped_at_avx2():
         assert len(excesses) == 2 and all(m == p for m, p in excesses), (name, excesses)
         assert predicted_peak == real_peak, name
 
-SLOW = {  # name -> (_Conv arguments, input shape, dtype): convolutions ATen's Slow2d kernel runs
+# name -> (_Conv arguments, input shape, dtype[, "transposed": _SlowDeconv's arguments]):
+# convolutions ATen's slow kernels run
+SLOW = {
     "fp64 3x3": ((16, 32, 3, 1, 1), (2, 16, 16, 16), "float64"),
     "fp64 3x3/2 of a first layer": ((16, 32, 3, 2, 1, 1, 1, False, True), (2, 16, 16, 16),
                                     "float64"),
@@ -600,9 +602,8 @@ SLOW = {  # name -> (_Conv arguments, input shape, dtype): convolutions ATen's S
     # the kernel per group and cats the results
     "fp16 3x3, 4 groups (per-group copies, columns, cat)": ((16, 32, 3, 1, 1, 1, 4),
                                                             (2, 16, 8, 8), "float16"),
-    "fp16 dilated 3x3 (one sample's columns)": ((16, 32, 3, 1, 2, 2), (2, 16, 8, 8),
-                                                "float16"),
-    "fp16 dilated 3x3/2, 2 groups": ((16, 32, 3, 2, 2, 2, 2), (3, 16, 9, 9), "float16"),
+    "fp16 dilated 3x3/2, 2 groups (one sample's columns)": ((16, 32, 3, 2, 2, 2, 2),
+                                                            (3, 16, 9, 9), "float16"),
     "fp16 3-D 3x3x3/2, 2 groups (the whole batch's vol2col columns; groups inside the kernel)":
         ((8, 16, 3, 2, 1, 1, 2, False, False, 3), (2, 8, 7, 7, 7), "float16"),
     "fp16 3-D dilated, 2 groups": ((8, 16, 3, 1, 2, 2, 2, False, False, 3), (2, 8, 6, 6, 6),
@@ -612,9 +613,31 @@ SLOW = {  # name -> (_Conv arguments, input shape, dtype): convolutions ATen's S
     "bf16 dilated 3x3": ((16, 32, 3, 1, 2, 2), (2, 16, 8, 8), "bfloat16"),
     "bf16 3-D 3x3x3, 2 groups": ((8, 16, 3, 1, 1, 1, 2, False, False, 3), (2, 8, 6, 6, 6),
                                  "bfloat16"),
+    # transposed (NaiveConvolutionTranspose2d.cpp): the whole batch's columns in the forward,
+    # one sample's in each backward part
+    "fp16 transposed 4x4/2 (DCGAN)": ((16, 8, 4, 2, 1), (2, 16, 8, 8), "float16", "transposed"),
+    "fp16 transposed 3x3/2, 2 groups, channels-last":
+        ((16, 8, 3, 2, 1, 1, 2, True), (2, 16, 8, 8), "float16", "transposed"),
 }
 
-_SLOW_KERNELS = ("Slow2d", "SlowDilated2d", "SlowDilated3d", "Slow3d")
+_SLOW_KERNELS = ("Slow2d", "SlowDilated2d", "SlowDilated3d", "Slow3d", "SlowTranspose2d")
+
+
+class _SlowDeconv(torch.nn.Module):
+    """One ConvTranspose2d whose input needs a gradient, channels-last if asked."""
+
+    def __init__(self, c, o, k, stride=1, padding=0, output_padding=0, groups=1,
+                 channels_last=False):
+        super().__init__()
+        self.conv = torch.nn.ConvTranspose2d(c, o, k, stride, padding, output_padding, groups)
+        self.scale = torch.nn.Parameter(torch.ones(c, 1, 1))
+        self.channels_last = channels_last
+
+    def forward(self, x):
+        x = x * self.scale
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.conv(x).pow(2).sum()
 
 
 def _slow_convolutions_checked(names, bf16_table: bool = False,
@@ -626,19 +649,22 @@ def _slow_convolutions_checked(names, bf16_table: bool = False,
 
     out = {}
     for name in names:
-        args, shape, dtype = (*BF16_CONVS[name], "bfloat16") if bf16_table else SLOW[name]
-        dtype = getattr(torch, dtype)
-        m = _Conv(*args)
+        args, shape, dtype, *kind = (*BF16_CONVS[name], "bfloat16") if bf16_table \
+            else SLOW[name]
+        dtype, module = getattr(torch, dtype), _SlowDeconv if kind else _Conv
+        m = module(*args)
+        transposed = isinstance(m.conv, torch.nn.ConvTranspose2d)
         backend = select_conv_backend(torch.empty(shape, dtype=dtype),
                                       m.conv.weight.detach().to(dtype), m.conv.stride,
-                                      _padding(m.conv), m.conv.dilation, False,
-                                      (0,) * (len(shape) - 2), m.conv.groups)
+                                      _padding(m.conv), m.conv.dilation, transposed,
+                                      m.conv.output_padding if transposed
+                                      else (0,) * (len(shape) - 2), m.conv.groups)
         if backend not in kernels:
             out[name] = backend
             continue
-        p = tapescope.profile(lambda: _Conv(*args), tapescope.spec(shape), optimizer="sgd",
+        p = tapescope.profile(lambda: module(*args), tapescope.spec(shape), optimizer="sgd",
                               dtype=dtype)
-        real = run_real_steps(lambda: _Conv(*args), (tapescope.spec(shape),), optimizer="sgd",
+        real = run_real_steps(lambda: module(*args), (tapescope.spec(shape),), optimizer="sgd",
                               dtype=dtype)
         ops = compare_ops(p, real, 1)
         checked = _excess(ops, "aten.convolution") + _excess(ops, "aten.convolution_backward")
@@ -681,8 +707,8 @@ class _Conv1d(torch.nn.Module):
 
 
 SLOW_1D = {  # name -> (_Conv1d arguments, input shape): fp16 1-D convolutions on slow kernels
-    "grouped 5-tap, 16 groups (wav2vec2's positional convolution)":
-        ((32, 32, 5, 1, 2, 1, 16), (2, 32, 40)),
+    "grouped 5-tap, 4 groups (wav2vec2's positional convolution has 16)":
+        ((32, 32, 5, 1, 2, 1, 4), (2, 32, 40)),
     "dilated, on a transposed (N, L, C) input": ((16, 32, 3, 1, 2, 2, 1, True), (2, 50, 16)),
 }
 

@@ -15,11 +15,14 @@ one. Four kernels, each followed from its source:
 - `Slow3d` (ConvolutionMM3d.cpp): the whole batch's vol2col columns, groups included (one
   batched GEMM per sample); its backward's grad_input columns (`fgrad_input`) are the
   allocator's, whatever the kernel.
+- `SlowTranspose2d` (NaiveConvolutionTranspose2d.cpp): the output first, then the whole
+  batch's columns (Cout kh kw x ih iw per sample); its backward one sample's columns for
+  grad_input and again for grad_weight.
 - groups: Slow3d takes them itself; for the others `_convolution` / `convolution_backward`
   (Convolution.cpp) make each group's input, weight and grad_output slice contiguous in the
   whole tensor's suggested format (`subtensor`), run the kernel per group into a tensor of
   its own, and `cat` the groups' results into the op's outputs.
-Transposed slow kernels (`SlowTranspose2d`/`3d`) are not modelled and say so.
+`SlowTranspose3d` is not modelled and says so.
 
 A rule sees fake tensors and must not run ops on them: everything here is sizes and strides
 (`_Layout`), which is also what makes a group's slice, a 1-D convolution's 2-D view or a copy
@@ -41,7 +44,8 @@ __all__ = ["slow_convolution_scratch", "slow_convolution_backward_scratch"]
 
 aten = torch.ops.aten
 _SOURCE = ("aten/src/ATen/native/Convolution.cpp (_convolution, convolution_backward: "
-           "subtensor, cat), ConvolutionMM2d.cpp, NaiveDilatedConvolution.cpp, ConvolutionMM3d.cpp")
+           "subtensor, cat), ConvolutionMM2d.cpp, NaiveDilatedConvolution.cpp, ConvolutionMM3d.cpp, "
+           "NaiveConvolutionTranspose2d.cpp")
 _TEST = "tests/test_kernel_workspace.py::test_slow_convolutions_match_the_allocator"
 _TOPIC = "oneDNN convolution scratch"   # the report's heading for every convolution's estimates
 
@@ -176,8 +180,9 @@ def _half_sum(b: _Steps, t: _Layout, dtype, dims, out_numel: int) -> None:
 def _channels_last_2d(backend: str, x: _Layout, w: _Layout) -> bool:
     """Convolution.cpp determine_backend_memory_format / ConvUtils.h thnn_conv_use_channels_last:
     the 2-D slow kernels run channels-last where the input or the weight suggests it (a 5-D
-    tensor suggests ChannelsLast3d, which is not ChannelsLast)."""
-    return (backend in ("Slow2d", "SlowDilated2d") and len(x.sizes) == 4
+    tensor suggests ChannelsLast3d, which is not ChannelsLast; measured: the transposed one
+    too)."""
+    return (backend in ("Slow2d", "SlowDilated2d", "SlowTranspose2d") and len(x.sizes) == 4
             and (x.suggests_channels_last() or w.suggests_channels_last()))
 
 
@@ -291,12 +296,53 @@ def _slow3d_backward(b, g: _Geometry, go, x, w, mask, out, dtype) -> None:
             b.free(inp, cols, grad)
 
 
+def _transpose2d_columns(g: _Geometry, x: _Layout, w: _Layout) -> int:
+    """One sample's columns of a transposed convolution: Cout kh kw x ih iw (weight: Cin x Cout
+    x kh x kw)."""
+    return w.sizes[1] * prod(g.kernel) * prod(x.sizes[2:]) * x.itemsize
+
+
+def _transpose2d_forward(b, g: _Geometry, x, w, out, dtype) -> None:
+    """slow_conv_transpose2d (NaiveConvolutionTranspose2d.cpp, a structured kernel: the output
+    first), the operands contiguous, then the whole batch's columns, zeroed, col2im'd into the
+    output."""
+    out(0, x.sizes[0] * w.sizes[1] * prod(g.out) * x.itemsize)
+    cl = _channels_last_2d("Slow2d", x, w)
+    inp, x = b.contiguous("input", x, cl)
+    weight, _ = b.contiguous("weight", w, cl)
+    cols = b.alloc("columns", x.sizes[0] * _transpose2d_columns(g, x, w))
+    b.free(cols, weight, inp)
+
+
+def _transpose2d_backward(b, g: _Geometry, go, x, w, mask, out, dtype) -> None:
+    """slow_conv_transpose2d_backward_cpu: grad_input, then grad_bias (`sum_out` over N, H, W),
+    then grad_weight; grad_input and grad_weight each make their operands contiguous and one
+    sample's columns (none for a 1x1 kernel at unit stride, no padding or dilation)."""
+    cl = _channels_last_2d("Slow2d", x, w)
+    columns = 0 if g.columns_view_input() and all(d == 1 for d in g.dilation) \
+        else _transpose2d_columns(g, x, w)
+    if mask[0]:
+        inp, _ = b.contiguous("input", x, cl)
+        grad, _ = b.contiguous("grad_output", go, cl)
+        weight, _ = b.contiguous("weight", w, cl)
+        out(0, x.nbytes)
+        b.free(b.alloc("grad columns", columns), weight, grad, inp)
+    if mask[2]:
+        out(2, w.sizes[1] * x.itemsize)
+        _half_sum(b, go, dtype, (0, 2, 3), w.sizes[1])
+    if mask[1]:
+        out(1, w.nbytes)
+        inp, _ = b.contiguous("input for the weights", x, cl)
+        grad, _ = b.contiguous("grad_output for the weights", go, cl)
+        b.free(b.alloc("columns", columns), grad, inp)
+
+
 _FORWARD = {"Slow2d": _slow2d_forward, "SlowDilated2d": _dilated_forward,
             "SlowDilated3d": lambda *a: _dilated_forward(*a, backend="SlowDilated3d"),
-            "Slow3d": _slow3d_forward}
+            "Slow3d": _slow3d_forward, "SlowTranspose2d": _transpose2d_forward}
 _BACKWARD = {"Slow2d": _slow2d_backward, "SlowDilated2d": _dilated_backward,
              "SlowDilated3d": lambda *a: _dilated_backward(*a, backend="SlowDilated3d"),
-             "Slow3d": _slow3d_backward}
+             "Slow3d": _slow3d_backward, "SlowTranspose2d": _transpose2d_backward}
 _GROUPS_INSIDE = {"Slow3d"}   # the kernel takes groups itself: no per-group split
 
 
@@ -309,18 +355,24 @@ def _backend(ctx, x, weight, stride, padding, dilation, transposed, output_paddi
         return None
     backend = cpu_backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                           groups)
-    if backend in ("SlowTranspose2d", "SlowTranspose3d"):
+    if backend == "SlowTranspose3d":
         ctx.note(_TOPIC, f"ATen's {backend} kernel (a transposed convolution not on oneDNN) "
                  "makes columns inside the op: not counted (an estimate)")
     return backend if backend in _FORWARD else None
 
 
-def _geometry(x, weight, stride, padding, dilation) -> _Geometry:
+def _geometry(x, weight, stride, padding, dilation, transposed=False,
+              output_padding=(0,)) -> _Geometry:
     dims = x.dim() - 2
     kernel = tuple(weight.shape[2:])
-    stride, padding, dilation = (_per_dim(p, dims) for p in (stride, padding, dilation))
-    out = tuple((i + 2 * p - d * (k - 1) - 1) // s + 1 for i, k, s, p, d
-                in zip(x.shape[2:], kernel, stride, padding, dilation))
+    stride, padding, dilation, output_padding = (
+        _per_dim(p, dims) for p in (stride, padding, dilation, output_padding))
+    if transposed:
+        out = tuple((i - 1) * s - 2 * p + d * (k - 1) + 1 + op for i, k, s, p, d, op
+                    in zip(x.shape[2:], kernel, stride, padding, dilation, output_padding))
+    else:
+        out = tuple((i + 2 * p - d * (k - 1) - 1) // s + 1 for i, k, s, p, d
+                    in zip(x.shape[2:], kernel, stride, padding, dilation))
     if dims == 1:   # view1d_as_2d
         return _Geometry((1, *kernel), (1, *stride), (0, *padding), (1, *dilation), (1, *out))
     return _Geometry(kernel, tuple(stride), tuple(padding), tuple(dilation), out)
@@ -374,7 +426,7 @@ def slow_convolution_scratch(ctx, func, args, kwargs, out):
                        groups)
     if backend is None:
         return None
-    geometry = _geometry(x, weight, stride, padding, dilation)
+    geometry = _geometry(x, weight, stride, padding, dilation, transposed, output_padding)
     b = _Steps()
     ops = _operands(b, {"input": x, "weight": weight}, x.dim() == 3)
     xl, wl = ops["input"], ops["weight"]
@@ -406,7 +458,7 @@ def slow_convolution_backward_scratch(ctx, func, args, kwargs, out):
                        groups)
     if backend is None:
         return None
-    geometry = _geometry(x, weight, stride, padding, dilation)
+    geometry = _geometry(x, weight, stride, padding, dilation, transposed, output_padding)
     b = _Steps()
     ops = _operands(b, {"grad_output": grad_output, "input": x, "weight": weight}, x.dim() == 3)
     gol, xl, wl = ops["grad_output"], ops["input"], ops["weight"]
