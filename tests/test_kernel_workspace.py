@@ -689,6 +689,42 @@ def test_slow_convolutions_match_the_allocator():
         assert predicted_peak == real_peak, name
 
 
+def test_half_broadcast_layouts_follow_tensor_iterator():
+    """A half / bfloat16 pointwise op whose fake kernel is a Python reference, given an expanded
+    operand (the gradient of `out.sum()`) and a channels-last one: the traced output takes the
+    layout the CPU kernel gives (fidelity/layouts.py), checked against real CPU tensors for every
+    op of the rule that takes such operands (meta before the rule: contiguous for 34 of them)."""
+    from tapescope.capture.fidelity.registry import RULES
+    from tapescope.torch_compat import pointwise_meta_decompositions
+
+    rule = next(r for r in RULES.all if r.name == "half_elementwise_broadcast_layout")
+    aten = torch.ops.aten
+    for dtype in (torch.float16,):   # bf16 takes the same reference path
+        y = (torch.rand(2, 4, 3, 3) + 0.5).to(dtype).contiguous(memory_format=torch.channels_last)
+        g = torch.full((), 0.5, dtype=dtype).expand(y.shape)
+        mask = (y > 1).contiguous(memory_format=torch.channels_last)
+        # ops of two tensors (ldexp left out: its CPU kernel's first call takes seconds here)
+        cases = [(op, (g, y)) for op in pointwise_meta_decompositions()
+                 if op is not aten.ldexp.Tensor
+                 and [str(a.type) for a in op._schema.arguments[:2]] == ["Tensor", "Tensor"]]
+        cases += [(aten.masked_fill.Scalar, (g, mask, 0.0)), (aten.where.self, (mask, g, y)),
+                  (aten.addcmul.default, (g, y, y))]
+        checked = changed = 0
+        for op, args in cases:
+            try:
+                real = op(*args)
+            except Exception:  # an op that takes other operands: not this pattern
+                continue
+            meta_args = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                         if isinstance(a, torch.Tensor) else a for a in args]
+            meta = op(*meta_args)
+            traced = rule.handler(None, op, meta_args, meta) if op in rule.targets else meta
+            assert traced.stride() == real.stride(), (op, dtype, meta.stride(), real.stride())
+            checked += 1
+            changed += traced.stride() != meta.stride()
+        assert checked > 30 and changed > 20, (checked, changed)
+
+
 class _Conv1d(torch.nn.Module):
     """One Conv1d whose input needs a gradient; `channels_last_input=True` feeds it the
     transpose of an (N, L, C) tensor (a speech or sequence model's layout), non-contiguous."""

@@ -152,10 +152,16 @@ def _tensor_iterator_layout(ctx, func, args, out):
     return out.new_empty_strided(sizes, want)
 
 
+# the real kernel of these is not one TensorIterator over all operands: `masked_fill` clones self
+# (contiguous where self is expanded), then fills it in place
+_NOT_TENSOR_ITERATOR = {aten.masked_fill.Scalar, aten.masked_fill.Tensor}
+
 RULES.register(
-    OUTPUT, *pointwise_meta_decompositions(), devices=("cpu",),
+    OUTPUT, *(op for op in pointwise_meta_decompositions() if op not in _NOT_TENSOR_ITERATOR),
+    devices=("cpu",),
     name="half_elementwise_broadcast_layout",
     source="aten/src/ATen/TensorIterator.cpp (reorder_dimensions: a broadcast dimension defers "
            "to the next operand) against torch/_refs elementwise_type_promotion_wrapper",
-    test="tests/test_kernel_workspace.py::test_fp16_channels_last_slow2d_matches_the_allocator",
+    test="tests/test_kernel_workspace.py::test_half_broadcast_layouts_follow_tensor_iterator, "
+         "test_fp16_channels_last_slow2d_matches_the_allocator",
 )(_tensor_iterator_layout)
