@@ -90,7 +90,8 @@ __all__ = [
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
     "profiler_event_tree", "profiler_running", "schema_types", "shape_env_facts",
     "suggest_memory_format",
-    "select_conv_backend", "PRIVATE_NAMES", "TRITON_NAMES",
+    "select_conv_backend", "elementwise_output_strides", "pointwise_meta_decompositions",
+    "PRIVATE_NAMES", "TRITON_NAMES",
     "function_modes_suspended", "saved_tensor_hooks_suspended", "graph_task_keep_graph_query",
     "is_wrapper_subclass", "local_shard_shape", "process_group_ranks", "unset_fake_mode",
     "active_fake_mode", "c10d_collective_result", "clear_dtensor_caches", "StridedShard",
@@ -917,6 +918,8 @@ PRIVATE_NAMES = (
     "torch._inductor.config.force_disable_caches",
     "torch._prims_common.suggest_memory_format",
     "torch._C._select_conv_backend",
+    "torch._prims_common.compute_elementwise_output_strides",
+    "torch._decomp.global_decomposition_table",
     "torch.utils._device._device_constructors",
     # inductor's CUDA path without a GPU (capture/gpu_less.py, capture/compiled.py)
     "torch.cuda._lazy_init", "torch.cuda._DeviceGuard", "torch.cuda._exchange_device",
@@ -1170,6 +1173,30 @@ def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
     from torch._prims_common import suggest_memory_format as suggest
 
     return suggest(t)
+
+
+def elementwise_output_strides(sizes, operand_strides) -> tuple:
+    """The strides TensorIterator gives the output of an elementwise op whose operands, broadcast
+    to `sizes`, have `operand_strides` (torch/_prims_common compute_elementwise_output_strides,
+    the same ordering rules: the first operand decides, a broadcast (stride 0) dimension defers
+    to the next). Reads meta tensors only."""
+    from torch._prims_common import compute_elementwise_output_strides
+
+    operands = [torch.empty_strided(sizes, st, device="meta") for st in operand_strides]
+    return tuple(compute_elementwise_output_strides(*operands))
+
+
+def pointwise_meta_decompositions() -> tuple:
+    """The pointwise aten ops whose fake (meta) kernel is a Python reference or decomposition
+    (torch/_meta_registrations.py activate_meta: the meta, post_autograd and pre_autograd
+    decomposition tables), functional ones."""
+    from torch._decomp import global_decomposition_table
+
+    ops = {op for typ in ("meta", "post_autograd", "pre_autograd")
+           for op in global_decomposition_table[typ]}
+    return tuple(op for op in ops if isinstance(op, OpOverload)
+                 and torch.Tag.pointwise in op.tags and not op._schema.is_mutable
+                 and not op.is_view)
 
 
 def select_conv_backend(x, weight, stride, padding, dilation, transposed, output_padding,

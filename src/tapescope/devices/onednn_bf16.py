@@ -5,8 +5,8 @@ oneDNN's bf16 kernels (3.x as bundled with torch: src/cpu/x64/jit_avx512_core_bf
 src/cpu/cpu_convolution_list.cpp), which choose other layouts and book other scratchpads.
 
 Where oneDNN has no bf16 kernel (AVX2 and below) PyTorch does not call oneDNN for bf16 at all
-(`mkldnn_bf16_device_check`): ATen's Slow2d runs, capture/fidelity/convolution.py counts its
-columns.
+(`mkldnn_bf16_device_check`): ATen's slow kernels run, capture/fidelity/slow_convolution.py
+counts their columns.
 
 What is modelled from the kernels' sources and checked against the allocator on an AVX512-BF16
 host (an AMD EPYC; tests/test_kernel_workspace.py::test_bf16_convolution_matches_the_allocator):

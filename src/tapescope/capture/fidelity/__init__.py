@@ -9,8 +9,8 @@ sequence of the real step under torch.profiler, and the allocator's peak).
 from . import (attention, backward, batched_matmul, checks, collectives, contiguous,  # noqa: F401
                convolution, cpu_attention, cuda_kernels, data, detection, fake_kernels, float8,
                layouts, library_kernels, linalg, linalg_factorizations, linear, literals, losses,
-               matmul, matrix_exp, norms, pooling, promotion, reductions, rnn, sorting,
-               triangular, upsampling, views, wrapped_numbers)  # registers
+               matmul, matrix_exp, norms, pooling, promotion, reductions, rnn, slow_convolution,
+               sorting, triangular, upsampling, views, wrapped_numbers)  # registers
 from .registry import (ANY_OP, BACKWARD_OP, CHECK, FORWARD_OP, FUNCTION, KERNEL, OUTPUT, RULES,
                        WORKSPACE, Alloc, FidelityContext, Free, FunctionRulesMode, Output, Rule,
                        RuleSet)

@@ -25,10 +25,9 @@ import torch
 
 from ...devices import onednn, onednn_bf16
 from ...torch_compat import select_conv_backend
-from .reductions import half_sum_accumulates_in_float
 from .registry import RULES, WORKSPACE, Alloc, Free, Output
 
-__all__ = ["conv_problem", "forward_steps", "backward_steps"]
+__all__ = ["conv_problem", "forward_steps", "backward_steps", "cpu_backend"]
 
 aten = torch.ops.aten
 _SOURCE = ("aten/src/ATen/native/mkldnn/Conv.cpp (mkldnn_convolution, "
@@ -194,74 +193,48 @@ def _on_onednn_transposed(x, weight, stride, padding, dilation, transposed, outp
                                output_padding, groups) == _MKLDNN_TRANSPOSE
 
 
-def _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
-             groups) -> str:
-    """PyTorch's backend for this convolution on the profiled CPU: the host's choice, except a
-    bf16 convolution oneDNN runs here for a target below AVX-512, where oneDNN has no bf16 kernel
-    (`mkldnn_bf16_device_check` fails) and ATen's slow kernels run (Convolution.cpp: dilated or
-    not, 2-D or 3-D)."""
+def cpu_backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                groups) -> str:
+    """PyTorch's backend (a ConvBackend name) for this convolution on the profiled CPU: the
+    host's choice (Convolution.cpp `_select_conv_backend`), except where the profiled CPU would
+    choose otherwise:
+    - a bf16 convolution oneDNN runs here for a target below AVX-512, where oneDNN has no bf16
+      kernel (`mkldnn_bf16_device_check` fails) and ATen's slow kernels run (dilated or not, 2-D
+      or 3-D);
+    - `use_mkldnn` decides one case by the thread count: a stride-1, undilated 1x1 convolution
+      of batch < 16 runs on oneDNN only when several threads do (re-decided for `threads=`)."""
     backend = select_conv_backend(x, weight, stride, padding, dilation, transposed,
                                   output_padding, groups)
+    onednn_dtype = x.dtype == torch.float32 or (x.dtype == torch.bfloat16
+                                                and ctx.cpu.isa == "avx512")
     if backend == "Mkldnn" and x.dtype == torch.bfloat16 and ctx.cpu.isa != "avx512":
         dilated = any(d != 1 for d in _per_dim(dilation, x.dim() - 2))
         backend = ("SlowDilated" if dilated else "Slow") + ("3d" if x.dim() == 5 else "2d")
+    threads = ctx.cpu.threads
+    if (onednn_dtype and not transposed and threads != torch.get_num_threads()
+            and backend in ("Mkldnn", "Slow2d")):
+        n, c = x.shape[0], x.shape[1]
+        kernel, spatial = weight.shape[2:], x.shape[2:]
+        if (all(k == 1 for k in kernel) and all(s == 1 for s in _per_dim(stride, len(kernel)))
+                and all(d == 1 for d in _per_dim(dilation, len(kernel))) and n < 16):
+            backend = "Mkldnn" if threads > 1 and (
+                groups > 1 or n > 1 or n * c * prod(spatial) > 20480) else "Slow2d"
     return backend
 
 
 def _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                groups) -> bool:
-    if transposed or x.dtype not in _KERNELS or x.dim() not in (3, 4, 5):
-        return False  # fp16 is not modelled; transposed: below
-    backend = _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
-                       groups)
-    threads = ctx.cpu.threads
-    if threads != torch.get_num_threads() and backend in ("Mkldnn", "Slow2d"):
-        # Convolution.cpp use_mkldnn decides one case by the thread count: a stride-1,
-        # undilated 1x1 convolution of batch < 16 runs on oneDNN only when several threads do
-        n, c = x.shape[0], x.shape[1]
-        kernel, spatial = weight.shape[2:], x.shape[2:]
-        if (all(k == 1 for k in kernel) and all(s == 1 for s in stride)
-                and all(d == 1 for d in dilation) and n < 16):
-            backend = "Mkldnn" if threads > 1 and (
-                groups > 1 or n > 1 or n * c * prod(spatial) > 20480) else "Slow2d"
-    return backend == "Mkldnn"
-
-
-def _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
-            groups) -> tuple | None:
-    """(stride, padding, channels_last) of a convolution ATen's Slow2d kernel runs
-    (ConvolutionMM2d.cpp: a tiny one-sample convolution, a double one, bf16 where oneDNN has no
-    bf16 kernel, fp16 without oneDNN's fp16 path) that the rules model: one group, NCHW or
-    channels-last (`thnn_conv_use_channels_last`: the weight made contiguous in that format
-    first). Else None, and a note where the kernel makes buffers no rule counts (other slow
-    kernels, grouped Slow2d, and oneDNN's reduced-precision kernels)."""
+    """Whether oneDNN's convolution (modelled here) runs; else ATen's slow kernels
+    (slow_convolution.py) or a backend no rule models. An fp16 convolution on oneDNN (a CPU
+    with AVX512-FP16 or AMX-FP16) is not modelled: noted."""
     if transposed or x.dim() not in (3, 4, 5) or not x.is_floating_point():
-        return None
-    backend = _backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
-                       groups)
-    if backend == "Slow2d" and groups == 1:
-        _, _, stride, padding, _ = _as_2d(x, weight, stride, padding, dilation)
-        return stride, padding, _uses_channels_last(x, weight)
-    if backend.startswith("Slow"):
-        ctx.note("oneDNN convolution scratch", f"ATen's {backend} kernel (not oneDNN) makes "
-                 "im2col columns inside the op: not counted (an estimate)")
-    elif backend == "Mkldnn" and x.dtype not in _KERNELS:
+        return False
+    backend = cpu_backend(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
+                          groups)
+    if backend == "Mkldnn" and x.dtype not in _KERNELS:
         ctx.note("oneDNN convolution scratch", f"oneDNN's {str(x.dtype)[6:]} convolution "
                  "kernels' reorders and scratchpad are not counted (an estimate)")
-    return None
-
-
-def _columns_bytes(x, weight, stride, padding) -> int:
-    """compute_columns2d (ConvolutionMM2d.cpp): the whole batch's im2col columns, N x
-    (C kh kw) x (oh ow); a 1x1 kernel with unit stride and no padding views the input."""
-    xs, ws = tuple(x.shape), tuple(weight.shape)
-    if len(xs) == 3:  # view1d_as_2d
-        xs, ws = (*xs[:2], 1, xs[2]), (*ws[:2], 1, ws[2])
-    kernel = ws[2:]
-    if all(k == 1 for k in kernel) and all(s == 1 for s in stride) and not any(padding):
-        return 0
-    out = [_conv_output_size(i, k, s, p, 1) for i, k, s, p in zip(xs[2:], kernel, stride, padding)]
-    return xs[0] * xs[1] * prod(kernel) * prod(out) * x.dtype.itemsize
+    return backend == "Mkldnn" and x.dtype in _KERNELS
 
 
 def _per_dim(param, dims: int) -> tuple:
@@ -295,15 +268,7 @@ def convolution_scratch(ctx, func, args, kwargs, out):
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
     if not _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                       groups):
-        slow = _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
-                       groups)
-        if slow is None:
-            return None
-        stride, padding, cl = slow
-        copies = _copy_if_needed("weight", weight, cl) + _copy_if_needed("input", x, cl)
-        columns = _columns_bytes(x, weight, stride, padding)
-        return ((copies if cl else [])
-                + [Alloc("columns", columns), Output(0), Free("columns")])
+        return None  # ATen's slow kernels: slow_convolution.py
     cl = _uses_channels_last(x, weight)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)
     c = conv_problem(xs, ws, bias is not None, stride, padding, dilation, groups, cl,
@@ -325,34 +290,7 @@ def convolution_backward_scratch(ctx, func, args, kwargs, out):
                                     groups, mask)
     if not _on_onednn(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
                       groups):
-        slow = _slow2d(ctx, x, weight, stride, padding, dilation, transposed, output_padding,
-                       groups)
-        if slow is None:
-            return None
-        stride, padding, cl = slow
-        if cl:
-            # measured: the weight made channels-last first, whatever the mask, then as below;
-            # but the traced grad_output of a channels-last step is not always channels-last
-            # where the real one is (its copy would be counted wrongly): not modelled yet
-            ctx.note("oneDNN convolution scratch", "ATen's Slow2d backward on channels-last "
-                     "tensors makes im2col columns inside the op: not counted (an estimate)")
-            return None
-        # _slow2d_backward: grad_input (its per-thread fgrad_input buffers are `new`ed, not the
-        # allocator's), grad_bias, grad_weight, then the whole batch's columns again
-        steps = _copy_if_needed("grad_output", grad_output, False)
-        for i in (0, 2, 1):
-            if mask[i]:
-                steps.append(Output(i))
-            if i == 2 and mask[2]:
-                # the bias gradient is `at::sum_out(grad_bias, grad_output, {0, 2, 3})`: in half
-                # types a float copy and a float result (reductions.py)
-                steps += half_sum_accumulates_in_float(
-                    grad_output, [0, *range(2, grad_output.dim())], grad_output.shape[1],
-                    grad_output.dtype)
-        if mask[1]:
-            steps += [Alloc("columns", _columns_bytes(x, weight, stride, padding)),
-                      Free("columns")]
-        return steps
+        return None  # ATen's slow kernels: slow_convolution.py
     cl = _uses_channels_last(x, weight)
     _note_ambiguous_1d(ctx, x, cl)
     xs, ws, stride, padding, dilation = _as_2d(x, weight, stride, padding, dilation)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ...torch_compat import suggest_memory_format
+from ...torch_compat import (elementwise_output_strides, pointwise_meta_decompositions,
+                             suggest_memory_format)
 from .registry import OUTPUT, RULES
 
 __all__ = []
@@ -104,3 +105,63 @@ def log_softmax_backward_layout(ctx, func, args, out):
     if out.is_contiguous():
         return out
     return torch.empty_like(out, memory_format=torch.contiguous_format)
+
+
+# ---- half-precision elementwise ops with a broadcast operand -------------------------------------
+# A pointwise op's fake kernel is its Python reference (_meta_registrations.py activate_meta),
+# which for half and bfloat16 first converts every operand to the computation dtype
+# (`elementwise_type_promotion_wrapper`); the conversion of an expanded operand (stride 0, the
+# gradient of `out.sum()`) is dense and contiguous, and then decides the output's layout. The
+# real kernel (TensorIterator, no conversion) lets a broadcast dimension defer to the next
+# operand: `expanded_grad * y_channels_last` is channels-last on the CPU and contiguous in the
+# trace, and a convolution's backward then copies a grad_output the real step does not.
+
+def _broadcast_strides(t, sizes) -> tuple | None:
+    """t's strides seen broadcast to `sizes` (0 on a broadcast dimension), or None when t
+    does not broadcast to them."""
+    offset = len(sizes) - t.dim()
+    if offset < 0:
+        return None
+    out = [0] * len(sizes)
+    for d, (n, st) in enumerate(zip(t.shape, t.stride())):
+        if n != 1 and n != sizes[offset + d]:
+            return None
+        out[offset + d] = st if n != 1 else 0
+    return tuple(out)
+
+
+def _expanded_half(t) -> bool:
+    return (t.dtype in (torch.float16, torch.bfloat16)
+            and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())))
+
+
+def _tensor_iterator_layout(ctx, func, args, out):
+    if not isinstance(out, torch.Tensor) or out.dim() < 2:
+        return out
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+    if len(tensors) < 2 or not any(_expanded_half(t) for t in tensors):
+        return out
+    sizes = tuple(out.shape)
+    strides = [_broadcast_strides(t, sizes) for t in tensors]
+    if any(st is None for st in strides):
+        return out
+    want = elementwise_output_strides(sizes, strides)
+    if want == tuple(out.stride()):
+        return out
+    # a fresh output: its storage is shared with nothing yet, so it can be replaced
+    return out.new_empty_strided(sizes, want)
+
+
+# the real kernel of these is not one TensorIterator over all operands: `masked_fill` clones self
+# (contiguous where self is expanded), then fills it in place
+_NOT_TENSOR_ITERATOR = {aten.masked_fill.Scalar, aten.masked_fill.Tensor}
+
+RULES.register(
+    OUTPUT, *(op for op in pointwise_meta_decompositions() if op not in _NOT_TENSOR_ITERATOR),
+    devices=("cpu",),
+    name="half_elementwise_broadcast_layout",
+    source="aten/src/ATen/TensorIterator.cpp (reorder_dimensions: a broadcast dimension defers "
+           "to the next operand) against torch/_refs elementwise_type_promotion_wrapper",
+    test="tests/test_kernel_workspace.py::test_half_broadcast_layouts_follow_tensor_iterator, "
+         "test_fp16_channels_last_slow2d_matches_the_allocator",
+)(_tensor_iterator_layout)

@@ -20,7 +20,7 @@ import torch
 
 from .registry import RULES, WORKSPACE, Alloc, Free
 
-__all__ = ["reduction_scratch", "half_sum_accumulates_in_float"]
+__all__ = ["reduction_scratch", "half_sum_accumulates_in_float", "half_sum_of_layout"]
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -44,17 +44,18 @@ def reduction_scratch(numel, dtype: torch.dtype, out_numel, out_dtype: torch.dty
     return steps
 
 
-def _reduced_groups(x, dims) -> int:
+def _reduced_groups(sizes, strides, dims) -> int:
     """How many separate runs the reduced dimensions (of size > 1) form in memory order: runs
     TensorIterator cannot coalesce into one dimension (each dim adjacent in memory to the
     previous reduced one joins its run)."""
-    reduced = {d % x.dim() for d in dims} if dims else set(range(x.dim()))
-    reduced = {d for d in reduced if x.shape[d] > 1}
+    ndim = len(sizes)
+    reduced = {d % ndim for d in dims} if dims else set(range(ndim))
+    reduced = {d for d in reduced if sizes[d] > 1}
     runs, prev = 0, None
-    for d in sorted(range(x.dim()), key=lambda d: x.stride(d)):
+    for d in sorted(range(ndim), key=lambda d: strides[d]):
         if d not in reduced:
             continue
-        if prev is None or x.stride(d) != x.stride(prev) * x.shape[prev]:
+        if prev is None or strides[d] != strides[prev] * sizes[prev]:
             runs += 1
         prev = d
     return runs
@@ -66,9 +67,20 @@ def half_sum_accumulates_in_float(x, dims, out_numel: int, out_dtype: torch.dtyp
     more runs in memory (a bias gradient's sum over (0, 2, 3)) - sums a float copy of the input
     into a float result, then copies it into the output (checked against the allocator for every
     dimension subset of contiguous and permuted 2-D to 4-D tensors)."""
-    if x.dtype not in _HALF or out_dtype != x.dtype or _reduced_groups(x, dims) < 2:
+    if out_dtype != x.dtype:
         return []
-    return [Alloc("float result", out_numel * 4), Alloc("float input", x.numel() * 4),
+    return half_sum_of_layout(tuple(x.shape), tuple(x.stride()), x.dtype, dims, out_numel)
+
+
+def half_sum_of_layout(sizes, strides, dtype: torch.dtype, dims, out_numel: int) -> list:
+    """half_sum_accumulates_in_float for a tensor known by its sizes and strides (a buffer a
+    kernel makes inside itself), summed into a result of its own dtype."""
+    if dtype not in _HALF or _reduced_groups(sizes, strides, dims) < 2:
+        return []
+    numel = 1
+    for s in sizes:
+        numel *= s
+    return [Alloc("float result", out_numel * 4), Alloc("float input", numel * 4),
             Free("float input"), Free("float result")]
 
 
