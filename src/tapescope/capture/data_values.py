@@ -52,8 +52,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import TapescopeError, UnknownValueRead
-from ..torch_compat import (DynamicOutputShapeException, FakeTensor, free_unbacked_symbols,
-                            pytree_node_types, tree_flatten, tree_map, unset_fake_temporarily)
+from ..torch_compat import (DynamicOutputShapeException, FakeTensor, fake_mode_unset,
+                            free_unbacked_symbols, pytree_node_types, tree_flatten, tree_map,
+                            unset_fake_temporarily)
 from ..values.sizes import ROUTINGS, Sizes
 from .build_values import build_value
 
@@ -157,6 +158,7 @@ class DataValues:
     _given: int = 0                                        # values set so far (`building`)
     _active: bool = False                                  # some tensor has values
     _deferred: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # _Deferred not yet run
+    _kinds: dict = field(default_factory=dict)             # op -> _OpKind (see `_kind`)
     routers = None   # the ops whose selections are routings (set below the class)
 
     @property
@@ -224,7 +226,7 @@ class DataValues:
         """(True, result) for an op whose result is data (an `.item()`, `equal`) on valued
         tensors: the real result. Else (False, None). Reading a tensor marked unknown (a random
         draw no rule of `_DRAWS` gives a value, a meta buffer) raises UnknownValueRead."""
-        if torch.Tag.data_dependent_output not in func.tags:
+        if not (self._kinds.get(func) or self._kind(func)).reads_data:
             return False, None
         tensors = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
         self.check_known(func, tensors)
@@ -242,10 +244,11 @@ class DataValues:
     def after(self, func, args, kwargs, out, where) -> None:
         """Give the outputs of a recorded op their values and new unbacked sizes their values.
         `where()` names the user's source line (asked only when needed: it walks the stack)."""
-        if func in _ROUTERS and self._route(func, args, kwargs, out, where):
+        kind = self._kinds.get(func) or self._kind(func)
+        if kind.router and self._route(func, args, kwargs, out, where):
             self._active = True
             return
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if kind.seeded:
             if self._active:  # x.uniform_(): whatever values x had are gone
                 for t in tree_flatten((args, kwargs))[0]:
                     if isinstance(t, torch.Tensor) and _written(func, t, args, kwargs):
@@ -254,15 +257,21 @@ class DataValues:
                     or self._permutation(func, args, out, where) or self._mark_random(out, where):
                 self._active = True  # a number the code may branch on
             return
-        if not self.live:
+        if not self._active and self.shape_env is None:
             return  # no tensor has values and no size can depend on them: nothing to do
         tensors = _tensors(args, kwargs.values())
-        if tensors and self.shape_env is None and func not in _LOOKED_AT and not any(
-                getattr(t, _ATTR, None) is not None or hasattr(t, _UNKNOWN) for t in tensors):
+        if tensors and self.shape_env is None and not kind.looked_at:
             # what the branches below decide for such an op (no input valued or unknown, no
             # symbolic size, no table names it: nothing), without their work: once an
-            # optimizer's step counters have values every op of the step passes here
-            return
+            # optimizer's step counters have values every op of the step passes here. (A value
+            # or mark is an entry of the tensor's __dict__, set and deleted by name: looked up
+            # there, without getattr's miss of the class's attributes.)
+            for t in tensors:
+                held = t.__dict__
+                if _ATTR in held or _UNKNOWN in held:
+                    break
+            else:
+                return
         outs = [out] if isinstance(out, torch.Tensor) else \
             _tensors(out) if isinstance(out, (list, tuple)) else []
         unknown = next((getattr(t, _UNKNOWN) for t in tensors if hasattr(t, _UNKNOWN)), None)
@@ -272,11 +281,10 @@ class DataValues:
                     setattr(o, _UNKNOWN, unknown)
         fresh = self._fresh_symbols(outs)
         valued = [_held(t) for t in tensors]
-        if tensors and all(v is not None for v in valued) and not fresh \
-                and not func._schema.is_mutable:
+        if tensors and all(v is not None for v in valued) and not fresh and not kind.mutable:
             self._defer(func, args, kwargs, outs, valued)
         elif tensors and all(v is not None for v in valued):
-            if func._schema.is_mutable:
+            if kind.mutable:
                 self._run_deferred()  # what was deferred reads the values before this write
             real, sources = self._run_real(func, args, kwargs)
             if real is not None:
@@ -339,6 +347,17 @@ class DataValues:
         fresh = [s for s in fresh if s not in self.names]
         if fresh:
             self._mask_sizes(func, args, kwargs, fresh, tensors, where)
+
+    def _kind(self, func) -> "_OpKind":
+        """What `before` and `after` ask of an op, answered once per op of the capture: each
+        `func in table` hashes the OpOverload in Python and `func.tags` is a Python property
+        (~1 us), and both run for every op once values are about."""
+        tags = func.tags
+        kind = self._kinds[func] = _OpKind(
+            reads_data=torch.Tag.data_dependent_output in tags,
+            seeded=torch.Tag.nondeterministic_seeded in tags, router=func in _ROUTERS,
+            looked_at=func in _LOOKED_AT, mutable=func._schema.is_mutable)
+        return kind
 
     def write(self, trace) -> None:
         """The data-dependent sizes as the trace's symbols: name -> symbol, hint, range, and a
@@ -532,7 +551,7 @@ class DataValues:
         except LookupError:  # an argument without a value: the op has none either
             return None, sources
         try:
-            with unset_fake_temporarily(), torch.no_grad(), _one_thread():
+            with _on_values():
                 return func(*rargs, **rkwargs), frozenset(sources)
         except Exception:  # noqa: BLE001 - an op the values cannot run: no value, the trace goes on
             return None, sources
@@ -566,6 +585,8 @@ class DataValues:
 
     def _run_deferred(self) -> None:
         """Run every op still deferred (before a write to a value: see `_defer`)."""
+        if not self._deferred:  # (a WeakSet's iteration costs ~5 us: an empty one's length ~1)
+            return
         for op in list(self._deferred):
             op.run()
         self._deferred.clear()
@@ -652,6 +673,17 @@ class DataValues:
             self._name(sym, int(round(fraction * numel)), func, where, frozenset((a,)))
 
 
+@dataclass(frozen=True, slots=True)
+class _OpKind:
+    """What DataValues asks of an op (DataValues._kind)."""
+
+    reads_data: bool  # its result is data (`.item()`, `equal`): Tag.data_dependent_output
+    seeded: bool      # a random op: Tag.nondeterministic_seeded
+    router: bool      # its selections may be a routing (_ROUTERS)
+    looked_at: bool   # a table of `after`'s branches names it (_LOOKED_AT)
+    mutable: bool     # it writes an argument (schema)
+
+
 @dataclass(frozen=True)
 class Unknown:
     """Why a small tensor has no values: a random draw (`source`: where it was drawn) or a
@@ -727,7 +759,7 @@ class _Deferred:
 
         try:
             rargs, rkwargs = tree_map(real, (self.args, self.kwargs))
-            with unset_fake_temporarily(), torch.no_grad(), _one_thread():
+            with _on_values():
                 out = self.func(*rargs, **rkwargs)
         except Exception:  # noqa: BLE001 - an op the values cannot run: no value (_run_real)
             out = None
@@ -953,8 +985,7 @@ def _symbol_name(func, frame) -> str:
     return f"{op}_{stem}_{frame.lineno}"
 
 
-@contextmanager
-def _one_thread():
+class _one_thread:
     """Values are small (at most VALUE_LIMIT elements) and computed one op at a time between
     fake ops: on torch's intra-op thread pool each op wakes the pool's other threads, which then
     spin waiting for more work (OpenMP's wait policy) while the capture goes on in Python. In a
@@ -962,13 +993,41 @@ def _one_thread():
     18.5 s CPU of a 70B rank, on a rope's positions alone. One thread computes the same integer
     and boolean values (what code branches on); a float reduction over more than one grain of
     elements may round differently, as it does between machines with other thread counts. The
-    caller's setting is restored at once."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    caller's setting is restored at once. (A class, not a generator context: entered for each
+    op run on values, ~700 a GPT-2 profile.)"""
+
+    __slots__ = ("threads",)
+
+    def __enter__(self) -> None:
+        self.threads = threads = torch.get_num_threads()
+        if threads != 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> None:
+        if self.threads != 1:
+            torch.set_num_threads(self.threads)
+
+
+class _on_values:
+    """Where an op runs on values: no fake mode (they are real CPU tensors), no autograd, one
+    intra-op thread (`_one_thread`). One class-based context for the three generator contexts
+    this took (unset_fake_temporarily, torch.no_grad, _one_thread: ~7 us an op, ~700 ops a GPT-2
+    profile, whose optimizer step counters have values); grad mode is switched only where it
+    is on (an optimizer step runs under no_grad)."""
+
+    __slots__ = ("fake", "grad", "threads")
+
+    def __enter__(self) -> None:
+        self.fake = fake = fake_mode_unset()
+        fake.__enter__()
+        self.grad = grad = torch.is_grad_enabled()
+        if grad:
+            torch.set_grad_enabled(False)
+        self.threads = threads = _one_thread()
+        threads.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.threads.__exit__()
+        if self.grad:
+            torch.set_grad_enabled(True)
+        self.fake.__exit__()

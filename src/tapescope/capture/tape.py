@@ -95,6 +95,7 @@ class _OpTraits:
     workspace: bool      # WORKSPACE rules
     router: bool         # data_values.py assumes its selections (DataValues.routers)
     as_it_is: bool       # a marker FakeTensorMode runs as it is (MARKERS_RUN_AS_THEY_ARE)
+    reads_data: bool     # its result is data (`.item()`): DataValues.before may answer it
 
     @classmethod
     def of(cls, func, rules: RuleSet, values) -> "_OpTraits":
@@ -105,7 +106,8 @@ class _OpTraits:
                    check=func in rules.check_targets, output=func in rules.output_targets,
                    workspace=func in rules.workspace_targets,
                    router=values is not None and func in values.routers,
-                   as_it_is=func in MARKERS_RUN_AS_THEY_ARE)
+                   as_it_is=func in MARKERS_RUN_AS_THEY_ARE,
+                   reads_data=torch.Tag.data_dependent_output in func.tags)
 # Frames inside these folders are never "the line that issued the op" (the folders: errors.SourceDirs).
 _DIRS = source_dirs()
 _TORCH_DIR = _DIRS.torch
@@ -599,7 +601,7 @@ class Tape(SizeFreeCacheCheck):
         if rewritten is not func:
             func, traits = rewritten, self._tape_traits.get(rewritten) or self._traits(rewritten)
         values = self.fidelity.values  # data-dependent sizes: values an assumption gives
-        if values is not None and values.live:
+        if traits.reads_data and values is not None and values.live:
             try:
                 done, result = values.before(func, args, kwargs)
             except Exception as e:
