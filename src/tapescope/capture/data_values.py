@@ -226,13 +226,14 @@ class DataValues:
         """(True, result) for an op whose result is data (an `.item()`, `equal`) on valued
         tensors: the real result. Else (False, None). Reading a tensor marked unknown (a random
         draw no rule of `_DRAWS` gives a value, a meta buffer) raises UnknownValueRead."""
-        if not (self._kinds.get(func) or self._kind(func)).reads_data:
+        kind = self._kinds.get(func) or self._kind(func)
+        if not kind.reads_data:
             return False, None
         tensors = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
         self.check_known(func, tensors)
         if not tensors or any(self.value(t) is None for t in tensors):
             return False, None
-        out, sources = self._run_real(func, args, kwargs)
+        out, sources = self._run_real(func, args, kwargs, None if kind.returns_tensors else ())
         if out is None:
             return False, None
         for i in sources:  # which element a permutation put first is not known, only sizes
@@ -274,22 +275,27 @@ class DataValues:
                 return
         outs = [out] if isinstance(out, torch.Tensor) else \
             _tensors(out) if isinstance(out, (list, tuple)) else []
-        unknown = next((getattr(t, _UNKNOWN) for t in tensors if hasattr(t, _UNKNOWN)), None)
+        unknown = None
+        valued = []  # each tensor's (value, sources) as held (_held), None where it has none
+        for t in tensors:
+            held = t.__dict__
+            if unknown is None:
+                unknown = held.get(_UNKNOWN)
+            valued.append(held.get(_ATTR))
         if unknown is not None:  # what a random draw (a meta buffer) computes is unknown too
             for o in outs:
                 if o.numel() <= RANDOM_LIMIT:
                     setattr(o, _UNKNOWN, unknown)
         fresh = self._fresh_symbols(outs)
-        valued = [_held(t) for t in tensors]
-        if tensors and all(v is not None for v in valued) and not fresh and not kind.mutable:
+        all_valued = bool(tensors) and None not in valued
+        if all_valued and not fresh and not kind.mutable:
             self._defer(func, args, kwargs, outs, valued)
-        elif tensors and all(v is not None for v in valued):
+        elif all_valued:
             if kind.mutable:
                 self._run_deferred()  # what was deferred reads the values before this write
-            real, sources = self._run_real(func, args, kwargs)
+            real, sources = self._run_real(func, args, kwargs, outs)
             if real is not None:
-                self._attach(outs, [r for r in tree_flatten(real)[0]
-                                    if isinstance(r, torch.Tensor)], sources, func, where)
+                self._attach(outs, _flat_tensors(real), sources, func, where)
         elif func in _VALIDITY and outs and _small_factory(func, outs, VALUE_LIMIT) \
                 and (fill := _VALIDITY[func][1](args)) is not None:
             # a check of values no one knows (`if torch.isnan(h).any():`, a distribution's
@@ -336,10 +342,9 @@ class DataValues:
             self._set(outs[0], real, frozenset())
             self._active = True
         elif not tensors and outs and _small_factory(func, outs):
-            real, sources = self._run_real(func, args, kwargs)
+            real, sources = self._run_real(func, args, kwargs, outs)
             if real is not None:
-                self._attach(outs, [r for r in tree_flatten(real)[0]
-                                    if isinstance(r, torch.Tensor)], sources, func, where)
+                self._attach(outs, _flat_tensors(real), sources, func, where)
         else:
             for t, v in zip(tensors, valued):  # an in-place op with inputs we cannot follow
                 if v is not None and _written(func, t, args, kwargs):
@@ -356,7 +361,8 @@ class DataValues:
         kind = self._kinds[func] = _OpKind(
             reads_data=torch.Tag.data_dependent_output in tags,
             seeded=torch.Tag.nondeterministic_seeded in tags, router=func in _ROUTERS,
-            looked_at=func in _LOOKED_AT, mutable=func._schema.is_mutable)
+            looked_at=func in _LOOKED_AT, mutable=func._schema.is_mutable,
+            returns_tensors=any("Tensor" in str(r.type) for r in func._schema.returns))
         return kind
 
     def write(self, trace) -> None:
@@ -534,15 +540,23 @@ class DataValues:
 
     # ---- running ops on values --------------------------------------------------------------------
 
-    def _run_real(self, func, args, kwargs):
+    def _run_real(self, func, args, kwargs, outs=None):
         """func on the values (CPU tensors) of its tensor arguments: (result, sources), or
-        (None, ...) if an argument has no concrete value or the op refuses."""
+        (None, ...) if an argument has no concrete value or the op refuses. `outs`: the op's
+        fake output tensors, () for an op that returns none, None where not known (with the
+        values' sizes they say whether the op needs the thread setting, `_on_values`)."""
         sources: set = set()
+        elements = [0]  # the most elements of a value read
 
         def real(x):
             v = self.value(x)  # (a deferred value is computed here)
-            if v is None or v[0].numel() > VALUE_LIMIT:
+            if v is None:
                 raise LookupError
+            n = v[0].numel()
+            if n > VALUE_LIMIT:
+                raise LookupError
+            if n > elements[0]:
+                elements[0] = n
             sources.update(v[1])
             return v[0]
 
@@ -550,8 +564,11 @@ class DataValues:
             rargs, rkwargs = _as_values(args, kwargs, real, self._int)
         except LookupError:  # an argument without a value: the op has none either
             return None, sources
+        # an op on single elements (an optimizer's step counter: `step += 1`, `.item()`) leaves
+        # the thread setting alone (_on_values); one whose outputs are not known may be large
+        single = elements[0] <= 1 and outs is not None and _at_most_one_element(outs)
         try:
-            with _on_values():
+            with _on_values(threads=not single):
                 return func(*rargs, **rkwargs), frozenset(sources)
         except Exception:  # noqa: BLE001 - an op the values cannot run: no value, the trace goes on
             return None, sources
@@ -682,6 +699,7 @@ class _OpKind:
     router: bool      # its selections may be a routing (_ROUTERS)
     looked_at: bool   # a table of `after`'s branches names it (_LOOKED_AT)
     mutable: bool     # it writes an argument (schema)
+    returns_tensors: bool  # a tensor among its results (schema: Tensor, Tensor[], Tensor?)
 
 
 @dataclass(frozen=True)
@@ -715,7 +733,7 @@ def _as_values(args, kwargs, value, size):
         return x
 
     try:
-        vargs = tuple(_map_one_level(convert, a) for a in args)
+        vargs = tuple([_map_one_level(convert, a) for a in args])
         vkwargs = {k: _map_one_level(convert, v) for k, v in kwargs.items()}
     except _Deeper:
         vargs, vkwargs = tree_map(convert, (args, kwargs))
@@ -903,6 +921,16 @@ def _small_factory(func, outs, limit: int = FACTORY_LIMIT) -> bool:
     return n <= limit
 
 
+def _at_most_one_element(outs) -> bool:
+    """Whether every tensor has static sizes and at most one element (a symbolic size is not
+    compared: that would add a guard)."""
+    for o in outs:
+        for s in o.shape:
+            if not isinstance(s, int) or s > 1:
+                return False
+    return True
+
+
 def _static_small(outs, limit) -> bool:
     """Whether tensors have static shapes and at most `limit` elements in all."""
     return not any(isinstance(s, torch.SymInt) for o in outs for s in o.shape) \
@@ -933,12 +961,27 @@ def _map_one_level(convert, x):
 def _leaves(args, kwargs) -> list:
     """tree_flatten((args, kwargs))[0] for an aten op's arguments, one level deep when that is
     all there is (as `_map_one_level`)."""
-    try:
-        return [y for group in (args, kwargs.values()) for x in group
-                for y in _map_one_level(lambda leaf: leaf, x if type(x) in (list, tuple)
-                                        else (x,))]
-    except _Deeper:
-        return tree_flatten((args, kwargs))[0]
+    leaves = []
+    for group in (args, kwargs.values()):
+        for x in group:
+            kind = type(x)
+            for y in (x if kind is list or kind is tuple else (x,)):
+                if type(y) in pytree_node_types or isinstance(y, tuple):
+                    return tree_flatten((args, kwargs))[0]
+                leaves.append(y)
+    return leaves
+
+
+def _flat_tensors(out) -> list:
+    """The tensors of an op's result, as `tree_flatten(out)` lists them: a tensor, or a list or
+    tuple of tensors and other leaves without pytree's walk; pytree for anything deeper."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    kind = type(out)
+    if (kind is list or kind is tuple) and not any(
+            type(y) in pytree_node_types or isinstance(y, tuple) for y in out):
+        return [y for y in out if isinstance(y, torch.Tensor)]
+    return [r for r in tree_flatten(out)[0] if isinstance(r, torch.Tensor)]
 
 
 def _tensors(*groups) -> list:
@@ -1017,17 +1060,24 @@ class _on_values:
 
     __slots__ = ("fake", "grad", "threads")
 
+    def __init__(self, threads: bool = True):
+        # False for an op that reads and writes at most one element: ATen's parallel loops run
+        # inline below two iterations (at::parallel_for: `numiter > 1`), and one element's
+        # value cannot depend on how many threads could have split it
+        self.threads = _one_thread() if threads else None
+
     def __enter__(self) -> None:
         self.fake = fake = fake_mode_unset()
         fake.__enter__()
         self.grad = grad = torch.is_grad_enabled()
         if grad:
             torch.set_grad_enabled(False)
-        self.threads = threads = _one_thread()
-        threads.__enter__()
+        if self.threads is not None:
+            self.threads.__enter__()
 
     def __exit__(self, *exc) -> None:
-        self.threads.__exit__()
+        if self.threads is not None:
+            self.threads.__exit__()
         if self.grad:
             torch.set_grad_enabled(True)
         self.fake.__exit__()
