@@ -53,13 +53,12 @@ import torch
 
 from ..errors import TapescopeError, UnknownValueRead
 from ..torch_compat import (DynamicOutputShapeException, FakeTensor, fake_mode_unset,
-                            free_unbacked_symbols, pytree_node_types, tree_flatten, tree_map,
-                            unset_fake_temporarily)
+                            free_unbacked_symbols, pytree_node_types, tree_flatten, tree_map)
 from ..values.sizes import ROUTINGS, Sizes
 from .build_values import build_value
 
-__all__ = ["Sizes", "DataValues", "DataSize", "Assumption", "UnknownValueRead", "expert_counts",
-           "routing_indices", "ROUTINGS", "CONSTANT_LIMIT"]
+__all__ = ["Sizes", "DataValues", "OpKind", "DataSize", "Assumption", "UnknownValueRead",
+           "expert_counts", "routing_indices", "ROUTINGS", "CONSTANT_LIMIT"]
 
 _CPU = torch.device("cpu")  # where the values live
 VALUE_LIMIT = 1 << 22     # elements: larger tensors are not given values (then no assumption holds)
@@ -158,7 +157,7 @@ class DataValues:
     _given: int = 0                                        # values set so far (`building`)
     _active: bool = False                                  # some tensor has values
     _deferred: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # _Deferred not yet run
-    _kinds: dict = field(default_factory=dict)             # op -> _OpKind (see `_kind`)
+    _kinds: dict = field(default_factory=dict)             # op -> OpKind (see `op_kind`)
     routers = None   # the ops whose selections are routings (set below the class)
 
     @property
@@ -189,7 +188,7 @@ class DataValues:
         if v is None:
             return None
         self.used.update(v[1])
-        with unset_fake_temporarily():  # called from inside the capture's fake mode
+        with fake_mode_unset():  # called from inside the capture's fake mode
             return getattr(v[0], how)()
 
     def alias(self, src, dst) -> None:
@@ -222,11 +221,12 @@ class DataValues:
 
     # ---- hooks the Tape calls -------------------------------------------------------------------
 
-    def before(self, func, args, kwargs):
+    def before(self, func, args, kwargs, kind: "OpKind | None" = None):
         """(True, result) for an op whose result is data (an `.item()`, `equal`) on valued
         tensors: the real result. Else (False, None). Reading a tensor marked unknown (a random
-        draw no rule of `_DRAWS` gives a value, a meta buffer) raises UnknownValueRead."""
-        kind = self._kinds.get(func) or self._kind(func)
+        draw no rule of `_DRAWS` gives a value, a meta buffer) raises UnknownValueRead. `kind`:
+        `op_kind(func)`, where the caller keeps it."""
+        kind = kind or self._kinds.get(func) or self.op_kind(func)
         if not kind.reads_data:
             return False, None
         tensors = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
@@ -242,10 +242,12 @@ class DataValues:
         self.used.update(sources)
         return True, out
 
-    def after(self, func, args, kwargs, out, where) -> None:
+    def after(self, func, args, kwargs, out, where, kind: "OpKind | None" = None) -> None:
         """Give the outputs of a recorded op their values and new unbacked sizes their values.
-        `where()` names the user's source line (asked only when needed: it walks the stack)."""
-        kind = self._kinds.get(func) or self._kind(func)
+        `where()` names the user's source line (asked only when needed: it walks the stack).
+        `kind`: `op_kind(func)`, where the caller keeps it (the Tape, with its own per-op
+        answers: each lookup by an OpOverload hashes it in Python)."""
+        kind = kind or self._kinds.get(func) or self.op_kind(func)
         if kind.router and self._route(func, args, kwargs, out, where):
             self._active = True
             return
@@ -302,7 +304,7 @@ class DataValues:
             # argument validation): the values a valid step has, named as an assumption
             kind, _, detail = _VALIDITY[func]
             i = self._assumption(kind, _short(where()) or "?", detail)
-            with unset_fake_temporarily(), _one_thread():
+            with fake_mode_unset(), _one_thread():
                 real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=torch.bool)
             self._set(outs[0], real, frozenset((i,)))
             self._active = True
@@ -312,7 +314,7 @@ class DataValues:
             # `max(eps, RMS(p))` with its defaults (scale_parameter) compares a parameter's RMS
             # with eps = 1e-3
             i = self._assumption("statistic", _short(where()) or "?", _STATISTIC)
-            with unset_fake_temporarily():
+            with fake_mode_unset():
                 self._set(out, torch.ones((), dtype=out.dtype), frozenset((i,)))
             self._active = True
         elif func in _FINITE_CHECKS and self.value(args[1]) is not None:
@@ -327,7 +329,7 @@ class DataValues:
             # x.fill_(v) / x.zero_() on a tensor with no values (`torch.empty(()).fill_(s)`, a
             # stride in torchvision's anchors): every element is written, so its values are known
             self._run_deferred()
-            with unset_fake_temporarily(), _one_thread():
+            with fake_mode_unset(), _one_thread():
                 real = torch.full([self._int(s) for s in args[0].shape], _OVERWRITES[func](args),
                                   dtype=args[0].dtype)
             self._set(args[0], real, frozenset())
@@ -337,7 +339,7 @@ class DataValues:
             # on one thread, as every value (_one_thread): a fill of more than one grain (32,768
             # elements) wakes the intra-op pool, ~3.6 ms CPU a fill on the 2-core machine, where
             # a symbolic llama profile fills 69 optimizer states (0.25 s)
-            with unset_fake_temporarily(), _one_thread():
+            with fake_mode_unset(), _one_thread():
                 real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=outs[0].dtype)
             self._set(outs[0], real, frozenset())
             self._active = True
@@ -353,12 +355,12 @@ class DataValues:
         if fresh:
             self._mask_sizes(func, args, kwargs, fresh, tensors, where)
 
-    def _kind(self, func) -> "_OpKind":
+    def op_kind(self, func) -> "OpKind":
         """What `before` and `after` ask of an op, answered once per op of the capture: each
         `func in table` hashes the OpOverload in Python and `func.tags` is a Python property
         (~1 us), and both run for every op once values are about."""
         tags = func.tags
-        kind = self._kinds[func] = _OpKind(
+        kind = self._kinds[func] = OpKind(
             reads_data=torch.Tag.data_dependent_output in tags,
             seeded=torch.Tag.nondeterministic_seeded in tags, router=func in _ROUTERS,
             looked_at=func in _LOOKED_AT, mutable=func._schema.is_mutable,
@@ -396,7 +398,7 @@ class DataValues:
         keeps its values (a mask computed with numpy, a list of ids)."""
         if real.is_complex() or real.numel() > VALUE_LIMIT:
             return
-        with unset_fake_temporarily():
+        with fake_mode_unset():  # (an optimizer's step counters: one literal per parameter)
             value = real.detach().clone()
         self._set(fake, value, frozenset())
         self._active = True
@@ -409,7 +411,7 @@ class DataValues:
         shape = "x".join(str(s) for s in real.shape)
         a = self._assumption("input", name, f"the values of {name} ({str(real.dtype)[6:]} "
                                             f"{shape}) as given")
-        with unset_fake_temporarily():  # called inside the capture's fake mode
+        with fake_mode_unset():  # called inside the capture's fake mode
             value = real.detach().cpu().clone()
         self._set(fake, value, frozenset((a,)))
         self._active = True
@@ -429,7 +431,7 @@ class DataValues:
             shape = "x".join(str(n) for n in t.shape) or "scalar"
             setattr(fake, _UNKNOWN, Unknown("meta", f"{what} ({str(t.dtype)[6:]} {shape})"))
             return
-        with unset_fake_temporarily():  # called inside the capture's fake mode
+        with fake_mode_unset():  # called inside the capture's fake mode
             value = real.detach().to("cpu", copy=True)
         self._set(fake, value, frozenset())
 
@@ -447,7 +449,7 @@ class DataValues:
         if rule is None or len(outs) != 1 or not _static_small(outs, RANDOM_LIMIT):
             return False
         o = outs[0]
-        with unset_fake_temporarily():  # called inside the capture's fake mode
+        with fake_mode_unset():  # called inside the capture's fake mode
             median = rule(args, kwargs, self.value)
             if median is None:
                 return False
@@ -473,7 +475,7 @@ class DataValues:
         n = self._int(args[0])
         if n is None or n > VALUE_LIMIT:
             return False
-        with unset_fake_temporarily():  # called inside the capture's fake mode
+        with fake_mode_unset():  # called inside the capture's fake mode
             real = torch.arange(n, dtype=out.dtype)
         w = _short(where()) or "?"
         a = self._assumption("random", w, "randperm taken as the identity permutation: the "
@@ -691,8 +693,8 @@ class DataValues:
 
 
 @dataclass(frozen=True, slots=True)
-class _OpKind:
-    """What DataValues asks of an op (DataValues._kind)."""
+class OpKind:
+    """What DataValues asks of an op (DataValues.op_kind)."""
 
     reads_data: bool  # its result is data (`.item()`, `equal`): Tag.data_dependent_output
     seeded: bool      # a random op: Tag.nondeterministic_seeded
