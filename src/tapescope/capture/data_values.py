@@ -254,7 +254,7 @@ class DataValues:
         if kind.seeded:
             if self._active:  # x.uniform_(): whatever values x had are gone
                 for t in tree_flatten((args, kwargs))[0]:
-                    if isinstance(t, torch.Tensor) and _written(func, t, args, kwargs):
+                    if isinstance(t, torch.Tensor) and _written(kind, t, args, kwargs):
                         self._drop(t)
             if self._draw(func, args, kwargs, out, where) \
                     or self._permutation(func, args, out, where) or self._mark_random(out, where):
@@ -302,8 +302,8 @@ class DataValues:
                 and (fill := _VALIDITY[func][1](args)) is not None:
             # a check of values no one knows (`if torch.isnan(h).any():`, a distribution's
             # argument validation): the values a valid step has, named as an assumption
-            kind, _, detail = _VALIDITY[func]
-            i = self._assumption(kind, _short(where()) or "?", detail)
+            assumed, _, detail = _VALIDITY[func]
+            i = self._assumption(assumed, _short(where()) or "?", detail)
             with fake_mode_unset(), _one_thread():
                 real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=torch.bool)
             self._set(outs[0], real, frozenset((i,)))
@@ -349,7 +349,7 @@ class DataValues:
                 self._attach(outs, _flat_tensors(real), sources, func, where)
         else:
             for t, v in zip(tensors, valued):  # an in-place op with inputs we cannot follow
-                if v is not None and _written(func, t, args, kwargs):
+                if v is not None and _written(kind, t, args, kwargs):
                     self._drop(t)
         fresh = [s for s in fresh if s not in self.names]
         if fresh:
@@ -364,7 +364,8 @@ class DataValues:
             reads_data=torch.Tag.data_dependent_output in tags,
             seeded=torch.Tag.nondeterministic_seeded in tags, router=func in _ROUTERS,
             looked_at=func in _LOOKED_AT, mutable=func._schema.is_mutable,
-            returns_tensors=any("Tensor" in str(r.type) for r in func._schema.returns))
+            returns_tensors=any("Tensor" in str(r.type) for r in func._schema.returns),
+            writes=_writes(func))
         return kind
 
     def write(self, trace) -> None:
@@ -702,6 +703,7 @@ class OpKind:
     looked_at: bool   # a table of `after`'s branches names it (_LOOKED_AT)
     mutable: bool     # it writes an argument (schema)
     returns_tensors: bool  # a tensor among its results (schema: Tensor, Tensor[], Tensor?)
+    writes: tuple     # (position, name) of each argument it writes (`_written`)
 
 
 @dataclass(frozen=True)
@@ -999,14 +1001,19 @@ def _tensors(*groups) -> list:
     return out
 
 
-def _written(func, t, args, kwargs) -> bool:
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        a = args[i] if i < len(args) else kwargs.get(arg.name)
+def _written(kind: OpKind, t, args, kwargs) -> bool:
+    """Whether the op writes `t` (an argument its schema marks written: `Tensor(a!)`)."""
+    for i, name in kind.writes:
+        a = args[i] if i < len(args) else kwargs.get(name)
         if a is t:
             return True
     return False
+
+
+def _writes(func) -> tuple:
+    """(position, name) of each argument `func`'s schema marks written."""
+    return tuple((i, arg.name) for i, arg in enumerate(func._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
 
 
 def _counts_text(counts: list) -> str:
