@@ -281,6 +281,41 @@ def test_kernel_invocation_sets_and_restores_what_torchs_manager_does(nested):
     assert states(compat.kernel_invocation) == states(in_kernel_invocation_manager)
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_fake_mode_unset_sets_and_restores_what_torchs_context_does(nested):
+    """fake_mode_unset against torch's unset_fake_temporarily: the fake mode active outside
+    (its dispatch slot), none inside, what entering returns, and the slot after a normal exit
+    and after an exception, with the mode active and with none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    def slot():
+        return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+    def states(unset, mode) -> list:
+        seen = [slot()]
+        with unset() as got:
+            seen += [got, slot(), type(torch.zeros(2)).__name__]
+            if nested:
+                with unset() as inner:
+                    seen += [inner, slot()]
+                seen.append(slot())
+        seen.append(slot())
+        with pytest.raises(ZeroDivisionError):
+            with unset():
+                1 / 0
+        seen.append(slot())
+        return seen
+
+    mode = FakeTensorMode()
+    with mode:
+        theirs = states(unset_fake_temporarily, mode)
+        ours = states(compat.fake_mode_unset, mode)
+    assert ours == theirs
+    assert theirs[0] is mode and theirs[1] is mode and theirs[2] is None
+    assert theirs[3] == "Tensor"  # a real tensor is made inside
+    assert states(compat.fake_mode_unset, None) == states(unset_fake_temporarily, None)
+
+
 # ---- the shortcuts: torch's decisions tapescope's dispatch makes itself (SHORTCUTS) ----------
 
 def _check_prim_device():

@@ -52,13 +52,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import TapescopeError, UnknownValueRead
-from ..torch_compat import (DynamicOutputShapeException, FakeTensor, free_unbacked_symbols,
-                            pytree_node_types, tree_flatten, tree_map, unset_fake_temporarily)
+from ..torch_compat import (DynamicOutputShapeException, FakeTensor, fake_mode_unset,
+                            free_unbacked_symbols, pytree_node_types, tree_flatten, tree_map)
 from ..values.sizes import ROUTINGS, Sizes
 from .build_values import build_value
 
-__all__ = ["Sizes", "DataValues", "DataSize", "Assumption", "UnknownValueRead", "expert_counts",
-           "routing_indices", "ROUTINGS", "CONSTANT_LIMIT"]
+__all__ = ["Sizes", "DataValues", "OpKind", "DataSize", "Assumption", "UnknownValueRead",
+           "expert_counts", "routing_indices", "ROUTINGS", "CONSTANT_LIMIT"]
 
 _CPU = torch.device("cpu")  # where the values live
 VALUE_LIMIT = 1 << 22     # elements: larger tensors are not given values (then no assumption holds)
@@ -159,6 +159,7 @@ class DataValues:
     _deferred: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # _Deferred not yet run
     _counts: dict = field(default_factory=dict)   # source line -> [sizes.counts not yet taken]
     _calls: dict = field(default_factory=dict)    # source line -> counts taken so far
+    _kinds: dict = field(default_factory=dict)             # op -> OpKind (see `op_kind`)
     routers = None   # the ops whose selections are routings (set below the class)
 
     def __post_init__(self):
@@ -197,7 +198,7 @@ class DataValues:
         if v is None:
             return None
         self.used.update(v[1])
-        with unset_fake_temporarily():  # called from inside the capture's fake mode
+        with fake_mode_unset():  # called from inside the capture's fake mode
             return getattr(v[0], how)()
 
     def alias(self, src, dst) -> None:
@@ -230,17 +231,19 @@ class DataValues:
 
     # ---- hooks the Tape calls -------------------------------------------------------------------
 
-    def before(self, func, args, kwargs):
+    def before(self, func, args, kwargs, kind: "OpKind | None" = None):
         """(True, result) for an op whose result is data (an `.item()`, `equal`) on valued
         tensors: the real result. Else (False, None). Reading a tensor marked unknown (a random
-        draw no rule of `_DRAWS` gives a value, a meta buffer) raises UnknownValueRead."""
-        if torch.Tag.data_dependent_output not in func.tags:
+        draw no rule of `_DRAWS` gives a value, a meta buffer) raises UnknownValueRead. `kind`:
+        `op_kind(func)`, where the caller keeps it."""
+        kind = kind or self._kinds.get(func) or self.op_kind(func)
+        if not kind.reads_data:
             return False, None
         tensors = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
         self.check_known(func, tensors)
         if not tensors or any(self.value(t) is None for t in tensors):
             return False, None
-        out, sources = self._run_real(func, args, kwargs)
+        out, sources = self._run_real(func, args, kwargs, None if kind.returns_tensors else ())
         if out is None:
             return False, None
         for i in sources:  # which element a permutation put first is not known, only sizes
@@ -249,56 +252,69 @@ class DataValues:
         self.used.update(sources)
         return True, out
 
-    def after(self, func, args, kwargs, out, where) -> None:
+    def after(self, func, args, kwargs, out, where, kind: "OpKind | None" = None) -> None:
         """Give the outputs of a recorded op their values and new unbacked sizes their values.
-        `where()` names the user's source line (asked only when needed: it walks the stack)."""
-        if func in _ROUTERS and self._route(func, args, kwargs, out, where):
+        `where()` names the user's source line (asked only when needed: it walks the stack).
+        `kind`: `op_kind(func)`, where the caller keeps it (the Tape, with its own per-op
+        answers: each lookup by an OpOverload hashes it in Python)."""
+        kind = kind or self._kinds.get(func) or self.op_kind(func)
+        if kind.router and self._route(func, args, kwargs, out, where):
             self._active = True
             return
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if kind.seeded:
             if self._active:  # x.uniform_(): whatever values x had are gone
                 for t in tree_flatten((args, kwargs))[0]:
-                    if isinstance(t, torch.Tensor) and _written(func, t, args, kwargs):
+                    if isinstance(t, torch.Tensor) and _written(kind, t, args, kwargs):
                         self._drop(t)
             if self._draw(func, args, kwargs, out, where) \
                     or self._permutation(func, args, out, where) or self._mark_random(out, where):
                 self._active = True  # a number the code may branch on
             return
-        if not self.live:
+        if not self._active and self.shape_env is None:
             return  # no tensor has values and no size can depend on them: nothing to do
         tensors = _tensors(args, kwargs.values())
-        if tensors and self.shape_env is None and func not in _LOOKED_AT and not any(
-                getattr(t, _ATTR, None) is not None or hasattr(t, _UNKNOWN) for t in tensors):
+        if tensors and self.shape_env is None and not kind.looked_at:
             # what the branches below decide for such an op (no input valued or unknown, no
             # symbolic size, no table names it: nothing), without their work: once an
-            # optimizer's step counters have values every op of the step passes here
-            return
+            # optimizer's step counters have values every op of the step passes here. (A value
+            # or mark is an entry of the tensor's __dict__, set and deleted by name: looked up
+            # there, without getattr's miss of the class's attributes.)
+            for t in tensors:
+                held = t.__dict__
+                if _ATTR in held or _UNKNOWN in held:
+                    break
+            else:
+                return
         outs = [out] if isinstance(out, torch.Tensor) else \
             _tensors(out) if isinstance(out, (list, tuple)) else []
-        unknown = next((getattr(t, _UNKNOWN) for t in tensors if hasattr(t, _UNKNOWN)), None)
+        unknown = None
+        valued = []  # each tensor's (value, sources) as held (_held), None where it has none
+        for t in tensors:
+            held = t.__dict__
+            if unknown is None:
+                unknown = held.get(_UNKNOWN)
+            valued.append(held.get(_ATTR))
         if unknown is not None:  # what a random draw (a meta buffer) computes is unknown too
             for o in outs:
                 if o.numel() <= RANDOM_LIMIT:
                     setattr(o, _UNKNOWN, unknown)
         fresh = self._fresh_symbols(outs)
-        valued = [_held(t) for t in tensors]
-        if tensors and all(v is not None for v in valued) and not fresh \
-                and not func._schema.is_mutable:
+        all_valued = bool(tensors) and None not in valued
+        if all_valued and not fresh and not kind.mutable:
             self._defer(func, args, kwargs, outs, valued)
-        elif tensors and all(v is not None for v in valued):
-            if func._schema.is_mutable:
+        elif all_valued:
+            if kind.mutable:
                 self._run_deferred()  # what was deferred reads the values before this write
-            real, sources = self._run_real(func, args, kwargs)
+            real, sources = self._run_real(func, args, kwargs, outs)
             if real is not None:
-                self._attach(outs, [r for r in tree_flatten(real)[0]
-                                    if isinstance(r, torch.Tensor)], sources, func, where)
+                self._attach(outs, _flat_tensors(real), sources, func, where)
         elif func in _VALIDITY and outs and _small_factory(func, outs, VALUE_LIMIT) \
                 and (fill := _VALIDITY[func][1](args)) is not None:
             # a check of values no one knows (`if torch.isnan(h).any():`, a distribution's
             # argument validation): the values a valid step has, named as an assumption
-            kind, _, detail = _VALIDITY[func]
-            i = self._assumption(kind, _short(where()) or "?", detail)
-            with unset_fake_temporarily(), _one_thread():
+            assumed, _, detail = _VALIDITY[func]
+            i = self._assumption(assumed, _short(where()) or "?", detail)
+            with fake_mode_unset(), _one_thread():
                 real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=torch.bool)
             self._set(outs[0], real, frozenset((i,)))
             self._active = True
@@ -308,7 +324,7 @@ class DataValues:
             # `max(eps, RMS(p))` with its defaults (scale_parameter) compares a parameter's RMS
             # with eps = 1e-3
             i = self._assumption("statistic", _short(where()) or "?", _STATISTIC)
-            with unset_fake_temporarily():
+            with fake_mode_unset():
                 self._set(out, torch.ones((), dtype=out.dtype), frozenset((i,)))
             self._active = True
         elif func in _FINITE_CHECKS and self.value(args[1]) is not None:
@@ -323,7 +339,7 @@ class DataValues:
             # x.fill_(v) / x.zero_() on a tensor with no values (`torch.empty(()).fill_(s)`, a
             # stride in torchvision's anchors): every element is written, so its values are known
             self._run_deferred()
-            with unset_fake_temporarily(), _one_thread():
+            with fake_mode_unset(), _one_thread():
                 real = torch.full([self._int(s) for s in args[0].shape], _OVERWRITES[func](args),
                                   dtype=args[0].dtype)
             self._set(args[0], real, frozenset())
@@ -333,18 +349,17 @@ class DataValues:
             # on one thread, as every value (_one_thread): a fill of more than one grain (32,768
             # elements) wakes the intra-op pool, ~3.6 ms CPU a fill on the 2-core machine, where
             # a symbolic llama profile fills 69 optimizer states (0.25 s)
-            with unset_fake_temporarily(), _one_thread():
+            with fake_mode_unset(), _one_thread():
                 real = torch.full([self._int(s) for s in outs[0].shape], fill, dtype=outs[0].dtype)
             self._set(outs[0], real, frozenset())
             self._active = True
         elif not tensors and outs and _small_factory(func, outs):
-            real, sources = self._run_real(func, args, kwargs)
+            real, sources = self._run_real(func, args, kwargs, outs)
             if real is not None:
-                self._attach(outs, [r for r in tree_flatten(real)[0]
-                                    if isinstance(r, torch.Tensor)], sources, func, where)
+                self._attach(outs, _flat_tensors(real), sources, func, where)
         else:
             for t, v in zip(tensors, valued):  # an in-place op with inputs we cannot follow
-                if v is not None and _written(func, t, args, kwargs):
+                if v is not None and _written(kind, t, args, kwargs):
                     self._drop(t)
         given = self._given_count(fresh, where)
         if given is not None:
@@ -355,6 +370,19 @@ class DataValues:
                 self._name(sym, given[1], func, where, frozenset((given[0],)))
         elif fresh:
             self._mask_sizes(func, args, kwargs, fresh, tensors, where)
+
+    def op_kind(self, func) -> "OpKind":
+        """What `before` and `after` ask of an op, answered once per op of the capture: each
+        `func in table` hashes the OpOverload in Python and `func.tags` is a Python property
+        (~1 us), and both run for every op once values are about."""
+        tags = func.tags
+        kind = self._kinds[func] = OpKind(
+            reads_data=torch.Tag.data_dependent_output in tags,
+            seeded=torch.Tag.nondeterministic_seeded in tags, router=func in _ROUTERS,
+            looked_at=func in _LOOKED_AT, mutable=func._schema.is_mutable,
+            returns_tensors=any("Tensor" in str(r.type) for r in func._schema.returns),
+            writes=_writes(func))
+        return kind
 
     def write(self, trace) -> None:
         """The data-dependent sizes as the trace's symbols: name -> symbol, hint, range, and a
@@ -387,7 +415,7 @@ class DataValues:
         keeps its values (a mask computed with numpy, a list of ids)."""
         if real.is_complex() or real.numel() > VALUE_LIMIT:
             return
-        with unset_fake_temporarily():
+        with fake_mode_unset():  # (an optimizer's step counters: one literal per parameter)
             value = real.detach().clone()
         self._set(fake, value, frozenset())
         self._active = True
@@ -400,7 +428,7 @@ class DataValues:
         shape = "x".join(str(s) for s in real.shape)
         a = self._assumption("input", name, f"the values of {name} ({str(real.dtype)[6:]} "
                                             f"{shape}) as given")
-        with unset_fake_temporarily():  # called inside the capture's fake mode
+        with fake_mode_unset():  # called inside the capture's fake mode
             value = real.detach().cpu().clone()
         self._set(fake, value, frozenset((a,)))
         self._active = True
@@ -420,7 +448,7 @@ class DataValues:
             shape = "x".join(str(n) for n in t.shape) or "scalar"
             setattr(fake, _UNKNOWN, Unknown("meta", f"{what} ({str(t.dtype)[6:]} {shape})"))
             return
-        with unset_fake_temporarily():  # called inside the capture's fake mode
+        with fake_mode_unset():  # called inside the capture's fake mode
             value = real.detach().to("cpu", copy=True)
         self._set(fake, value, frozenset())
 
@@ -438,7 +466,7 @@ class DataValues:
         if rule is None or len(outs) != 1 or not _static_small(outs, RANDOM_LIMIT):
             return False
         o = outs[0]
-        with unset_fake_temporarily():  # called inside the capture's fake mode
+        with fake_mode_unset():  # called inside the capture's fake mode
             median = rule(args, kwargs, self.value)
             if median is None:
                 return False
@@ -464,7 +492,7 @@ class DataValues:
         n = self._int(args[0])
         if n is None or n > VALUE_LIMIT:
             return False
-        with unset_fake_temporarily():  # called inside the capture's fake mode
+        with fake_mode_unset():  # called inside the capture's fake mode
             real = torch.arange(n, dtype=out.dtype)
         w = _short(where()) or "?"
         a = self._assumption("random", w, "randperm taken as the identity permutation: the "
@@ -531,15 +559,23 @@ class DataValues:
 
     # ---- running ops on values --------------------------------------------------------------------
 
-    def _run_real(self, func, args, kwargs):
+    def _run_real(self, func, args, kwargs, outs=None):
         """func on the values (CPU tensors) of its tensor arguments: (result, sources), or
-        (None, ...) if an argument has no concrete value or the op refuses."""
+        (None, ...) if an argument has no concrete value or the op refuses. `outs`: the op's
+        fake output tensors, () for an op that returns none, None where not known (with the
+        values' sizes they say whether the op needs the thread setting, `_on_values`)."""
         sources: set = set()
+        elements = [0]  # the most elements of a value read
 
         def real(x):
             v = self.value(x)  # (a deferred value is computed here)
-            if v is None or v[0].numel() > VALUE_LIMIT:
+            if v is None:
                 raise LookupError
+            n = v[0].numel()
+            if n > VALUE_LIMIT:
+                raise LookupError
+            if n > elements[0]:
+                elements[0] = n
             sources.update(v[1])
             return v[0]
 
@@ -547,8 +583,11 @@ class DataValues:
             rargs, rkwargs = _as_values(args, kwargs, real, self._int)
         except LookupError:  # an argument without a value: the op has none either
             return None, sources
+        # an op on single elements (an optimizer's step counter: `step += 1`, `.item()`) leaves
+        # the thread setting alone (_on_values); one whose outputs are not known may be large
+        single = elements[0] <= 1 and outs is not None and _at_most_one_element(outs)
         try:
-            with unset_fake_temporarily(), torch.no_grad(), _one_thread():
+            with _on_values(threads=not single):
                 return func(*rargs, **rkwargs), frozenset(sources)
         except Exception:  # noqa: BLE001 - an op the values cannot run: no value, the trace goes on
             return None, sources
@@ -582,6 +621,8 @@ class DataValues:
 
     def _run_deferred(self) -> None:
         """Run every op still deferred (before a write to a value: see `_defer`)."""
+        if not self._deferred:  # (a WeakSet's iteration costs ~5 us: an empty one's length ~1)
+            return
         for op in list(self._deferred):
             op.run()
         self._deferred.clear()
@@ -713,6 +754,17 @@ class DataValues:
 _CANDIDATES = {
     "torchvision::nms": (lambda args: args[0].shape[0], "boxes"),
 }
+@dataclass(frozen=True, slots=True)
+class OpKind:
+    """What DataValues asks of an op (DataValues.op_kind)."""
+
+    reads_data: bool  # its result is data (`.item()`, `equal`): Tag.data_dependent_output
+    seeded: bool      # a random op: Tag.nondeterministic_seeded
+    router: bool      # its selections may be a routing (_ROUTERS)
+    looked_at: bool   # a table of `after`'s branches names it (_LOOKED_AT)
+    mutable: bool     # it writes an argument (schema)
+    returns_tensors: bool  # a tensor among its results (schema: Tensor, Tensor[], Tensor?)
+    writes: tuple     # (position, name) of each argument it writes (`_written`)
 
 
 @dataclass(frozen=True)
@@ -746,7 +798,7 @@ def _as_values(args, kwargs, value, size):
         return x
 
     try:
-        vargs = tuple(_map_one_level(convert, a) for a in args)
+        vargs = tuple([_map_one_level(convert, a) for a in args])
         vkwargs = {k: _map_one_level(convert, v) for k, v in kwargs.items()}
     except _Deeper:
         vargs, vkwargs = tree_map(convert, (args, kwargs))
@@ -790,7 +842,7 @@ class _Deferred:
 
         try:
             rargs, rkwargs = tree_map(real, (self.args, self.kwargs))
-            with unset_fake_temporarily(), torch.no_grad(), _one_thread():
+            with _on_values():
                 out = self.func(*rargs, **rkwargs)
         except Exception:  # noqa: BLE001 - an op the values cannot run: no value (_run_real)
             out = None
@@ -934,6 +986,16 @@ def _small_factory(func, outs, limit: int = FACTORY_LIMIT) -> bool:
     return n <= limit
 
 
+def _at_most_one_element(outs) -> bool:
+    """Whether every tensor has static sizes and at most one element (a symbolic size is not
+    compared: that would add a guard)."""
+    for o in outs:
+        for s in o.shape:
+            if not isinstance(s, int) or s > 1:
+                return False
+    return True
+
+
 def _static_small(outs, limit) -> bool:
     """Whether tensors have static shapes and at most `limit` elements in all."""
     return not any(isinstance(s, torch.SymInt) for o in outs for s in o.shape) \
@@ -964,12 +1026,27 @@ def _map_one_level(convert, x):
 def _leaves(args, kwargs) -> list:
     """tree_flatten((args, kwargs))[0] for an aten op's arguments, one level deep when that is
     all there is (as `_map_one_level`)."""
-    try:
-        return [y for group in (args, kwargs.values()) for x in group
-                for y in _map_one_level(lambda leaf: leaf, x if type(x) in (list, tuple)
-                                        else (x,))]
-    except _Deeper:
-        return tree_flatten((args, kwargs))[0]
+    leaves = []
+    for group in (args, kwargs.values()):
+        for x in group:
+            kind = type(x)
+            for y in (x if kind is list or kind is tuple else (x,)):
+                if type(y) in pytree_node_types or isinstance(y, tuple):
+                    return tree_flatten((args, kwargs))[0]
+                leaves.append(y)
+    return leaves
+
+
+def _flat_tensors(out) -> list:
+    """The tensors of an op's result, as `tree_flatten(out)` lists them: a tensor, or a list or
+    tuple of tensors and other leaves without pytree's walk; pytree for anything deeper."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    kind = type(out)
+    if (kind is list or kind is tuple) and not any(
+            type(y) in pytree_node_types or isinstance(y, tuple) for y in out):
+        return [y for y in out if isinstance(y, torch.Tensor)]
+    return [r for r in tree_flatten(out)[0] if isinstance(r, torch.Tensor)]
 
 
 def _tensors(*groups) -> list:
@@ -985,14 +1062,19 @@ def _tensors(*groups) -> list:
     return out
 
 
-def _written(func, t, args, kwargs) -> bool:
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        a = args[i] if i < len(args) else kwargs.get(arg.name)
+def _written(kind: OpKind, t, args, kwargs) -> bool:
+    """Whether the op writes `t` (an argument its schema marks written: `Tensor(a!)`)."""
+    for i, name in kind.writes:
+        a = args[i] if i < len(args) else kwargs.get(name)
         if a is t:
             return True
     return False
+
+
+def _writes(func) -> tuple:
+    """(position, name) of each argument `func`'s schema marks written."""
+    return tuple((i, arg.name) for i, arg in enumerate(func._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
 
 
 def _counts_text(counts: list) -> str:
@@ -1016,8 +1098,7 @@ def _symbol_name(func, frame) -> str:
     return f"{op}_{stem}_{frame.lineno}"
 
 
-@contextmanager
-def _one_thread():
+class _one_thread:
     """Values are small (at most VALUE_LIMIT elements) and computed one op at a time between
     fake ops: on torch's intra-op thread pool each op wakes the pool's other threads, which then
     spin waiting for more work (OpenMP's wait policy) while the capture goes on in Python. In a
@@ -1025,13 +1106,48 @@ def _one_thread():
     18.5 s CPU of a 70B rank, on a rope's positions alone. One thread computes the same integer
     and boolean values (what code branches on); a float reduction over more than one grain of
     elements may round differently, as it does between machines with other thread counts. The
-    caller's setting is restored at once."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    caller's setting is restored at once. (A class, not a generator context: entered for each
+    op run on values, ~700 a GPT-2 profile.)"""
+
+    __slots__ = ("threads",)
+
+    def __enter__(self) -> None:
+        self.threads = threads = torch.get_num_threads()
+        if threads != 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> None:
+        if self.threads != 1:
+            torch.set_num_threads(self.threads)
+
+
+class _on_values:
+    """Where an op runs on values: no fake mode (they are real CPU tensors), no autograd, one
+    intra-op thread (`_one_thread`). One class-based context for the three generator contexts
+    this took (unset_fake_temporarily, torch.no_grad, _one_thread: ~7 us an op, ~700 ops a GPT-2
+    profile, whose optimizer step counters have values); grad mode is switched only where it
+    is on (an optimizer step runs under no_grad)."""
+
+    __slots__ = ("fake", "grad", "threads")
+
+    def __init__(self, threads: bool = True):
+        # False for an op that reads and writes at most one element: ATen's parallel loops run
+        # inline below two iterations (at::parallel_for: `numiter > 1`), and one element's
+        # value cannot depend on how many threads could have split it
+        self.threads = _one_thread() if threads else None
+
+    def __enter__(self) -> None:
+        self.fake = fake = fake_mode_unset()
+        fake.__enter__()
+        self.grad = grad = torch.is_grad_enabled()
+        if grad:
+            torch.set_grad_enabled(False)
+        if self.threads is not None:
+            self.threads.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.threads is not None:
+            self.threads.__exit__()
+        if self.grad:
+            torch.set_grad_enabled(True)
+        self.fake.__exit__()

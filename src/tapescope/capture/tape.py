@@ -95,6 +95,8 @@ class _OpTraits:
     workspace: bool      # WORKSPACE rules
     router: bool         # data_values.py assumes its selections (DataValues.routers)
     as_it_is: bool       # a marker FakeTensorMode runs as it is (MARKERS_RUN_AS_THEY_ARE)
+    reads_data: bool     # its result is data (`.item()`): DataValues.before may answer it
+    values: object       # DataValues.op_kind(func) (None without data values)
 
     @classmethod
     def of(cls, func, rules: RuleSet, values) -> "_OpTraits":
@@ -105,7 +107,9 @@ class _OpTraits:
                    check=func in rules.check_targets, output=func in rules.output_targets,
                    workspace=func in rules.workspace_targets,
                    router=values is not None and func in values.routers,
-                   as_it_is=func in MARKERS_RUN_AS_THEY_ARE)
+                   as_it_is=func in MARKERS_RUN_AS_THEY_ARE,
+                   reads_data=torch.Tag.data_dependent_output in func.tags,
+                   values=None if values is None else values.op_kind(func))
 # Frames inside these folders are never "the line that issued the op" (the folders: errors.SourceDirs).
 _DIRS = source_dirs()
 _TORCH_DIR = _DIRS.torch
@@ -599,9 +603,9 @@ class Tape(SizeFreeCacheCheck):
         if rewritten is not func:
             func, traits = rewritten, self._tape_traits.get(rewritten) or self._traits(rewritten)
         values = self.fidelity.values  # data-dependent sizes: values an assumption gives
-        if values is not None and values.live:
+        if traits.reads_data and values is not None and values.live:
             try:
-                done, result = values.before(func, args, kwargs)
+                done, result = values.before(func, args, kwargs, traits.values)
             except Exception as e:
                 self._annotate(e, func)
                 raise
@@ -730,7 +734,7 @@ class Tape(SizeFreeCacheCheck):
         self._record(func, args, kwargs, out, _ABOVE_TORCH_DISPATCH)
         if values is not None and (values.live or traits.router):
             try:
-                values.after(func, args, kwargs, out, self._op_frame)
+                values.after(func, args, kwargs, out, self._op_frame, traits.values)
             except Exception as e:
                 self._annotate(e, func)
                 raise

@@ -286,6 +286,8 @@ class RuleSet:
                     steps.append(n)
                 elif n:  # a plain byte count: after the outputs, alive until the op ends
                     steps.append(Alloc(f"#{len(steps)}", n))
+        if not steps:  # the common answer (a rule that looked and found nothing to count)
+            return steps
         if ordered and answered > 1:
             raise ValueError(f"{func}: a rule that places the outputs must be the op's only "
                              "WORKSPACE rule")
