@@ -146,6 +146,7 @@ def _run_job(job: RealJob) -> dict:
     from ..capture.optimizers import make_optimizer
     from ..capture.program import StepRuntime
     from ..capture.step import train_step
+    from ..torch_compat import cpu_allocator_counts_every_thread
     from .real import _read_allocations
 
     mesh = init_device_mesh("cpu", tuple(job.mesh.values()), mesh_dim_names=tuple(job.mesh))
@@ -160,7 +161,11 @@ def _run_job(job: RealJob) -> dict:
         from torch.distributed import pipelining  # noqa: F401
     torch.manual_seed(job.seed)
     gen = torch.Generator().manual_seed(job.seed)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+    # gloo's worker threads free a collective's tensors when the program has dropped them first
+    # (validate/real.py, _program_allocations): the allocator's total must count those frees
+    with cpu_allocator_counts_every_thread(), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                    record_shapes=True) as prof:
         with record_function("tapescope::step0"):
             with torch.device(device):
                 model = job.build()
