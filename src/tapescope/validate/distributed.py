@@ -36,8 +36,10 @@ class RealRank:
     late_frees: step -> bytes of the program's tensors that a backend thread freed: gloo's work
         object holds a collective's tensors until its worker thread lets go of it, just after the
         wait returns; when the program dropped its own reference first, the free happens there,
-        late and unseen by the profiler. A step with late frees can peak higher than the program
-        alone would; a step without them is the program's deterministic peak.
+        a moment later, with no profiler event. The allocator's total, counted on every thread
+        during the run (torch_compat.cpu_allocator_counts_every_thread), drops there, which times
+        it. A step with late frees can peak higher than the program alone would (a worker thread
+        kept off the CPU until after the peak); a step without them is the program's peak.
     unstepped: how many of the rank's parameters the optimizer never updated (no state after the
         last step: no step gave them a gradient). A truth whose real run left parameters without
         gradients is no truth of a training step.

@@ -457,8 +457,10 @@ def _program_allocations(raw: list, threads: set, collective_ptrs: set) -> list:
     """The events of allocations the step's thread made outside a collective, and their frees.
 
     A collective's tensor can be freed by a backend thread the profiler does not follow. The
-    allocator's running total still shows it: between two recorded events the total changes by
-    more than the second event's size. Such a drop of exactly the size of a live program
+    allocator's running total shows it when it counts every thread (c10 counts only the threads
+    memory profiling is on for; validate/distributed.py runs under
+    torch_compat.cpu_allocator_counts_every_thread): between two recorded events the total
+    changes by more than the second event's size. Such a drop of exactly the size of a live program
     allocation that a collective used is that allocation's free (emitted with total None); one
     never seen at all shows when its address is handed out again. Every free that did not happen
     on the step's thread is returned with total None (a late free).
