@@ -107,3 +107,34 @@ def test_the_truth_times_a_collective_tensor_freed_by_a_backend_thread():
     assert real.peaks[1] == 8000
     assert real.late_frees == {1: 4000}
 
+
+
+def test_of_equal_blocks_the_one_freed_in_sight_is_not_the_one_gone():
+    """X1 and X2, equal, both all-reduced; a backend-like thread drops X2's last reference, so the
+    total drops by one block of their size; the program then makes Y and frees X1 in sight. The
+    drop is counted when it happens, and X1's own free tells that X2 was the one gone (taking the
+    first block of the size, X1, left X2 live to the end): the peak is X1 + Y (12,000 B)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        held = []
+        with cpu_allocator_counts_every_thread(), profile(activities=[ProfilerActivity.CPU],
+                                                          profile_memory=True, record_shapes=True) as prof:
+            with record_function("tapescope::step1"):
+                x1, x2 = torch.ones(1000), torch.ones(1000)
+                dist.all_reduce(x1)
+                dist.all_reduce(x2)
+                held.append(x2)
+                del x2
+                _free_on_another_thread(held)
+                y = torch.empty(2000)
+                del x1
+                z = torch.empty(100)  # after X1's free
+                del y, z
+        real = _read_allocations(prof, torch.device("cpu"), program_only=True)
+    finally:
+        dist.destroy_process_group()
+    assert real.peaks[1] == 12000
+    assert real.late_frees == {1: 4000}
+    assert real.events[-1].live == 0
