@@ -138,3 +138,30 @@ def test_of_equal_blocks_the_one_freed_in_sight_is_not_the_one_gone():
     assert real.peaks[1] == 12000
     assert real.late_frees == {1: 4000}
     assert real.events[-1].live == 0
+
+
+def test_the_blocks_of_one_collective_let_go_together_are_all_gone():
+    """A work object holds all of its collective's tensors, and its worker thread lets go of them
+    together: one drop of the total, the sum of the input (4,000 B) and output (8,000 B) of an
+    all-gather, is both of them (FSDP+TP: the two chunks of a scatter's input)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        held = []
+        with cpu_allocator_counts_every_thread(), profile(activities=[ProfilerActivity.CPU],
+                                                          profile_memory=True, record_shapes=True) as prof:
+            with record_function("tapescope::step1"):
+                inp, out = torch.ones(1000), torch.empty(2000)
+                dist.all_gather_into_tensor(out, inp)
+                held += [inp, out]
+                del inp, out
+                _free_on_another_thread(held)
+                y = torch.empty(4000)  # 16,000 B
+                del y
+        real = _read_allocations(prof, torch.device("cpu"), program_only=True)
+    finally:
+        dist.destroy_process_group()
+    assert real.peaks[1] == 16000
+    assert real.late_frees == {1: 12000}
+    assert real.events[-1].live == 0
