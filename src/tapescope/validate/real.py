@@ -509,6 +509,7 @@ class _Unseen:
     is handed out again is; when as many members are left as are gone, all of them are."""
 
     RECENT = 4  # collectives before a drop whose blocks can be the work a worker thread let go
+    MOST = 6    # blocks of one work looked at together (a scatter's input chunks: one a rank)
 
     def __init__(self, collectives: list):
         self.collectives = sorted(collectives)
@@ -539,7 +540,7 @@ class _Unseen:
         recent = [ptrs for start, ptrs in self.collectives if start <= at][-self.RECENT:]
         for ptrs in reversed(recent):
             live = sorted({p for p in ptrs if p in self.mine and not self._undecided(p)})
-            for k in range(2, min(len(live), 6) + 1):
+            for k in range(2, min(len(live), self.MOST) + 1):
                 for combo in itertools.combinations(live, k):
                     if sum(self.mine[p] for p in combo) == nbytes:
                         for p in combo:
@@ -576,7 +577,7 @@ class _Unseen:
             return  # still undecided
         if group[1]:
             for p in group[0]:  # every one left is gone
-                del self.mine[p]
+                self.mine.pop(p, None)
         self.groups.remove(group)
 
 
