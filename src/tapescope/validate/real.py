@@ -520,43 +520,25 @@ class _Unseen:
 
     def dropped(self, nbytes: int, at: int) -> bool:
         """A drop of `nbytes` nobody reported, seen at time `at`: True if it is the free of
-        program blocks. The blocks of the latest collectives come first (the work a worker thread
-        has just let go of): k of their equal blocks (a scatter's input chunks), then one block
-        of that size any collective used, then unequal blocks of one recent collective."""
+        program blocks."""
         if any(n == nbytes for n in self.others.values()):
             return False  # as well a block of the backend's own: no telling
-        for ptrs in self._recent(at):
-            sizes: dict[int, set] = {}
-            for p in ptrs:
-                if p in self.mine:
-                    sizes.setdefault(self.mine[p], set()).add(p)
-            for size, same in sorted(sizes.items(), reverse=True):
-                if nbytes % size == 0 and nbytes // size <= len(same):
-                    self._gone(same, nbytes // size)
-                    return True
         candidates = {p for p, n in self.mine.items() if n == nbytes and p in self.collective_ptrs}
         if not candidates:
             return self._one_work(nbytes, at)
-        self._gone(candidates, 1)
-        return True
-
-    def _recent(self, at: int) -> list:
-        """The storages of the collectives begun before `at`, latest first."""
-        return list(reversed([ptrs for start, ptrs in self.collectives if start <= at]))[:self.RECENT]
-
-    def _gone(self, candidates: set, count: int) -> None:
-        """`count` of `candidates` are gone, which ones to be learnt."""
         group = next((g for g in self.groups if g[0] & candidates), None)
         if group is None:
             group = [set(), 0]
             self.groups.append(group)
         group[0] |= candidates
-        group[1] += count
+        group[1] += 1
         self._settle(group)
+        return True
 
     def _one_work(self, nbytes: int, at: int) -> bool:
         """Several live program blocks of one recent collective that sum to the drop: gone."""
-        for ptrs in self._recent(at):
+        recent = [ptrs for start, ptrs in self.collectives if start <= at][-self.RECENT:]
+        for ptrs in reversed(recent):
             live = sorted({p for p in ptrs if p in self.mine and not self._undecided(p)})
             for k in range(2, min(len(live), self.MOST) + 1):
                 for combo in itertools.combinations(live, k):
