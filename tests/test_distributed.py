@@ -31,12 +31,12 @@ REPEATS = 2  # each case runs twice in the same processes: more observations of 
 # extra bytes are collective buffers alive at the peak, freed on the program's thread, so not
 # late frees); more runs of it give an undelayed one (4 runs x 2 ranks x 2 steady steps)
 #
-# FSDP's steady step likewise: under CPU load a rank's steady peak is sometimes one block's
-# reduce-scatter input (132,352 B here: the block's gradients, flat) above the program's, with no
-# late free seen (measured 2026-11-28 with a CPU burner beside the world-4 run: rank 3 high in 4
-# of 20 runs, ranks 0-2 in 6 of 60; never below; cause in FSDP2/gloo not found yet). CI saw all
-# four observations of rank 3 (2 runs x 2 steady steps) high once: four runs give 8
-CASE_REPEATS = {"tp": 4, "fsdp": 4}
+# FSDP's steady step once came out one all-gather output (132,352 B) high under CPU load, with no
+# late free seen: gloo's worker thread had dropped the output's last reference after the program
+# dropped its own, a free the CPU allocator's total did not count on that thread, so the truth
+# held the block live until its address came back. The truth now counts every thread's frees
+# (tests/test_backend_thread_frees.py), and FSDP runs twice like the other cases
+CASE_REPEATS = {"tp": 4}
 CASES = {
     2: [("fsdp", {"dp": 2}, dm.fsdp), ("tp", {"tp": 2}, dm.tp),
         ("replicate", {"dp": 2}, dm.replicate),  # data parallelism, FSDP2's DDP

@@ -31,6 +31,7 @@ What `git grep -n "torch\._" src/ | grep -v torch_compat.py` still lists is publ
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager as _contextmanager
 from dataclasses import replace as _dc_replace
 
 import torch
@@ -88,7 +89,7 @@ __all__ = [
     "constant_source", "user_source_location", "hook_guard_locations",
     "dispatch_dump_table", "profiler_event_types", "sdp_priority_order", "sdp_backend_enum",
     "overrideable_sdp_enabled", "fa3_sdp_enabled", "linear_builtin", "sdpa_builtin",
-    "profiler_event_tree", "profiler_running", "schema_types", "shape_env_facts",
+    "profiler_event_tree", "profiler_running", "cpu_allocator_counts_every_thread", "schema_types", "shape_env_facts",
     "suggest_memory_format",
     "select_conv_backend", "elementwise_output_strides", "pointwise_meta_decompositions",
     "PRIVATE_NAMES", "TRITON_NAMES",
@@ -466,6 +467,37 @@ def profiler_event_types():
 def profiler_event_tree(prof) -> list:
     """The roots of a finished torch.profiler.profile's event tree (ops, allocations, children)."""
     return prof.profiler.kineto_results.experimental_event_tree()
+
+
+@_contextmanager
+def cpu_allocator_counts_every_thread():
+    """Within it, the CPU allocator's running total (an allocation event's `total_allocated`)
+    also counts the frees of threads the profiler does not follow. Yields whether it could.
+
+    c10's ProfiledCPUMemoryReporter keeps the total, and its table of block sizes, only on a
+    thread where memory profiling is on (a thread-local state): a block freed on any other thread
+    is neither reported nor taken off the total, which then stays high by its size for good
+    (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter::Delete). gloo's worker threads are such
+    threads once a collective's work has run: the work object they still hold keeps the
+    collective's tensors, and when the program has already dropped its own references the free
+    happens there. c10's flag `caffe2_report_cpu_memory_usage` makes the reporter keep the total
+    on every thread (it also logs each block at INFO, below c10's default log level); torch has
+    no Python setter for c10 flags, so it is set in libc10 itself, and restored."""
+    import ctypes
+    import os
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError):  # another build of torch: the total stays per-thread
+        yield False
+        return
+    before = flag.value
+    flag.value = True
+    try:
+        yield True
+    finally:
+        flag.value = before
 
 
 def schema_types():

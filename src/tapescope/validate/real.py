@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -386,7 +387,7 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False, st
     out = RealStep()
 
     step_threads = set()
-    collective_ptrs = set()  # storages a collective read or wrote (record_shapes has them)
+    collectives = []  # (start, storages a collective read or wrote): record_shapes has them
 
     def walk(e, step, phase, inside_op):
         if e.tag == _EventType.Allocation:
@@ -397,11 +398,9 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False, st
         elif e.tag == _EventType.TorchOp:
             name = e.name
             if program_only and name.startswith(_COLLECTIVE_PREFIXES):
-                for i in e.extra_fields.inputs:
-                    for t in (i if isinstance(i, list) else [i]):
-                        ptr = getattr(t, "storage_data_ptr", None)
-                        if ptr:
-                            collective_ptrs.add(ptr)
+                collectives.append((e.start_time_ns, tuple(
+                    ptr for i in e.extra_fields.inputs for t in (i if isinstance(i, list) else [i])
+                    if (ptr := getattr(t, "storage_data_ptr", None)))))
             if name.startswith("tapescope::step"):
                 step_threads.add(e.start_tid)
                 step = int(name[len("tapescope::step"):])
@@ -419,7 +418,7 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False, st
         walk(root, step, None, False)
     raw.sort(key=lambda r: r[0])
     if program_only:
-        raw = _program_allocations(raw, step_threads, collective_ptrs)
+        raw = _program_allocations(raw, step_threads, collectives)
     if not raw:
         out.base = base or 0
         walk = None  # noqa: F841 - the cycle through it, as below
@@ -453,17 +452,24 @@ def _read_allocations(prof, device: torch.device, program_only: bool = False, st
 _COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:")
 
 
-def _program_allocations(raw: list, threads: set, collective_ptrs: set) -> list:
+def _program_allocations(raw: list, threads: set, collectives: list) -> list:
     """The events of allocations the step's thread made outside a collective, and their frees.
 
     A collective's tensor can be freed by a backend thread the profiler does not follow. The
-    allocator's running total still shows it: between two recorded events the total changes by
-    more than the second event's size. Such a drop of exactly the size of a live program
-    allocation that a collective used is that allocation's free (emitted with total None); one
-    never seen at all shows when its address is handed out again. Every free that did not happen
-    on the step's thread is returned with total None (a late free).
+    allocator's running total shows it when it counts every thread (c10 counts only the threads
+    memory profiling is on for; validate/distributed.py runs under
+    torch_compat.cpu_allocator_counts_every_thread): between two recorded events the total
+    changes by more than the second event's size. Such a drop of exactly the size of live program
+    allocations that a collective used is the free of one of them (emitted with total None). When
+    several have that size (tensor parallelism scatters equal weights), which one went is learnt
+    later: not one the step's thread frees, but one whose address is handed out again (_Unseen).
+    A drop that matches no one block can be several of one collective's, which its work object
+    held and its worker thread let go of together (the chunks of a scatter's input).
+    A drop that could as well be a block of gloo's own is left alone; a free never seen at all
+    shows when its address is handed out again. Every free that did not happen on the step's
+    thread is returned with total None (a late free).
     """
-    mine: dict[int, int] = {}  # address -> size of a live program allocation
+    unseen = _Unseen(collectives)
     out = []
     previous = None
     for r in raw:
@@ -471,24 +477,108 @@ def _program_allocations(raw: list, threads: set, collective_ptrs: set) -> list:
         ptr = r[5]
         total = r[2]
         if previous is not None and total - size < previous:
-            unseen = previous - (total - size)
-            gone = next((p for p, n in mine.items() if n == unseen and p in collective_ptrs), None)
-            if gone is not None:
-                del mine[gone]
-                out.append((r[0], -unseen, None, None, None, gone))
+            dropped = previous - (total - size)
+            if unseen.dropped(dropped, r[0]):
+                out.append((r[0], -dropped, None, None, None, None))
         previous = total
         if size > 0:
             if e.start_tid not in threads or _inside_collective(e):
+                unseen.others[ptr] = size
                 continue
-            if ptr in mine:  # its free happened where the profiler could not see it
-                out.append((r[0], -mine[ptr], None, None, None, ptr))
-            mine[ptr] = size
+            if ptr in unseen.mine and not unseen.reused(ptr):
+                # its free happened where the profiler could not see it
+                out.append((r[0], -unseen.mine.pop(ptr), None, None, None, ptr))
+            unseen.mine[ptr] = size
             out.append(r)
-        elif mine.get(ptr) == -size:
-            del mine[ptr]
+        elif unseen.mine.get(ptr) == -size:
+            unseen.freed(ptr)
             # freed by a backend thread the profiler follows: late all the same
             out.append(r if e.start_tid in threads else (r[0], size, None, None, None, ptr))
+        elif unseen.others.get(ptr) == -size:
+            del unseen.others[ptr]
     return out
+
+
+class _Unseen:
+    """The live blocks of a program-only reading, and which of them went unseen.
+
+    mine: address -> size of a live program allocation; others: the same for allocations that are
+    not the program's (a backend's, or made inside a collective's call). A drop in the allocator's
+    total that matches k program blocks of one size is one of them gone: a group (addresses, how
+    many of them are gone). A member freed in sight is not one of the gone; a member whose address
+    is handed out again is; when as many members are left as are gone, all of them are."""
+
+    RECENT = 4  # collectives before a drop whose blocks can be the work a worker thread let go
+    MOST = 6    # blocks of one work looked at together (a scatter's input chunks: one a rank)
+
+    def __init__(self, collectives: list):
+        self.collectives = sorted(collectives)
+        self.collective_ptrs = {p for _, ptrs in collectives for p in ptrs}
+        self.mine: dict[int, int] = {}
+        self.others: dict[int, int] = {}
+        self.groups: list[list] = []  # [set of addresses, how many of them are gone]
+
+    def dropped(self, nbytes: int, at: int) -> bool:
+        """A drop of `nbytes` nobody reported, seen at time `at`: True if it is the free of
+        program blocks."""
+        if any(n == nbytes for n in self.others.values()):
+            return False  # as well a block of the backend's own: no telling
+        candidates = {p for p, n in self.mine.items() if n == nbytes and p in self.collective_ptrs}
+        if not candidates:
+            return self._one_work(nbytes, at)
+        group = next((g for g in self.groups if g[0] & candidates), None)
+        if group is None:
+            group = [set(), 0]
+            self.groups.append(group)
+        group[0] |= candidates
+        group[1] += 1
+        self._settle(group)
+        return True
+
+    def _one_work(self, nbytes: int, at: int) -> bool:
+        """Several live program blocks of one recent collective that sum to the drop: gone."""
+        recent = [ptrs for start, ptrs in self.collectives if start <= at][-self.RECENT:]
+        for ptrs in reversed(recent):
+            live = sorted({p for p in ptrs if p in self.mine and not self._undecided(p)})
+            for k in range(2, min(len(live), self.MOST) + 1):
+                for combo in itertools.combinations(live, k):
+                    if sum(self.mine[p] for p in combo) == nbytes:
+                        for p in combo:
+                            del self.mine[p]
+                        return True
+        return False
+
+    def _undecided(self, ptr: int) -> bool:
+        return any(ptr in group[0] for group in self.groups)
+
+    def freed(self, ptr: int) -> None:
+        """A program block freed in sight: not one of a group's gone."""
+        del self.mine[ptr]
+        for group in self.groups:
+            if ptr in group[0]:
+                group[0].discard(ptr)
+                self._settle(group)
+                return
+
+    def reused(self, ptr: int) -> bool:
+        """A live program block's address handed out again: True if its free was a group's drop
+        (already counted)."""
+        for group in self.groups:
+            if ptr in group[0]:
+                group[0].discard(ptr)
+                group[1] -= 1
+                del self.mine[ptr]
+                self._settle(group)
+                return True
+        return False
+
+    def _settle(self, group: list) -> None:
+        if group[1] and len(group[0]) > group[1]:
+            return  # still undecided
+        if group[1]:
+            for p in group[0]:  # every one left is gone
+                self.mine.pop(p, None)
+        self.groups.remove(group)
 
 
 def _inside_collective(e) -> bool:
