@@ -22,7 +22,8 @@ one:
   recompute at its largest micro-batch: its fewest micro-batches, the cheapest trace of the
   layout, and, fit or not, its kernels bound every micro-batch size of the layout and of the
   layouts that split the model the same way (bounds.py), so a layout far from the top costs one
-  trace. (One-micro-batch screens of accumulating candidates were tried and dropped: on
+  trace. Pipelined candidates wait while an unpipelined one is ready or being traced: the
+  unpipelined openers bound them (bounds.pipelined_model_kernels). (One-micro-batch screens of accumulating candidates were tried and dropped: on
   benchmarks/search_speed.py's spaces they cost more than they pruned.)
 
 The brute-force search checks each rule: every candidate the rules rule out runs out of memory
@@ -307,6 +308,14 @@ class _Grid:
         def estimate(c):
             b = lower_bound(c, self.known) if self.top is not None else None
             return b.seconds if b is not None else 0.0
+
+        # pipelines after the unpipelined chains: a pipelined candidate's bound reads the
+        # unpipelined openers' kernels (bounds.pipelined_model_kernels), and the top it is
+        # compared with is best known from the cheaper unpipelined traces; nothing else bounds
+        # a pipeline before its own family's trace (s70b's 70B run: its probes, 100-160 CPU s
+        # each, went first)
+        if not brute_force and any(c.layout.pp == 1 for c in (*ready, *self.started)):
+            ready = [c for c in ready if c.layout.pp == 1]
 
         return sorted(dict.fromkeys(ready), key=lambda c: (
             estimate(c), c.layout.pp, -c.layout.tp, c.layout.dp_replicate,
