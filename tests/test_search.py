@@ -124,8 +124,8 @@ def pipelined(tmp_path_factory):
     """The pruned search (its cache lines in trace order), then brute force from its cache."""
     cache = tmp_path_factory.mktemp("pipelined") / "search.jsonl"
     pruned = tapescope.search(SMALL_SPEC, **PIPE, top=2, cache=str(cache))
-    order = [json.loads(line)["outcome"]["candidate"]["pp"]
-             for line in cache.read_text().splitlines()]
+    order = [(c["pp"], c["steps"]) for c in (json.loads(line)["outcome"]["candidate"]
+                                             for line in cache.read_text().splitlines())]
     return pruned, tapescope.search(SMALL_SPEC, **PIPE, brute_force=True, cache=str(cache)), \
         order
 
@@ -185,12 +185,30 @@ def test_pipeline_stages_run_the_models_kernels(pipelined):
     assert pairs == 2
 
 
-def test_pipelines_traced_after_unpipelined(pipelined):
-    """The pruned search traces every unpipelined candidate it traces before any pipelined
-    one (their bound reads the unpipelined openers)."""
+def test_pipelines_traced_after_their_twins(pipelined):
+    """The pruned search traces a pipelined candidate only after the one-micro-batch
+    unpipelined candidates it traces (their kernels bound the pipeline)."""
     _, _, order = pipelined
-    assert 2 in order and 1 in order
-    assert order == sorted(order), order
+    twins = [i for i, (pp, steps) in enumerate(order) if pp == 1 and steps == 1]
+    piped = [i for i, (pp, _) in enumerate(order) if pp > 1]
+    assert twins and piped and max(twins) < min(piped), order
+
+
+def test_first_ready_holds_pipelines_back():
+    """Before any trace the runner offers the unpipelined openers only (no trace: the grid's
+    own order), and once its twins resolve, a pipeline's opener too."""
+    from tapescope.layout_search.runner import _Grid
+    from tapescope.layout_search.space import SearchSpace
+
+    space = SearchSpace(4, 8, 4, (1, 2), (1,), checkpointing=("none", "full"), max_steps=4,
+                        n_blocks=2, heads=(4, 2), seq=128)
+    grid = _Grid(space, top=2)
+    first = grid.update(False)
+    assert first and all(c.layout.pp == 1 for c in first), [c.label() for c in first]
+    for c in grid.all:
+        if c.layout.pp == 1 and c.steps == 1:
+            grid.pruned[c] = "resolved for this test"
+    assert any(c.layout.pp == 2 for c in grid.update(False))
 
 
 def test_every_pruning_rule_holds_when_traced(searches):
