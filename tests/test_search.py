@@ -112,6 +112,105 @@ def test_each_trace_bounds_every_size_and_twin(searches):
             ("same_model_kernels", True)} <= kinds, kinds
 
 
+# the brute-force check of pipelined_model_kernels: a pipelined layout (PP 2 x FSDP 2, one block
+# a stage) beside its unpipelined twin (FSDP 4), both checkpointing modes, and a pipelined
+# micro-batch smaller than the twin opener's (8 candidates, every one traced)
+PIPE = dict(gpus=4, gpu="h100", global_batch=8, seq=128, pp=(1, 2), tp=(1,),
+            checkpointing=("none", "full"), max_steps=4, gpus_per_node=4)
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """The pruned search (its cache lines in trace order), then brute force from its cache."""
+    cache = tmp_path_factory.mktemp("pipelined") / "search.jsonl"
+    pruned = tapescope.search(SMALL_SPEC, **PIPE, top=2, cache=str(cache))
+    order = [(c["pp"], c["steps"]) for c in (json.loads(line)["outcome"]["candidate"]
+                                             for line in cache.read_text().splitlines())]
+    return pruned, tapescope.search(SMALL_SPEC, **PIPE, brute_force=True, cache=str(cache)), \
+        order
+
+
+def test_pipelined_bound_holds_on_every_candidate(pipelined):
+    """Every rule's bound on every candidate, from all of brute force's traces together and
+    from each trace alone, is at most its traced step; pipelined_model_kernels bounds every
+    pipelined candidate (the same micro-batch as the twin's opener and a smaller one, both
+    modes)."""
+    from tapescope.layout_search.bounds import BOUNDS, Known, pipelined_model_kernels
+
+    _, brute, _ = pipelined
+    piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
+    assert piped and all(o.fits for o in brute.outcomes)
+    assert {o.candidate.micro_batch for o in piped} == {1, 2}
+    everything = Known()
+    for o in brute.outcomes:
+        everything.add(o)
+    for o in brute.outcomes:
+        for rule in BOUNDS:
+            b = rule(o.candidate, everything)
+            if b is not None:
+                assert b.seconds <= o.step_seconds, (rule.__name__, o.candidate.label())
+    for x in brute.outcomes:
+        alone = Known()
+        alone.add(x)
+        for o in piped:
+            b = pipelined_model_kernels(o.candidate, alone)
+            if b is not None:
+                assert 0 < b.seconds <= o.step_seconds, (x.candidate.label(),
+                                                         o.candidate.label())
+    bounded = [o for o in piped if pipelined_model_kernels(o.candidate, everything)]
+    assert bounded == piped
+
+
+def test_pipeline_stages_run_the_models_kernels(pipelined):
+    """The proof's middle step, measured: at the same micro-batch size and mode, the stages'
+    model kernels (FSDP2's own and the waits left out) per micro-batch, summed over the
+    stages, are at least the unpipelined twin's per micro-batch."""
+    _, brute, _ = pipelined
+    by = {o.candidate: o for o in brute.outcomes}
+    pairs = 0
+    for o in brute.outcomes:
+        c = o.candidate
+        if c.layout.pp == 1:
+            continue
+        twin = next((x for x in by if x.layout.pp == 1 and x.steps == 1
+                     and x.micro_batch == c.micro_batch and x.checkpointing == c.checkpointing),
+                    None)
+        if twin is None:
+            continue
+        stages = sum(own + again - dp for _, _, _, _, dp, own, again in o.kernel_seconds)
+        (_, _, _, _, dp, own, again), = by[twin].kernel_seconds
+        assert len(o.kernel_seconds) == c.layout.pp
+        assert stages / c.steps >= own + again - dp > 0, (c.label(), stages / c.steps)
+        pairs += 1
+    assert pairs == 2
+
+
+def test_pipelines_traced_after_their_twins(pipelined):
+    """The pruned search traces a pipelined candidate only after the one-micro-batch
+    unpipelined candidates it traces (their kernels bound the pipeline)."""
+    _, _, order = pipelined
+    twins = [i for i, (pp, steps) in enumerate(order) if pp == 1 and steps == 1]
+    piped = [i for i, (pp, _) in enumerate(order) if pp > 1]
+    assert twins and piped and max(twins) < min(piped), order
+
+
+def test_first_ready_holds_pipelines_back():
+    """Before any trace the runner offers the unpipelined openers only (no trace: the grid's
+    own order), and once its twins resolve, a pipeline's opener too."""
+    from tapescope.layout_search.runner import _Grid
+    from tapescope.layout_search.space import SearchSpace
+
+    space = SearchSpace(4, 8, 4, (1, 2), (1,), checkpointing=("none", "full"), max_steps=4,
+                        n_blocks=2, heads=(4, 2), seq=128)
+    grid = _Grid(space, top=2)
+    first = grid.update(False)
+    assert first and all(c.layout.pp == 1 for c in first), [c.label() for c in first]
+    for c in grid.all:
+        if c.layout.pp == 1 and c.steps == 1:
+            grid.pruned[c] = "resolved for this test"
+    assert any(c.layout.pp == 2 for c in grid.update(False))
+
+
 def test_every_pruning_rule_holds_when_traced(searches):
     """What the rules ruled out, brute force traced: out of memory where a rule said so,
     slower than the candidate that dominates it where one did."""

@@ -30,6 +30,9 @@ guess at the candidate's own figures:
   CP / PP split (an HSDP layout from its FSDP twin, FSDP 8 x TP 2 from FSDP 4 x TP 2): the
   model's kernels and the waits between them only; FSDP2's own kernels and the collectives
   are left out.
+- `pipelined_model_kernels`: a pipelined candidate from an unpipelined trace of the same TP /
+  CP split (its proof is the rule's docstring): its stages together run the model's kernels on
+  every micro-batch, and the slowest rank at least the average of the pp ranks.
 - `model_flops`: sharding splits the matmuls and never removes one (TP and PP split a matmul's
   rows, columns or layers over ranks; data parallelism splits the batch), so the job's matmul
   FLOPs are at least those of a purely data-parallel trace per sample times the global batch,
@@ -66,6 +69,8 @@ class Known:
     by_micro_batch: dict = field(default_factory=dict)
     # the same with the layout's data-parallel degrees left out (_same_model_kernels) -> [Outcome]
     by_model_split: dict = field(default_factory=dict)
+    # unpipelined one-micro-batch traces by what a pipeline of them shares (_pipeline_twin)
+    by_pipeline_twin: dict = field(default_factory=dict)
     flops_per_sample: dict = field(default_factory=dict)  # "own" / mode -> matmul FLOPs per sample
 
     def add(self, o) -> None:
@@ -73,6 +78,8 @@ class Known:
         if o.kernel_seconds:
             self.by_micro_batch.setdefault(_same_kernels(c), []).append(o)
             self.by_model_split.setdefault(_same_model_kernels(c), []).append(o)
+            if c.layout.pp == 1 and c.steps == 1:
+                self.by_pipeline_twin.setdefault(_pipeline_twin(c), []).append(o)
         # a purely data-parallel trace: per sample, the model's whole matmul work (a CP rank
         # does its share of a sample's)
         if o.matmul_flops and c.layout.tp == 1 and c.layout.pp == 1 and c.layout.cp == 1 \
@@ -99,6 +106,14 @@ def _same_model_kernels(c: Candidate) -> tuple:
     float8_gather = c.float8 is not None and c.layout.fsdp > 1
     return (replace(c.layout, fsdp=1, dp_replicate=1), sharded, float8_gather, c.schedule,
             c.compile, c.float8)
+
+
+def _pipeline_twin(c: Candidate) -> tuple:
+    """What decides the model's own kernels on a rank whatever the pipeline degree and the
+    data-parallel degrees (pipelined_model_kernels): `_same_model_kernels`' key with PP left
+    out too, and the schedule (a pipeline's; None without)."""
+    layout, sharded, float8_gather, _, compiled, float8 = _same_model_kernels(c)
+    return (replace(layout, pp=1), sharded, float8_gather, compiled, float8)
 
 
 def _per_micro_batch_share(c: Candidate, x: Candidate) -> float | None:
@@ -131,7 +146,7 @@ def repeated_kernels(c: Candidate, known: Known) -> Bound | None:
             continue
         seconds = max(share * max(own + (again if same_mode else 0.0),
                                   comm + (comm_again if same_mode else 0.0))
-                      for own, again, comm, comm_again, _ in x.kernel_seconds)
+                      for own, again, comm, comm_again, *_ in x.kernel_seconds)
         if best is None or seconds > best.seconds:
             what = "one micro-batch's" if x.candidate.micro_batch == c.micro_batch else \
                 f"micro-batch {x.candidate.micro_batch}'s"
@@ -156,10 +171,64 @@ def same_model_kernels(c: Candidate, known: Known) -> Bound | None:
             continue
         same_mode = x.candidate.checkpointing == c.checkpointing
         seconds = max(share * (own - data_parallel + (again if same_mode else 0.0))
-                      for own, again, _, _, data_parallel in x.kernel_seconds)
+                      for own, again, _, _, data_parallel, *_ in x.kernel_seconds)
         if best is None or seconds > best.seconds:
             best = Bound(seconds, f"{c.steps} x micro-batch {x.candidate.micro_batch}'s model "
                                   f"kernels, scaled, as traced in {x.candidate.label()}")
+    return best
+
+
+def pipelined_model_kernels(c: Candidate, known: Known) -> Bound | None:
+    """A pipelined candidate's step is at least (its micro-batches / pp) x one micro-batch's
+    model kernels, waits left out, on the unpipelined layout of the same TP / CP split,
+    checkpointing as light or lighter, one micro-batch as large or larger (scaled).
+
+    Why. (1) The pipelined step lasts at least each pipeline rank's own compute-stream kernels:
+    distributed/pipeline.py's schedule_time runs a rank's actions one after another, each as
+    long as the time model's seconds of its ops (action_seconds), and adds the rest of the
+    rank's step after them, so the step is at least the rank's whole eager step (timing.py: its
+    in-order compute stream), and each op's seconds there are at least its kernel's price alone
+    (a collective beside it only slows it). So the step is at least the average over the pp
+    ranks of their kernels. (2) Those ranks together hold every block, the embedding and the
+    output once (pipeline.py's block_range splits the blocks; with several stages a rank, its
+    stages), each parallelised as the unpipelined model is (the same TP plan, checkpointing
+    and FSDP2 over the stage: evaluate.candidate_options), and run each micro-batch through
+    all of them: per micro-batch, the same ops at the same shapes (the micro-batch's samples,
+    the TP degree's shards; FSDP2 gathers each block whole before it runs, so the FSDP degree
+    changes none of the model's ops, as for `same_model_kernels`), plus what a pipeline adds
+    (stage boundaries, sends, the schedule's loss scaling). (3) timing.py prices an op's kernel
+    from the op alone (kernel_cost.kernel_of: its function, its inputs' and outputs' shapes,
+    dtypes and bytes, whether it runs on the GPU; the GPU's figures): not from its rank, its
+    neighbours or how many ops the trace holds, so a stage's kernel costs what the same kernel
+    costs in the whole model. Summing (1) and (2): pp x step >= micro-batches x the model's
+    kernels of one micro-batch.
+
+    What the twin's figure leaves out, each of which could exceed what the pipeline runs:
+    the compute stream's waits for collectives (stream_floors' windows: a pipeline's own
+    collectives differ), FSDP2's own kernels (their sizes follow the shard degree's padding),
+    the collectives, and gradient accumulation: only a twin with one micro-batch is read (an
+    unpipelined layout's opener, its largest micro-batch), whose forward and backward
+    accumulate nothing. Recomputed kernels count from a twin of the same mode only (a lighter
+    mode's own kernels are a heavier one's: `repeated_kernels`). A larger micro-batch scales
+    down by the whole fraction (`_per_micro_batch_share`'s subadditivity). The twin's rank
+    classes may differ: the least of them is read. A bubble would add to this and is not
+    counted."""
+    if c.layout.pp == 1:
+        return None
+    best = None
+    for x in known.by_pipeline_twin.get(_pipeline_twin(c), ()):
+        xc = x.candidate
+        if RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing) \
+                or c.micro_batch > xc.micro_batch or xc.micro_batch % c.micro_batch:
+            continue
+        same_mode = xc.checkpointing == c.checkpointing
+        per_micro_batch = min(max(0.0, own - data_parallel + (again if same_mode else 0.0))
+                              for _, _, _, _, data_parallel, own, again in x.kernel_seconds)
+        seconds = c.steps / c.layout.pp * c.micro_batch / xc.micro_batch * per_micro_batch
+        if best is None or seconds > best.seconds:
+            best = Bound(seconds, f"{c.steps} micro-batches / {c.layout.pp} stages x micro-batch "
+                                  f"{xc.micro_batch}'s model kernels, scaled, as traced in "
+                                  f"{xc.label()}")
     return best
 
 
@@ -173,11 +242,12 @@ def model_flops(c: Candidate, known: Known) -> Bound | None:
     return Bound(seconds, "the model's matmul FLOPs, shared evenly, at the GPU's matmul ceiling")
 
 
-BOUNDS = (repeated_kernels, same_model_kernels, model_flops)
+BOUNDS = (repeated_kernels, same_model_kernels, pipelined_model_kernels, model_flops)
 
 
 def stream_floors(q, waits: bool = True) -> tuple:
-    """(own, recomputed, collectives, recomputed collectives, FSDP2's own): seconds a rank's compute stream
+    """(own, recomputed, collectives, recomputed collectives, FSDP2's own, own kernels alone,
+    recomputed kernels alone): seconds a rank's compute stream
     provably spends in one step's forward and backward, and the busiest NCCL stream's
     collectives there (q: its Profile, timed by analysis/timing.py's eager model), as a sum that
     holds for every micro-batch running the same ops, whatever the collectives around them.
@@ -199,6 +269,8 @@ def stream_floors(q, waits: bool = True) -> tuple:
     a collective's end closes its phase); every micro-batch repeats its forward's and
     backward's collectives (FSDP2 gathers again after resharding and reduces every
     micro-batch's gradients: tapescope never turns gradient sync off).
+
+    The last two figures leave the waits out (pipelined_model_kernels reads them).
 
     waits=False: the kernels alone, for a pipelined step, whose time is the schedule's
     (distributed/pipeline.py: each rank's actions as long as its trace says, waiting on the
@@ -260,8 +332,9 @@ def stream_floors(q, waits: bool = True) -> tuple:
     running = [0.0]
     for i in positions:
         running.append(running[-1] + price[i])
+    alone = (own, again)
     if not waits:
-        return own, again, 0.0, 0.0, data_parallel
+        return own, again, 0.0, 0.0, data_parallel, *alone
     last = -1
     for p, qi, seconds, recomputed in sorted(windows, key=lambda w: (w[1], w[0])):
         if p < last:
@@ -280,7 +353,7 @@ def stream_floors(q, waits: bool = True) -> tuple:
     # with the same mode's recomputed collectives: the busiest stream counting them
     both = max((on_stream.get((s, False), 0.0) + on_stream.get((s, True), 0.0)
                 for s in streams), default=0.0)
-    return own, again, comm, both - comm, data_parallel
+    return own, again, comm, both - comm, data_parallel, *alone
 
 
 def lower_bound(c: Candidate, known: Known) -> Bound | None:

@@ -76,7 +76,8 @@ class Outcome:
     # what later candidates' lower bounds are made of (layout_search/bounds.py): per traced rank
     # class, the seconds of the compute stream's kernels in forward and backward (those the
     # step runs once and, apart, those activation checkpointing recomputes; the collectives;
-    # FSDP2's own kernels among them: bounds.stream_floors); and the job's
+    # FSDP2's own kernels among them; own and recomputed again without the waits for
+    # collectives, 0 in a cache written before them: bounds.stream_floors); and the job's
     # matmul FLOPs over the step (all ranks; the same split). () where the step was not timed
     # from the kernel model (compiled, or priced by a calibration file)
     kernel_seconds: tuple = ()
@@ -119,7 +120,7 @@ class Outcome:
                               "matmul_flops")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
-                   kernel_seconds=tuple((*x, 0.0, 0.0, 0.0)[:5]
+                   kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
                                       for x in d.get("kernel_seconds", ())),
                    matmul_flops=tuple(d.get("matmul_flops", ())), **kept)
 

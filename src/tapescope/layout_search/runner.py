@@ -22,7 +22,9 @@ one:
   recompute at its largest micro-batch: its fewest micro-batches, the cheapest trace of the
   layout, and, fit or not, its kernels bound every micro-batch size of the layout and of the
   layouts that split the model the same way (bounds.py), so a layout far from the top costs one
-  trace. (One-micro-batch screens of accumulating candidates were tried and dropped: on
+  trace. A pipelined candidate waits for the one-micro-batch unpipelined candidates of its TP /
+  CP split (their kernels bound it: bounds.pipelined_model_kernels) while unpipelined work is
+  ready or being traced. (One-micro-batch screens of accumulating candidates were tried and dropped: on
   benchmarks/search_speed.py's spaces they cost more than they pruned.)
 
 The brute-force search checks each rule: every candidate the rules rule out runs out of memory
@@ -44,7 +46,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import TapescopeError
-from .bounds import Known, lower_bound, matmul_rate
+from .bounds import Known, _pipeline_twin, lower_bound, matmul_rate
 from .evaluate import ERROR, FITS, OOM, Outcome, Source, evaluate
 from .space import RECOMPUTE_ORDER, Candidate, SearchSpace, candidate_grid
 
@@ -307,6 +309,16 @@ class _Grid:
         def estimate(c):
             b = lower_bound(c, self.known) if self.top is not None else None
             return b.seconds if b is not None else 0.0
+
+        # a pipeline after the one-micro-batch unpipelined traces of its TP / CP split: its
+        # bound reads their kernels (bounds.pipelined_model_kernels); nothing else bounds a
+        # pipeline before its own family's trace (s70b's 70B run: its probes, 100-160 CPU s
+        # each, went first). Only while unpipelined work is ready or running: never a wait
+        # for a candidate that cannot come
+        if not brute_force and any(c.layout.pp == 1 for c in (*ready, *self.started)):
+            awaited = {_pipeline_twin(c) for c in self.all if c.layout.pp == 1
+                       and c.steps == 1 and not self._resolved(c)}
+            ready = [c for c in ready if c.layout.pp == 1 or _pipeline_twin(c) not in awaited]
 
         return sorted(dict.fromkeys(ready), key=lambda c: (
             estimate(c), c.layout.pp, -c.layout.tp, c.layout.dp_replicate,
