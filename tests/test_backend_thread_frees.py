@@ -76,28 +76,37 @@ def test_the_flag_is_restored():
     assert _run(counted=False)[2] == (2000, 18000)  # per-thread again
 
 
-def _step_with_a_backend_held_tensor():
-    """One step: the program all-reduces X (4,000 B) and drops it while a backend-like thread
-    still holds it; that thread lets go; then the program makes Y (8,000 B). The program's peak
-    is 8,000 B (X is gone before Y), and X's free was a backend thread's."""
+def _step_on_a_fake_rank(body):
+    """The truth (validate/real.py) of one step that `body()` runs on rank 0 of torch's fake
+    process group, with every thread's frees counted as validate/distributed.py counts them."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
-        held = []
         with cpu_allocator_counts_every_thread(), profile(activities=[ProfilerActivity.CPU],
-                                                      profile_memory=True, record_shapes=True) as prof:
+                                                          profile_memory=True, record_shapes=True) as prof:
             with record_function("tapescope::step1"):
-                x = torch.ones(1000)
-                dist.all_reduce(x)
-                held.append(x)
-                del x                        # the program's last reference
-                _free_on_another_thread(held)
-                y = torch.empty(2000)
-                del y
+                body()
         return _read_allocations(prof, torch.device("cpu"), program_only=True)
     finally:
         dist.destroy_process_group()
+
+
+def _step_with_a_backend_held_tensor():
+    """One step: the program all-reduces X (4,000 B) and drops it while a backend-like thread
+    still holds it; that thread lets go; then the program makes Y (8,000 B). The program's peak
+    is 8,000 B (X is gone before Y), and X's free was a backend thread's."""
+    def body():
+        held = []
+        x = torch.ones(1000)
+        dist.all_reduce(x)
+        held.append(x)
+        del x                        # the program's last reference
+        _free_on_another_thread(held)
+        y = torch.empty(2000)
+        del y
+
+    return _step_on_a_fake_rank(body)
 
 
 def test_the_truth_times_a_collective_tensor_freed_by_a_backend_thread():
@@ -108,33 +117,25 @@ def test_the_truth_times_a_collective_tensor_freed_by_a_backend_thread():
     assert real.late_frees == {1: 4000}
 
 
-
 def test_of_equal_blocks_the_one_freed_in_sight_is_not_the_one_gone():
     """X1 and X2, equal, both all-reduced; a backend-like thread drops X2's last reference, so the
     total drops by one block of their size; the program then makes Y and frees X1 in sight. The
     drop is counted when it happens, and X1's own free tells that X2 was the one gone (taking the
     first block of the size, X1, left X2 live to the end): the peak is X1 + Y (12,000 B)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
+    def body():
         held = []
-        with cpu_allocator_counts_every_thread(), profile(activities=[ProfilerActivity.CPU],
-                                                          profile_memory=True, record_shapes=True) as prof:
-            with record_function("tapescope::step1"):
-                x1, x2 = torch.ones(1000), torch.ones(1000)
-                dist.all_reduce(x1)
-                dist.all_reduce(x2)
-                held.append(x2)
-                del x2
-                _free_on_another_thread(held)
-                y = torch.empty(2000)
-                del x1
-                z = torch.empty(100)  # after X1's free
-                del y, z
-        real = _read_allocations(prof, torch.device("cpu"), program_only=True)
-    finally:
-        dist.destroy_process_group()
+        x1, x2 = torch.ones(1000), torch.ones(1000)
+        dist.all_reduce(x1)
+        dist.all_reduce(x2)
+        held.append(x2)
+        del x2
+        _free_on_another_thread(held)
+        y = torch.empty(2000)
+        del x1
+        z = torch.empty(100)  # after X1's free
+        del y, z
+
+    real = _step_on_a_fake_rank(body)
     assert real.peaks[1] == 12000
     assert real.late_frees == {1: 4000}
     assert real.events[-1].live == 0
@@ -144,24 +145,17 @@ def test_the_blocks_of_one_collective_let_go_together_are_all_gone():
     """A work object holds all of its collective's tensors, and its worker thread lets go of them
     together: one drop of the total, the sum of the input (4,000 B) and output (8,000 B) of an
     all-gather, is both of them (FSDP+TP: the two chunks of a scatter's input)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
+    def body():
         held = []
-        with cpu_allocator_counts_every_thread(), profile(activities=[ProfilerActivity.CPU],
-                                                          profile_memory=True, record_shapes=True) as prof:
-            with record_function("tapescope::step1"):
-                inp, out = torch.ones(1000), torch.empty(2000)
-                dist.all_gather_into_tensor(out, inp)
-                held += [inp, out]
-                del inp, out
-                _free_on_another_thread(held)
-                y = torch.empty(4000)  # 16,000 B
-                del y
-        real = _read_allocations(prof, torch.device("cpu"), program_only=True)
-    finally:
-        dist.destroy_process_group()
+        inp, out = torch.ones(1000), torch.empty(2000)
+        dist.all_gather_into_tensor(out, inp)
+        held += [inp, out]
+        del inp, out
+        _free_on_another_thread(held)
+        y = torch.empty(4000)  # 16,000 B
+        del y
+
+    real = _step_on_a_fake_rank(body)
     assert real.peaks[1] == 16000
     assert real.late_frees == {1: 12000}
     assert real.events[-1].live == 0

@@ -186,6 +186,18 @@ def _channels_last_2d(backend: str, x: _Layout, w: _Layout) -> bool:
             and (x.suggests_channels_last() or w.suggests_channels_last()))
 
 
+def _in_backend_format(b, backend: str, x: _Layout, w: _Layout) -> tuple:
+    """Where ATen splits the groups itself (`_convolution`, `convolution_backward`), input and
+    weight are first made contiguous in the backend's memory format; backends that take the
+    groups inside the kernel receive them as they are."""
+    if backend in _GROUPS_INSIDE:
+        return x, w
+    cl = _channels_last_2d(backend, x, w)
+    _, x = b.contiguous("input in the backend's format", x, cl)
+    _, w = b.contiguous("weight in the backend's format", w, cl)
+    return x, w
+
+
 # ---- one group: the kernels ---------------------------------------------------------------------
 # Each takes the operands as the kernel receives them and `out(i, nbytes)`, which places the
 # kernel's i-th result: the op's Output where the kernel makes it, a group's own buffer otherwise.
@@ -430,10 +442,7 @@ def slow_convolution_scratch(ctx, func, args, kwargs, out):
     b = _Steps()
     ops = _operands(b, {"input": x, "weight": weight}, x.dim() == 3)
     xl, wl = ops["input"], ops["weight"]
-    if backend not in _GROUPS_INSIDE:   # _convolution: both contiguous in the backend's format
-        cl = _channels_last_2d(backend, xl, wl)
-        _, xl = b.contiguous("input in the backend's format", xl, cl)
-        _, wl = b.contiguous("weight in the backend's format", wl, cl)
+    xl, wl = _in_backend_format(b, backend, xl, wl)  # _convolution
     kernel = _FORWARD[backend]
 
     def run_group(gb, g, place):
@@ -462,10 +471,7 @@ def slow_convolution_backward_scratch(ctx, func, args, kwargs, out):
     b = _Steps()
     ops = _operands(b, {"grad_output": grad_output, "input": x, "weight": weight}, x.dim() == 3)
     gol, xl, wl = ops["grad_output"], ops["input"], ops["weight"]
-    if backend not in _GROUPS_INSIDE:   # convolution_backward: input and weight, not grad_output
-        cl = _channels_last_2d(backend, xl, wl)
-        _, xl = b.contiguous("input in the backend's format", xl, cl)
-        _, wl = b.contiguous("weight in the backend's format", wl, cl)
+    xl, wl = _in_backend_format(b, backend, xl, wl)  # convolution_backward: not grad_output
     kernel = _BACKWARD[backend]
 
     def run_group(gb, g, place):
