@@ -36,10 +36,10 @@ class RealRank:
     late_frees: step -> bytes of the program's tensors that a backend thread freed: gloo's work
         object holds a collective's tensors until its worker thread lets go of it, just after the
         wait returns; when the program dropped its own reference first, the free happens there,
-        a moment later, with no profiler event. The allocator's total, counted on every thread
-        during the run (torch_compat.cpu_allocator_counts_every_thread), drops there, which times
-        it. A step with late frees can peak higher than the program alone would (a worker thread
-        kept off the CPU until after the peak); a step without them is the program's peak.
+        a moment later, with no profiler event (timed only where the allocator's total counts
+        every thread: torch_compat.cpu_allocator_counts_every_thread, not on in these runs). A
+        step with late frees can peak higher than the program alone would (a worker thread kept
+        off the CPU until after the peak); a step without them is the program's peak.
     unstepped: how many of the rank's parameters the optimizer never updated (no state after the
         last step: no step gave them a gradient). A truth whose real run left parameters without
         gradients is no truth of a training step.
@@ -148,7 +148,6 @@ def _run_job(job: RealJob) -> dict:
     from ..capture.optimizers import make_optimizer
     from ..capture.program import StepRuntime
     from ..capture.step import train_step
-    from ..torch_compat import cpu_allocator_counts_every_thread
     from .real import _read_allocations
 
     mesh = init_device_mesh("cpu", tuple(job.mesh.values()), mesh_dim_names=tuple(job.mesh))
@@ -163,11 +162,15 @@ def _run_job(job: RealJob) -> dict:
         from torch.distributed import pipelining  # noqa: F401
     torch.manual_seed(job.seed)
     gen = torch.Generator().manual_seed(job.seed)
-    # gloo's worker threads free a collective's tensors when the program has dropped them first
-    # (validate/real.py, _program_allocations): the allocator's total must count those frees
-    with cpu_allocator_counts_every_thread(), \
-            profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                    record_shapes=True) as prof:
+    # gloo's worker threads free a collective's tensors when the program has dropped them first,
+    # a free c10 takes off its total only when told to count every thread
+    # (torch_compat.cpu_allocator_counts_every_thread). Not turned on here: with it, a drop in the
+    # total can be a block gloo made inside a functional collective as well as a program block of
+    # the same size, and CI once read a TP rank 16,384 B below its own program that way
+    # (tests/test_fit_layouts_checkpoint.py). A truth may read a delayed free late (above the
+    # program's peak: the tests take the least of several runs), never early.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                 record_shapes=True) as prof:
         with record_function("tapescope::step0"):
             with torch.device(device):
                 model = job.build()
