@@ -280,3 +280,27 @@ def test_a_zero_bubble_schedule_s_cuda_memory_replays_its_steps_on_cuda_without_
         assert cm.steady_allocated == cm.max_allocated
         blocks = max(1, len(prof.trace.storages))
         assert 0 <= cm.max_allocated - (32 << 20) - prof.peak_bytes <= 511 * blocks
+
+
+def test_step_2_is_reused_where_proven_and_keeps_the_real_peak(real):
+    """Step 2 built from step 1's records (capture/first_step.py) on 1F1B with FSDP2 inside each
+    stage (its gradients reduce-scattered): each rank's steady peak is the real processes', as
+    the test above asserts it. A zero-bubble schedule keeps its stages' last outputs into the
+    next step (the proof's condition 3 fails): its step 2 is traced, and says why."""
+    mesh, par = next((m, p) for s, m, p in CASES[4] if s == "1f1b")
+    p = tapescope.profile(dm.pipeline_llama, *dm.PIPELINE_INPUTS, mesh=mesh, parallelize=par,
+                          pipeline=_pipeline("1f1b"))
+    assert {q.trace.step2 for q in p.distributed.profiles.values()} == {"reused"}
+    classes: dict = {}
+    for ours, theirs in zip(p.ranks, real[(4, "1f1b", False)]):
+        classes.setdefault(ours.traced_as, (ours, []))[1].append(theirs)
+    for ours, reals in classes.values():
+        seen = [(t.peaks[2], t.late_frees.get(2, 0)) for t in reals]
+        assert all(peak >= ours.peak_bytes for peak, _ in seen), (ours.rank, seen)
+        assert any(peak <= ours.peak_bytes + late for peak, late in seen), (ours.rank, seen)
+    zbv = tapescope.profile(dm.pipeline_llama, *dm.PIPELINE_INPUTS, mesh={"pp": 2},
+                            pipeline=_pipeline("zbv"))
+    for q in zbv.distributed.profiles.values():
+        assert q.trace.step2 == "traced"
+        assert "alive" in q.facts["step2_not_reused"] or "made before" in \
+            q.facts["step2_not_reused"]

@@ -67,6 +67,9 @@ class StepRuntime:
     on_optimizer(optimizer): an optimizer's step starts or ends (capture names its state).
     on_default_loss(what): the built-in step used default_loss, and which of its choices.
     micro_batch_done(i, n): micro-batch i of n has run; True ends the loop (capture/step.py).
+    first_step_only(step): opened around what a program runs in its first step alone (a
+        pipeline schedule's initialisation of its stages); capture marks it, and a step 2
+        built from step 1 leaves it out (capture/first_step.py).
     """
 
     phase: Callable
@@ -80,6 +83,7 @@ class StepRuntime:
     micro_batch_done: Callable = field(default=lambda i, n: False)
     #: the global hooks phase_marks uses, when registered once for every step (steps_of)
     hooks: Any = None
+    first_step_only: Callable = field(default=lambda step: nullcontext())
 
 
 class StepProgram(ABC):
@@ -90,6 +94,11 @@ class StepProgram(ABC):
     #: setup is recorded as step 0 (what it makes is alive when step 1 starts); else it runs
     #: before the recording, like the built-in step's optimizer construction
     records_setup: bool = False
+    #: step 2 may be step 1 less what `runtime.first_step_only` marked and less its optimizer
+    #: step, then its own optimizer step (capture/first_step.py proves when). Such a program's
+    #: `run` takes `end=False` (a step without its gradient reset) and it has
+    #: `optimizer_step`, `end_step` and `first_step_done`
+    step2_from_step1: bool = False
 
     def describe(self) -> dict | None:
         """What the report says about the program (RunFacts.step); None for the built-in step."""
@@ -103,6 +112,19 @@ class StepProgram(ABC):
     def run(self, model, args: tuple, kwargs: dict, state, step: int,
             runtime: StepRuntime) -> None:
         """One step: its phases bracketed by `runtime`."""
+
+    def optimizer_step(self, model, state, step: int, runtime: StepRuntime) -> None:
+        """(step2_from_step1) The optimizer step alone, as `run` takes it."""
+        raise NotImplementedError
+
+    def end_step(self, state, step: int, runtime: StepRuntime) -> None:
+        """(step2_from_step1) The gradient reset that ends a step run with `end=False`."""
+        raise NotImplementedError
+
+    def first_step_done(self, state) -> bool:
+        """(step2_from_step1) True when later steps skip what step 1 ran in
+        `runtime.first_step_only`, as the program's own state says."""
+        return False
 
 
 @dataclass

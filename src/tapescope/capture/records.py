@@ -36,6 +36,7 @@ __all__ = [
     "CATEGORIES",
     "ALL_CATEGORIES",
     "DISTRIBUTED_CATEGORIES",
+    "FIRST_STEP_ONLY",
 ]
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -48,6 +49,9 @@ OTHER = "other"
 BUILDS_GRAPH = (FORWARD, OTHER)
 # the label of the optimizer-phase segment that ends a step: the gradient reset, and the loss's end
 ZERO_GRAD = "zero_grad"
+# the label of an OTHER segment of step 1 that later steps do not run (a pipeline schedule's
+# initialisation of its stages: their receive buffers): a step 2 built from step 1 leaves it out
+FIRST_STEP_ONLY = "first_step_only"
 SETUP = "setup"  # step 0: work done on the model before the first step (parallelising it)
 LOSS_MODULE = "(loss)"  # the module name of ops computing the loss outside the model
 INTERNAL_GUARD = "<tapescope>"  # where a guard tapescope's own code placed comes from
@@ -311,6 +315,9 @@ class RunFacts:
     # what compiling the step produced (capture.compiled.CompileRecord; analysis/compiled.py
     # reads it), None for an eager step
     compiled: object = field(default=None, repr=False)
+    # a program whose step 2 may be built from step 1 (a pipelined step) and was traced: why the
+    # proof did not hold (capture/first_step.py)
+    step2_not_reused: str | None = None
 
     # keys `as_dict` always writes; the others only when the run had them (None: not this run's)
     _ALWAYS = ("optimizer", "amp", "heuristics", "parameters", "param_dtype")

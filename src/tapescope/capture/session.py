@@ -39,6 +39,7 @@ from .data_values import DataValues
 from .distributed_roles import assign_roles, sharded_parameter_names
 from .engine import PythonEngine
 from .fidelity import RULES, FidelityContext, FunctionRulesMode
+from .first_step import StepNotRepeated, nested_first_step, why_not_repeated, why_reset_differs
 from .fidelity.attention import sdpa_composite_of_the_gpu
 from .fidelity.libraries import library_branches
 from .fidelity.linear import autocast_casts_cleared_with_torchs
@@ -49,9 +50,9 @@ from .model import Spec, built_for, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
 from .program import (StepRuntime, optimizers_in, state_tensors, step_program, steps_of,
                       torch_globals_kept)
-from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
-                      OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, ZERO_GRAD, GuardRecord,
-                      RunFacts, Trace)
+from .records import (BACKWARD, BUFFER, FIRST_STEP_ONLY, FORWARD, GRADIENT, INPUT,
+                      INTERNAL_GUARD, LOSS_MODULE, OPTIMIZER, OPTIMIZER_STATE, OTHER, PARAMETER,
+                      SETUP, ZERO_GRAD, GuardRecord, RunFacts, Trace)
 from .step import zero_grad
 from .tape import ModuleStack, Tape
 from .view_replay import ViewRegeneration
@@ -75,16 +76,20 @@ def capture(workload: Workload, options: Options, progress=None,
     (a distributed profile's parallelisation) runs on each attempt's fake model; `streams` (a
     StreamLog) says which CUDA stream each op is issued on; `program` is a StepProgram run in
     place of the one the options ask for (a pipelined rank's step, distributed/pipeline.py)."""
-    workload = replace(workload, model=built_for(workload.model, options))  # built once, for both
-    try:
-        return CaptureSession(workload, options, progress, prepare=prepare, streams=streams,
-                              program=program).run()
-    except DataDependentError:
-        if options.symbolic:
-            raise  # that session had a ShapeEnv and values already
-    return CaptureSession(workload, options, progress, prepare=prepare, streams=streams,
-                          program=program,
-                          data_dependent=True).run()
+    workload = replace(workload, model=built_for(workload.model, options))  # built once, for all
+    how: dict = {}
+    while True:
+        try:
+            return CaptureSession(workload, options, progress, prepare=prepare, streams=streams,
+                                  program=program, **how).run()
+        except DataDependentError:
+            if options.symbolic or how.get("data_dependent"):
+                raise  # that session had a ShapeEnv and values already
+            how["data_dependent"] = True
+        except StepNotRepeated as e:
+            if how.get("step2_traced"):
+                raise
+            how["step2_traced"] = str(e)  # step 2 could not be built from step 1: traced
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -158,12 +163,15 @@ class CaptureSession:
     """One capture of a workload under options. `run()` once."""
 
     def __init__(self, workload: Workload, options: Options, progress=None, prepare=None,
-                 data_dependent: bool = False, streams=None, program=None):
+                 data_dependent: bool = False, streams=None, program=None,
+                 step2_traced: str | None = None):
         """prepare: `fn(fake_model) -> model`, run on the fake copy before the first step and
         recorded as step 0 (setup): a simulated rank's parallelisation (distributed/profile.py).
         What it leaves alive is there when step 1 starts.
         data_dependent: trace with a ShapeEnv whose unbacked symbols carry the sizes the data
-        decides (capture() retries with it when the first attempt meets one)."""
+        decides (capture() retries with it when the first attempt meets one).
+        step2_traced: why step 2 is traced in full where it could be built from step 1
+        (capture() retries with it when the proof's last condition fails, first_step.py)."""
         self.options = options
         self.progress = progress
         self.prepare = prepare
@@ -193,6 +201,10 @@ class CaptureSession:
         self.accumulate_traced: int | None = None  # micro-batches traced before they repeated
         self.compile_record = None  # compiled.CompileRecord of a compiled step
         self.sharded_names: set = set()  # a simulated rank's parameters that are shards
+        # a program whose step 2 may be built from step 1 (capture/first_step.py): why it was
+        # traced in full instead (given: capture()'s retry), None while it may be
+        self.step2_not_reused: str | None = step2_traced
+        self.first_step_nested = False  # a phase opened inside a first-step-only block
         if self.shape_env is not None:
             _guards_name_user_lines(self.shape_env, self.tape)
 
@@ -284,7 +296,8 @@ class CaptureSession:
             if opts.checkpointing else None,
             accumulate=opts.accumulate if opts.accumulate > 1 else None,
             accumulate_traced=self.accumulate_traced,
-            compiled=self.compile_record)
+            compiled=self.compile_record,
+            step2_not_reused=self.step2_not_reused)
 
     def _make_fake_model(self) -> None:
         """The fake copy of the model and inputs, their tensors registered with the tape."""
@@ -638,12 +651,73 @@ class CaptureSession:
             else nullcontext
         runtime = StepRuntime(phase=self._user_phase, backward=self._run_backward,
                               grad=self._run_grad, on_optimizer=self._saw_optimizer,
-                              forward_context=forward_context)
+                              forward_context=forward_context,
+                              first_step_only=self._first_step_only)
         with steps_of(program, runtime):
+            if self.options.steps == 2 and program.step2_from_step1 \
+                    and self.step2_not_reused is None:
+                self._steps_sharing_step1(runtime)
+                return
             for step in range(1, self.options.steps + 1):
                 program.run(self.step_model, self.fargs, self.fkwargs, self.state, step, runtime)
                 self._mark_grads_and_state()
         self.trace.step2 = "traced" if self.options.steps == 2 else None
+
+    def _steps_sharing_step1(self, runtime: StepRuntime) -> None:
+        """Steps 1 and 2 of a program whose step 2 may be step 1 less its first-step work
+        (capture/first_step.py has the proof and its conditions): step 1 without its gradient
+        reset, then, where the conditions hold, step 2's optimizer step and the reset that ends
+        both steps (as `_trace_steps` does for the built-in step); else step 1 is ended and
+        step 2 traced in full. `Trace.step2` says which."""
+        program, trace, model = self.program, self.trace, self.step_model
+        before = (_tensors_fingerprint(self.fmodel), _python_state(self.fmodel))
+        first = len(trace.segments)
+        program.run(model, self.fargs, self.fkwargs, self.state, 1, runtime, end=False)
+        self._mark_grads_and_state()
+        gradients = {self.tape.storage_id(p.grad) for p in self.params if p.grad is not None}
+        why, left = why_not_repeated(trace, first, gradients)
+        if why is None:
+            why = self._why_step2_runs_other_code(before)
+        if why is not None:
+            self.step2_not_reused = why
+            program.end_step(self.state, 1, runtime)
+            program.run(model, self.fargs, self.fkwargs, self.state, 2, runtime)
+            self._mark_grads_and_state()
+            trace.step2 = "traced"
+            return
+        step2 = len(trace.segments)
+        program.optimizer_step(model, self.state, 2, runtime)
+        self._mark_grads_and_state()
+        program.end_step(self.state, 2, runtime)
+        why = why_reset_differs(trace, step2, left)
+        if why is not None:
+            raise StepNotRepeated(why)
+        trace.step2 = "reused"
+
+    def _why_step2_runs_other_code(self, before: tuple) -> str | None:
+        """Conditions 1 and 2 of capture/first_step.py, besides the value reads."""
+        if not self.program.first_step_done(self.state):
+            return "the program's first-step work would run again"
+        if self.first_step_nested:
+            return "a phase opened inside the first step's own work"
+        if _tensors_fingerprint(self.fmodel) != before[0]:
+            return "step 1 changed the tensors the model holds"
+        if _python_state(self.fmodel) != before[1]:
+            return "step 1 changed a plain Python value the model holds"
+        if self.inputs_gather_grads:
+            return "an input gathers a .grad"
+        if self.values.counts_left():
+            return "data-dependent sizes were given for step 2's own calls"
+        return None
+
+    @contextmanager
+    def _first_step_only(self, step: int):
+        """What the program runs in its first step alone, one FIRST_STEP_ONLY segment
+        (`StepRuntime.first_step_only`)."""
+        first = len(self.trace.segments)
+        with self.tape.phase(step, OTHER, FIRST_STEP_ONLY):
+            yield
+        self.first_step_nested |= nested_first_step(self.trace, first)
 
     @contextmanager
     def _user_phase(self, step: int, name: str):

@@ -344,7 +344,9 @@ class PipelineStep(StepProgram):
             compute_order(schedule_of(self.microbatches))
         return schedule, make_optimizer(self.optimizer, params, device), stages
 
-    def run(self, model, args, kwargs, state, step, runtime):
+    step2_from_step1 = True  # step 2: step 1 less the stages' initialisation (first_step.py)
+
+    def run(self, model, args, kwargs, state, step, runtime, end: bool = True):
         schedule, optimizer, stages = state
         if kwargs:
             raise TapescopeError("a pipelined step takes positional inputs (the first stage's "
@@ -354,7 +356,8 @@ class PipelineStep(StepProgram):
             inputs, target = _first_microbatches((inputs, target), self.traced, self.microbatches)
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
         with phase_marks(model, step, runtime) as backward_phase, \
-                _backward_actions_as_phases(stages, backward_phase):
+                _backward_actions_as_phases(stages, backward_phase), \
+                _initialisation_marked(schedule, runtime.first_step_only, step):
             # torchtitan's call: the last stage keeps the losses, not the merged outputs
             losses: list | None = [] if last else None
             if last:
@@ -365,9 +368,63 @@ class PipelineStep(StepProgram):
             del losses
             if optimizer is not None:
                 optimizer.step()
+        if end:
+            self.end_step(state, step, runtime)
+
+    def optimizer_step(self, model, state, step, runtime):
+        optimizer = state[1]
+        with phase_marks(model, step, runtime):
+            if optimizer is not None:
+                optimizer.step()
+
+    def end_step(self, state, step, runtime):
+        optimizer = state[1]
         with runtime.phase(step, ZERO_GRAD):
             if optimizer is not None:
                 optimizer.zero_grad()
+
+    def first_step_done(self, state) -> bool:
+        return _stages_initialised(state[0])
+
+
+# torch's schedules initialise their stages in the first `step` (receive buffers, metadata) by
+# one method: PipelineScheduleSingle's and PipelineScheduleMulti's (schedules.py)
+_INITIALISERS = ("_initialize_stage", "_initialize_stages")
+
+
+@contextmanager
+def _initialisation_marked(schedule, first_step_only, step: int):
+    """The schedule's initialisation of its stages runs inside `first_step_only(step)`: what a
+    step 2 built from step 1 leaves out (capture/first_step.py). Set on the schedule (tapescope's
+    own, made in setup) for the block, removed after."""
+    name = next((n for n in _INITIALISERS if hasattr(schedule, n)), None)
+    if name is None:
+        yield
+        return
+    method = getattr(schedule, name)
+
+    def marked(*args, **kwargs):
+        with first_step_only(step):
+            return method(*args, **kwargs)
+
+    setattr(schedule, name, marked)
+    try:
+        yield
+    finally:
+        delattr(schedule, name)
+
+
+def _stages_initialised(schedule) -> bool:
+    """Whether the schedule's next `step` skips its stages' initialisation: torch's
+    `_initialize_pp_stages` (schedules.py) returns at once when the forward is initialised and
+    the backward is exactly when the schedule has one (a change of mode initialises again).
+    The flags as torch 2.14 names them; not found: False (step 2 is then traced)."""
+    for prefix in ("_stage_", "_stages_"):
+        forward = getattr(schedule, prefix + "forward_initialized", None)
+        if forward is not None:
+            backward = getattr(schedule, prefix + "backward_initialized", None)
+            return forward is True and backward == getattr(schedule, "_has_backward", None)
+    return False
 
 
 def _first_microbatches(args, traced: int, microbatches: int):
@@ -473,6 +530,8 @@ def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | N
         in_flight = max_in_flight(traced_order(stage, traced))
     extensions = []
     for step in sorted({seg.step for seg in trace.segments if seg.step > 0}):
+        if step == 2 and trace.step2 == "reused":
+            continue  # step 1's records, extended with them (analysis/steps.py)
         segments = [i for i, seg in enumerate(trace.segments) if seg.step == step]
         kinds = ["F" if trace.segments[i].phase == "forward" else "B" for i in segments
                  if trace.segments[i].phase in ACTIONS]
@@ -586,10 +645,11 @@ def _per_microbatch_setup(trace, segments: list, m: int, n: int) -> list:
         last = run[-1]
         # what it leaves alive (a buffer); what it frees again is its own, once per run
         made = [e for e in made_by.get(last, []) if events[e][1] not in freed]
-        after = (made[-1] + 1) if made else None
+        # the stand-ins go in just before its last allocation, in its segment: a first step's
+        # receive buffers and theirs are left out of a step 2 built from step 1 together
+        at = made[-1] if made else 0
         for _ in range(len(run) // m):
-            out.append(Proof(None, range(last, last + 1),
-                             range(after, after) if after is not None else range(0, 0),
+            out.append(Proof(None, range(last, last + 1), range(at, at),
                              tuple(events[e][1] for e in made)))
 
     prefix = []
@@ -742,12 +802,13 @@ def action_seconds(profile) -> tuple[list, list, float] | None:
 def _action_segments(trace, step: int) -> list:
     """(segment, runs) of each compute action of `step` in the order they ran: the segments of
     a block that stands for several (Trace.repeated) once per run."""
+    from ..analysis.steps import step_segments
     from ..capture.repeats import ACTIONS
 
     runs_of = [(first, end, runs) for first, end, runs in trace.repeated if runs > 1]
     out, block, block_of = [], [], None
-    for seg in trace.segments:
-        if seg.step != step or seg.phase not in ACTIONS:
+    for seg in step_segments(trace).get(step, []):
+        if seg.phase not in ACTIONS:
             continue
         where = next(((f, e, r) for f, e, r in runs_of if seg.ops and f <= seg.ops.start < e),
                      None)
