@@ -45,6 +45,14 @@ when one fails):
    the reset. This is known only once the reset ran, after step 2's optimizer step was
    recorded: capture() then runs the capture again with step 2 traced (`StepNotRepeated`).
 
+Assumed, not checked: code that does more the first time it runs without the program marking
+it. FSDP2's first unshard of each parameter group makes its all-gather outputs and the
+unsharded parameters' views (`init_all_gather_outputs`, `init_unsharded_param`); a reused
+step 2 keeps those ops, as the built-in step's step 2 does. They run no kernel and allocate
+nothing (tests/test_pipeline_step2.py: step 2's allocations and frees, peaks, FLOPs equal the
+traced step 2's), so only the op table counts them. A first-time path that allocated a
+temporary would be counted in step 2 as well (one that keeps a storage fails 3).
+
 Checked against the real multi-process gloo runs of tests/test_pipeline.py and
 tests/test_pipeline_repeats.py (every schedule they cover: each rank's step-2 peak equal to the
 real allocator's) and by tests/test_pipeline_step2.py (a reused step 2 against step 2 traced).
