@@ -37,9 +37,10 @@ when one fails):
    repeated part neither makes nor frees: it allocates and frees as in step 1, and each level
    of step 2's timeline is step 1's level plus what those left (analysis/steps.py starts
    step 2's view from what step 1 left).
-4. Step 1's optimizer step frees only what it made, so step 2's optimizer step sees step 1's
-   gradients, which are the tensors step 2's backward would have made (1-3), and step 2's
-   traced optimizer step is the one that follows them.
+4. Step 1's optimizer step ends it (nothing of the repeated part after it) and frees only
+   what it made, so step 2's optimizer step sees step 1's gradients, which are the tensors
+   step 2's backward would have made (1-3), and step 2's traced optimizer step is the one
+   that follows them.
 5. After the reset (shared by both steps): it freed every storage the repeated part had left
    (3's gradients: no other tensor held one), and step 2 ran nothing but its optimizer step and
    the reset. This is known only once the reset ran, after step 2's optimizer step was
@@ -92,8 +93,12 @@ def why_not_repeated(trace: Trace, first: int, gradients: set) -> tuple[str | No
     made: set = set()        # by the repeated part
     by_optimizer: set = set()
     left: set = set()        # made by the repeated part and alive
+    stepped = False          # an optimizer step ran
     for seg in trace.segments[first:]:
         repeated = seg.phase != OPTIMIZER and seg.label != FIRST_STEP_ONLY
+        stepped |= seg.phase == OPTIMIZER
+        if repeated and stepped and (seg.ops or seg.events):
+            return "an optimizer stepped before step 1's end (in a backward hook?)", frozenset()
         reads = next((i for i in seg.ops if ops[i].func is _READS_A_VALUE), None) \
             if repeated else None
         if reads is not None:
