@@ -186,12 +186,15 @@ class LocalPool:
         running task finish. concurrent.futures has no public way to end its processes before
         Python 3.14 (terminate_workers), so they are terminated by their handles."""
         processes = list((self.pool._processes or {}).values()) if abort else []
-        self.pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             if process.is_alive():
                 process.terminate()
         for process in processes:
             process.join(timeout=10)
+        # then wait for the pool's own thread to see them gone and close its pipes: left
+        # running, it can close a pipe while Python 3.11's exit hook writes to it (an OSError
+        # traceback at exit, seen after SIGINT)
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---- the cache ---------------------------------------------------------------------------------
