@@ -181,11 +181,14 @@ class LocalPool:
         return self.pool.submit(fn, *args)
 
     def close(self, abort: bool = False) -> None:
-        """Stop the workers. abort (Ctrl-C, SIGTERM, an error): end the candidates they are
-        tracing too; a 70B trace runs for minutes, and ProcessPoolExecutor's shutdown lets a
-        running task finish. concurrent.futures has no public way to end its processes before
+        """Stop the workers. abort (Ctrl-C, SIGTERM, the time limit, an error): end the
+        candidates they are tracing too; a 70B trace runs for minutes, and
+        ProcessPoolExecutor's shutdown lets a running task finish. concurrent.futures has no public way to end its processes before
         Python 3.14 (terminate_workers), so they are terminated by their handles."""
-        processes = list((self.pool._processes or {}).values()) if abort else []
+        if not abort:   # idle workers end on their own (a worker's exit can take seconds)
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
+        processes = list((self.pool._processes or {}).values())
         for process in processes:
             if process.is_alive():
                 process.terminate()
