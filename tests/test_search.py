@@ -427,6 +427,8 @@ def test_stopped_search_keeps_its_traces_and_resumes(small, tmp_path, monkeypatc
     again = tapescope.search(SMALL_SPEC, **SMALL, cache=str(cache))
     assert again.complete and again.not_searched == [] and len(traced) == 3
     assert _table(again) == _table(full)
+    d = result_dict(again)
+    assert d["complete"] is True and d["stopped"] is None and d["not_searched"] == []
 
 
 def test_stopped_search_never_hides_a_faster_candidate(searches, tmp_path, monkeypatch):

@@ -5,8 +5,8 @@ prints its table and writes its --json, marked partial (issue 35).
 
 The workers here run a stand-in for the trace that sleeps for two minutes (the search submits
 layout_search.runner.evaluate; the child script replaces it before the search starts), so a
-worker left behind is still there when the test looks. A small real search whose time runs out
-after two traces checks what a stopped search reports against the complete search."""
+worker left behind is still there when the test looks. What a stopped search reports, checked
+against the complete search and brute force: tests/test_search.py."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ import textwrap
 import time
 
 import pytest
-
-import tapescope
 
 TINY = "zoo:llama:n_layers=1,dim=64,n_heads=4,max_seq_len=64"
 
@@ -157,6 +155,10 @@ def test_time_limit_ends_a_trace_in_this_process(tmp_path, monkeypatch):
     assert d["stopped"]["by"] == "the time limit (1.2 s)"
     _nothing_traced(d, r.output)
     assert "No traced candidate fits yet" in r.output
+    refused = CliRunner().invoke(app, ["search", TINY, "--gpus", "2", "--global-batch", "4",
+                                       "--time-limit", "0"])
+    assert refused.exit_code == 1 and refused.output.startswith("error: cannot read "
+                                                                "--time-limit 0"), refused.output
 
 
 def _is_worker(pid: int) -> bool:

@@ -183,8 +183,9 @@ class LocalPool:
     def close(self, abort: bool = False) -> None:
         """Stop the workers. abort (Ctrl-C, SIGTERM, the time limit, an error): end the
         candidates they are tracing too; a 70B trace runs for minutes, and
-        ProcessPoolExecutor's shutdown lets a running task finish. concurrent.futures has no public way to end its processes before
-        Python 3.14 (terminate_workers), so they are terminated by their handles."""
+        ProcessPoolExecutor's shutdown lets a running task finish. concurrent.futures has no
+        public way to end its processes before Python 3.14 (terminate_workers), so they are
+        terminated by their handles."""
         if not abort:   # idle workers end on their own (a worker's exit can take seconds)
             self.pool.shutdown(wait=False, cancel_futures=True)
             return
