@@ -421,6 +421,17 @@ def test_stopped_search_keeps_its_traces_and_resumes(small, tmp_path, monkeypatc
     assert d["stopped"]["summary"].endswith("2 traced, 0 ruled out, 1 not searched")
     assert [x["label"] for x in d["not_searched"]] == [u.candidate.label()]
     assert [x["label"] for x in d["ranked"]] == _labels(r.ranked)
+    from rich.console import Console
+
+    from tapescope.report.search import render_search
+
+    text = Console(record=True, width=200)
+    render_search(r, text)
+    shown = text.export_text()
+    for line in ("Partial: " + d["stopped"]["summary"], "fastest first, among the traced "
+                 "candidates only", "Not searched (1)", f"  {u.candidate.label()}: ",
+                 f"Best traced: {r.winner.candidate.label()}"):
+        assert line in shown, (line, shown)
 
     monkeypatch.undo()
     monkeypatch.setattr(runner, "evaluate", lambda *a: traced.append(evaluate(*a)) or traced[-1])
