@@ -128,7 +128,7 @@ def result_dict(r: SearchResult) -> dict:
     return to_jsonable({
         "model": r.source.spec, "gpus": r.space.gpus, "gpu": r.source.gpu,
         "global_batch": r.space.global_batch, "seq": r.source.seq, "amp": r.source.amp,
-        "workers": r.workers, "seconds": r.seconds, "top_exact": r.top,
+        "workers": r.workers, "seconds": r.seconds, "top_exact": r.exact_rows,
         "ranked": [o.to_dict() for o in r.ranked],
         "rejected": [o.to_dict() for o in r.rejected],
         "dominated": [o.to_dict() for o in r.dominated],

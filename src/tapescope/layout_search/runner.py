@@ -117,6 +117,18 @@ class SearchResult:
         return w is None or u.bound is None or u.bound.seconds < w.step_seconds
 
     @property
+    def exact_rows(self) -> int | None:
+        """The leading rows of `ranked` that are brute force's: complete, the `top` that branch
+        and bound kept exact (None: every row); stopped, those no candidate left unsearched
+        can beat (its bound at least their step), at most `top`."""
+        if self.complete:
+            return self.top
+        floor = min((u.bound.seconds if u.bound is not None else 0.0
+                     for u in self.not_searched), default=float("inf"))
+        proven = sum(1 for o in self.ranked if o.step_seconds <= floor)
+        return proven if self.top is None else min(proven, self.top)
+
+    @property
     def ranked(self) -> list:
         """The candidates that fit on every rank, most tokens per second first; not those a
         lighter checkpointing mode of the same step beats (`dominated`)."""

@@ -120,17 +120,20 @@ def _render_not_searched(r, console: Console, top: int) -> None:
     if len(untraced) > top:
         console.print(f"  ... and {len(untraced) - top} more (--json lists them all)",
                       highlight=False, markup=False)
-    w = r.winner
-    if w is not None and not beat:
-        verdict = ("none of them can be faster than the best traced: it is the space's best"
-                   + ("" if not could else f"; {len(could)} could still enter the top {rows}"))
+    exact = r.exact_rows
+    if r.winner is None:
+        verdict = "any of them may fit and be the best"
     elif not could:
         verdict = f"none of them can enter the top {rows}: those rows are the space's"
+    elif exact:
+        verdict = (f"none of them can beat the first {exact} row{'s' if exact > 1 else ''}: "
+                   f"{'those are' if exact > 1 else 'the best is'} the space's; {len(could)} "
+                   f"could still enter the top {rows}")
     else:
-        verdict = (f"{len(could)} of them could enter the top {rows}"
-                   + (f", {len(beat)} could beat the best" if w is not None else "")
-                   + ": the rows shown may hide a faster layout (resume with --cache FILE)")
-    console.print(Text(f"  So {verdict}."))
+        verdict = (f"{len(beat)} of them could beat the best: the rows shown may hide a faster "
+                   "layout")
+    console.print(Text(f"  So {verdict} (more time, or the same command with --cache FILE, "
+                       "settles it)." if could else f"  So {verdict}."))
 
 
 def progress_line(p) -> str:
