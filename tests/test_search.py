@@ -373,3 +373,112 @@ def test_cli_search_nothing_fits_exits_1():
                                  "1", "--workers", "1", "-q"])
     assert r.exit_code == 1, r.output
     assert "No candidate fits" in r.output and "Traceback" not in r.output
+
+
+# ---- a stopped search (time limit; Ctrl-C and SIGTERM: tests/test_search_stop.py) ----------------
+
+def _stop_after(monkeypatch, outcomes: list, n: int) -> None:
+    """The searches below run out of time once `outcomes` holds n entries: a clock that jumps
+    then (the real timer, SIGALRM, is tested in tests/test_search_stop.py)."""
+    import tapescope.layout_search as layout_search
+
+    run = layout_search.run_search
+    monkeypatch.setattr(layout_search, "run_search", lambda *a, **k: run(
+        *a, clock=lambda: 0.0 if len(outcomes) < n else 1e6, **k))
+
+
+def _figures(o):
+    return (o.candidate, o.status, o.step_seconds, o.tokens_per_second, o.ranks)
+
+
+def test_stopped_search_keeps_its_traces_and_resumes(small, tmp_path, monkeypatch):
+    """A real search whose time runs out after two traces: what it traced and ranks is the
+    complete search's; the third candidate is listed as not searched, with a bound its own
+    trace respects; its --json says so; resumed from its cache, it traces only the third, to
+    the complete search's table."""
+    import tapescope.layout_search.runner as runner
+
+    full, _ = small
+    truth = {o.candidate: o for o in full.outcomes}
+    traced = []
+    evaluate = runner.evaluate
+    monkeypatch.setattr(runner, "evaluate", lambda *a: traced.append(evaluate(*a)) or traced[-1])
+    _stop_after(monkeypatch, traced, 2)
+    cache = tmp_path / "search.jsonl"
+    r = tapescope.search(SMALL_SPEC, **SMALL, cache=str(cache), time_limit=600)
+    assert not r.complete and r.stopped == "the time limit (10 min)"
+    assert len(traced) == len(r.outcomes) == 2
+    assert [_figures(o) for o in r.outcomes] == [_figures(truth[o.candidate]) for o in r.outcomes]
+    done = {o.candidate for o in r.outcomes}
+    assert _labels(r.ranked) == [o.candidate.label() for o in full.ranked if o.candidate in done]
+    (u,) = r.not_searched
+    assert {u.candidate} == set(truth) - done and not u.being_traced
+    real = truth[u.candidate]
+    assert u.bound is None or u.bound.seconds <= real.step_seconds
+    assert r.could_beat_best(u) or real.step_seconds >= r.winner.step_seconds
+    d = result_dict(r)
+    assert d["complete"] is False and d["stopped"]["by"] == r.stopped
+    assert d["stopped"]["summary"].endswith("2 traced, 0 ruled out, 1 not searched")
+    assert [x["label"] for x in d["not_searched"]] == [u.candidate.label()]
+    assert [x["label"] for x in d["ranked"]] == _labels(r.ranked)
+    from rich.console import Console
+
+    from tapescope.report.search import render_search
+
+    text = Console(record=True, width=200)
+    render_search(r, text)
+    shown = text.export_text()
+    for line in ("Partial: " + d["stopped"]["summary"], "fastest first, among the traced "
+                 "candidates only", "Not searched (1)", f"  {u.candidate.label()}: ",
+                 f"Best traced: {r.winner.candidate.label()}"):
+        assert line in shown, (line, shown)
+
+    monkeypatch.undo()
+    monkeypatch.setattr(runner, "evaluate", lambda *a: traced.append(evaluate(*a)) or traced[-1])
+    again = tapescope.search(SMALL_SPEC, **SMALL, cache=str(cache))
+    assert again.complete and again.not_searched == [] and len(traced) == 3
+    assert _table(again) == _table(full)
+    d = result_dict(again)
+    assert d["complete"] is True and d["stopped"] is None and d["not_searched"] == []
+
+
+def test_stopped_search_never_hides_a_faster_candidate(searches, tmp_path, monkeypatch):
+    """The pruned search of SPACE stopped after each number of outcomes in turn (read back from
+    brute force's traces: no trace here): every candidate it did not search that brute force
+    finds faster than its best, or than its TOP-th row, is flagged as one that could be, each
+    bound is at most the traced step, the rows it calls exact are brute force's, and the bounds
+    prove something (some candidates cannot beat the best)."""
+    from dataclasses import replace
+
+    from tapescope.layout_search.runner import Cache
+
+    _, brute = searches
+    truth = {o.candidate: o for o in brute.outcomes}
+    cache = Cache(str(tmp_path / "brute.jsonl"), brute.source, SPACE["global_batch"] * SPACE["seq"])
+    for o in brute.outcomes:
+        cache.put(replace(o, cached=False))
+    proven = 0
+    for n in range(1, len(brute.outcomes)):
+        seen = []
+        _stop_after(monkeypatch, seen, n)
+        r = tapescope.search(SPEC, **SPACE, top=TOP, cache=cache.path, time_limit=600,
+                             progress=seen.append)
+        if r.complete:
+            break
+        assert r.not_searched and all(o.cached for o in r.outcomes)
+        for u in r.not_searched:
+            real = truth[u.candidate]
+            if not real.fits:
+                continue
+            assert u.bound is None or u.bound.seconds <= real.step_seconds, u.candidate.label()
+            if r.winner is None or real.step_seconds < r.winner.step_seconds:
+                assert r.could_beat_best(u), u.candidate.label()
+            if len(r.ranked) < TOP or real.step_seconds < r.ranked[TOP - 1].step_seconds:
+                assert r.could_enter_top(u), u.candidate.label()
+        proven += sum(not r.could_beat_best(u) for u in r.not_searched)
+        # the rows it calls exact are brute force's (none here: until the end, FSDP 4, mb 8
+        # with full checkpointing is left, its bound below every step; it runs out of memory,
+        # which no bound can know)
+        assert _labels(r.ranked[:r.exact_rows]) == _labels(brute.ranked[:r.exact_rows])
+        monkeypatch.undo()
+    assert n > 2 and proven > 0

@@ -836,39 +836,54 @@ def search_cmd(
     brute_force: bool = typer.Option(False, "--brute-force", help="Trace every candidate (no pruning)."),
     top: int = typer.Option(10, "--top", help="Rows of the table, kept exact: a candidate that provably cannot enter them is not traced."),
     json_file: Optional[str] = JsonOpt, quiet: bool = QuietOpt,
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", metavar="MIN", help="Stop after this many minutes and report the best traced so far (marked partial)."),
 ):
     """The layout, micro-batch split and activation checkpointing that train fastest on N GPUs,
     each candidate traced on every rank class; the winner as commands to run.
 
-    Exits 1 when no candidate fits."""
+    Exits 1 when no candidate fits. Stopped by --time-limit, it prints and writes what it
+    traced, marked partial, and exits as a complete search would (0, or 1 when no traced
+    candidate fits); stopped by Ctrl-C or SIGTERM, it prints and writes the same, then exits
+    130 or 143."""
     import os
 
     with _user_errors():
         _check_outputs(json=json_file)
-        from .layout_search import result_dict, search, winner_commands
+        if time_limit is not None and not time_limit > 0:
+            raise TapescopeError(f"cannot read --time-limit {time_limit:g}: give minutes above "
+                                 "0, e.g. 15")
+        from .layout_search import (SearchInterrupted, SearchTerminated, result_dict, search,
+                                    winner_commands)
         from .report.search import progress_line, render_search
 
         modes = tuple(m.strip() for m in checkpointing.split(",") if m.strip())
-        with _progress(f"searching the layouts of {gpus} x {gpu} for {spec}", quiet) as update:
-            def show(p):
-                if err.is_terminal:  # the spinner's line: done / pruned / left, the best so far
-                    update(progress_line(p))
-                elif not quiet:      # a log: one plain line per candidate
-                    err.print(Text(progress_line(p)), highlight=False, soft_wrap=True)
-            r = search(spec, gpus=gpus, gpu=gpu, global_batch=global_batch, seq=seq,
-                       amp=None if amp.lower() in ("none", "fp32") else amp, dtype=dtype,
-                       optimizer=optimizer, pp=_ints(pp, "--pp"), tp=_ints(tp, "--tp"),
-                       cp=_ints(cp, "--cp"),
-                       hsdp=hsdp, checkpointing=modes,
-                       schedules=tuple(x.strip() for x in schedule.split(",") if x.strip()),
-                       compile=(False, True) if compile else (False,), max_steps=max_steps,
-                       float8=(None, float8) if float8 else (None,),
-                       workers=workers if workers is not None else (os.cpu_count() or 1),
-                       ray=ray, cache=cache, brute_force=brute_force, top=top, progress=show)
+        try:
+            with _progress(f"searching the layouts of {gpus} x {gpu} for {spec}",
+                           quiet) as update:
+                def show(p):
+                    if err.is_terminal:  # the spinner's line: done / pruned / left, the best
+                        update(progress_line(p))
+                    elif not quiet:      # a log: one plain line per candidate
+                        err.print(Text(progress_line(p)), highlight=False, soft_wrap=True)
+                r = search(spec, gpus=gpus, gpu=gpu, global_batch=global_batch, seq=seq,
+                           amp=None if amp.lower() in ("none", "fp32") else amp, dtype=dtype,
+                           optimizer=optimizer, pp=_ints(pp, "--pp"), tp=_ints(tp, "--tp"),
+                           cp=_ints(cp, "--cp"),
+                           hsdp=hsdp, checkpointing=modes,
+                           schedules=tuple(x.strip() for x in schedule.split(",") if x.strip()),
+                           compile=(False, True) if compile else (False,), max_steps=max_steps,
+                           float8=(None, float8) if float8 else (None,),
+                           workers=workers if workers is not None else (os.cpu_count() or 1),
+                           ray=ray, cache=cache, brute_force=brute_force, top=top,
+                           progress=show,
+                           time_limit=None if time_limit is None else time_limit * 60)
+            status = 0 if r.winner is not None else 1
+        except (SearchInterrupted, SearchTerminated) as e:  # what it traced, then 130 / 143
+            r, status = e.result, e.status
         render_search(r, out, top=top, commands=winner_commands(r))
         _write_json(json_file, result_dict(r))
-    if r.winner is None:
-        raise typer.Exit(1)
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command("validate")

@@ -4,19 +4,27 @@ on N GPUs of one kind, every candidate it lists traced on every rank class.
     r = tapescope.search("zoo:llama3-8b", gpus=64, gpu="h100", global_batch=256, seq=4096)
     print(r.winner.candidate.label(), r.winner.tokens_per_second)
 
+`time_limit=` (seconds) stops the search and returns what it knows: `r.complete` is then False
+and `r.not_searched` lists the candidates neither traced nor ruled out, each with the lower
+bound the traces give its step. Ctrl-C raises SearchInterrupted (a KeyboardInterrupt), SIGTERM
+SearchTerminated (a SystemExit, status 143); each carries that result as `.result`.
+
 space.py says what is searched, evaluate.py profiles one candidate, runner.py prunes and runs
 them (in this process, local processes or Ray), config.py writes the winner as commands.
 """
 
 from __future__ import annotations
 
+from ..errors import TapescopeError
 from .evaluate import Outcome, RankMemory, Source, candidate_options, evaluate
-from .runner import InProcess, LocalPool, Progress, SearchResult, run_search
+from .runner import (InProcess, LocalPool, Progress, SearchInterrupted, SearchResult,
+                     SearchTerminated, Untraced, run_search)
 from .space import CHECKPOINTING, Candidate, SearchSpace, candidate_grid, layouts_of
 
 __all__ = ["search", "profile_candidate", "SearchResult", "SearchSpace", "Candidate", "Outcome",
            "RankMemory", "Source", "Progress", "CHECKPOINTING", "candidate_grid", "layouts_of",
-           "result_dict", "winner_commands"]
+           "result_dict", "winner_commands", "Untraced", "SearchInterrupted",
+           "SearchTerminated"]
 
 
 def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: int | None = None,
@@ -26,7 +34,7 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
            schedules=("1f1b",), compile=(False,), max_steps: int = 16, float8=(None,),
            gpus_per_node: int | None = None, workers: int = 1,
            ray: str | None = None, cache: str | None = None, brute_force: bool = False,
-           top: int | None = 10, progress=None) -> SearchResult:
+           top: int | None = 10, progress=None, time_limit: float | None = None) -> SearchResult:
     """Search the layouts of `gpus` GPUs of `gpu` for model `spec` (a zoo / hf / file spec, as
     the CLI takes it: workers rebuild the model from it) at `global_batch` samples of `seq`
     tokens per optimizer step. pp, tp, cp: the degrees to try (default: powers of two, TP within
@@ -37,10 +45,15 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
     workers: local processes (1: this process); ray: a Ray cluster address ("local" starts
     one); cache: a file of finished candidates that a later search resumes from; top: the rows
     of the ranking kept exact (a candidate whose step provably takes longer than the top-th best
-    so far is not traced: layout_search/bounds.py; None traces every candidate that may fit)."""
+    so far is not traced: layout_search/bounds.py; None traces every candidate that may fit);
+    time_limit: seconds after which the search stops, ends the candidates being traced and
+    returns what it knows (`complete` False, `not_searched` with their bounds)."""
     from ..devices.gpus import interconnect
     from ..options import Options
 
+    if time_limit is not None and not time_limit > 0:
+        raise TapescopeError(f"cannot search for time_limit={time_limit!r} seconds: give a "
+                             "time above 0 (or None for no limit)")
     gpu_entry = Options.create(gpu=gpu).gpu
     for recipe in float8:  # refused before any trace: a GPU without float8, an unknown recipe
         Options.create(gpu=gpu, float8=recipe)
@@ -60,7 +73,8 @@ def search(spec: str, *, gpus: int, gpu: str = "h100", global_batch: int, seq: i
     else:
         pool = InProcess()
     return run_search(source, space, pool=pool, cache=cache, brute_force=brute_force,
-                      progress=progress, seq_tokens=shape["seq"], top=top)
+                      progress=progress, seq_tokens=shape["seq"], top=top,
+                      time_limit=time_limit)
 
 
 def _model_shape(source: Source) -> dict:
@@ -104,6 +118,7 @@ def winner_commands(r: SearchResult) -> dict | None:
 def result_dict(r: SearchResult) -> dict:
     """Everything the search found, as JSON data."""
     from ..report.json import to_jsonable
+    from ..report.search import stop_summary
 
     w = r.winner
     winner = None
@@ -113,7 +128,7 @@ def result_dict(r: SearchResult) -> dict:
     return to_jsonable({
         "model": r.source.spec, "gpus": r.space.gpus, "gpu": r.source.gpu,
         "global_batch": r.space.global_batch, "seq": r.source.seq, "amp": r.source.amp,
-        "workers": r.workers, "seconds": r.seconds, "top_exact": r.top,
+        "workers": r.workers, "seconds": r.seconds, "top_exact": r.exact_rows,
         "ranked": [o.to_dict() for o in r.ranked],
         "rejected": [o.to_dict() for o in r.rejected],
         "dominated": [o.to_dict() for o in r.dominated],
@@ -124,4 +139,15 @@ def result_dict(r: SearchResult) -> dict:
                    for c, why in r.pruned],
         "skipped": [{"label": c.label(), "candidate": c.to_dict(), "reason": why}
                     for c, why in r.skipped],
-        "winner": winner})
+        "winner": winner,
+        # a stopped search (time limit, Ctrl-C, SIGTERM): its rows are the best traced
+        "complete": r.complete,
+        "stopped": None if r.complete else {"by": r.stopped, "after_seconds": r.seconds,
+                                            "summary": stop_summary(r)},
+        "not_searched": [{"label": u.candidate.label(), "candidate": u.candidate.to_dict(),
+                          "being_traced": u.being_traced,
+                          **({"bound_seconds": u.bound.seconds, "bound_reason": u.bound.reason}
+                             if u.bound is not None else {}),
+                          "could_enter_top": r.could_enter_top(u),
+                          "could_beat_best": r.could_beat_best(u)}
+                         for u in r.not_searched]})

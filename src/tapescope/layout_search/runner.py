@@ -35,22 +35,32 @@ The brute-force search checks each rule: every candidate the rules rule out runs
 Workers: in this process (workers=1), local processes (concurrent.futures, the default), or a
 Ray cluster (layout_search/ray_pool.py). A cache file keeps each finished candidate's outcome, one JSON
 line each, so that a search stopped half way resumes where it was.
+
+Stopping: a time limit (`time_limit` seconds), Ctrl-C or SIGTERM ends the loop, the workers and the
+candidates they are tracing; what the traces showed is kept. The time limit returns a result with
+`complete` False, every candidate neither traced nor ruled out in `not_searched` with the lower
+bound the traces give its step (so a reader sees whether the stop could hide a faster layout);
+Ctrl-C and SIGTERM raise SearchInterrupted / SearchTerminated carrying that result, so that a
+caller who does not catch them ends as on any Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import TapescopeError
-from .bounds import Known, _pipeline_twin, lower_bound, matmul_rate
+from .bounds import Bound, Known, _pipeline_twin, lower_bound, matmul_rate
 from .evaluate import ERROR, FITS, OOM, Outcome, Source, evaluate
 from .space import RECOMPUTE_ORDER, Candidate, SearchSpace, candidate_grid
 
-__all__ = ["SearchResult", "Progress", "run_search", "InProcess", "LocalPool"]
+__all__ = ["SearchResult", "Progress", "Untraced", "SearchInterrupted", "SearchTerminated",
+           "run_search", "InProcess", "LocalPool"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,15 @@ class Progress:
     running: int
     best: Outcome | None
     last: Outcome | None      # the outcome just in (None: a start or prune notice)
+
+
+@dataclass(frozen=True)
+class Untraced:
+    """A candidate a stopped search neither traced nor ruled out."""
+
+    candidate: Candidate
+    bound: Bound | None   # the lower bound on its step the traces gave (None: no rule applied)
+    being_traced: bool    # a worker was tracing it when the search stopped
 
 
 @dataclass
@@ -75,6 +94,39 @@ class SearchResult:
     top: int | None = None                            # the rows branch and bound kept exact
     bounds: dict = field(default_factory=dict)        # Candidate -> the step-time bound (s) that
                                                       # pruned it
+    stopped: str | None = None                        # what ended the search early (None: it
+                                                      # searched the whole space)
+    not_searched: list = field(default_factory=list)  # Untraced, when stopped
+    rows: int | None = None                           # the top rows asked for (the table's)
+
+    @property
+    def complete(self) -> bool:
+        return self.stopped is None
+
+    def could_enter_top(self, u: Untraced) -> bool:
+        """Whether the untraced `u` could take one of the top `rows` rows: no bound, fewer
+        candidates fit than there are rows, or its bound is below the rows-th best's step."""
+        ranked = self.ranked
+        if u.bound is None or self.rows is None or len(ranked) < self.rows:
+            return True
+        return u.bound.seconds < ranked[self.rows - 1].step_seconds
+
+    def could_beat_best(self, u: Untraced) -> bool:
+        """Whether the untraced `u` could be faster than the best traced candidate."""
+        w = self.winner
+        return w is None or u.bound is None or u.bound.seconds < w.step_seconds
+
+    @property
+    def exact_rows(self) -> int | None:
+        """The leading rows of `ranked` that are brute force's: complete, the `top` that branch
+        and bound kept exact (None: every row); stopped, those no candidate left unsearched
+        can beat (its bound at least their step), at most `top`."""
+        if self.complete:
+            return self.top
+        floor = min((u.bound.seconds if u.bound is not None else 0.0
+                     for u in self.not_searched), default=float("inf"))
+        proven = sum(1 for o in self.ranked if o.step_seconds <= floor)
+        return proven if self.top is None else min(proven, self.top)
 
     @property
     def ranked(self) -> list:
@@ -117,7 +169,8 @@ class InProcess:
         f: Future = Future()
         try:
             f.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+        except Exception as e:  # noqa: BLE001 - handed to the caller through the future; a
+            # stop (Ctrl-C, SIGTERM, the time limit) is no Exception: it ends the search now
             f.set_exception(e)
         return f
 
@@ -140,17 +193,24 @@ class LocalPool:
         return self.pool.submit(fn, *args)
 
     def close(self, abort: bool = False) -> None:
-        """Stop the workers. abort (Ctrl-C, SIGTERM, an error): end the candidates they are
-        tracing too; a 70B trace runs for minutes, and ProcessPoolExecutor's shutdown lets a
-        running task finish. concurrent.futures has no public way to end its processes before
-        Python 3.14 (terminate_workers), so they are terminated by their handles."""
-        processes = list((self.pool._processes or {}).values()) if abort else []
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the workers. abort (Ctrl-C, SIGTERM, the time limit, an error): end the
+        candidates they are tracing too; a 70B trace runs for minutes, and
+        ProcessPoolExecutor's shutdown lets a running task finish. concurrent.futures has no
+        public way to end its processes before Python 3.14 (terminate_workers), so they are
+        terminated by their handles."""
+        if not abort:   # idle workers end on their own (a worker's exit can take seconds)
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
+        processes = list((self.pool._processes or {}).values())
         for process in processes:
             if process.is_alive():
                 process.terminate()
         for process in processes:
             process.join(timeout=10)
+        # then wait for the pool's own thread to see them gone and close its pipes: left
+        # running, it can close a pipe while Python 3.11's exit hook writes to it (an OSError
+        # traceback at exit, seen after SIGINT)
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---- the cache ---------------------------------------------------------------------------------
@@ -382,35 +442,100 @@ def _dominated(c: Candidate, outcomes: dict) -> bool:
                for o in (outcomes.get(replace(c, checkpointing=m)) for m in lighter))
 
 
-def _stop_on_sigterm():
-    """While the search runs, SIGTERM raises SystemExit (as Ctrl-C raises KeyboardInterrupt), so
-    that the search's `finally` ends its worker processes instead of leaving them tracing
-    (Python's default SIGTERM ends this process alone). Returns what puts the old handler back;
-    signal handlers can only be set from the main thread: elsewhere it changes nothing."""
-    import signal
-    import threading
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the search; `result` is what it knew (a SearchResult, complete False).
+    Uncaught, Python ends as on any Ctrl-C."""
 
+    status = 130   # the shell's 128 + SIGINT, as the CLI exits on Ctrl-C
+
+    def __init__(self, result: SearchResult):
+        super().__init__("Ctrl-C stopped the search")
+        self.result = result
+
+
+class SearchTerminated(SystemExit):
+    """SIGTERM stopped the search; `result` is what it knew. Uncaught, the process ends with
+    status 143 (128 + SIGTERM), as it did before the search kept its result."""
+
+    status = 128 + signal.SIGTERM
+
+    def __init__(self, result: SearchResult):
+        super().__init__(self.status)
+        self.result = result
+
+
+class _Stop(BaseException):
+    """Raised in the search loop by SIGTERM's handler or the time limit (the timer's handler
+    or the loop's clock). A BaseException, as KeyboardInterrupt is: no `except Exception` in a
+    trace run in this process swallows it."""
+
+    def __init__(self, why: str, raise_as: type | None = None):
+        super().__init__(why)
+        self.why = why
+        self.raise_as = raise_as   # what the search raises once it has its result (None: the
+                                   # time limit, it returns it)
+
+
+def _stop_signals(time_limit: float | None, why: str):
+    """While the search runs, SIGTERM raises _Stop (as Ctrl-C raises KeyboardInterrupt), so that
+    the search ends its worker processes instead of leaving them tracing (Python's default
+    SIGTERM ends this process alone), and keeps what it knew; with a time limit, a timer
+    (SIGALRM) raises _Stop when it runs out, also in the middle of a trace run in this process,
+    which the loop's own clock check cannot reach. Returns what disarms the timer and puts the
+    old handlers back; signal handlers can only be set from the main thread: elsewhere it
+    changes nothing (the loop's clock still stops the search between candidates)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    armed = [True]   # a signal landing while the handlers are put back raises nothing
 
     def stop(signum, frame):
-        raise SystemExit(128 + signum)
+        if armed[0]:
+            raise _Stop("SIGTERM", SearchTerminated)
 
-    old = signal.signal(signal.SIGTERM, stop)
-    return lambda: signal.signal(signal.SIGTERM, old)
+    def time_up(signum, frame):
+        if armed[0]:
+            raise _Stop(why)
+
+    old = {signal.SIGTERM: signal.signal(signal.SIGTERM, stop)}
+    if time_limit is not None and hasattr(signal, "setitimer"):
+        old[signal.SIGALRM] = signal.signal(signal.SIGALRM, time_up)
+        signal.setitimer(signal.ITIMER_REAL, time_limit)
+
+    def restore():
+        armed[0] = False
+        if signal.SIGALRM in old:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        for signum, handler in old.items():   # None: a handler set outside Python
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    return restore
 
 
 def _ordinal(n: int) -> str:
     return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
+def _outcome_of(f: Future, c: Candidate) -> Outcome:
+    """A finished candidate's Outcome; one whose trace failed is unprofiled, and says why."""
+    try:
+        return f.result()
+    except TapescopeError as e:
+        return Outcome(c, ERROR, reason=str(e).split("\n")[0])
+    except Exception as e:  # noqa: BLE001 - a worker died or a trace crashed: the search goes on
+        return Outcome(c, ERROR, reason=f"{type(e).__name__}: {e}".split("\n")[0])
+
+
 def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | None = None,
                brute_force: bool = False, progress=None, seq_tokens: int | None = None,
-               top: int | None = 10) -> SearchResult:
+               top: int | None = 10, time_limit: float | None = None,
+               clock=time.monotonic) -> SearchResult:
     """Trace the candidates of `space` (or every one, `brute_force`), pruning with what the
     traces prove; `top`: the rows kept exact by branch and bound (None: no bound pruning).
-    `progress(Progress)` is told of each outcome."""
+    `progress(Progress)` is told of each outcome. `time_limit`: seconds after which the search
+    stops and returns what it knows (`complete` False); `clock` reads the time against it (tests
+    pass their own). Ctrl-C raises SearchInterrupted, SIGTERM SearchTerminated, each carrying
+    that result."""
     from ..options import Options
+    from ..report.search import fmt_duration
 
     start = time.perf_counter()
     pool = pool or InProcess()
@@ -420,6 +545,8 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     store = Cache(cache, source, tokens)
     running: dict = {}   # Future -> Candidate
     best: Outcome | None = None
+    why_limit = None if time_limit is None else f"the time limit ({fmt_duration(time_limit)})"
+    deadline = None if time_limit is None else clock() + time_limit
 
     def tell(last):
         if progress is not None:
@@ -428,18 +555,35 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
 
     def record(o: Outcome):
         nonlocal best
-        store.put(o)
+        grid.outcome[o.candidate] = o   # first: a stop landing in here keeps the outcome
         grid.learn(o)
-        grid.outcome[o.candidate] = o
+        store.put(o)
         if o.fits and o.tokens_per_second and (best is None or
                                                o.tokens_per_second > best.tokens_per_second):
             best = o
         tell(o)
 
+    def seconds_left() -> float | None:
+        """The time left (None: no limit); past the limit, the stop."""
+        if deadline is None:
+            return None
+        left = deadline - clock()
+        if left <= 0:
+            raise _Stop(why_limit)
+        return left
+
+    def collect(f: Future) -> None:
+        c = running.pop(f)
+        o = _outcome_of(f, c)   # a worker's Ctrl-C comes back here: c stays started
+        grid.started.discard(c)
+        record(o)
+
     finished = False
-    restore = _stop_on_sigterm()
+    stop: _Stop | None = None
+    restore = _stop_signals(time_limit, why_limit)
     try:
         while True:
+            seconds_left()
             ready = grid.update(brute_force)
             for c in ready:
                 hit = store.get(c)
@@ -451,31 +595,49 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
                     continue
                 break
             for c in ready[:max(0, 2 * pool.slots - len(running))]:
+                seconds_left()   # in this process a submit is the whole trace
                 grid.started.add(c)
                 running[pool.submit(evaluate, source, c, tokens)] = c
             if not running:
                 continue
-            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            left = seconds_left()
+            done, _ = wait(list(running), timeout=left, return_when=FIRST_COMPLETED)
             for f in done:
-                c = running.pop(f)
-                grid.started.discard(c)
-                try:
-                    o = f.result()
-                except TapescopeError as e:
-                    o = Outcome(c, ERROR, reason=str(e).split("\n")[0])
-                except Exception as e:  # noqa: BLE001 - a worker died or a trace crashed:
-                    # that candidate is unprofiled, the search goes on and says why
-                    o = Outcome(c, ERROR, reason=f"{type(e).__name__}: {e}".split("\n")[0])
-                record(o)
+                collect(f)
         finished = True
+    except KeyboardInterrupt:
+        if not finished:
+            stop = _Stop("Ctrl-C", SearchInterrupted)
+    except _Stop as e:
+        if not finished:
+            stop = e
     finally:
         restore()
         pool.close(abort=not finished)
+    if stop is not None:   # traces that finished as the stop came (in this process: all of them)
+        for f in [f for f in running if f.done() and not f.cancelled() and f.exception() is None]:
+            collect(f)
+        grid.update(brute_force)   # what they rule out is ruled out, not left unsearched
+    result = _result(grid, stop, source, space, pool.name, time.perf_counter() - start, top)
+    if stop is not None and stop.raise_as is not None:
+        raise stop.raise_as(result)
+    return result
+
+
+def _result(grid: _Grid, stop: _Stop | None, source: Source, space: SearchSpace, workers: str,
+            seconds: float, top: int | None) -> SearchResult:
+    """What the grid knows as a SearchResult; stopped, each candidate neither traced nor ruled
+    out with the lower bound the traces give its step."""
     evaluated = [grid.outcome[c] for ch in grid.chains.values() for c in ch if c in grid.outcome]
     reasons = {o.reason for o in evaluated}
-    if evaluated and all(o.status == ERROR for o in evaluated) and len(reasons) == 1:
+    if evaluated and all(o.status == ERROR for o in evaluated) and len(reasons) == 1 and \
+            (stop is None or stop.raise_as is None):
         raise TapescopeError(f"every candidate failed the same way: {reasons.pop()}")
     pruned = [(c, grid.pruned[c]) for ch in grid.chains.values() for c in ch if c in grid.pruned]
-    return SearchResult(source, space, evaluated, pruned, list(grid.skipped),
-                        time.perf_counter() - start, pool.name, grid.top,
-                        {c: b.seconds for c, b in grid.bounds.items()})
+    untraced = [Untraced(c, lower_bound(c, grid.known), c in grid.started)
+                for ch in grid.chains.values() for c in ch
+                if c not in grid.outcome and c not in grid.pruned] if stop is not None else []
+    return SearchResult(source, space, evaluated, pruned, list(grid.skipped), seconds, workers,
+                        grid.top, {c: b.seconds for c, b in grid.bounds.items()},
+                        # nothing left when it stopped: it searched the whole space
+                        None if stop is None or not untraced else stop.why, untraced, top)
