@@ -167,3 +167,29 @@ def _is_worker(pid: int) -> bool:
             return "spawn_main" in f.read()
     except OSError:
         return False
+
+
+def _worker_dies(*args):
+    """A stand-in trace whose worker process dies (as one killed with the search's process group
+    by a SIGTERM, or by the host running out of memory)."""
+    os._exit(9)
+
+
+def test_a_dead_worker_is_not_cached(tmp_path, monkeypatch):
+    """A candidate whose worker died is an error of this run, not of the candidate: the search
+    reports it, but its cache keeps no line for it, so a resumed search traces it again."""
+    import tapescope
+    import tapescope.layout_search.runner as runner
+    from tapescope.errors import TapescopeError
+
+    monkeypatch.setattr(runner, "evaluate", _worker_dies)   # pickled by name for the workers
+    cache = tmp_path / "c.jsonl"
+    try:
+        result = tapescope.search(TINY, gpus=2, gpu="t4", global_batch=4, seq=64, pp=(1,),
+                                  tp=(1,), checkpointing=("none",), workers=2, cache=str(cache))
+    except TapescopeError as e:   # every candidate failed the same way
+        assert "BrokenProcessPool" in str(e), e
+    else:
+        assert result.evaluated and all("BrokenProcessPool" in o.reason
+                                        for o in result.evaluated)
+    assert not cache.exists() or cache.read_text() == ""

@@ -52,6 +52,7 @@ import signal
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import TapescopeError
@@ -553,11 +554,12 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
             progress(Progress(len(grid.outcome), len(grid.pruned), grid.left() - len(running),
                               len(running), best, last))
 
-    def record(o: Outcome):
+    def record(o: Outcome, cache: bool = True):
         nonlocal best
         grid.outcome[o.candidate] = o   # first: a stop landing in here keeps the outcome
         grid.learn(o)
-        store.put(o)
+        if cache:
+            store.put(o)
         if o.fits and o.tokens_per_second and (best is None or
                                                o.tokens_per_second > best.tokens_per_second):
             best = o
@@ -576,7 +578,10 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
         c = running.pop(f)
         o = _outcome_of(f, c)   # a worker's Ctrl-C comes back here: c stays started
         grid.started.discard(c)
-        record(o)
+        # a worker that died (killed with the search's process group by a SIGTERM, out of host
+        # memory) says nothing of the candidate: not cached, so a resumed search traces it
+        lost = not f.cancelled() and isinstance(f.exception(), BrokenProcessPool)
+        record(o, cache=not lost)
 
     finished = False
     stop: _Stop | None = None
