@@ -423,6 +423,9 @@ def step_ends(q, counted=()) -> float:
     P and Q are the last micro-batch's after its final reduce-scatter copy-in and the
     optimizer's before its first read: FSDP2 accumulates a later micro-batch's reduced
     gradients on its reduce-scatter stream, so they do not change with the micro-batch count.
+    Not when the last micro-batch stands for several proven repeats (`runs` > 1: the time
+    model runs its ops that many times as long, and another candidate's trace may repeat it
+    fewer times).
     A window that overlaps one stream_floors counted is not counted (its idle is in the
     figure already)."""
     from ..analysis.kernel_cost import on_gpu
@@ -532,7 +535,8 @@ def step_ends(q, counted=()) -> float:
                     all(cp >= i for cp, _ in counted):
                 head = max(head, t - between(START, i))
             elif p != START and op.phase == OPTIMIZER and last_forward < p and \
-                    q.ops[p].phase == BACKWARD and all(cq <= p for _, cq in counted):
+                    q.ops[p].phase == BACKWARD and q.ops[p].runs == 1 and \
+                    all(cq <= p for _, cq in counted):
                 tail = max(tail, t - between(p, i))
         price[i] = seconds
         total[0] += seconds
