@@ -39,6 +39,9 @@ guess at the candidate's own figures:
   and the slowest rank does at least the average share. No kernel runs matmul FLOPs faster than
   the GPU's peak x its matmul ceiling x its sustained clock (analysis/kernel_cost.py: tile
   utilisation and fill are at most 1).
+- `kernels_and_step_ends` (appended below): `repeated_kernels`' floor plus what the step runs
+  once (Outcome.step_ends, `step_ends`): the optimizer's kernels and the waits for FSDP2's
+  first all-gather and last reduction, which the windows of `stream_floors` cannot place.
 
 tests/test_search.py checks each rule against brute force: every candidate's traced step is at
 least each bound the rules give it.
