@@ -84,6 +84,32 @@ def test_every_bound_holds_on_every_candidate(searches):
         sum(o.fits for o in brute.outcomes)
     assert checked["same_model_kernels"] >= sum(o.fits and o.candidate.layout.dp_replicate > 1
                                                 for o in brute.outcomes) > 0
+    assert checked["kernels_and_step_ends"] > 0
+
+
+def test_step_ends_tighten_the_bound_and_hold(searches):
+    """kernels_and_step_ends (bounds.step_ends: the optimizer's kernels and the waits for
+    FSDP2's first all-gather and last reduction) from each single trace on each other candidate
+    of its layout, one pair at a time: at most the traced step, on a smaller micro-batch too,
+    and above repeated_kernels' floor from the same trace by at least the optimizer's kernels."""
+    from tapescope.layout_search.bounds import Known, kernels_and_step_ends, repeated_kernels
+
+    _, brute = searches
+    smaller, gains = 0, []
+    for x in brute.outcomes:
+        assert len(x.step_ends) == len(x.kernel_seconds) and all(e > 0 for e in x.step_ends)
+        known = Known()
+        known.add(x)
+        for o in brute.outcomes:
+            if not o.fits or o.candidate == x.candidate:
+                continue
+            b = kernels_and_step_ends(o.candidate, known)
+            if b is None:
+                continue
+            assert b.seconds <= o.step_seconds, (x.candidate.label(), o.candidate.label())
+            smaller += o.candidate.micro_batch < x.candidate.micro_batch
+            gains.append(b.seconds - repeated_kernels(o.candidate, known).seconds)
+    assert smaller > 0 and gains and min(gains) > 0
 
 
 def test_each_trace_bounds_every_size_and_twin(searches):

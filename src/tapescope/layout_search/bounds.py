@@ -39,6 +39,9 @@ guess at the candidate's own figures:
   and the slowest rank does at least the average share. No kernel runs matmul FLOPs faster than
   the GPU's peak x its matmul ceiling x its sustained clock (analysis/kernel_cost.py: tile
   utilisation and fill are at most 1).
+- `kernels_and_step_ends` (appended below): `repeated_kernels`' floor plus what the step runs
+  once (Outcome.step_ends, `step_ends`): the optimizer's kernels and the waits for FSDP2's
+  first all-gather and last reduction, which the windows of `stream_floors` cannot place.
 
 tests/test_search.py checks each rule against brute force: every candidate's traced step is at
 least each bound the rules give it.
@@ -247,7 +250,7 @@ BOUNDS = (repeated_kernels, same_model_kernels, pipelined_model_kernels, model_f
 
 def stream_floors(q, waits: bool = True) -> tuple:
     """(own, recomputed, collectives, recomputed collectives, FSDP2's own, own kernels alone,
-    recomputed kernels alone): seconds a rank's compute stream
+    recomputed kernels alone, the step's ends): seconds a rank's compute stream
     provably spends in one step's forward and backward, and the busiest NCCL stream's
     collectives there (q: its Profile, timed by analysis/timing.py's eager model), as a sum that
     holds for every micro-batch running the same ops, whatever the collectives around them.
@@ -270,7 +273,9 @@ def stream_floors(q, waits: bool = True) -> tuple:
     backward's collectives (FSDP2 gathers again after resharding and reduces every
     micro-batch's gradients: tapescope never turns gradient sync off).
 
-    The last two figures leave the waits out (pipelined_model_kernels reads them).
+    The sixth and seventh figures leave the waits out (pipelined_model_kernels reads them).
+    The eighth: step_ends (what the step runs once: the optimizer's kernels and the waits at
+    the step's two ends), outside the windows counted here; 0 with waits=False.
 
     waits=False: the kernels alone, for a pipelined step, whose time is the schedule's
     (distributed/pipeline.py: each rank's actions as long as its trace says, waiting on the
@@ -334,8 +339,9 @@ def stream_floors(q, waits: bool = True) -> tuple:
         running.append(running[-1] + price[i])
     alone = (own, again)
     if not waits:
-        return own, again, 0.0, 0.0, data_parallel, *alone
+        return own, again, 0.0, 0.0, data_parallel, *alone, 0.0
     last = -1
+    counted = []              # (P, Q) of the windows counted
     for p, qi, seconds, recomputed in sorted(windows, key=lambda w: (w[1], w[0])):
         if p < last:
             continue   # overlaps a window already counted
@@ -347,13 +353,14 @@ def stream_floors(q, waits: bool = True) -> tuple:
         else:
             own += idle
         last = qi
+        counted.append((p, qi))
     streams = {s for s, _ in on_stream}
     busiest = max(streams, key=lambda s: on_stream.get((s, False), 0.0), default=None)
     comm = on_stream.get((busiest, False), 0.0)
     # with the same mode's recomputed collectives: the busiest stream counting them
     both = max((on_stream.get((s, False), 0.0) + on_stream.get((s, True), 0.0)
                 for s in streams), default=0.0)
-    return own, again, comm, both - comm, data_parallel, *alone
+    return own, again, comm, both - comm, data_parallel, *alone, step_ends(q, counted)
 
 
 def lower_bound(c: Candidate, known: Known) -> Bound | None:
@@ -378,3 +385,200 @@ def matmul_rate(gpu) -> float | None:
         rates.append(gpu.peak("fp32") * efficiency_for("matmul", gpu.key).compute
                      * sustained_clock(gpu))
     return max(rates, default=None)
+
+
+# ---- the step's two ends: FSDP2's first all-gather, its last reduction, the optimizer ----------
+
+def step_ends(q, counted=()) -> float:
+    """Seconds the compute stream provably spends once per step outside the forward and
+    backward figures of `stream_floors`: the optimizer's kernels, and the waits at the step's
+    two ends for collectives that move parameters or gradients (FSDP2's), whose sizes do not
+    depend on the micro-batch (q: a rank's Profile timed by analysis/timing.py's eager model;
+    counted: (P, Q) of the windows stream_floors counted, which these must not overlap).
+
+    Why each part holds (analysis/timing.py's schedule):
+    - the optimizer's compute-stream kernels run after the backward's on the in-order compute
+      stream, each at least its price alone, and they update the parameters' shards: the same
+      ops at the same shapes for every micro-batch size, count and checkpointing mode of one
+      layout.
+    - a chain: the time model starts a side-stream op (FSDP2's copy-in and reduce-scatter
+      streams) no earlier than the previous op of its stream, the ops that wrote its inputs and
+      the ops its events mark end; a collective no earlier than the previous collective of its
+      NCCL stream, the side stream it is issued on, its inputs' writers and its events; a
+      compute kernel no earlier than its inputs' writers and its events. So along a chain of
+      such ops from compute kernel P (or from the step's start) to compute kernel Q, Q starts
+      no earlier than P's end plus every chained op's seconds (a collective's alone, a side
+      kernel's price), and the compute stream, in order, runs only the kernels issued between
+      P and Q in that stretch: it lasts at least max(chain, those kernels), the same argument
+      as stream_floors' windows, through the copy-in stream, the NCCL stream's order and the
+      events FSDP2 records, which stream_floors' windows do not follow.
+    - the head: the step's first forward kernels wait for FSDP2's first all-gather (nothing
+      before it can hide it): from the step's start to the first compute kernel a chain
+      reaches; the tail: from the kernel that wrote the last reduce-scatter's input (FSDP2's
+      chunk_cat) to the optimizer's first kernel that waits for the reduced gradients.
+    Only chains of parameter-sized ops count (an `fsdp.` op, or an op whose every input was
+    written by such an op or is a parameter's, gradient's or optimizer state's storage): FSDP2
+    gathers parameters and reduces gradients, the same bytes whatever the micro-batch, so a
+    smaller micro-batch of the same layout waits as long, while the kernels between shrink
+    (kernel_cost prices a kernel from its FLOPs and bytes, both non-decreasing with the batch:
+    max(FLOPs / rate, bytes / bandwidth) + a launch, the fill term capped, a GEMM's tile waves
+    rounding up), so its idle there is at least this trace's. The kernels between the tail's
+    P and Q are the last micro-batch's after its final reduce-scatter copy-in and the
+    optimizer's before its first read: FSDP2 accumulates a later micro-batch's reduced
+    gradients on its reduce-scatter stream, so they do not change with the micro-batch count.
+    Not when the last micro-batch stands for several proven repeats (`runs` > 1: the time
+    model runs its ops that many times as long, and another candidate's trace may repeat it
+    fewer times).
+    A window that overlaps one stream_floors counted is not counted (its idle is in the
+    figure already)."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import BACKWARD, FORWARD, OPTIMIZER
+
+    START = -1
+    storages, owner = q.trace.storages, q.trace.storage_owner
+    comm = {c.op: (c.seconds, c.stream) for c in q.collectives}
+    price: dict = {}          # position -> seconds alone, every compute-stream kernel
+    total = [0.0]             # the compute stream's kernels so far
+    before: dict = {}         # position -> the compute stream's kernels before it
+    position: dict = {}       # record index -> position, compute-stream kernels
+    writer: dict = {}         # storage -> ("c", position) or ("n", record index)
+    sized: set = set()        # writers (as in `writer`) of parameter-sized tensors
+    reach: dict = {}          # record index -> {P (position or START): longest chain to its end}
+    alias: dict = {}          # record index of an op launching nothing -> what its end waits for
+    last_side: dict = {}      # stream -> record index of its last op
+    last_nccl: dict = {}      # NCCL stream -> record index of its last collective
+    last_compute = None       # position of the compute stream's last kernel
+    held: dict = {}           # stream -> marks of its no-kernel ops, for its next kernel
+    backward = False          # a backward kernel ran: the first forward is over
+    last_forward = max((i for i, op in enumerate(q.ops) if op.phase == FORWARD), default=-1)
+    head = tail = 0.0
+
+    def refs(marks) -> list:
+        out = []
+        for m in marks:
+            out.extend([("c", position[m])] if m in position else alias.get(m, [("n", m)]))
+        return out
+
+    def chains(preds) -> dict:
+        """{P: longest chain} over the predecessors: a compute kernel starts a chain, a
+        parameter-sized side op or collective extends its own, other ops give none (leaving
+        an edge out only shortens a chain). The step's start and the 3 latest P are kept."""
+        out: dict = {}
+        for kind, x in preds:
+            if kind == "c":
+                out[x] = max(out.get(x, 0.0), 0.0)
+            elif x in reach:
+                for p, t in reach[x].items():
+                    out[p] = max(out.get(p, 0.0), t)
+        if len(out) > 4:
+            keep = {START, *sorted(p for p in out if p != START)[-3:]}
+            out = {p: t for p, t in out.items() if p in keep}
+        return out
+
+    def parameter_sized(op) -> bool:
+        if op.record.name.startswith("fsdp."):
+            return True
+        written = {r.storage for r in op.outputs}   # a collective's output buffer is an argument
+        return all(r.storage in owner or r.storage in written or writer.get(r.storage) in sized
+                   for r in op.inputs)
+
+    def between(p, i) -> float:
+        return before[i] - (0.0 if p == START else before[p] + price[p])
+
+    def extend(op, preds, seconds) -> None:
+        rec = op.record
+        if parameter_sized(op):
+            sized.add(("n", rec.index))
+            reach[rec.index] = {p: t + seconds
+                                for p, t in (chains(preds) or {START: 0.0}).items()}
+        for r in op.outputs:
+            writer[r.storage] = ("n", rec.index)
+
+    for i, op in enumerate(q.ops):
+        rec = op.record
+        stream = rec.stream
+        if op.index in comm:
+            seconds, nccl = comm[op.index]
+            preds = [writer[r.storage] for r in op.inputs if r.storage in writer]
+            preds += refs((*held.pop(stream, ()), *rec.waits))
+            if nccl in last_nccl:
+                preds.append(("n", last_nccl[nccl]))
+            if stream and stream in last_side:
+                preds.append(("n", last_side[stream]))
+            extend(op, preds, seconds * op.runs)
+            last_nccl[nccl] = rec.index
+            if stream:
+                last_side[stream] = rec.index
+            continue
+        if not (launches_kernel(rec.func) and on_gpu(op, storages)):
+            # its end: its stream's last kernel and its events (timing.py holds them for the
+            # stream's next kernel)
+            base = [("c", last_compute)] if not stream and last_compute is not None else \
+                [("n", last_side[stream])] if stream in last_side else []
+            alias[rec.index] = base + refs(rec.waits)
+            if rec.waits:
+                held.setdefault(stream, []).extend(rec.waits)
+            continue
+        seconds = kernel_seconds(op, q.gpu, storages)[0] * op.runs
+        preds = [writer[r.storage] for r in op.inputs if r.storage in writer]
+        preds += refs((*held.pop(stream, ()), *rec.waits))
+        if stream:
+            if stream in last_side:
+                preds.append(("n", last_side[stream]))
+            extend(op, preds, seconds)
+            last_side[stream] = rec.index
+            continue
+        # a compute-stream kernel: the chains that reach it close windows
+        before[i] = total[0]
+        backward = backward or op.phase == BACKWARD
+        for p, t in chains([w for w in preds if w[0] == "n"]).items():
+            if p == START and op.phase == FORWARD and not backward and \
+                    all(cp >= i for cp, _ in counted):
+                head = max(head, t - between(START, i))
+            elif p != START and op.phase == OPTIMIZER and last_forward < p and \
+                    q.ops[p].phase == BACKWARD and q.ops[p].runs == 1 and \
+                    all(cq <= p for _, cq in counted):
+                tail = max(tail, t - between(p, i))
+        price[i] = seconds
+        total[0] += seconds
+        position[rec.index] = i
+        last_compute = i
+        if rec.name.startswith("fsdp."):
+            sized.add(("c", i))   # FSDP2's copy-in of gradients (chunk_cat), copy-out
+        for r in op.outputs:
+            writer[r.storage] = ("c", i)
+    optimizer = sum(t for i, t in price.items() if q.ops[i].phase == OPTIMIZER)
+    return optimizer + max(0.0, head) + max(0.0, tail)
+
+
+def kernels_and_step_ends(c: Candidate, known: Known) -> Bound | None:
+    """`repeated_kernels`' floor plus what the step runs once (step_ends: the optimizer's
+    kernels, the waits for FSDP2's first all-gather and its last reduction), from a trace of
+    the same layout and schedule in the same checkpointing mode at a micro-batch as large or
+    larger (a whole multiple: `_per_micro_batch_share`). The two parts lie on disjoint
+    stretches of the compute stream (step_ends leaves out a window that overlaps one of
+    stream_floors'); the step's ends are the same ops whatever the micro-batch count, their
+    collectives move parameters and gradients (the same bytes at any micro-batch size) and
+    the kernels between them only shrink with the micro-batch (step_ends' docstring)."""
+    best = None
+    for x in known.by_micro_batch.get(_same_kernels(c), ()):
+        if x.candidate.checkpointing != c.checkpointing or not x.step_ends:
+            continue
+        share = _per_micro_batch_share(c, x.candidate)
+        if share is None:
+            continue
+        seconds = max(max(share * (own + again) + ends, share * (comm + comm_again))
+                      for (own, again, comm, comm_again, *_), ends
+                      in zip(x.kernel_seconds, x.step_ends))
+        if best is None or seconds > best.seconds:
+            what = "one micro-batch's" if x.candidate.micro_batch == c.micro_batch else \
+                f"micro-batch {x.candidate.micro_batch}'s"
+            best = Bound(seconds, f"{c.steps} x {what} forward and backward kernels, scaled, "
+                                  f"the optimizer and the waits at the step's ends, as traced "
+                                  f"in {x.candidate.label()}")
+    return best
+
+
+BOUNDS = (*BOUNDS, kernels_and_step_ends)

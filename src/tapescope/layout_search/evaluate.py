@@ -83,6 +83,10 @@ class Outcome:
     kernel_seconds: tuple = ()
     matmul_flops: tuple = ()
     cached: bool = field(default=False, compare=False)
+    # per traced rank class, seconds the compute stream provably spends once per step outside
+    # kernel_seconds' forward and backward: the optimizer's kernels and the waits for FSDP2's
+    # first all-gather and last reduction (bounds.step_ends; () in a cache written before it)
+    step_ends: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -117,12 +121,13 @@ class Outcome:
                                     "ranks": tuple(r["ranks"])}) for r in d["ranks"])
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
-                              "matmul_flops")}
+                              "matmul_flops", "step_ends")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
                                       for x in d.get("kernel_seconds", ())),
-                   matmul_flops=tuple(d.get("matmul_flops", ())), **kept)
+                   matmul_flops=tuple(d.get("matmul_flops", ())),
+                   step_ends=tuple(d.get("step_ends", ())), **kept)
 
 
 def _block_fqns(module) -> list[str]:
@@ -274,7 +279,7 @@ def _bound_figures(p, ranks) -> dict:
     from ..analysis.op_classes import op_class
     from .bounds import stream_floors
 
-    seconds, flops = [], [0, 0]
+    seconds, ends, flops = [], [], [0, 0]
     pipelined = p.distributed.pipeline if p.distributed is not None else None
     for r, q in zip(ranks, _traced(p)):
         t = q.time
@@ -284,8 +289,11 @@ def _bound_figures(p, ranks) -> dict:
         for op in q.ops:
             if op.flops and op_class(op.record.func) == "matmul":
                 flops[op.recompute] += len(r.ranks) * op.total_flops
-        seconds.append(stream_floors(q, waits=pipelined is None))
-    return {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops)}
+        *figures, once = stream_floors(q, waits=pipelined is None)
+        seconds.append(tuple(figures))
+        ends.append(once)
+    return {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops),
+            "step_ends": tuple(ends)}
 
 
 def _mfu(p, ranks, seconds, compute_dtype) -> float | None:
