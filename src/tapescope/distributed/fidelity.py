@@ -404,8 +404,11 @@ class SharedDecisions:
     def _remember(self, schema, decision) -> None:
         """Keep `decision`, made for `schema`, in the memory, mesh-free (point 6); not where it
         names a mesh its schema does not (it could not be re-bound)."""
-        free = self._mesh_free(schema)
-        if free is None or self._memory.find(free[0]) is not None:
+        try:
+            free = self._mesh_free(schema)
+            if free is None or self._memory.find(free[0]) is not None:
+                return
+        except TypeError:  # unhashable: never made here (decide computes it uncached)
             return
         template, values = free
         if self._names_only(decision, values):
