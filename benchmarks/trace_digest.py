@@ -12,7 +12,10 @@ transposes and in-place ops), `conv` (torchvision resnet18, batch 8), `symbolic`
 with batch and seq symbolic: its trace, and its formulas evaluated at three sizes), `fsdp`
 (FSDP2 over 4 fake ranks of a residual MLP with an uneven head: every traced rank's trace) and
 `cuda` (a 2-layer GPT-2 and that FSDP2 case traced for CUDA: the foreach optimizer step; needs
-torch's CUDA build, no GPU).
+torch's CUDA build, no GPU); `tp` (a small Llama as `tapescope search` profiles its candidates,
+FSDP 4 x TP 2 and HSDP 2 x FSDP 2 x TP 2 on 8 fake H100s, one after another in one search pool:
+the later candidates of a layout reuse the earlier ones' DTensor sharding decisions; every traced
+rank's trace).
 
 Each model is profiled twice in the same process (the second profile runs on warm caches, as a
 sweep would), and both are written. Autograd's sequence numbers are written relative to the
@@ -103,6 +106,7 @@ def _extra_cases(names):
         "symbolic": _symbolic_lines,
         "fsdp": _fsdp_lines,
         "cuda": _cuda_lines,
+        "tp": _tp_lines,
     }
     return [(n, cases[n]) for n in names]
 
@@ -162,11 +166,36 @@ def _cuda_lines():
     return digest(p) + _fsdp_lines("cuda", "h100")
 
 
+def _tp_lines():
+    """TP and HSDP x TP candidates profiled one after another in one search pool (what a
+    search's worker does: distributed/fidelity.py, point 6)."""
+    from tapescope.distributed.presets import Layout
+    from tapescope.layout_search import profile_candidate
+    from tapescope.layout_search.evaluate import Source
+    from tapescope.layout_search.runner import InProcess
+    from tapescope.layout_search.space import Candidate
+
+    source = Source("zoo:llama:dim=256,n_layers=2,n_heads=8,n_kv_heads=2,ffn_dim=512,"
+                    "vocab_size=1024", seq=128, gpu="h100")
+    pool = InProcess()
+    lines = []
+    for layout in (Layout(fsdp=4, tp=2), Layout(dp_replicate=2, fsdp=2, tp=2)):
+        for mb, ac in ((1, "full"), (1, "none"), (2, "full"), (1, "selective")):
+            c = Candidate(layout, micro_batch=mb, checkpointing=ac)
+            p = pool.submit(profile_candidate, source, c).result()
+            lines.append(f"== {c.label()}: peak {p.peak_bytes} step {p.time.seconds!r} "
+                         f"classes {p.distributed.classes.members}")
+            for i, traced in sorted(p.distributed.profiles.items()):
+                lines.append(f"== traced rank {i}")
+                lines.extend(digest(traced))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--models", default="zoo:gpt2:8,torchvision:vit_b_16:32,zoo:llama:2")
-    ap.add_argument("--cases", default="", help="extra cases: views,conv,symbolic,fsdp,cuda")
+    ap.add_argument("--cases", default="", help="extra cases: views,conv,symbolic,fsdp,cuda,tp")
     args = ap.parse_args()
     out = []
     for name, lines_of in _extra_cases([n for n in args.cases.split(",") if n]):

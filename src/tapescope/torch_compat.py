@@ -836,6 +836,14 @@ def sharding_decisions():
             OutputSharding)
 
 
+def mesh_value(mesh):
+    """What DeviceMesh's own equality and hash compare (its rank map, layout, device type,
+    dimension names and thread: `DeviceMesh._hash_key`), a tuple of plain values that keeps no
+    mesh, process group or tensor alive; None where this torch's DeviceMesh has no such key."""
+    key = getattr(type(mesh), "_hash_key", None)
+    return None if key is None else key(mesh)
+
+
 def strided_shard_flag_propagation():
     """(module, name) of `_propagate_use_strided_shard_flag(op_strategy, op_schema)`, or None where
     this torch has none."""
@@ -1008,6 +1016,7 @@ PRIVATE_NAMES = (
     "torch.distributed.distributed_c10d._world",
     "torch._subclasses.fake_tensor.unset_fake_temporarily", "torch._guards.detect_fake_mode",
     "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached",
+    "torch.distributed.device_mesh.DeviceMesh._hash_key",
     "torch.distributed._functional_collectives._are_we_tracing",
     "torch.distributed._mesh_layout._MeshLayout.remap_to_tensor",
     "torch.distributed.device_mesh.DeviceMesh._concatenate",

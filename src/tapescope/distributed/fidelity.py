@@ -58,12 +58,25 @@
    output's metadata and the op's other arguments alone (the translation picks `children[i]`),
    so the op is expanded over one representative of each distinct element, and equal elements
    get that element's strategy (the objects are shared, as the memo above already shares them).
+6. A search's worker traces candidate after candidate, and a candidate's sharding decisions are
+   mostly those of the candidates of its layout before it: the optimizer's foreach ops and
+   FSDP2's setup work on the parameters, the same at every micro-batch size and checkpointing
+   mode, and an HSDP x TP layout's 3-D mesh makes each decision dear (DTensor expands every
+   combination of placements over the mesh). Point 4's decisions are a function of the op
+   schema alone, so they may outlive the profile that made them: inside
+   `decisions_remembered(memory)` each profile's decisions are kept in a `DecisionMemory` when
+   it ends, and a later profile's miss is answered from it, re-bound to its own meshes as a
+   later rank's is (point 4). What is kept holds no mesh: each is replaced by a `_MeshValue`,
+   the plain values DeviceMesh's own equality and hash compare (rank map, layout, device type,
+   dimension names), so no earlier profile's meshes, process groups or trace stay alive, and a
+   schema matches a kept one exactly when DTensor's own cache would call them equal.
 """
 
 from __future__ import annotations
 
 import copy
 from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -71,7 +84,8 @@ from ..capture.records import TensorRef
 from ..errors import TapescopeError
 from ..torch_compat import patched
 
-__all__ = ["eager_distributed", "decisions_shared_by_ranks", "SharedDecisions"]
+__all__ = ["eager_distributed", "decisions_shared_by_ranks", "SharedDecisions", "DecisionMemory",
+           "decisions_remembered", "remember_decisions_in_this_process"]
 
 def _not_tracing() -> bool:
     return False
@@ -231,16 +245,56 @@ def _clear_dtensor_caches() -> None:
     clear_dtensor_caches()
 
 
+class DecisionMemory:
+    """Sharding decisions kept beyond the profile that made them (point 6), with no mesh in
+    them: op schema (meshes as `_MeshValue`s) -> (that schema, its decision, likewise)."""
+
+    def __init__(self):
+        self._kept: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def find(self, schema):
+        """(the kept schema equal to the mesh-free `schema`, its decision), or None."""
+        return self._kept.get(schema)
+
+    def keep(self, schema, decision) -> None:
+        self._kept.setdefault(schema, (schema, decision))
+
+
+# the DecisionMemory profiles keep their decisions in (decisions_remembered), None: none
+_REMEMBERED: ContextVar = ContextVar("tapescope_sharding_decisions", default=None)
+
+
+@contextmanager
+def decisions_remembered(memory: DecisionMemory):
+    """Distributed profiles in the block keep their sharding decisions in `memory` and answer
+    from it (point 6)."""
+    token = _REMEMBERED.set(memory)
+    try:
+        yield memory
+    finally:
+        _REMEMBERED.reset(token)
+
+
+def remember_decisions_in_this_process() -> None:
+    """`decisions_remembered` for the rest of this process: the initializer of a worker process
+    that profiles candidate after candidate (layout_search's local pool)."""
+    _REMEMBERED.set(DecisionMemory())
+
+
 @contextmanager
 def decisions_shared_by_ranks():
     """DTensor's sharding decisions kept from one rank's capture to the next, each re-bound to
-    the meshes of the rank that asks (point 4); forgotten when it ends. Yields the
-    SharedDecisions to give each capture's `eager_distributed`."""
+    the meshes of the rank that asks (point 4); forgotten when it ends, or kept in the
+    DecisionMemory of an enclosing `decisions_remembered` (point 6). Yields the SharedDecisions
+    to give each capture's `eager_distributed`."""
     from ..torch_compat import sharding_decisions
 
     propagator, name, spec_type, schema_type, output_type = sharding_decisions()
     compute = propagator.__dict__[name]
-    shared = SharedDecisions(compute, spec_type, schema_type, output_type)
+    shared = SharedDecisions(compute, spec_type, schema_type, output_type, _REMEMBERED.get())
 
     def propagate(self, op_schema):
         return shared.decide(self, op_schema)
@@ -256,11 +310,15 @@ class SharedDecisions:
     """The sharding decisions the ranks of one profile made, by op schema (global metadata,
     placements, meshes by value): a rank whose op misses DTensor's own caches (emptied for each
     capture) gets an earlier rank's decision re-bound to its own meshes, once per rank; the
-    current rank's own decisions are made as without it (point 4)."""
+    current rank's own decisions are made as without it (point 4). With a DecisionMemory, an
+    earlier profile's decisions are asked too, and this profile's are kept there when it ends
+    (point 6)."""
 
-    def __init__(self, compute, spec_type, schema_type, output_type):
+    def __init__(self, compute, spec_type, schema_type, output_type,
+                 memory: DecisionMemory | None = None):
         self._compute = compute
         self._spec, self._schema, self._output = spec_type, schema_type, output_type
+        self._memory = memory
         self._earlier: dict = {}  # op schema -> (that schema, the decision an earlier rank made)
         self._made: dict = {}     # ... the current rank made
         self._rank: dict = {}     # op schema -> an earlier rank's decision, re-bound
@@ -272,12 +330,17 @@ class SharedDecisions:
         self._made, self._rank = {}, {}
 
     def forget(self) -> None:
+        if self._memory is not None:
+            for schema, decision in (*self._earlier.values(), *self._made.values()):
+                self._remember(schema, decision)
         self._earlier, self._made, self._rank = {}, {}, {}
 
     def decide(self, propagator, op_schema):
         try:
             found = self._rank.get(op_schema)
             earlier = self._earlier.get(op_schema) if found is None else None
+            if found is None and earlier is None and self._memory is not None:
+                earlier = self._recalled(op_schema)
         except TypeError:  # unhashable (symbolic sizes): DTensor caches none of it either
             return self._compute(propagator, op_schema)
         if earlier is not None:
@@ -301,18 +364,60 @@ class SharedDecisions:
         for a, b in zip(theirs, ours):
             if meshes.setdefault(id(a.mesh), b.mesh) is not b.mesh:
                 return self._compute(propagator, op_schema)
+        if not self._names_only(decision, meshes):
+            return self._compute(propagator, op_schema)
+        return self._bound_decision(decision, meshes)
+
+    def _names_only(self, decision, meshes: dict) -> bool:
+        """Does `decision` name only meshes in `meshes` (by id)?"""
         redistribute = decision.redistribute_schema
         its = (decision.output_spec, None if redistribute is None else
                (redistribute.args_schema, redistribute.kwargs_schema))
-        if not all(id(s.mesh) in meshes for s in self._specs(its)):
-            return self._compute(propagator, op_schema)
+        return all(id(s.mesh) in meshes for s in self._specs(its))
+
+    def _bound_schema(self, schema, meshes: dict):
+        return self._schema(schema.op, self._bind(schema.args_schema, meshes),
+                            self._bind(schema.kwargs_schema, meshes),
+                            schema_info=schema.schema_info)
+
+    def _bound_decision(self, decision, meshes: dict):
+        redistribute = decision.redistribute_schema
         return self._output(
             self._bind(decision.output_spec, meshes),
-            None if redistribute is None else self._schema(
-                redistribute.op, self._bind(redistribute.args_schema, meshes),
-                self._bind(redistribute.kwargs_schema, meshes),
-                schema_info=redistribute.schema_info),
+            None if redistribute is None else self._bound_schema(redistribute, meshes),
             decision.needs_redistribute, decision.use_val_from_redistribute_schema)
+
+    def _mesh_free(self, schema) -> tuple | None:
+        """(`schema` with each mesh object replaced by its _MeshValue, id(mesh) -> _MeshValue),
+        or None where a mesh has no value key (a torch without DeviceMesh._hash_key)."""
+        from ..torch_compat import mesh_value
+
+        values: dict = {}
+        for spec in self._specs((schema.args_schema, schema.kwargs_schema)):
+            if id(spec.mesh) not in values:
+                key = mesh_value(spec.mesh)
+                if key is None:
+                    return None
+                values[id(spec.mesh)] = _MeshValue(key)
+        return self._bound_schema(schema, values), values
+
+    def _remember(self, schema, decision) -> None:
+        """Keep `decision`, made for `schema`, in the memory, mesh-free (point 6); not where it
+        names a mesh its schema does not (it could not be re-bound)."""
+        try:
+            free = self._mesh_free(schema)
+            if free is None or self._memory.find(free[0]) is not None:
+                return
+        except TypeError:  # unhashable: never made here (decide computes it uncached)
+            return
+        template, values = free
+        if self._names_only(decision, values):
+            self._memory.keep(template, self._bound_decision(decision, values))
+
+    def _recalled(self, op_schema):
+        """(a kept schema equal to `op_schema`, its decision), both mesh-free, or None."""
+        free = self._mesh_free(op_schema)
+        return None if free is None else self._memory.find(free[0])
 
     def _specs(self, x):
         """The DTensorSpecs in `x` (nested tuples, lists and dicts)."""
@@ -339,6 +444,25 @@ class SharedDecisions:
         if isinstance(x, dict):
             return {k: self._bind(v, meshes) for k, v in x.items()}
         return x
+
+
+class _MeshValue:
+    """A mesh in a remembered decision (point 6): equal to another exactly when DeviceMesh's own
+    equality would call their meshes equal, and hashed alike; it keeps nothing else."""
+
+    __slots__ = ("key", "_hash")
+
+    def __init__(self, key):
+        self.key, self._hash = key, hash(key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _MeshValue) and other.key == self.key
+
+    def __repr__(self) -> str:
+        return f"_MeshValue({self.key!r})"
 
 
 def _real(fn):

@@ -161,15 +161,25 @@ class SearchResult:
 # ---- workers -----------------------------------------------------------------------------------
 
 class InProcess:
-    """Candidates one after another in this process (workers=1; the tests' default)."""
+    """Candidates one after another in this process (workers=1; the tests' default). Its
+    candidates share DTensor's sharding decisions (distributed/fidelity.py, point 6) for the
+    pool's life, as a local pool's worker processes do."""
 
     name = "this process"
     slots = 1
 
+    def __init__(self):
+        from ..distributed.fidelity import DecisionMemory
+
+        self.decisions = DecisionMemory()
+
     def submit(self, fn, *args) -> Future:
+        from ..distributed.fidelity import decisions_remembered
+
         f: Future = Future()
         try:
-            f.set_result(fn(*args))
+            with decisions_remembered(self.decisions):
+                f.set_result(fn(*args))
         except Exception as e:  # noqa: BLE001 - handed to the caller through the future; a
             # stop (Ctrl-C, SIGTERM, the time limit) is no Exception: it ends the search now
             f.set_exception(e)
@@ -181,14 +191,18 @@ class InProcess:
 
 class LocalPool:
     """Local worker processes (spawned: a forked copy of a process that has run torch's
-    threads can hang)."""
+    threads can hang). Each worker's candidates share DTensor's sharding decisions for the
+    worker's life (distributed/fidelity.py, point 6)."""
 
     def __init__(self, workers: int):
         import multiprocessing
 
+        from ..distributed.fidelity import remember_decisions_in_this_process
+
         self.slots = workers
         self.name = f"{workers} local processes"
-        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=remember_decisions_in_this_process)
 
     def submit(self, fn, *args) -> Future:
         return self.pool.submit(fn, *args)
