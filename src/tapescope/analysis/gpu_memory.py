@@ -9,8 +9,10 @@ libraries do with them:
   and 12.x, else 8 MiB + 128 KiB; cuBLASLt shares it by default, TORCH_CUBLASLT_UNIFIED_WORKSPACE);
 - the CUDA context, outside the allocator: what nvidia-smi shows beyond max_memory_reserved;
 - streams: each storage is allocated on the stream of the op that made it (a distributed CUDA
-  profile tells FSDP2's copy-in and reduce-scatter streams from the compute stream), and the
-  allocator keeps each stream's freed blocks for that stream alone (analysis.allocator).
+  profile tells FSDP2's copy-in and reduce-scatter streams from the compute stream), or, re-
+  allocated by `resize_` between ops, on the stream current then (StorageRecord.stream: FSDP2's
+  re-unshards, on the compute stream); the allocator keeps each stream's freed blocks for that
+  stream alone (analysis.allocator).
 
 The run replayed is the validation harness's: the model and inputs are created, then step 1, then
 the steady step twice (the allocator's cache reaches its steady state on the second). `max_*` are
@@ -84,7 +86,9 @@ def _events(trace: Trace, gpu=None):
             if delta > 0:
                 key = (run, sid)
                 live_keys[sid] = key
-                stream = trace.ops[op].stream if 0 <= op < len(trace.ops) else 0
+                stream = storages[sid].stream
+                if stream is None:
+                    stream = trace.ops[op].stream if 0 <= op < len(trace.ops) else 0
                 out.append((key, storages[sid].nbytes, stream))
             else:
                 key = live_keys.pop(sid, None)

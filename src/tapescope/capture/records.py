@@ -190,6 +190,11 @@ class StorageRecord:
     device: torch.device
     created_by: int | None
     roles: set = field(default_factory=set)
+    # the CUDA stream it was allocated on, where that is not `created_by`'s: a storage re-allocated
+    # by `UntypedStorage.resize_` between ops (FSDP2's copy-out re-allocates its all-gather outputs
+    # on the compute stream, after the all-gather recorded last on its own stream); None: the
+    # creating op's stream
+    stream: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -390,8 +390,12 @@ class Tape(SizeFreeCacheCheck):
         old = entry[0]
         at = len(trace.ops) - 1
         sid = len(trace.storages)
+        # allocated on the stream current now, not the last op's (FSDP2's copy-out follows its
+        # all-gather, recorded on the all-gather stream)
+        stream = self.streams.current.id if self.streams is not None else None
         trace.storages.append(StorageRecord(sid, nbytes, trace.storages[old].device,
-                                            at if at >= 0 else None, set(trace.storages[old].roles)))
+                                            at if at >= 0 else None, set(trace.storages[old].roles),
+                                            stream))
         entry[0] = sid
         if self._tape_recording:  # an empty storage holds no memory: no event for it
             if nbytes:
