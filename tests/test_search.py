@@ -185,6 +185,53 @@ def test_pipeline_stages_run_the_models_kernels(pipelined):
     assert pairs == 2
 
 
+
+def test_pipeline_chain_holds_from_each_trace(pipelined):
+    """pipeline_chain (the bubble: the stages before the slowest run micro-batch 0's forward
+    before it and the last micro-batch's backward after it) from each pipelined trace alone,
+    on every candidate of its family, is at most the traced step and above the family's
+    repeated_kernels bound (micro-batches x the slowest stage's kernels) from the same trace:
+    it counts what that bound leaves out. Both modes and both micro-batch sizes transfer."""
+    from tapescope.layout_search.bounds import Known, pipeline_chain, repeated_kernels
+
+    _, brute, _ = pipelined
+    piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
+    assert all(len(o.stage_seconds) == o.candidate.layout.pp for o in piped)
+    pairs = set()
+    for x in piped:
+        alone = Known()
+        alone.add(x)
+        for o in piped:
+            b = pipeline_chain(o.candidate, alone)
+            if b is None:
+                continue
+            flat = repeated_kernels(o.candidate, alone)
+            assert flat.seconds < b.seconds <= o.step_seconds, (x.candidate.label(),
+                                                                o.candidate.label())
+            pairs.add((x.candidate.checkpointing, o.candidate.checkpointing,
+                       o.candidate.micro_batch < x.candidate.micro_batch))
+    assert {("none", "full", False), ("none", "none", True), ("full", "full", True)} <= pairs, \
+        pairs
+
+
+def test_pipeline_chain_by_hand(pipelined):
+    """The chain read off one candidate's own figures by hand (stage 0's first forward and
+    last backward, then all of stage 1's actions) is at most the schedule's step; and the
+    actions' kernels, read per action (bounds.action_floors, through the schedule's action
+    segments), add up to the rank's forward and backward kernels read op by op
+    (stream_floors over the whole trace): every kernel of the step is in some action."""
+    _, brute, _ = pipelined
+    o = next(o for o in brute.outcomes if o.candidate.layout.pp == 2 and
+             o.candidate.checkpointing == "full" and o.candidate.micro_batch == 1)
+    (f0, b0, b0_again, _, _), (_, _, _, w1, w1_again) = o.stage_seconds
+    assert f0 + b0 + b0_again + w1 + w1_again <= o.step_seconds
+    for (*_, own, again), (*_, own_alone, again_alone) in zip(o.stage_seconds,
+                                                              o.kernel_seconds):
+        assert own == pytest.approx(own_alone, rel=1e-9) and again > 0
+        assert again == pytest.approx(again_alone, rel=1e-9)
+
+
+
 def test_pipelines_traced_after_their_twins(pipelined):
     """The pruned search traces a pipelined candidate only after the one-micro-batch
     unpipelined candidates it traces (their kernels bound the pipeline)."""

@@ -242,7 +242,115 @@ def model_flops(c: Candidate, known: Known) -> Bound | None:
     return Bound(seconds, "the model's matmul FLOPs, shared evenly, at the GPU's matmul ceiling")
 
 
-BOUNDS = (repeated_kernels, same_model_kernels, pipelined_model_kernels, model_flops)
+
+
+def pipeline_chain(c: Candidate, known: Known) -> Bound | None:
+    """A pipelined candidate of a one-stage-a-rank schedule (GPipe, 1F1B) from a trace of its
+    own family (the same layout and schedule): step >= max over stages s of
+    sum_{j<s} F_j + W_s + sum_{j<s} B_j, where F_j is stage j's first forward action, B_j its
+    last backward action (recompute included) and W_s every action of stage s, each as the
+    kernels alone of the trace's actions (Outcome.stage_seconds), scaled.
+
+    Why, on distributed/pipeline.py's schedule_time, which gives a pipelined candidate's step
+    (evaluate._outcome): with one stage a rank, pipeline rank s runs stage s's actions in the
+    order its trace ran them (traced_order: the i-th forward is micro-batch i, so is the i-th
+    backward); each action starts when the rank's previous action is done and its input is
+    there (a forward after stage s - 1's forward of the same micro-batch, a backward after
+    stage s + 1's backward of it, the last stage's after its own forward), plus p2p >= 0
+    seconds from another rank, and lasts action_seconds: the time model's seconds of its ops,
+    each compute-stream kernel's at least its price alone (timing.py only stretches one). The
+    step is the last rank's end, its schedule plus the rest of its step (>= 0). (1) GPipe and
+    1F1B both start every stage with micro-batch 0's forward (1F1B's warm-up is
+    num_stages - s >= 1 forwards): stage s's first action waits for stage s - 1's, which
+    waited for stage s - 2's, ..., so it starts no earlier than sum_{j<s} F_j(micro-batch 0).
+    (2) From there rank s runs its actions one after another: it ends its last no earlier than
+    that start plus W_s. (3) Both end every stage with the last micro-batch's backward (GPipe
+    runs the backwards in micro-batch order, 1F1B's cool-down too), whose gradient stage
+    s - 1's backward of that micro-batch waits for, then stage s - 2's, ..., down to stage 0:
+    rank 0 ends no earlier than (1) + (2) + sum_{j<s} B_j(the last micro-batch). Every s gives
+    a bound; the largest is taken. The rank's first forward and last backward are positions
+    every candidate of the family has, so what only they run (FSDP2's unshard before the
+    first forward, the last backward's gradient accumulation and reduce-scatter copy-in) is in
+    the candidate's too.
+
+    From the family's traces only: the same layout and schedule (so the same stages, the same
+    FSDP2 and TP per stage, the same rank representing each stage, the lowest of its pipeline
+    coordinate as schedule_time reads them); checkpointing as light or lighter (a heavier mode
+    runs the lighter one's forward kernels and more in backward; the recomputed kernels count
+    only from the same mode); a micro-batch a whole fraction 1 / k of the trace's, each
+    action's kernels then at least 1 / k of the trace's (their prices are subadditive over a
+    whole multiple of the size, as `_per_micro_batch_share` says) and W_s the trace's scaled
+    as `repeated_kernels` scales a step's (with at least the trace's micro-batches: a later
+    micro-batch only adds gradient accumulation).
+
+    Where it fails, so it is not applied: schedules with several stages a rank (interleaved
+    1F1B, looped BFS, the zero-bubble and V schedules): a rank's first action still waits for
+    the stages before it, but its last need not be a backward that the others wait for after
+    it (a weight backward waits for nobody, a V schedule's last stage is on rank 0), and the
+    stages of a rank interleave; a step not timed by the schedule (no GPU: no figures)."""
+    if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
+        return None
+    best = None
+    for x in known.by_micro_batch.get(_same_kernels(c), ()):
+        xc = x.candidate
+        if not x.stage_seconds or \
+                RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing):
+            continue
+        share = _per_micro_batch_share(c, xc)
+        if share is None:
+            continue
+        same_mode = xc.checkpointing == c.checkpointing
+        scale = c.micro_batch / xc.micro_batch
+        chain = seconds = 0.0
+        for first_forward, last_own, last_again, own, again in x.stage_seconds:
+            seconds = max(seconds, chain + share * (own + (again if same_mode else 0.0)))
+            chain += scale * (first_forward + last_own + (last_again if same_mode else 0.0))
+        if best is None or seconds > best.seconds:
+            best = Bound(seconds, f"the pipeline's critical chain (stages before the slowest: "
+                                  f"micro-batch 0's forward, the last one's backward), scaled, "
+                                  f"as traced in {xc.label()}")
+    return best
+
+
+BOUNDS = (repeated_kernels, same_model_kernels, pipelined_model_kernels, model_flops,
+          pipeline_chain)
+
+
+def action_floors(q) -> tuple:
+    """(first forward, last backward's own, last backward's recomputed, all actions' own, all
+    actions' recomputed): seconds of the compute stream's kernels alone in a pipelined rank's
+    compute actions (each forward and backward its schedule ran, distributed/pipeline.py's
+    action_segments: a repeated block's once per run), as pipeline_chain reads them (q: the
+    rank's Profile, timed by the eager model). Each kernel at its price alone: the schedule's
+    action lasts at least that (action_seconds sums the time model's seconds of its ops)."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..distributed.pipeline import action_segments
+
+    comm = {c.op for c in q.collectives}
+    by_index = {op.record.index: op for op in q.ops}
+    storages = q.trace.storages
+    actions = []   # (phase, own, recomputed)
+    for seg, _ in action_segments(q):
+        own = again = 0.0
+        for i in seg.ops:
+            op = by_index.get(i)
+            if op is None or op.index in comm or op.record.stream or \
+                    not (launches_kernel(op.record.func) and on_gpu(op, storages)):
+                continue
+            t = kernel_seconds(op, q.gpu, storages)[0]
+            if op.recompute:
+                again += t
+            else:
+                own += t
+        actions.append((seg.phase, own, again))
+    forwards = [a for a in actions if a[0] == "forward"]
+    backwards = [a for a in actions if a[0] != "forward"]
+    if not forwards or not backwards:
+        return ()
+    return (forwards[0][1] + forwards[0][2], backwards[-1][1], backwards[-1][2],
+            sum(a[1] for a in actions), sum(a[2] for a in actions))
 
 
 def stream_floors(q, waits: bool = True) -> tuple:

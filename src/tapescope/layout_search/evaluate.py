@@ -83,6 +83,11 @@ class Outcome:
     kernel_seconds: tuple = ()
     matmul_flops: tuple = ()
     cached: bool = field(default=False, compare=False)
+    # a pipelined step timed by its schedule: per pipeline rank (stage), the compute stream's
+    # kernels alone in its first forward action, its last backward action (own, recomputed) and
+    # all its actions (own, recomputed): bounds.action_floors, for bounds.pipeline_chain.
+    # () otherwise, and in a cache written before them
+    stage_seconds: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -117,12 +122,13 @@ class Outcome:
                                     "ranks": tuple(r["ranks"])}) for r in d["ranks"])
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
-                              "matmul_flops")}
+                              "matmul_flops", "stage_seconds")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
                                       for x in d.get("kernel_seconds", ())),
-                   matmul_flops=tuple(d.get("matmul_flops", ())), **kept)
+                   matmul_flops=tuple(d.get("matmul_flops", ())),
+                   stage_seconds=tuple(tuple(x) for x in d.get("stage_seconds", ())), **kept)
 
 
 def _block_fqns(module) -> list[str]:
@@ -285,7 +291,30 @@ def _bound_figures(p, ranks) -> dict:
             if op.flops and op_class(op.record.func) == "matmul":
                 flops[op.recompute] += len(r.ranks) * op.total_flops
         seconds.append(stream_floors(q, waits=pipelined is None))
-    return {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops)}
+    out = {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops)}
+    if pipelined is not None and pipelined.time is not None:
+        out["stage_seconds"] = _stage_figures(p.distributed, pipelined.plan)
+    return out
+
+
+def _stage_figures(dist, plan) -> tuple:
+    """bounds.action_floors of each pipeline rank, in pipeline order, from the trace that
+    stands for the lowest rank of its coordinate (the one the schedule's time reads:
+    PipelinePlan.report); () where a coordinate has no actions."""
+    from .bounds import action_floors
+
+    lowest: dict = {}
+    for r in range(plan.mesh.world_size):
+        lowest.setdefault(plan.mesh.coordinate(r)["pp"], r)
+    figures = []
+    for s in range(plan.pp):
+        rep = next(rep for rep, m in zip(dist.classes.representatives, dist.classes.members)
+                   if lowest[s] in m)
+        floors = action_floors(dist.profiles[rep])
+        if not floors:
+            return ()
+        figures.append(floors)
+    return tuple(figures)
 
 
 def _mfu(p, ranks, seconds, compute_dtype) -> float | None:
