@@ -232,6 +232,43 @@ def test_pipeline_chain_by_hand(pipelined):
 
 
 
+def test_twin_pipeline_chain_holds_from_each_twin(pipelined):
+    """twin_pipeline_chain from each one-micro-batch unpipelined trace alone (the twin's
+    blocks) bounds every pipelined candidate at most at its traced step, both modes and both
+    micro-batch sizes; and the proof's middle step measured: at the same micro-batch and
+    mode, the blocks a stage holds cost in the twin at most what the stage's first forward and
+    last backward cost in the pipeline, and both blocks cost the same (equal blocks)."""
+    from tapescope.layout_search.bounds import Known, twin_pipeline_chain
+
+    _, brute, _ = pipelined
+    piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
+    twins = [o for o in brute.outcomes if o.candidate.layout.pp == 1 and o.candidate.steps == 1]
+    assert twins and all(len(o.block_seconds) == len(o.ranks) for o in twins)
+    bounded, pairs = set(), 0
+    for x in twins:
+        (first, second), = x.block_seconds
+        assert first == pytest.approx(second, rel=1e-12) and min(first) >= 0 and first[0] > 0
+        assert (first[2] > 0) == (x.candidate.checkpointing != "none")
+        alone = Known()
+        alone.add(x)
+        for o in piped:
+            b = twin_pipeline_chain(o.candidate, alone)
+            if b is not None:
+                assert 0 < b.seconds <= o.step_seconds, (x.candidate.label(),
+                                                         o.candidate.label())
+                bounded.add(o.candidate)
+        for o in piped:
+            c = o.candidate
+            if (c.micro_batch, c.checkpointing) != (x.candidate.micro_batch,
+                                                    x.candidate.checkpointing):
+                continue
+            # one block a stage here
+            for (forward, own, again), (f0, b_own, b_again, _, _) in zip(x.block_seconds[0],
+                                                                         o.stage_seconds):
+                assert forward <= f0 and own + again <= b_own + b_again, c.label()
+                pairs += 1
+    assert bounded == {o.candidate for o in piped} and pairs == 4
+
 def test_pipelines_traced_after_their_twins(pipelined):
     """The pruned search traces a pipelined candidate only after the one-micro-batch
     unpipelined candidates it traces (their kernels bound the pipeline)."""

@@ -312,8 +312,103 @@ def pipeline_chain(c: Candidate, known: Known) -> Bound | None:
     return best
 
 
+def twin_pipeline_chain(c: Candidate, known: Known) -> Bound | None:
+    """`pipeline_chain` for a pipelined family not traced yet, from the unpipelined twin's
+    blocks (the traces `pipelined_model_kernels` reads: one micro-batch, the same TP / CP
+    split, checkpointing as light or lighter, a micro-batch as large or larger, scaled):
+    step >= max over stages s of sum_{j<s} (F_j + B_j) + m (F_s + B_s), with F_j and B_j the
+    twin's forward and backward kernels (FSDP2's own left out; recompute from the same mode
+    only) of the blocks stage j holds (pipeline.py's block_range: the blocks evenly, the
+    earlier stages one fewer), m the candidate's micro-batches.
+
+    Why: pipeline_chain's (1)-(3) with F_j, B_j any lower bounds on stage j's first forward
+    and last backward, and W_s >= m (F_s + B_s) when F_s, B_s bound every forward and backward
+    of stage s: each action of stage s runs each of its blocks once on one micro-batch, and a
+    block's forward and backward ops are the twin's at the same shapes (the same TP plan,
+    checkpointing and mixed precision; FSDP2 gathers a block whole, so its degree changes none
+    of them: `pipelined_model_kernels`' (2)), each priced from the op alone (its (3)). A
+    block's ops are read off the twin by module: a forward op's (a recomputed one's too) is
+    its module's, a backward op's the module of the forward op whose autograd node runs it
+    (Op.forward_op); ops of no block (the embedding, the output layer, the loss, the model's
+    own code between blocks, AccumulateGrad) are left out, as are FSDP2's own kernels (their
+    sizes follow the shard degree), the collectives and the waits for them. Only the blocks
+    are counted because only their stage is known from the split alone; with stages of equal
+    blocks the bound is (m + pp - 1) / pp x the blocks' kernels a micro-batch, against
+    `pipelined_model_kernels`' m / pp x the whole model's. The twin's rank classes may differ:
+    each block's figures are the least of them."""
+    if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
+        return None
+    best = None
+    for x in known.by_pipeline_twin.get(_pipeline_twin(c), ()):
+        xc = x.candidate
+        if not x.block_seconds or \
+                RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing) \
+                or c.micro_batch > xc.micro_batch or xc.micro_batch % c.micro_batch:
+            continue
+        same_mode = xc.checkpointing == c.checkpointing
+        scale = c.micro_batch / xc.micro_batch
+        blocks = [tuple(min(figures) for figures in zip(*per_class))
+                  for per_class in zip(*x.block_seconds)]
+        n = len(blocks)
+        if n < c.layout.pp:
+            continue
+        chain = seconds = 0.0
+        for s in range(c.layout.pp):
+            held = [blocks[b] for b in range(s * n // c.layout.pp, (s + 1) * n // c.layout.pp)]
+            forward = scale * sum(f for f, _, _ in held)
+            backward = scale * sum(own + (again if same_mode else 0.0) for _, own, again in held)
+            seconds = max(seconds, chain + c.steps * (forward + backward))
+            chain += forward + backward
+        if best is None or seconds > best.seconds:
+            best = Bound(seconds, f"the pipeline's critical chain over its stages' blocks, "
+                                  f"micro-batch {xc.micro_batch}'s scaled, as traced in "
+                                  f"{xc.label()}")
+    return best
+
+
 BOUNDS = (repeated_kernels, same_model_kernels, pipelined_model_kernels, model_flops,
-          pipeline_chain)
+          pipeline_chain, twin_pipeline_chain)
+
+
+def block_floors(q, blocks: list) -> tuple:
+    """((forward, backward's own, backward's recomputed), ...): for each block (fqns, in the
+    model's order: evaluate's transformer blocks), seconds of the compute stream's kernels alone
+    that a one-micro-batch step runs for it in forward and backward (q: the rank's Profile,
+    timed by the eager model), as twin_pipeline_chain reads them: a forward op (recomputed
+    too) by its module, a backward op by the module of its forward op; FSDP2's own kernels,
+    the collectives and other streams' ops left out."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import BACKWARD, FORWARD
+
+    comm = {c.op for c in q.collectives}
+    module_of_op = {op.index: op.module for op in q.ops}
+    index_of = {fqn: i for i, fqn in enumerate(blocks)}
+    block_of: dict = {}   # module -> block index (None: none)
+
+    def block(module):
+        if module not in block_of:
+            parts = (module or "").split(".")
+            block_of[module] = next((index_of[".".join(parts[:k])]
+                                     for k in range(1, len(parts) + 1)
+                                     if ".".join(parts[:k]) in index_of), None)
+        return block_of[module]
+
+    figures = [[0.0, 0.0, 0.0] for _ in blocks]
+    storages = q.trace.storages
+    for op in q.ops:
+        if op.phase not in (FORWARD, BACKWARD) or op.index in comm or op.record.stream or \
+                op.record.name.startswith("fsdp.") or \
+                not (launches_kernel(op.record.func) and on_gpu(op, storages)):
+            continue
+        forward = op.phase == FORWARD or op.recompute
+        b = block(op.module if forward else module_of_op.get(op.forward_op))
+        if b is None:
+            continue
+        column = 0 if op.phase == FORWARD else 2 if op.recompute else 1
+        figures[b][column] += kernel_seconds(op, q.gpu, storages)[0] * op.runs
+    return tuple(tuple(f) for f in figures)
 
 
 def action_floors(q) -> tuple:

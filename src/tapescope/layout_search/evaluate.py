@@ -88,6 +88,11 @@ class Outcome:
     # all its actions (own, recomputed): bounds.action_floors, for bounds.pipeline_chain.
     # () otherwise, and in a cache written before them
     stage_seconds: tuple = ()
+    # an unpipelined one-micro-batch step: per traced rank class, per transformer block (in the
+    # model's order), the compute stream's kernels alone it runs for the block in forward and
+    # backward (own, recomputed): bounds.block_floors, for bounds.twin_pipeline_chain. ()
+    # otherwise, and in a cache written before them
+    block_seconds: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -122,13 +127,15 @@ class Outcome:
                                     "ranks": tuple(r["ranks"])}) for r in d["ranks"])
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
-                              "matmul_flops", "stage_seconds")}
+                              "matmul_flops", "stage_seconds", "block_seconds")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
                                       for x in d.get("kernel_seconds", ())),
                    matmul_flops=tuple(d.get("matmul_flops", ())),
-                   stage_seconds=tuple(tuple(x) for x in d.get("stage_seconds", ())), **kept)
+                   stage_seconds=tuple(tuple(x) for x in d.get("stage_seconds", ())),
+                   block_seconds=tuple(tuple(tuple(b) for b in x)
+                                       for x in d.get("block_seconds", ())), **kept)
 
 
 def _block_fqns(module) -> list[str]:
@@ -211,12 +218,16 @@ def _single_device_policies(workload, candidate):
 def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcome:
     """Profile `candidate`; `global_tokens`: tokens of one optimizer step of the whole job."""
     from ..api import profile_workload
+    from ..capture.model import model_of
 
     start, cpu = time.perf_counter(), time.process_time()
     try:
         workload, options = candidate_options(source, candidate)
         p = profile_workload(workload, options)
-        out = _outcome(p, candidate, global_tokens, source.amp or source.dtype)
+        # a pipeline's twin (bounds.twin_pipeline_chain) says what each block costs
+        blocks = _block_fqns(model_of(workload.model)) \
+            if candidate.layout.pp == 1 and candidate.steps == 1 else ()
+        out = _outcome(p, candidate, global_tokens, source.amp or source.dtype, blocks)
     except TapescopeError as e:
         out = Outcome(candidate, ERROR, reason=str(e).split("\n")[0])
     return Outcome(**{**{f: getattr(out, f) for f in out.__dataclass_fields__},
@@ -232,14 +243,15 @@ def _rank_memory(q, ranks: tuple) -> RankMemory:
                       cm.oom_at if cm.oom else None, top)
 
 
-def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outcome:
+def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype,
+             blocks=()) -> Outcome:
     dist = p.distributed
     if dist is None:
         ranks = (_rank_memory(p, (0,)),)
     else:
         ranks = tuple(_rank_memory(q, _class_of(r, dist.classes.members))
                       for r, q in sorted(dist.profiles.items()))
-    kernels = _bound_figures(p, ranks)
+    kernels = _bound_figures(p, ranks, blocks)
     oom = [r for r in ranks if r.reserved_bytes is None]
     if oom:
         r = oom[0]
@@ -270,7 +282,7 @@ def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outc
                    **kernels)
 
 
-def _bound_figures(p, ranks) -> dict:
+def _bound_figures(p, ranks, blocks=()) -> dict:
     """Outcome's kernel_seconds and matmul_flops: per traced rank class, (own, recomputed)
     seconds the compute stream is provably busy or idle in forward and backward, the busiest
     NCCL stream's collectives there (own, recomputed), and FSDP2's own kernels among the
@@ -278,7 +290,7 @@ def _bound_figures(p, ranks) -> dict:
     recomputed).
     Empty where a rank's time is not the eager kernel model's."""
     from ..analysis.op_classes import op_class
-    from .bounds import stream_floors
+    from .bounds import block_floors, stream_floors
 
     seconds, flops = [], [0, 0]
     pipelined = p.distributed.pipeline if p.distributed is not None else None
@@ -294,6 +306,8 @@ def _bound_figures(p, ranks) -> dict:
     out = {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops)}
     if pipelined is not None and pipelined.time is not None:
         out["stage_seconds"] = _stage_figures(p.distributed, pipelined.plan)
+    if blocks:
+        out["block_seconds"] = tuple(block_floors(q, blocks) for q in _traced(p))
     return out
 
 
