@@ -191,7 +191,8 @@ def test_pipeline_chain_holds_from_each_trace(pipelined):
     before it and the last micro-batch's backward after it) from each pipelined trace alone,
     on every candidate of its family, is at most the traced step and above the family's
     repeated_kernels bound (micro-batches x the slowest stage's kernels) from the same trace:
-    it counts what that bound leaves out. Both modes and both micro-batch sizes transfer."""
+    it counts what that bound leaves out. Both modes and both micro-batch sizes transfer.
+    (Another data-parallel split of the same pipeline: test_pipeline_chain_across_splits.)"""
     from tapescope.layout_search.bounds import Known, pipeline_chain, repeated_kernels
 
     _, brute, _ = pipelined
@@ -219,18 +220,44 @@ def test_pipeline_chain_by_hand(pipelined):
     last backward, then all of stage 1's actions) is at most the schedule's step; and the
     actions' kernels, read per action (bounds.action_floors, through the schedule's action
     segments), add up to the rank's forward and backward kernels read op by op
-    (stream_floors over the whole trace): every kernel of the step is in some action."""
+    (stream_floors over the whole trace), FSDP2's own left out of both: every kernel of the
+    step is in some action."""
     _, brute, _ = pipelined
     o = next(o for o in brute.outcomes if o.candidate.layout.pp == 2 and
              o.candidate.checkpointing == "full" and o.candidate.micro_batch == 1)
     (f0, b0, b0_again, _, _), (_, _, _, w1, w1_again) = o.stage_seconds
     assert f0 + b0 + b0_again + w1 + w1_again <= o.step_seconds
-    for (*_, own, again), (*_, own_alone, again_alone) in zip(o.stage_seconds,
-                                                              o.kernel_seconds):
-        assert own == pytest.approx(own_alone, rel=1e-9) and again > 0
+    for (*_, own, again), (*_, fsdp, own_alone, again_alone) in zip(o.stage_seconds,
+                                                                    o.kernel_seconds):
+        assert own == pytest.approx(own_alone - fsdp, rel=1e-9) and again > 0 and fsdp > 0
         assert again == pytest.approx(again_alone, rel=1e-9)
 
 
+
+def test_pipeline_chain_across_splits():
+    """pipeline_chain from a trace of another data-parallel split of the same pipeline
+    (PP 2 x FSDP 4 and PP 2 x HSDP 2 x FSDP 2, FSDP2's own kernels left out of the figures),
+    each trace alone on each candidate of the other layout: at most its traced step, and
+    given from the same micro-batch size and from a larger one."""
+    from tapescope.layout_search.bounds import Known, pipeline_chain
+
+    r = tapescope.search(SMALL_SPEC, gpus=8, gpu="h100", global_batch=16, seq=128, pp=(2,),
+                         tp=(1,), checkpointing=("none",), max_steps=4, gpus_per_node=2,
+                         brute_force=True)
+    assert {o.candidate.layout.dp_replicate for o in r.outcomes} == {1, 2}
+    given = set()
+    for x in r.outcomes:
+        alone = Known()
+        alone.add(x)
+        for o in r.outcomes:
+            if o.candidate.layout == x.candidate.layout:
+                continue
+            b = pipeline_chain(o.candidate, alone)
+            if b is not None:
+                assert 0 < b.seconds <= o.step_seconds, (x.candidate.label(),
+                                                         o.candidate.label())
+                given.add(o.candidate.micro_batch < x.candidate.micro_batch)
+    assert given == {False, True}
 
 def test_twin_pipeline_chain_holds_from_each_twin(pipelined):
     """twin_pipeline_chain from each one-micro-batch unpipelined trace alone (the twin's

@@ -273,9 +273,12 @@ def pipeline_chain(c: Candidate, known: Known) -> Bound | None:
     first forward, the last backward's gradient accumulation and reduce-scatter copy-in) is in
     the candidate's too.
 
-    From the family's traces only: the same layout and schedule (so the same stages, the same
-    FSDP2 and TP per stage, the same rank representing each stage, the lowest of its pipeline
-    coordinate as schedule_time reads them); checkpointing as light or lighter (a heavier mode
+    From traces of the same model split (the family's own, or another data-parallel split of
+    the same PP / TP / CP split and schedule, as `same_model_kernels` reads: the same stages
+    and the same TP per stage; FSDP2's own kernels are left out of the figures, as their sizes
+    follow the shard degree, and FSDP2 gathers a block whole, so its degree changes none of
+    the model's ops; each stage as the lowest rank of its pipeline coordinate, as
+    schedule_time reads them); checkpointing as light or lighter (a heavier mode
     runs the lighter one's forward kernels and more in backward; the recomputed kernels count
     only from the same mode); a micro-batch a whole fraction 1 / k of the trace's, each
     action's kernels then at least 1 / k of the trace's (their prices are subadditive over a
@@ -291,7 +294,7 @@ def pipeline_chain(c: Candidate, known: Known) -> Bound | None:
     if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
         return None
     best = None
-    for x in known.by_micro_batch.get(_same_kernels(c), ()):
+    for x in known.by_model_split.get(_same_model_kernels(c), ()):
         xc = x.candidate
         if not x.stage_seconds or \
                 RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing):
@@ -417,7 +420,8 @@ def action_floors(q) -> tuple:
     compute actions (each forward and backward its schedule ran, distributed/pipeline.py's
     action_segments: a repeated block's once per run), as pipeline_chain reads them (q: the
     rank's Profile, timed by the eager model). Each kernel at its price alone: the schedule's
-    action lasts at least that (action_seconds sums the time model's seconds of its ops)."""
+    action lasts at least that (action_seconds sums the time model's seconds of its ops).
+    FSDP2's own kernels are left out (pipeline_chain reads other data-parallel splits too)."""
     from ..analysis.kernel_cost import on_gpu
     from ..analysis.op_classes import launches_kernel
     from ..analysis.timing import kernel_seconds
@@ -432,6 +436,7 @@ def action_floors(q) -> tuple:
         for i in seg.ops:
             op = by_index.get(i)
             if op is None or op.index in comm or op.record.stream or \
+                    op.record.name.startswith("fsdp.") or \
                     not (launches_kernel(op.record.func) and on_gpu(op, storages)):
                 continue
             t = kernel_seconds(op, q.gpu, storages)[0]
