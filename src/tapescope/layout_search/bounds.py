@@ -39,6 +39,12 @@ guess at the candidate's own figures:
   and the slowest rank does at least the average share. No kernel runs matmul FLOPs faster than
   the GPU's peak x its matmul ceiling x its sustained clock (analysis/kernel_cost.py: tile
   utilisation and fill are at most 1).
+- `pipeline_chain`: a GPipe / 1F1B pipeline's bubble, from a trace of the same pipeline (any
+  data-parallel split): stage s's first forward waits for micro-batch 0's forwards through
+  the stages before it, and its last backward's gradient still goes back through them, so
+  step >= sum_{j<s} F_j + W_s + sum_{j<s} B_j (the proof is the rule's docstring).
+- `twin_pipeline_chain`: the same chain before any trace of the pipeline, from the
+  unpipelined twin's per-block kernels split as the pipeline splits its blocks.
 
 tests/test_search.py checks each rule against brute force: every candidate's traced step is at
 least each bound the rules give it.
