@@ -112,6 +112,27 @@ def test_each_trace_bounds_every_size_and_twin(searches):
             ("same_model_kernels", True)} <= kinds, kinds
 
 
+
+def test_block_figures_ignore_the_data_parallel_split(searches):
+    """What twin_pipeline_chain rests on, measured: a block's kernels (Outcome.block_seconds)
+    are the same whatever the FSDP / HSDP split (FSDP2 gathers a block whole; its own kernels
+    are left out), at the same TP degree, micro-batch and mode, on every rank class."""
+    _, brute = searches
+    by: dict = {}
+    for o in brute.outcomes:
+        c = o.candidate
+        if c.steps == 1 and o.block_seconds:
+            by.setdefault((c.layout.tp, c.micro_batch, c.checkpointing), []).append(o)
+    compared = 0
+    for group in by.values():
+        first = [x for block in group[0].block_seconds[0] for x in block]
+        for o in group:
+            for figures in o.block_seconds:
+                assert [x for block in figures for x in block] == \
+                    pytest.approx(first, rel=1e-9), o.candidate.label()
+        compared += len({o.candidate.layout for o in group}) > 1
+    assert compared > 0, sorted(by)
+
 # the brute-force check of pipelined_model_kernels: a pipelined layout (PP 2 x FSDP 2, one block
 # a stage) beside its unpipelined twin (FSDP 4), both checkpointing modes, and a pipelined
 # micro-batch smaller than the twin opener's (8 candidates, every one traced)
