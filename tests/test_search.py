@@ -259,7 +259,8 @@ def test_pipeline_chain_across_splits():
     """pipeline_chain from a trace of another data-parallel split of the same pipeline
     (PP 2 x FSDP 4 and PP 2 x HSDP 2 x FSDP 2, FSDP2's own kernels left out of the figures),
     each trace alone on each candidate of the other layout: at most its traced step, and
-    given from the same micro-batch size and from a larger one."""
+    given from the same micro-batch size and from a larger one; the stages' figures are the
+    same in both splits at the same micro-batch (FSDP2 gathers a block whole)."""
     from tapescope.layout_search.bounds import Known, pipeline_chain
 
     r = tapescope.search(SMALL_SPEC, gpus=8, gpu="h100", global_batch=16, seq=128, pp=(2,),
@@ -278,6 +279,9 @@ def test_pipeline_chain_across_splits():
                 assert 0 < b.seconds <= o.step_seconds, (x.candidate.label(),
                                                          o.candidate.label())
                 given.add(o.candidate.micro_batch < x.candidate.micro_batch)
+            if o.candidate.micro_batch == x.candidate.micro_batch:
+                assert [v for stage in o.stage_seconds for v in stage] == pytest.approx(
+                    [v for stage in x.stage_seconds for v in stage], rel=1e-9)
     assert given == {False, True}
 
 def test_twin_pipeline_chain_holds_from_each_twin(pipelined):

@@ -248,11 +248,9 @@ def model_flops(c: Candidate, known: Known) -> Bound | None:
     return Bound(seconds, "the model's matmul FLOPs, shared evenly, at the GPU's matmul ceiling")
 
 
-
-
 def pipeline_chain(c: Candidate, known: Known) -> Bound | None:
-    """A pipelined candidate of a one-stage-a-rank schedule (GPipe, 1F1B) from a trace of its
-    own family (the same layout and schedule): step >= max over stages s of
+    """A pipelined candidate of a one-stage-a-rank schedule (GPipe, 1F1B) from a trace of the
+    same pipeline (its own layout or another data-parallel split): step >= max over stages s of
     sum_{j<s} F_j + W_s + sum_{j<s} B_j, where F_j is stage j's first forward action, B_j its
     last backward action (recompute included) and W_s every action of stage s, each as the
     kernels alone of the trace's actions (Outcome.stage_seconds), scaled.
