@@ -161,16 +161,23 @@ def _parallelize(candidate: Candidate, mp_dtype):
     data = replace(layout, tp=1, pp=1)  # the preset's FSDP / replicate part alone
     preset = preset_parallelize(data, mp_dtype) if data.parallelised else None
 
+    # the rank's transformer blocks as its copy of the model names them: what the outcome's
+    # per-block figures are read by (bounds.block_floors), found here at no cost where a
+    # second build of the model would cost ~10% of a 70B candidate
+    blocks: list = []
+
     def parallelize(model, mesh):
         if layout.tp > 1:
             _, plan = tp_plan_for(model)
             plan(model, mesh["tp"])
+        blocks[:] = _block_fqns(model)
         if mode is not None:
             how, save = mode
-            apply_policies(model, [UnitPolicy(f, how, save) for f in _block_fqns(model)])
+            apply_policies(model, [UnitPolicy(f, how, save) for f in blocks])
         return preset(model, mesh) if preset is not None else model
 
     parallelize.__name__ = candidate.label()
+    parallelize.blocks = blocks
     parallelize.layout = layout  # a preset's: capture/float8.py asks whether FSDP shards
     if preset is not None and hasattr(preset, "train_context"):  # CP: presets.py
         parallelize.train_context = preset.train_context
@@ -225,8 +232,10 @@ def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcom
         workload, options = candidate_options(source, candidate)
         p = profile_workload(workload, options)
         # a pipeline's twin (bounds.twin_pipeline_chain) says what each block costs
-        blocks = _block_fqns(model_of(workload.model)) \
-            if candidate.layout.pp == 1 and candidate.steps == 1 else ()
+        blocks = ()
+        if candidate.layout.pp == 1 and candidate.steps == 1:
+            blocks = options.parallelize.blocks if options.parallelize is not None else \
+                _block_fqns(model_of(workload.model))
         out = _outcome(p, candidate, global_tokens, source.amp or source.dtype, blocks)
     except TapescopeError as e:
         out = Outcome(candidate, ERROR, reason=str(e).split("\n")[0])
