@@ -138,6 +138,27 @@ def test_each_trace_bounds_every_size_and_twin(searches):
             ("same_model_kernels", True)} <= kinds, kinds
 
 
+
+def test_block_figures_ignore_the_data_parallel_split(searches):
+    """What twin_pipeline_chain rests on, measured: a block's kernels (Outcome.block_seconds)
+    are the same whatever the FSDP / HSDP split (FSDP2 gathers a block whole; its own kernels
+    are left out), at the same TP degree, micro-batch and mode, on every rank class."""
+    _, brute = searches
+    by: dict = {}
+    for o in brute.outcomes:
+        c = o.candidate
+        if c.steps == 1 and o.block_seconds:
+            by.setdefault((c.layout.tp, c.micro_batch, c.checkpointing), []).append(o)
+    compared = 0
+    for group in by.values():
+        first = [x for block in group[0].block_seconds[0] for x in block]
+        for o in group:
+            for figures in o.block_seconds:
+                assert [x for block in figures for x in block] == \
+                    pytest.approx(first, rel=1e-9), o.candidate.label()
+        compared += len({o.candidate.layout for o in group}) > 1
+    assert compared > 0, sorted(by)
+
 # the brute-force check of pipelined_model_kernels: a pipelined layout (PP 2 x FSDP 2, one block
 # a stage) beside its unpipelined twin (FSDP 4), both checkpointing modes, and a pipelined
 # micro-batch smaller than the twin opener's (8 candidates, every one traced)
@@ -210,6 +231,121 @@ def test_pipeline_stages_run_the_models_kernels(pipelined):
         pairs += 1
     assert pairs == 2
 
+
+
+def test_pipeline_chain_holds_from_each_trace(pipelined):
+    """pipeline_chain (the bubble: the stages before the slowest run micro-batch 0's forward
+    before it and the last micro-batch's backward after it) from each pipelined trace alone,
+    on every candidate of its family, is at most the traced step and above the family's
+    repeated_kernels bound (micro-batches x the slowest stage's kernels) from the same trace:
+    it counts what that bound leaves out. Both modes and both micro-batch sizes transfer.
+    (Another data-parallel split of the same pipeline: test_pipeline_chain_across_splits.)"""
+    from tapescope.layout_search.bounds import Known, pipeline_chain, repeated_kernels
+
+    _, brute, _ = pipelined
+    piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
+    assert all(len(o.stage_seconds) == o.candidate.layout.pp for o in piped)
+    pairs = set()
+    for x in piped:
+        alone = Known()
+        alone.add(x)
+        for o in piped:
+            b = pipeline_chain(o.candidate, alone)
+            if b is None:
+                continue
+            flat = repeated_kernels(o.candidate, alone)
+            assert flat.seconds < b.seconds <= o.step_seconds, (x.candidate.label(),
+                                                                o.candidate.label())
+            pairs.add((x.candidate.checkpointing, o.candidate.checkpointing,
+                       o.candidate.micro_batch < x.candidate.micro_batch))
+    assert {("none", "full", False), ("none", "none", True), ("full", "full", True)} <= pairs, \
+        pairs
+
+
+def test_pipeline_chain_by_hand(pipelined):
+    """The chain read off one candidate's own figures by hand (stage 0's first forward and
+    last backward, then all of stage 1's actions) is at most the schedule's step; and the
+    actions' kernels, read per action (bounds.action_floors, through the schedule's action
+    segments), add up to the rank's forward and backward kernels read op by op
+    (stream_floors over the whole trace), FSDP2's own left out of both: every kernel of the
+    step is in some action."""
+    _, brute, _ = pipelined
+    o = next(o for o in brute.outcomes if o.candidate.layout.pp == 2 and
+             o.candidate.checkpointing == "full" and o.candidate.micro_batch == 1)
+    (f0, b0, b0_again, _, _), (_, _, _, w1, w1_again) = o.stage_seconds
+    assert f0 + b0 + b0_again + w1 + w1_again <= o.step_seconds
+    for (*_, own, again), (*_, fsdp, own_alone, again_alone) in zip(o.stage_seconds,
+                                                                    o.kernel_seconds):
+        assert own == pytest.approx(own_alone - fsdp, rel=1e-9) and again > 0 and fsdp > 0
+        assert again == pytest.approx(again_alone, rel=1e-9)
+
+
+
+def test_pipeline_chain_across_splits():
+    """pipeline_chain from a trace of another data-parallel split of the same pipeline
+    (PP 2 x FSDP 4 and PP 2 x HSDP 2 x FSDP 2, FSDP2's own kernels left out of the figures),
+    each trace alone on each candidate of the other layout: at most its traced step, and
+    given from the same micro-batch size and from a larger one; the stages' figures are the
+    same in both splits at the same micro-batch (FSDP2 gathers a block whole)."""
+    from tapescope.layout_search.bounds import Known, pipeline_chain
+
+    r = tapescope.search(SMALL_SPEC, gpus=8, gpu="h100", global_batch=16, seq=128, pp=(2,),
+                         tp=(1,), checkpointing=("none",), max_steps=4, gpus_per_node=2,
+                         brute_force=True)
+    assert {o.candidate.layout.dp_replicate for o in r.outcomes} == {1, 2}
+    given = set()
+    for x in r.outcomes:
+        alone = Known()
+        alone.add(x)
+        for o in r.outcomes:
+            if o.candidate.layout == x.candidate.layout:
+                continue
+            b = pipeline_chain(o.candidate, alone)
+            if b is not None:
+                assert 0 < b.seconds <= o.step_seconds, (x.candidate.label(),
+                                                         o.candidate.label())
+                given.add(o.candidate.micro_batch < x.candidate.micro_batch)
+            if o.candidate.micro_batch == x.candidate.micro_batch:
+                assert [v for stage in o.stage_seconds for v in stage] == pytest.approx(
+                    [v for stage in x.stage_seconds for v in stage], rel=1e-9)
+    assert given == {False, True}
+
+def test_twin_pipeline_chain_holds_from_each_twin(pipelined):
+    """twin_pipeline_chain from each one-micro-batch unpipelined trace alone (the twin's
+    blocks) bounds every pipelined candidate at most at its traced step, both modes and both
+    micro-batch sizes; and the proof's middle step measured: at the same micro-batch and
+    mode, the blocks a stage holds cost in the twin at most what the stage's first forward and
+    last backward cost in the pipeline, and both blocks cost the same (equal blocks)."""
+    from tapescope.layout_search.bounds import Known, twin_pipeline_chain
+
+    _, brute, _ = pipelined
+    piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
+    twins = [o for o in brute.outcomes if o.candidate.layout.pp == 1 and o.candidate.steps == 1]
+    assert twins and all(len(o.block_seconds) == len(o.ranks) for o in twins)
+    bounded, pairs = set(), 0
+    for x in twins:
+        (first, second), = x.block_seconds
+        assert first == pytest.approx(second, rel=1e-12) and min(first) >= 0 and first[0] > 0
+        assert (first[2] > 0) == (x.candidate.checkpointing != "none")
+        alone = Known()
+        alone.add(x)
+        for o in piped:
+            b = twin_pipeline_chain(o.candidate, alone)
+            if b is not None:
+                assert 0 < b.seconds <= o.step_seconds, (x.candidate.label(),
+                                                         o.candidate.label())
+                bounded.add(o.candidate)
+        for o in piped:
+            c = o.candidate
+            if (c.micro_batch, c.checkpointing) != (x.candidate.micro_batch,
+                                                    x.candidate.checkpointing):
+                continue
+            # one block a stage here
+            for (forward, own, again), (f0, b_own, b_again, _, _) in zip(x.block_seconds[0],
+                                                                         o.stage_seconds):
+                assert forward <= f0 and own + again <= b_own + b_again, c.label()
+                pairs += 1
+    assert bounded == {o.candidate for o in piped} and pairs == 4
 
 def test_pipelines_traced_after_their_twins(pipelined):
     """The pruned search traces a pipelined candidate only after the one-micro-batch

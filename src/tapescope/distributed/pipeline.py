@@ -1050,3 +1050,10 @@ def pipeline_plan(workload, options) -> PipelinePlan:
     split = spec.split or split_blocks
     shapes = stage_boundaries(meta_model, stage_inputs, spec, pp, microbatches, split)
     return PipelinePlan(spec, mesh, microbatches, shapes, split, meta_model, stage_inputs)
+
+
+def action_segments(profile) -> list:
+    """(segment, runs) of each compute action of a pipelined rank's steady-state step, in the
+    order the schedule ran them, a repeated block's once per run: what `action_seconds` times
+    (layout_search/bounds.py reads the same actions' kernels)."""
+    return _action_segments(profile.trace, profile.steps)

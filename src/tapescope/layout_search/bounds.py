@@ -42,6 +42,12 @@ guess at the candidate's own figures:
 - `kernels_and_step_ends` (appended below): `repeated_kernels`' floor plus what the step runs
   once (Outcome.step_ends, `step_ends`): the optimizer's kernels and the waits for FSDP2's
   first all-gather and last reduction, which the windows of `stream_floors` cannot place.
+- `pipeline_chain`: a GPipe / 1F1B pipeline's bubble, from a trace of the same pipeline (any
+  data-parallel split): stage s's first forward waits for micro-batch 0's forwards through
+  the stages before it, and its last backward's gradient still goes back through them, so
+  step >= sum_{j<s} F_j + W_s + sum_{j<s} B_j (the proof is the rule's docstring).
+- `twin_pipeline_chain`: the same chain before any trace of the pipeline, from the
+  unpipelined twin's per-block kernels split as the pipeline splits its blocks.
 
 tests/test_search.py checks each rule against brute force: every candidate's traced step is at
 least each bound the rules give it.
@@ -245,7 +251,213 @@ def model_flops(c: Candidate, known: Known) -> Bound | None:
     return Bound(seconds, "the model's matmul FLOPs, shared evenly, at the GPU's matmul ceiling")
 
 
-BOUNDS = (repeated_kernels, same_model_kernels, pipelined_model_kernels, model_flops)
+def pipeline_chain(c: Candidate, known: Known) -> Bound | None:
+    """A pipelined candidate of a one-stage-a-rank schedule (GPipe, 1F1B) from a trace of the
+    same pipeline (its own layout or another data-parallel split): step >= max over stages s of
+    sum_{j<s} F_j + W_s + sum_{j<s} B_j, where F_j is stage j's first forward action, B_j its
+    last backward action (recompute included) and W_s every action of stage s, each as the
+    kernels alone of the trace's actions (Outcome.stage_seconds), scaled.
+
+    Why, on distributed/pipeline.py's schedule_time, which gives a pipelined candidate's step
+    (evaluate._outcome): with one stage a rank, pipeline rank s runs stage s's actions in the
+    order its trace ran them (traced_order: the i-th forward is micro-batch i, so is the i-th
+    backward); each action starts when the rank's previous action is done and its input is
+    there (a forward after stage s - 1's forward of the same micro-batch, a backward after
+    stage s + 1's backward of it, the last stage's after its own forward), plus p2p >= 0
+    seconds from another rank, and lasts action_seconds: the time model's seconds of its ops,
+    each compute-stream kernel's at least its price alone (timing.py only stretches one). The
+    step is the last rank's end, its schedule plus the rest of its step (>= 0). (1) GPipe and
+    1F1B both start every stage with micro-batch 0's forward (1F1B's warm-up is
+    num_stages - s >= 1 forwards): stage s's first action waits for stage s - 1's, which
+    waited for stage s - 2's, ..., so it starts no earlier than sum_{j<s} F_j(micro-batch 0).
+    (2) From there rank s runs its actions one after another: it ends its last no earlier than
+    that start plus W_s. (3) Both end every stage with the last micro-batch's backward (GPipe
+    runs the backwards in micro-batch order, 1F1B's cool-down too), whose gradient stage
+    s - 1's backward of that micro-batch waits for, then stage s - 2's, ..., down to stage 0:
+    rank 0 ends no earlier than (1) + (2) + sum_{j<s} B_j(the last micro-batch). Every s gives
+    a bound; the largest is taken. The rank's first forward and last backward are positions
+    every candidate of the family has, so what only they run (FSDP2's unshard before the
+    first forward, the last backward's gradient accumulation and reduce-scatter copy-in) is in
+    the candidate's too.
+
+    From traces of the same model split (the family's own, or another data-parallel split of
+    the same PP / TP / CP split and schedule, as `same_model_kernels` reads: the same stages
+    and the same TP per stage; FSDP2's own kernels are left out of the figures, as their sizes
+    follow the shard degree, and FSDP2 gathers a block whole, so its degree changes none of
+    the model's ops; each stage as the lowest rank of its pipeline coordinate, as
+    schedule_time reads them); checkpointing as light or lighter (a heavier mode
+    runs the lighter one's forward kernels and more in backward; the recomputed kernels count
+    only from the same mode); a micro-batch a whole fraction 1 / k of the trace's, each
+    action's kernels then at least 1 / k of the trace's (their prices are subadditive over a
+    whole multiple of the size, as `_per_micro_batch_share` says) and W_s the trace's scaled
+    as `repeated_kernels` scales a step's (with at least the trace's micro-batches: a later
+    micro-batch only adds gradient accumulation).
+
+    Where it fails, so it is not applied: schedules with several stages a rank (interleaved
+    1F1B, looped BFS, the zero-bubble and V schedules): a rank's first action still waits for
+    the stages before it, but its last need not be a backward that the others wait for after
+    it (a weight backward waits for nobody, a V schedule's last stage is on rank 0), and the
+    stages of a rank interleave; a step not timed by the schedule (no GPU: no figures)."""
+    if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
+        return None
+    best = None
+    for x in known.by_model_split.get(_same_model_kernels(c), ()):
+        xc = x.candidate
+        if not x.stage_seconds or \
+                RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing):
+            continue
+        share = _per_micro_batch_share(c, xc)
+        if share is None:
+            continue
+        same_mode = xc.checkpointing == c.checkpointing
+        scale = c.micro_batch / xc.micro_batch
+        chain = seconds = 0.0
+        for first_forward, last_own, last_again, own, again in x.stage_seconds:
+            seconds = max(seconds, chain + share * (own + (again if same_mode else 0.0)))
+            chain += scale * (first_forward + last_own + (last_again if same_mode else 0.0))
+        if best is None or seconds > best.seconds:
+            best = Bound(seconds, f"the pipeline's critical chain (stages before the slowest: "
+                                  f"micro-batch 0's forward, the last one's backward), scaled, "
+                                  f"as traced in {xc.label()}")
+    return best
+
+
+def twin_pipeline_chain(c: Candidate, known: Known) -> Bound | None:
+    """`pipeline_chain` for a pipelined family not traced yet, from the unpipelined twin's
+    blocks (the traces `pipelined_model_kernels` reads: one micro-batch, the same TP / CP
+    split, checkpointing as light or lighter, a micro-batch as large or larger, scaled):
+    step >= max over stages s of sum_{j<s} (F_j + B_j) + m (F_s + B_s), with F_j and B_j the
+    twin's forward and backward kernels (FSDP2's own left out; recompute from the same mode
+    only) of the blocks stage j holds (pipeline.py's block_range: the blocks evenly, the
+    earlier stages one fewer), m the candidate's micro-batches.
+
+    Why: pipeline_chain's (1)-(3) with F_j, B_j any lower bounds on stage j's first forward
+    and last backward, and W_s >= m (F_s + B_s) when F_s, B_s bound every forward and backward
+    of stage s: each action of stage s runs each of its blocks once on one micro-batch, and a
+    block's forward and backward ops are the twin's at the same shapes (the same TP plan,
+    checkpointing and mixed precision; FSDP2 gathers a block whole, so its degree changes none
+    of them: `pipelined_model_kernels`' (2)), each priced from the op alone (its (3)). A
+    block's ops are read off the twin by module: a forward op's (a recomputed one's too) is
+    its module's, a backward op's the module of the forward op whose autograd node runs it
+    (Op.forward_op); ops of no block (the embedding, the output layer, the loss, the model's
+    own code between blocks, AccumulateGrad) are left out, as are FSDP2's own kernels (their
+    sizes follow the shard degree), the collectives and the waits for them. Only the blocks
+    are counted because only their stage is known from the split alone; with stages of equal
+    blocks the bound is (m + pp - 1) / pp x the blocks' kernels a micro-batch, against
+    `pipelined_model_kernels`' m / pp x the whole model's. The twin's rank classes may differ:
+    each block's figures are the least of them."""
+    if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
+        return None
+    best = None
+    for x in known.by_pipeline_twin.get(_pipeline_twin(c), ()):
+        xc = x.candidate
+        if not x.block_seconds or \
+                RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing) \
+                or c.micro_batch > xc.micro_batch or xc.micro_batch % c.micro_batch:
+            continue
+        same_mode = xc.checkpointing == c.checkpointing
+        scale = c.micro_batch / xc.micro_batch
+        blocks = [tuple(min(figures) for figures in zip(*per_class))
+                  for per_class in zip(*x.block_seconds)]
+        n = len(blocks)
+        if n < c.layout.pp:
+            continue
+        chain = seconds = 0.0
+        for s in range(c.layout.pp):
+            held = [blocks[b] for b in range(s * n // c.layout.pp, (s + 1) * n // c.layout.pp)]
+            forward = scale * sum(f for f, _, _ in held)
+            backward = scale * sum(own + (again if same_mode else 0.0) for _, own, again in held)
+            seconds = max(seconds, chain + c.steps * (forward + backward))
+            chain += forward + backward
+        if best is None or seconds > best.seconds:
+            best = Bound(seconds, f"the pipeline's critical chain over its stages' blocks, "
+                                  f"micro-batch {xc.micro_batch}'s scaled, as traced in "
+                                  f"{xc.label()}")
+    return best
+
+
+BOUNDS = (repeated_kernels, same_model_kernels, pipelined_model_kernels, model_flops,
+          pipeline_chain, twin_pipeline_chain)
+
+
+def block_floors(q, blocks: list) -> tuple:
+    """((forward, backward's own, backward's recomputed), ...): for each block (fqns, in the
+    model's order: evaluate's transformer blocks), seconds of the compute stream's kernels alone
+    that a one-micro-batch step runs for it in forward and backward (q: the rank's Profile,
+    timed by the eager model), as twin_pipeline_chain reads them: a forward op (recomputed
+    too) by its module, a backward op by the module of its forward op; FSDP2's own kernels,
+    the collectives and other streams' ops left out."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import BACKWARD, FORWARD
+
+    comm = {c.op for c in q.collectives}
+    module_of_op = {op.index: op.module for op in q.ops}
+    index_of = {fqn: i for i, fqn in enumerate(blocks)}
+    block_of: dict = {}   # module -> block index (None: none)
+
+    def block(module):
+        if module not in block_of:
+            parts = (module or "").split(".")
+            block_of[module] = next((index_of[".".join(parts[:k])]
+                                     for k in range(1, len(parts) + 1)
+                                     if ".".join(parts[:k]) in index_of), None)
+        return block_of[module]
+
+    figures = [[0.0, 0.0, 0.0] for _ in blocks]
+    storages = q.trace.storages
+    for op in q.ops:
+        if op.phase not in (FORWARD, BACKWARD) or op.index in comm or op.record.stream or \
+                op.record.name.startswith("fsdp.") or \
+                not (launches_kernel(op.record.func) and on_gpu(op, storages)):
+            continue
+        forward = op.phase == FORWARD or op.recompute
+        b = block(op.module if forward else module_of_op.get(op.forward_op))
+        if b is None:
+            continue
+        column = 0 if op.phase == FORWARD else 2 if op.recompute else 1
+        figures[b][column] += kernel_seconds(op, q.gpu, storages)[0] * op.runs
+    return tuple(tuple(f) for f in figures)
+
+
+def action_floors(q) -> tuple:
+    """(first forward, last backward's own, last backward's recomputed, all actions' own, all
+    actions' recomputed): seconds of the compute stream's kernels alone in a pipelined rank's
+    compute actions (each forward and backward its schedule ran, distributed/pipeline.py's
+    action_segments: a repeated block's once per run), as pipeline_chain reads them (q: the
+    rank's Profile, timed by the eager model). Each kernel at its price alone: the schedule's
+    action lasts at least that (action_seconds sums the time model's seconds of its ops).
+    FSDP2's own kernels are left out (pipeline_chain reads other data-parallel splits too)."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..distributed.pipeline import action_segments
+
+    comm = {c.op for c in q.collectives}
+    by_index = {op.record.index: op for op in q.ops}
+    storages = q.trace.storages
+    actions = []   # (phase, own, recomputed)
+    for seg, _ in action_segments(q):
+        own = again = 0.0
+        for i in seg.ops:
+            op = by_index.get(i)
+            if op is None or op.index in comm or op.record.stream or \
+                    op.record.name.startswith("fsdp.") or \
+                    not (launches_kernel(op.record.func) and on_gpu(op, storages)):
+                continue
+            t = kernel_seconds(op, q.gpu, storages)[0]
+            if op.recompute:
+                again += t
+            else:
+                own += t
+        actions.append((seg.phase, own, again))
+    forwards = [a for a in actions if a[0] == "forward"]
+    backwards = [a for a in actions if a[0] != "forward"]
+    if not forwards or not backwards:
+        return ()
+    return (forwards[0][1] + forwards[0][2], backwards[-1][1], backwards[-1][2],
+            sum(a[1] for a in actions), sum(a[2] for a in actions))
 
 
 def stream_floors(q, waits: bool = True) -> tuple:

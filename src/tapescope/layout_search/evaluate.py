@@ -87,6 +87,16 @@ class Outcome:
     # kernel_seconds' forward and backward: the optimizer's kernels and the waits for FSDP2's
     # first all-gather and last reduction (bounds.step_ends; () in a cache written before it)
     step_ends: tuple = ()
+    # a pipelined step timed by its schedule: per pipeline rank (stage), the compute stream's
+    # kernels alone in its first forward action, its last backward action (own, recomputed) and
+    # all its actions (own, recomputed): bounds.action_floors, for bounds.pipeline_chain.
+    # () otherwise, and in a cache written before them
+    stage_seconds: tuple = ()
+    # an unpipelined one-micro-batch step: per traced rank class, per transformer block (in the
+    # model's order), the compute stream's kernels alone it runs for the block in forward and
+    # backward (own, recomputed): bounds.block_floors, for bounds.twin_pipeline_chain. ()
+    # otherwise, and in a cache written before them
+    block_seconds: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -121,13 +131,17 @@ class Outcome:
                                     "ranks": tuple(r["ranks"])}) for r in d["ranks"])
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
-                              "matmul_flops", "step_ends")}
+                              "matmul_flops", "step_ends", "stage_seconds",
+                              "block_seconds")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
                                       for x in d.get("kernel_seconds", ())),
                    matmul_flops=tuple(d.get("matmul_flops", ())),
-                   step_ends=tuple(d.get("step_ends", ())), **kept)
+                   step_ends=tuple(d.get("step_ends", ())),
+                   stage_seconds=tuple(tuple(x) for x in d.get("stage_seconds", ())),
+                   block_seconds=tuple(tuple(tuple(b) for b in x)
+                                       for x in d.get("block_seconds", ())), **kept)
 
 
 def _block_fqns(module) -> list[str]:
@@ -153,16 +167,23 @@ def _parallelize(candidate: Candidate, mp_dtype):
     data = replace(layout, tp=1, pp=1)  # the preset's FSDP / replicate part alone
     preset = preset_parallelize(data, mp_dtype) if data.parallelised else None
 
+    # the rank's transformer blocks as its copy of the model names them: what the outcome's
+    # per-block figures are read by (bounds.block_floors), found here at no cost where a
+    # second build of the model would cost ~10% of a 70B candidate
+    blocks: list = []
+
     def parallelize(model, mesh):
         if layout.tp > 1:
             _, plan = tp_plan_for(model)
             plan(model, mesh["tp"])
+        blocks[:] = _block_fqns(model)
         if mode is not None:
             how, save = mode
-            apply_policies(model, [UnitPolicy(f, how, save) for f in _block_fqns(model)])
+            apply_policies(model, [UnitPolicy(f, how, save) for f in blocks])
         return preset(model, mesh) if preset is not None else model
 
     parallelize.__name__ = candidate.label()
+    parallelize.blocks = blocks
     parallelize.layout = layout  # a preset's: capture/float8.py asks whether FSDP shards
     if preset is not None and hasattr(preset, "train_context"):  # CP: presets.py
         parallelize.train_context = preset.train_context
@@ -210,12 +231,18 @@ def _single_device_policies(workload, candidate):
 def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcome:
     """Profile `candidate`; `global_tokens`: tokens of one optimizer step of the whole job."""
     from ..api import profile_workload
+    from ..capture.model import model_of
 
     start, cpu = time.perf_counter(), time.process_time()
     try:
         workload, options = candidate_options(source, candidate)
         p = profile_workload(workload, options)
-        out = _outcome(p, candidate, global_tokens, source.amp or source.dtype)
+        # a pipeline's twin (bounds.twin_pipeline_chain) says what each block costs
+        blocks = ()
+        if candidate.layout.pp == 1 and candidate.steps == 1:
+            blocks = options.parallelize.blocks if options.parallelize is not None else \
+                _block_fqns(model_of(workload.model))
+        out = _outcome(p, candidate, global_tokens, source.amp or source.dtype, blocks)
     except TapescopeError as e:
         out = Outcome(candidate, ERROR, reason=str(e).split("\n")[0])
     return Outcome(**{**{f: getattr(out, f) for f in out.__dataclass_fields__},
@@ -231,14 +258,15 @@ def _rank_memory(q, ranks: tuple) -> RankMemory:
                       cm.oom_at if cm.oom else None, top)
 
 
-def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outcome:
+def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype,
+             blocks=()) -> Outcome:
     dist = p.distributed
     if dist is None:
         ranks = (_rank_memory(p, (0,)),)
     else:
         ranks = tuple(_rank_memory(q, _class_of(r, dist.classes.members))
                       for r, q in sorted(dist.profiles.items()))
-    kernels = _bound_figures(p, ranks)
+    kernels = _bound_figures(p, ranks, blocks)
     oom = [r for r in ranks if r.reserved_bytes is None]
     if oom:
         r = oom[0]
@@ -269,7 +297,7 @@ def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype) -> Outc
                    **kernels)
 
 
-def _bound_figures(p, ranks) -> dict:
+def _bound_figures(p, ranks, blocks=()) -> dict:
     """Outcome's kernel_seconds and matmul_flops: per traced rank class, (own, recomputed)
     seconds the compute stream is provably busy or idle in forward and backward, the busiest
     NCCL stream's collectives there (own, recomputed), and FSDP2's own kernels among the
@@ -277,7 +305,7 @@ def _bound_figures(p, ranks) -> dict:
     recomputed).
     Empty where a rank's time is not the eager kernel model's."""
     from ..analysis.op_classes import op_class
-    from .bounds import stream_floors
+    from .bounds import block_floors, stream_floors
 
     seconds, ends, flops = [], [], [0, 0]
     pipelined = p.distributed.pipeline if p.distributed is not None else None
@@ -292,8 +320,33 @@ def _bound_figures(p, ranks) -> dict:
         *figures, once = stream_floors(q, waits=pipelined is None)
         seconds.append(tuple(figures))
         ends.append(once)
-    return {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops),
-            "step_ends": tuple(ends)}
+    out = {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops),
+           "step_ends": tuple(ends)}
+    if pipelined is not None and pipelined.time is not None:
+        out["stage_seconds"] = _stage_figures(p.distributed, pipelined.plan)
+    if blocks:
+        out["block_seconds"] = tuple(block_floors(q, blocks) for q in _traced(p))
+    return out
+
+
+def _stage_figures(dist, plan) -> tuple:
+    """bounds.action_floors of each pipeline rank, in pipeline order, from the trace that
+    stands for the lowest rank of its coordinate (the one the schedule's time reads:
+    PipelinePlan.report); () where a coordinate has no actions."""
+    from .bounds import action_floors
+
+    lowest: dict = {}
+    for r in range(plan.mesh.world_size):
+        lowest.setdefault(plan.mesh.coordinate(r)["pp"], r)
+    figures = []
+    for s in range(plan.pp):
+        rep = next(rep for rep, m in zip(dist.classes.representatives, dist.classes.members)
+                   if lowest[s] in m)
+        floors = action_floors(dist.profiles[rep])
+        if not floors:
+            return ()
+        figures.append(floors)
+    return tuple(figures)
 
 
 def _mfu(p, ranks, seconds, compute_dtype) -> float | None:
