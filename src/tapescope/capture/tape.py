@@ -190,8 +190,10 @@ class Tape(SizeFreeCacheCheck):
         self._tape_last_seq = self.trace.seq_base = sequence_nr()
         self._tape_next_value = 0
         self._tape_frames: dict = {}  # (id(code object), f_lasti) -> Frame (see _user_frame)
-        # (value, storage id) -> the TensorRef last recorded for it: a tensor is an input to
-        # several ops after the op that made it, and its ref is the same each time (see _in_ref)
+        # value -> the TensorRef last recorded for it: a tensor is an input to several ops after
+        # the op that made it, and its ref is the same each time (see _in_ref). Keyed by the value
+        # alone, an int: a (value, storage) pair was a tuple kept for the capture's life, ~7,000
+        # a GPT-2 profile for the cyclic collector to walk
         self._tape_refs: dict = {}
         # id(code object) -> what the frame walk does at its frames (_KEEP, _SKIP, _STOP). By id:
         # a code object's hash is computed anew each time from its bytecode, constants and names
@@ -488,15 +490,15 @@ class Tape(SizeFreeCacheCheck):
             v = self._new_value()
             setattr(t, _VALUE_ATTR, v)
             self.trace.external_values[v] = "tensor"
-        # The ref recorded for this value in this storage, where the tensor still has its shape
-        # and dtype (`param.data = x` changes them without an op). Symbolic sizes are compared
-        # never: comparing SymInts would add guards.
+        # The ref last recorded for this value, where the tensor is still in that storage with
+        # that shape and dtype (`param.data = x` changes them without an op). Symbolic sizes are
+        # compared never: comparing SymInts would add guards.
         refs = self._tape_refs
-        ref = refs.get((v, sid))
-        if ref is not None and ref.dtype is t.dtype and self.shape_env is None \
-                and ref.shape == t.shape:
+        ref = refs.get(v)
+        if ref is not None and ref.storage == sid and ref.dtype is t.dtype \
+                and self.shape_env is None and ref.shape == t.shape:
             return ref
-        ref = refs[v, sid] = TensorRef(tuple(t.shape), t.dtype, sid, v)
+        ref = refs[v] = TensorRef(tuple(t.shape), t.dtype, sid, v)
         return ref
 
     def _out_ref(self, t: torch.Tensor, index: int) -> TensorRef:
@@ -506,7 +508,7 @@ class Tape(SizeFreeCacheCheck):
         v = self._tape_next_value
         self._tape_next_value = v + 1
         setattr(t, _VALUE_ATTR, v)
-        ref = self._tape_refs[v, sid] = TensorRef(tuple(t.shape), t.dtype, sid, v)
+        ref = self._tape_refs[v] = TensorRef(tuple(t.shape), t.dtype, sid, v)
         return ref
 
     def value_of(self, t: torch.Tensor) -> int | None:
@@ -930,15 +932,20 @@ class Tape(SizeFreeCacheCheck):
         index = len(trace.ops)
         tensors: list = []
         rec_args = []  # _convert, with its commonest case (a tensor) inline
+        direct = 0  # arguments that are tensors themselves
         for a in args:
             if isinstance(a, torch.Tensor):
                 a = self._in_ref(a)
                 tensors.append(a)
+                direct += 1
             elif type(a) in (list, tuple) and a:
                 a = self._convert(a, tensors)
             rec_args.append(a)
         rec_args = tuple(rec_args)
         rec_kwargs = {k: self._convert(v, tensors) for k, v in kwargs.items()} if kwargs else {}
+        # an op whose arguments are all tensors (most) has them as its inputs: one tuple for both,
+        # not two, each kept for the capture's life for the cyclic collector to walk
+        inputs = rec_args if direct == len(rec_args) == len(tensors) else tuple(tensors)
 
         if isinstance(out, torch.Tensor):
             outputs = (self._out_ref(out, index),)
@@ -950,7 +957,7 @@ class Tape(SizeFreeCacheCheck):
             outputs = tuple(self._out_ref(t, index) for t in _written_tensors(func, args, kwargs))
 
         rec = OpRecord(index, func, self._tape_phase, self._tape_step, rec_args, rec_kwargs, outputs,
-                       tuple(tensors))
+                       inputs)
         if self._tape_phase == BACKWARD and self._recomputing():
             rec.recompute = True
         if self.streams is not None:
