@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..capture.records import (BACKWARD, BUILDS_GRAPH, OTHER, Frame, OpRecord, TensorRef,
-                               Trace, op_name)
+                               Trace, op_name, slot_init)
 from .flops import op_flops
 from .steps import StepView
 from .traffic import op_traffic
@@ -15,6 +15,7 @@ __all__ = ["Op", "expanded_ops", "OpCosts", "step_ops"]
 _NO_NODE = 2**64 - 1  # seq_nr of AccumulateGrad and other nodes outside the forward sequence
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Op:
     """One aten op of the step.
