@@ -141,8 +141,10 @@ def _key(func, args, kwargs):
             elif isinstance(a, (list, tuple)):
                 append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor)
                              else _number(func, x) if type(x) in typed else x for x in a))
+            elif type(a) in typed:  # _number, inline: a Scalar argument (an optimizer's floats)
+                append(_BY_TYPE[type(a)] if func in _VALUE_FREE_NUMBERS else (type(a), a))
             else:
-                append(_number(func, a) if type(a) in typed else a)
+                append(a)
         for name, a in kwargs.items():
             append((name, _tensor_key(a) if isinstance(a, torch.Tensor)
                     else _number(func, a) if type(a) in typed else a))
