@@ -288,8 +288,14 @@ class DispatchReplay:
             with no_dispatch():
                 const = real.clone()
                 meta = torch.empty_strided(const.shape, const.stride(), dtype=const.dtype,
-                                           device="meta")
-                out = FakeTensor(mode, meta, const.device, constant=const)
+                                           device=_META)
+                if const.device.type == "cpu":  # a device FakeTensor leaves as it is
+                    # FakeTensor(mode, meta, device, constant=const) without its Python
+                    # (FakeTensorFactory): the constant is a plain attribute it sets last
+                    out = self._fakes.make(meta, const.device)
+                    out.constant = const
+                else:
+                    out = FakeTensor(mode, meta, const.device, constant=const)
             mode.fake_tensor_converter.add_constant_storage_mapping(out)
         except Exception:  # noqa: BLE001 - internals moved: let FakeTensorMode do it
             self.enabled = False
