@@ -98,7 +98,9 @@ class OpCosts:
         if c is None:
             r = self.trace.ops[index]
             try:
-                key = (r.func, self._content(r.args), self._content(tuple(r.kwargs.items())),
+                kwargs = r.kwargs  # (most ops have none: no items tuple to make and walk)
+                key = (r.func, self._content(r.args),
+                       self._content(tuple(kwargs.items())) if kwargs else (),
                        self._content(r.outputs))
                 c = self._by_content.get(key)
             except TypeError:  # an unhashable argument, symbolic sizes (SymInts do not hash)
