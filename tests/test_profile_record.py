@@ -185,3 +185,45 @@ def test_a_ranks_roles_are_final_when_its_capture_returns(monkeypatch):
     assert p.distributed.rank in traced and p.distributed.classes is not None
     assert p.facts["rank"] == p.distributed.rank and p.facts["mesh"] == {"dp": 4}
     assert all(q.distributed.classes is None and q.ranks is None for q in traced.values())
+
+
+def test_slot_init_builds_what_the_dataclass_own_init_builds():
+    """records.slot_init replaces a frozen slots dataclass's generated __init__ (speed): the
+    instances must be the ones the dataclass's own __init__ makes, as frozen, equal and hashable,
+    with the same signature and defaults."""
+    import inspect
+
+    from tapescope.analysis.ops import Op
+    from tapescope.capture.records import TensorRef, slot_init
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Own:
+        a: int
+        b: tuple
+        c: str = "x"
+        d: int = dataclasses.field(default=3, compare=False, repr=False)
+
+    Fast = slot_init(dataclasses.dataclass(frozen=True, slots=True)(
+        type("Own", (), {"__annotations__": dict(Own.__annotations__), "c": "x",
+                         "d": dataclasses.field(default=3, compare=False, repr=False)})))
+    assert inspect.signature(Fast).parameters.keys() == inspect.signature(Own).parameters.keys()
+    for args, kwargs in (((1, (2,)), {}), ((1, (2,), "y"), {}), ((1,), {"b": (), "d": 9})):
+        own, fast = Own(*args, **kwargs), Fast(*args, **kwargs)
+        assert repr(own).split("Own(", 1)[1] == repr(fast).split("Own(", 1)[1]  # (qualnames differ)
+        assert dataclasses.astuple(own) == dataclasses.astuple(fast)
+        assert hash(fast) == hash(dataclasses.replace(fast))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            fast.a = 5
+    with pytest.raises(TypeError):
+        Fast(1)  # b is required, as in Own
+    # the records that use it keep the dataclass's fields, in order
+    for cls in (Op, TensorRef):
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        assert list(inspect.signature(cls).parameters) == names
+    ref = TensorRef((2, 3), torch.float32, 4, 5)
+    assert ref == TensorRef(shape=(2, 3), dtype=torch.float32, storage=4, value=5)
+    assert (ref.shape, ref.dtype, ref.storage, ref.value, ref.nbytes) == ((2, 3), torch.float32, 4, 5, 24)
+    with pytest.raises(TypeError):
+        slot_init(dataclasses.dataclass(frozen=True, slots=True)(
+            type("Factory", (), {"__annotations__": {"x": list},
+                                 "x": dataclasses.field(default_factory=list)})))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..capture.records import (BACKWARD, BUILDS_GRAPH, OTHER, Frame, OpRecord, TensorRef,
-                               Trace, op_name)
+                               Trace, op_name, slot_init)
 from .flops import op_flops
 from .steps import StepView
 from .traffic import op_traffic
@@ -15,6 +15,7 @@ __all__ = ["Op", "expanded_ops", "OpCosts", "step_ops"]
 _NO_NODE = 2**64 - 1  # seq_nr of AccumulateGrad and other nodes outside the forward sequence
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Op:
     """One aten op of the step.
@@ -97,7 +98,9 @@ class OpCosts:
         if c is None:
             r = self.trace.ops[index]
             try:
-                key = (r.func, self._content(r.args), self._content(tuple(r.kwargs.items())),
+                kwargs = r.kwargs  # (most ops have none: no items tuple to make and walk)
+                key = (r.func, self._content(r.args),
+                       self._content(tuple(kwargs.items())) if kwargs else (),
                        self._content(r.outputs))
                 c = self._by_content.get(key)
             except TypeError:  # an unhashable argument, symbolic sizes (SymInts do not hash)

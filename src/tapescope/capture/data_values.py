@@ -272,7 +272,7 @@ class DataValues:
             return
         if not self._active and self.shape_env is None:
             return  # no tensor has values and no size can depend on them: nothing to do
-        tensors = _tensors(args, kwargs.values())
+        tensors = _tensors(args, kwargs.values()) if kwargs else _tensors(args)
         if tensors and self.shape_env is None and not kind.looked_at:
             # what the branches below decide for such an op (no input valued or unknown, no
             # symbolic size, no table names it: nothing), without their work: once an

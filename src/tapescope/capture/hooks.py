@@ -42,9 +42,10 @@ import torch.utils.checkpoint
 from torch.autograd.function import BackwardCFunction
 
 from ..errors import user_error
-from ..torch_compat import (mark_internal_saved_tensors_hooks, node_hook_registrar, node_sequence_nr,
-                            patched, pop_saved_tensors_hooks, push_saved_tensors_hooks,
-                            sequence_nr, storage_key)
+from ..torch_compat import (disable_torch_function, mark_internal_saved_tensors_hooks,
+                            node_hook_registrar, node_sequence_nr, patched,
+                            pop_saved_tensors_hooks, push_saved_tensors_hooks, sequence_nr,
+                            storage_key)
 from .tape import _VALUE_ATTR, Tape
 
 __all__ = ["SavedTensors", "HookRegistry", "VARIABLE_INPUTS"]
@@ -161,8 +162,11 @@ class SavedTensors:
                 "graph are freed when you call .backward() or autograd.grad(). Specify "
                 "retain_graph=True if you need to backward through the graph a second time or "
                 "if you need to access saved tensors after calling backward."))
-        if held.saved_as is not None and t._version != held.saved_as[0]:
-            raise user_error(RuntimeError(_modified_message(t, *held.saved_as)))
+        if held.saved_as is not None:
+            with disable_torch_function():  # SavedVariable::unpack's C++ check: no mode sees it
+                modified = t._version != held.saved_as[0]
+            if modified:
+                raise user_error(RuntimeError(_modified_message(t, *held.saved_as)))
         self._claim(held)
         return t
 

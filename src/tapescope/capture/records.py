@@ -7,13 +7,14 @@ model stays small, and keeping no tensor alive means the recorder cannot change 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
 
 __all__ = [
     "op_name",
+    "slot_init",
     "FORWARD",
     "BACKWARD",
     "OPTIMIZER",
@@ -80,6 +81,36 @@ ALL_CATEGORIES = (PARAMETER, SHARDED_PARAMETER, UNSHARDED_PARAMETER, BUFFER, GRA
                   SAVED, TEMPORARY, WORKSPACE)
 
 
+def slot_init(cls):
+    """A frozen slots dataclass with an `__init__` that sets each field through its slot's
+    descriptor. The one dataclass writes calls `object.__setattr__` per field (a frozen class
+    refuses plain assignment), ~0.15 us a field: a 17-field `Op` took 2.6 us, this 1.3 us, and a
+    profile makes one per op of its step and a TensorRef per output. Same signature, defaults and
+    order; the instance is as frozen, equal and hashable as before."""
+    params, body, names = [], [], {}
+    for f in fields(cls):
+        if not f.init or f.default_factory is not MISSING:
+            raise TypeError(f"slot_init: {cls.__name__}.{f.name} is not a plain init field")
+        names[f"_set_{f.name}"] = cls.__dict__[f.name].__set__  # the slot's member descriptor
+        if f.default is MISSING:
+            params.append(f.name)
+        else:
+            names[f"_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_default_{f.name}")
+        body.append(f"        _set_{f.name}(self, {f.name})")
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"slot_init: {cls.__name__} has a __post_init__")
+    source = (f"def make({', '.join(names)}):\n    def __init__(self, {', '.join(params)}):\n"
+              + "\n".join(body) + "\n    return __init__\n")
+    scope: dict = {}
+    exec(source, scope)  # as dataclasses builds its own __init__
+    init = scope["make"](**names)
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = init
+    return cls
+
+
+@slot_init
 @dataclass(frozen=True, slots=True)
 class TensorRef:
     """One tensor as an op saw it.

@@ -141,8 +141,10 @@ def _key(func, args, kwargs):
             elif isinstance(a, (list, tuple)):
                 append(tuple(_tensor_key(x) if isinstance(x, torch.Tensor)
                              else _number(func, x) if type(x) in typed else x for x in a))
+            elif type(a) in typed:  # _number, inline: a Scalar argument (an optimizer's floats)
+                append(_BY_TYPE[type(a)] if func in _VALUE_FREE_NUMBERS else (type(a), a))
             else:
-                append(_number(func, a) if type(a) in typed else a)
+                append(a)
         for name, a in kwargs.items():
             append((name, _tensor_key(a) if isinstance(a, torch.Tensor)
                     else _number(func, a) if type(a) in typed else a))
@@ -286,8 +288,14 @@ class DispatchReplay:
             with no_dispatch():
                 const = real.clone()
                 meta = torch.empty_strided(const.shape, const.stride(), dtype=const.dtype,
-                                           device="meta")
-                out = FakeTensor(mode, meta, const.device, constant=const)
+                                           device=_META)
+                if const.device.type == "cpu":  # a device FakeTensor leaves as it is
+                    # FakeTensor(mode, meta, device, constant=const) without its Python
+                    # (FakeTensorFactory): the constant is a plain attribute it sets last
+                    out = self._fakes.make(meta, const.device)
+                    out.constant = const
+                else:
+                    out = FakeTensor(mode, meta, const.device, constant=const)
             mode.fake_tensor_converter.add_constant_storage_mapping(out)
         except Exception:  # noqa: BLE001 - internals moved: let FakeTensorMode do it
             self.enabled = False

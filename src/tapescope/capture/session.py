@@ -813,6 +813,7 @@ def compiled_modules(model: nn.Module) -> list:
     return [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
 
 
+@without_torch_function  # tapescope's bookkeeping, not the user's calls
 def _tensors_fingerprint(model: nn.Module) -> tuple:
     """Which tensors the model holds and where they live; equal before and after a step unless the
     step replaced or added tensors."""

@@ -43,7 +43,7 @@ from .fidelity.literals import literal_ops
 from .records import (BACKWARD, BUILDS_GRAPH, FORWARD, WORKSPACE, Frame, KernelLaunch, OpRecord,
                       Segment, StorageRecord, TensorRef, Trace)
 from .replay import DispatchReplay
-from .view_replay import ViewRegeneration
+from .view_replay import ViewRegeneration, writes_first_argument
 
 __all__ = ["Tape", "ModuleStack"]
 
@@ -96,6 +96,7 @@ class _OpTraits:
     router: bool         # data_values.py assumes its selections (DataValues.routers)
     as_it_is: bool       # a marker FakeTensorMode runs as it is (MARKERS_RUN_AS_THEY_ARE)
     reads_data: bool     # its result is data (`.item()`): DataValues.before may answer it
+    writes_first: bool   # it writes its first argument (view_replay.after_op's ops)
     values: object       # DataValues.op_kind(func) (None without data values)
 
     @classmethod
@@ -109,6 +110,7 @@ class _OpTraits:
                    router=values is not None and func in values.routers,
                    as_it_is=func in MARKERS_RUN_AS_THEY_ARE,
                    reads_data=torch.Tag.data_dependent_output in func.tags,
+                   writes_first=writes_first_argument(func),
                    values=None if values is None else values.op_kind(func))
 # Frames inside these folders are never "the line that issued the op" (the folders: errors.SourceDirs).
 _DIRS = source_dirs()
@@ -155,6 +157,15 @@ class ModuleStack(list):
             self.pop()
 
 
+class _LiveStorage(weakref.ref):
+    """A weakref to a storage the tape follows, whose callback records the storage's death. It
+    carries the storage's key and id itself: one object a storage, where a closure with its
+    defaults, cells and a list were five, each kept for the storage's life for the cyclic
+    collector to walk (~1,700 storages a GPT-2 profile)."""
+
+    __slots__ = ("key", "sid")
+
+
 class HeldBytes:
     """A token for bytes the tape recorded outside any op (`Tape.bytes_outside_ops`): they are
     freed on the tape when the token goes."""
@@ -181,17 +192,21 @@ class Tape(SizeFreeCacheCheck):
         self.in_pack_hook = 0  # > 0 while a saved-tensor pack hook other than ours runs in an op
         self._tape_depth = 0
         self._tape_front_unrecorded = False  # see unrecorded_through_front
-        # StorageImpl address -> [storage id, weakref]; the id changes when the storage is resized
-        self._tape_live: dict[int, list] = {}
+        # StorageImpl address -> the weakref that records its death, with its storage id (which
+        # changes when the storage is resized)
+        self._tape_live: dict[int, _LiveStorage] = {}
+        self._tape_on_free = self._storage_freed  # the one callback of every _LiveStorage
         self._tape_phase = FORWARD
         self._tape_step = 0
         self._tape_open = None  # (step, phase, label) of the segment being recorded
         self._tape_segment_start = (0, 0)
         self._tape_last_seq = self.trace.seq_base = sequence_nr()
         self._tape_next_value = 0
-        self._tape_frames: dict = {}
-        # (value, storage id) -> the TensorRef last recorded for it: a tensor is an input to
-        # several ops after the op that made it, and its ref is the same each time (see _in_ref)
+        self._tape_frames: dict = {}  # (id(code object), f_lasti) -> Frame (see _user_frame)
+        # value -> the TensorRef last recorded for it: a tensor is an input to several ops after
+        # the op that made it, and its ref is the same each time (see _in_ref). Keyed by the value
+        # alone, an int: a (value, storage) pair was a tuple kept for the capture's life, ~7,000
+        # a GPT-2 profile for the cyclic collector to walk
         self._tape_refs: dict = {}
         # id(code object) -> what the frame walk does at its frames (_KEEP, _SKIP, _STOP). By id:
         # a code object's hash is computed anew each time from its bytecode, constants and names
@@ -339,7 +354,7 @@ class Tape(SizeFreeCacheCheck):
                 dtype = dtype or a.dtype
                 entry = self._tape_live.get(untyped_storage_key(a.untyped_storage()))
                 if entry is not None:  # every buffer a wrapper passes was made or given to it
-                    ids[i] = entry[0]
+                    ids[i] = entry.sid
         self.trace.kernel_launches.append(KernelLaunch(
             len(self.trace.ops), call, kernel.name, int(stream or 0), kernel.num_bytes,
             kernel.flops, dtype or torch.float32, tuple(ids.values()),
@@ -361,20 +376,21 @@ class Tape(SizeFreeCacheCheck):
         key = untyped_storage_key(st)
         entry = self._tape_live.get(key)
         if entry is not None:
-            return entry[0], False
+            return entry.sid, False
         trace = self.trace
         sid = len(trace.storages)
         trace.storages.append(StorageRecord(sid, st.nbytes(), t.device, created_by))
-        entry = [sid, None]
-
-        def on_free(_, key=key, entry=entry, trace=trace, live=self._tape_live):
-            live.pop(key, None)
-            if self._tape_recording:
-                trace.events.append((len(trace.ops) - 1, entry[0], -1))
-
-        entry[1] = weakref.ref(st, on_free)
+        entry = _LiveStorage(st, self._tape_on_free)
+        entry.key, entry.sid = key, sid
         self._tape_live[key] = entry
         return sid, True
+
+    def _storage_freed(self, entry: "_LiveStorage") -> None:
+        """A storage the tape follows died: its death is recorded at the last op."""
+        self._tape_live.pop(entry.key, None)
+        if self._tape_recording:
+            trace = self.trace
+            trace.events.append((len(trace.ops) - 1, entry.sid, -1))
 
     def storage_resized(self, st, nbytes_before: int) -> None:
         """`UntypedStorage.resize_` changed a storage's size in place (FSDP frees an unsharded
@@ -387,7 +403,7 @@ class Tape(SizeFreeCacheCheck):
         if entry is None or nbytes == nbytes_before:
             return
         trace = self.trace
-        old = entry[0]
+        old = entry.sid
         at = len(trace.ops) - 1
         sid = len(trace.storages)
         # allocated on the stream current now, not the last op's (FSDP2's copy-out follows its
@@ -396,7 +412,7 @@ class Tape(SizeFreeCacheCheck):
         trace.storages.append(StorageRecord(sid, nbytes, trace.storages[old].device,
                                             at if at >= 0 else None, set(trace.storages[old].roles),
                                             stream))
-        entry[0] = sid
+        entry.sid = sid
         if self._tape_recording:  # an empty storage holds no memory: no event for it
             if nbytes:
                 trace.events.append((at, sid, 1))
@@ -473,7 +489,7 @@ class Tape(SizeFreeCacheCheck):
         if inner is not None:
             return self.storage_id(inner[0]) if inner else None
         entry = self._tape_live.get(storage_key(t))
-        return None if entry is None else entry[0]
+        return None if entry is None else entry.sid
 
     def _in_ref(self, t: torch.Tensor) -> TensorRef:
         if not isinstance(t, FakeTensor):
@@ -486,21 +502,21 @@ class Tape(SizeFreeCacheCheck):
             entry = self._tape_live.get(untyped_storage_key(t.untyped_storage()))
         except NotImplementedError:  # sparse, nested, quantized ...: no storage to follow
             raise self._layout_error(t) from None
-        sid = entry[0] if entry is not None else self._storage_of(t, None)[0]
+        sid = entry.sid if entry is not None else self._storage_of(t, None)[0]
         v = getattr(t, _VALUE_ATTR, None)
         if v is None:  # a tensor made before recording began and never registered
             v = self._new_value()
             setattr(t, _VALUE_ATTR, v)
             self.trace.external_values[v] = "tensor"
-        # The ref recorded for this value in this storage, where the tensor still has its shape
-        # and dtype (`param.data = x` changes them without an op). Symbolic sizes are compared
-        # never: comparing SymInts would add guards.
+        # The ref last recorded for this value, where the tensor is still in that storage with
+        # that shape and dtype (`param.data = x` changes them without an op). Symbolic sizes are
+        # compared never: comparing SymInts would add guards.
         refs = self._tape_refs
-        ref = refs.get((v, sid))
-        if ref is not None and ref.dtype is t.dtype and self.shape_env is None \
-                and ref.shape == t.shape:
+        ref = refs.get(v)
+        if ref is not None and ref.storage == sid and ref.dtype is t.dtype \
+                and self.shape_env is None and ref.shape == t.shape:
             return ref
-        ref = refs[v, sid] = TensorRef(tuple(t.shape), t.dtype, sid, v)
+        ref = refs[v] = TensorRef(tuple(t.shape), t.dtype, sid, v)
         return ref
 
     def _out_ref(self, t: torch.Tensor, index: int) -> TensorRef:
@@ -510,7 +526,7 @@ class Tape(SizeFreeCacheCheck):
         v = self._tape_next_value
         self._tape_next_value = v + 1
         setattr(t, _VALUE_ATTR, v)
-        ref = self._tape_refs[v, sid] = TensorRef(tuple(t.shape), t.dtype, sid, v)
+        ref = self._tape_refs[v] = TensorRef(tuple(t.shape), t.dtype, sid, v)
         return ref
 
     def value_of(self, t: torch.Tensor) -> int | None:
@@ -543,10 +559,14 @@ class Tape(SizeFreeCacheCheck):
                 continue
             if what == _STOP:
                 return None
-            key = (code.co_filename, f.f_lineno)
+            # keyed by the instruction, not the line: `f_lineno` decodes the code's line table
+            # from its start on each read (~1.5 us at line 400 of a function; an optimizer's
+            # update and a model's forward are long), where `f_lasti` is read as it is. The
+            # code object is kept alive (`_tape_codes`), so its id names it while the tape lives
+            key = (id(code), f.f_lasti)
             frame = frames.get(key)
             if frame is None:
-                frame = frames[key] = Frame(key[0], key[1], code.co_name)
+                frame = frames[key] = Frame(code.co_filename, f.f_lineno, code.co_name)
             return frame
         return None
 
@@ -751,7 +771,7 @@ class Tape(SizeFreeCacheCheck):
                 self._tape_depth -= 1
             if workspace:
                 self._record_workspace(workspace, _device_of(args, out), first_event)
-        if not backward and args:
+        if not backward and args and traits.writes_first:
             self.views.after_op(func, args)
 
     def _issued_by_another_mode(self, depth: int = 6) -> bool:
@@ -930,15 +950,20 @@ class Tape(SizeFreeCacheCheck):
         index = len(trace.ops)
         tensors: list = []
         rec_args = []  # _convert, with its commonest case (a tensor) inline
+        direct = 0  # arguments that are tensors themselves
         for a in args:
             if isinstance(a, torch.Tensor):
                 a = self._in_ref(a)
                 tensors.append(a)
+                direct += 1
             elif type(a) in (list, tuple) and a:
                 a = self._convert(a, tensors)
             rec_args.append(a)
         rec_args = tuple(rec_args)
         rec_kwargs = {k: self._convert(v, tensors) for k, v in kwargs.items()} if kwargs else {}
+        # an op whose arguments are all tensors (most) has them as its inputs: one tuple for both,
+        # not two, each kept for the capture's life for the cyclic collector to walk
+        inputs = rec_args if direct == len(rec_args) == len(tensors) else tuple(tensors)
 
         if isinstance(out, torch.Tensor):
             outputs = (self._out_ref(out, index),)
@@ -950,7 +975,7 @@ class Tape(SizeFreeCacheCheck):
             outputs = tuple(self._out_ref(t, index) for t in _written_tensors(func, args, kwargs))
 
         rec = OpRecord(index, func, self._tape_phase, self._tape_step, rec_args, rec_kwargs, outputs,
-                       tuple(tensors))
+                       inputs)
         if self._tape_phase == BACKWARD and self._recomputing():
             rec.recompute = True
         if self.streams is not None:

@@ -46,12 +46,13 @@ def _same(a, b) -> bool:
         for x, y in zip(va, vb))
 
 
-def _writes_first_argument(func) -> bool:
-    args = func._schema.arguments
+def writes_first_argument(func) -> bool:
+    """Whether `func` writes its first argument (its schema's `Tensor(a!) self`): the ops
+    `ViewRegeneration.after_op` is for. An operator without a schema (a higher-order one)
+    writes none."""
+    schema = getattr(func, "_schema", None)
+    args = schema.arguments if schema is not None else ()
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
-
-
-_WRITES_FIRST: dict = {}  # op -> whether it writes its first argument (a cache of the schema)
 
 
 class ViewRegeneration:
@@ -68,11 +69,10 @@ class ViewRegeneration:
         return self._replay is not None or self._resolve is not None
 
     def after_op(self, func, args) -> None:
-        """Call after recording a forward op: an in-place op on a view starts a replay."""
-        writes = _WRITES_FIRST.get(func)
-        if writes is None:
-            writes = _WRITES_FIRST[func] = _writes_first_argument(func)
-        if writes and isinstance(args[0], torch.Tensor) and args[0]._is_view() \
+        """Call after recording a forward op that writes its first argument
+        (`writes_first_argument`, which the caller asks once per op): an in-place op on a view
+        starts a replay."""
+        if isinstance(args[0], torch.Tensor) and args[0]._is_view() \
                 and args[0].requires_grad and torch.is_grad_enabled() \
                 and args[0]._base is not None:
             view = args[0]

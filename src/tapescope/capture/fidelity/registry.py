@@ -312,6 +312,6 @@ class FunctionRulesMode(TorchFunctionMode):
             handler = self.functions.get(func)
         except TypeError:  # an unhashable callable: no rule can name it
             handler = None
-        if handler is None:
-            return func(*args, **(kwargs or {}))
+        if handler is None:  # (no empty dict made for the common call without keywords)
+            return func(*args, **kwargs) if kwargs else func(*args)
         return self.ctx.call(func, args, kwargs or {})
