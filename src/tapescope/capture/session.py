@@ -33,7 +33,7 @@ from ..errors import (DataDependentError, TapescopeError, from_trace_failure, ra
                       source_dirs)
 from ..options import Options, Workload
 from ..torch_compat import (DimDynamic, FakeTensor, FakeTensorMode, ShapeEnv, constant_source,
-                            hook_guard_locations, patched, pytree_node_types, shape_env_facts,
+                            function_mode_lifted, hook_guard_locations, patched, pytree_node_types, shape_env_facts,
                             tree_leaves, tree_map, user_source_location, without_torch_function)
 from .data_values import DataValues
 from .distributed_roles import assign_roles, sharded_parameter_names
@@ -52,6 +52,7 @@ from .program import (StepRuntime, optimizers_in, state_tensors, step_program, s
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
                       OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, ZERO_GRAD, GuardRecord,
                       RunFacts, Trace)
+from .optimizers import steps_outside_function_rules
 from .step import zero_grad
 from .tape import ModuleStack, Tape
 from .view_replay import ViewRegeneration
@@ -689,12 +690,21 @@ class CaptureSession:
     def _phase(self, step: int, name: str):
         # the gradient reset is a segment of the optimizer phase, told apart by its label
         phase, label = (OPTIMIZER, ZERO_GRAD) if name == ZERO_GRAD else (name, None)
-        with self.tape.phase(step, phase, label):
+        with self.tape.phase(step, phase, label), self._function_rules_in(phase):
             yield
         if name == BACKWARD:
             self._mark_grads_and_state()
         if self.progress is not None:
             self.progress(step, name)
+
+    def _function_rules_in(self, phase: str):
+        """The FunctionRulesMode off while torch's own optimizer steps or resets (a builtin
+        step's OPTIMIZER phase runs nothing else), where no FUNCTION rule acts
+        (optimizers.steps_outside_function_rules)."""
+        if (phase == OPTIMIZER and self.optimizer is not None
+                and steps_outside_function_rules(self.optimizer)):
+            return function_mode_lifted(self.recorder.function_rules)
+        return nullcontext()
 
     @without_torch_function  # tapescope's bookkeeping, not the user's calls
     def _mark_grads_and_state(self) -> None:
