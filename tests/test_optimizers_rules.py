@@ -1,7 +1,7 @@
 """torch's own optimizer steps run outside the capture's FunctionRulesMode
 (capture/optimizers.py, `steps_outside_function_rules`): a speed change that must change nothing.
 
-Two proofs for each optimizer an option names, per-parameter and foreach, with and without
+Two proofs for each optimizer an option names, per-parameter, foreach and fused, with and without
 momentum: (1) with the mode kept, the FUNCTION rules the step's own calls (torch/optim's frames)
 reach are only torch.tensor (a step counter: the literal's ops are torch.tensor's whether or not
 its maker was seen) and mul / div by a Python number with grad off (nothing saved for a backward);
@@ -32,9 +32,11 @@ OPTIONS = [
     lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False, momentum=0.9, nesterov=True),
     lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=True, momentum=0.9, weight_decay=0.01),
     lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
+    lambda ps: torch.optim.AdamW(ps, fused=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
 ]
 IDS = ["adamw", "adamw-foreach-amsgrad", "adam-wd-maximize", "adam-foreach", "sgd-nesterov",
-       "sgd-foreach-momentum", "sgd"]
+       "sgd-foreach-momentum", "sgd", "adamw-fused", "sgd-fused-momentum"]
 
 
 def _model():
