@@ -29,6 +29,7 @@ __all__ = ["OPTIMIZERS", "make_optimizer", "default_foreach", "steps_outside_fun
 # and the same trace with and without the mode.
 _RULE_FREE_STEPS = frozenset(OPTIMIZERS.values())
 
+
 def default_foreach(device: torch.device) -> bool:
     """What torch's optimizers default to for plain tensors on `device` (fused is never a default)."""
     return device.type in foreach_devices()

@@ -33,8 +33,9 @@ from ..errors import (DataDependentError, TapescopeError, from_trace_failure, ra
                       source_dirs)
 from ..options import Options, Workload
 from ..torch_compat import (DimDynamic, FakeTensor, FakeTensorMode, ShapeEnv, constant_source,
-                            function_mode_lifted, hook_guard_locations, patched, pytree_node_types, shape_env_facts,
-                            tree_leaves, tree_map, user_source_location, without_torch_function)
+                            function_mode_lifted, hook_guard_locations, patched,
+                            pytree_node_types, shape_env_facts, tree_leaves, tree_map,
+                            user_source_location, without_torch_function)
 from .data_values import DataValues
 from .distributed_roles import assign_roles, sharded_parameter_names
 from .engine import PythonEngine
@@ -47,12 +48,12 @@ from .isolation import Isolation
 from .rng_state import track_rng_states
 from .model import Spec, built_for, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
+from .optimizers import steps_outside_function_rules
 from .program import (StepRuntime, optimizers_in, state_tensors, step_program, steps_of,
                       torch_globals_kept)
 from .records import (BACKWARD, BUFFER, FORWARD, GRADIENT, INPUT, INTERNAL_GUARD, LOSS_MODULE,
                       OPTIMIZER, OPTIMIZER_STATE, PARAMETER, SETUP, ZERO_GRAD, GuardRecord,
                       RunFacts, Trace)
-from .optimizers import steps_outside_function_rules
 from .step import zero_grad
 from .tape import ModuleStack, Tape
 from .view_replay import ViewRegeneration
