@@ -1521,3 +1521,30 @@ def patched(owner, **values):
                 setattr(owner, name, was)
             elif name in vars(owner):
                 delattr(owner, name)
+
+
+# ---- the optimizer step outside the capture's function mode (capture/optimizers.py) -----------
+
+@_contextmanager
+def function_mode_lifted(mode):
+    """`mode` off the torch function mode stack inside, where it is the innermost one (the
+    stack's top); otherwise nothing changes. Restored on exit, error or not."""
+    n = torch._C._len_torch_function_stack()
+    if not n or torch._C._get_function_stack_at(n - 1) is not mode:
+        yield
+        return
+    torch._C._pop_torch_function_stack()
+    try:
+        yield
+    finally:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def optimizer_step_hooked(optimizer) -> bool:
+    """Does `optimizer.step()` run hooks (its own or every optimizer's: torch/optim/optimizer.py,
+    `profile_hook_step`)? Those are the user's code."""
+    from torch.optim import optimizer as _optimizer
+
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or _optimizer._global_optimizer_pre_hooks
+                or _optimizer._global_optimizer_post_hooks)

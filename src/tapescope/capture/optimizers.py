@@ -13,10 +13,22 @@ import inspect
 import torch
 
 from ..errors import TapescopeError
-from ..torch_compat import foreach_devices
+from ..torch_compat import foreach_devices, optimizer_step_hooked
 from ..values.optimizers import OPTIMIZERS
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "default_foreach"]
+__all__ = ["OPTIMIZERS", "make_optimizer", "default_foreach", "steps_outside_function_rules"]
+
+# torch.optim's own optimizers (the ones an option names) whose step() and zero_grad() no
+# FUNCTION rule (capture/fidelity/) acts in. Of the rules' functions their code calls only
+# torch.tensor (a step counter: a literal whose ops are torch.tensor's whether or not its maker was
+# seen, fidelity/literals.py) and Tensor.mul_ / div by a Python number (wrapped_numbers.py: no
+# number is saved where grad is off, as step() has it unless `differentiable`). The capture's
+# FunctionRulesMode costs ~0.85 us a torch call even when no rule acts, and an AdamW step makes
+# ~19 such calls a parameter (attribute reads included): ~5,500 a GPT-2 profile, ~10 ms.
+# tests/test_optimizers_rules.py proves it per class and implementation: the reached functions,
+# and the same trace with and without the mode.
+_RULE_FREE_STEPS = frozenset(OPTIMIZERS.values())
+
 
 def default_foreach(device: torch.device) -> bool:
     """What torch's optimizers default to for plain tensors on `device` (fused is never a default)."""
@@ -58,3 +70,12 @@ def _make_optimizer(spec, params: list, device: torch.device) -> torch.optim.Opt
             raise TapescopeError(f"the optimizer factory returned {type(opt).__name__}, not a torch Optimizer")
         return opt
     raise TapescopeError(f"cannot make an optimizer from {spec!r}")
+
+
+def steps_outside_function_rules(optimizer) -> bool:
+    """May `optimizer.step()` and `zero_grad()` run without the capture's FunctionRulesMode? Yes
+    for torch's own step (the class itself, not a subclass: that may override it), not
+    differentiable (grad stays off inside) and without hooks (the user's code)."""
+    return (type(optimizer) in _RULE_FREE_STEPS
+            and not optimizer.defaults.get("differentiable", False)
+            and not optimizer_step_hooked(optimizer))

@@ -292,8 +292,9 @@ class DispatchReplay:
                 if const.device.type == "cpu":  # a device FakeTensor leaves as it is
                     # FakeTensor(mode, meta, device, constant=const) without its Python
                     # (FakeTensorFactory): the constant is a plain attribute it sets last
-                    out = self._fakes.make(meta, const.device)
-                    out.constant = const
+                    made = self._fakes.make(meta, const.device)
+                    made.constant = const  # the instance's own attribute, as FakeTensor's is
+                    out = made
                 else:
                     out = FakeTensor(mode, meta, const.device, constant=const)
             mode.fake_tensor_converter.add_constant_storage_mapping(out)

@@ -33,8 +33,9 @@ from ..errors import (DataDependentError, TapescopeError, from_trace_failure, ra
                       source_dirs)
 from ..options import Options, Workload
 from ..torch_compat import (DimDynamic, FakeTensor, FakeTensorMode, ShapeEnv, constant_source,
-                            hook_guard_locations, patched, pytree_node_types, shape_env_facts,
-                            tree_leaves, tree_map, user_source_location, without_torch_function)
+                            function_mode_lifted, hook_guard_locations, patched,
+                            pytree_node_types, shape_env_facts, tree_leaves, tree_map,
+                            user_source_location, without_torch_function)
 from .data_values import DataValues
 from .distributed_roles import assign_roles, sharded_parameter_names
 from .engine import PythonEngine
@@ -48,6 +49,7 @@ from .isolation import Isolation
 from .rng_state import track_rng_states
 from .model import Spec, built_for, fake_inputs, fake_tensor_like
 from .modules import module_names, track_modules
+from .optimizers import steps_outside_function_rules
 from .program import (StepRuntime, optimizers_in, state_tensors, step_program, steps_of,
                       torch_globals_kept)
 from .records import (BACKWARD, BUFFER, FIRST_STEP_ONLY, FORWARD, GRADIENT, INPUT,
@@ -763,12 +765,21 @@ class CaptureSession:
     def _phase(self, step: int, name: str):
         # the gradient reset is a segment of the optimizer phase, told apart by its label
         phase, label = (OPTIMIZER, ZERO_GRAD) if name == ZERO_GRAD else (name, None)
-        with self.tape.phase(step, phase, label):
+        with self.tape.phase(step, phase, label), self._function_rules_in(phase):
             yield
         if name == BACKWARD:
             self._mark_grads_and_state()
         if self.progress is not None:
             self.progress(step, name)
+
+    def _function_rules_in(self, phase: str):
+        """The FunctionRulesMode off while torch's own optimizer steps or resets (a builtin
+        step's OPTIMIZER phase runs nothing else), where no FUNCTION rule acts
+        (optimizers.steps_outside_function_rules)."""
+        if (phase == OPTIMIZER and self.optimizer is not None
+                and steps_outside_function_rules(self.optimizer)):
+            return function_mode_lifted(self.recorder.function_rules)
+        return nullcontext()
 
     @without_torch_function  # tapescope's bookkeeping, not the user's calls
     def _mark_grads_and_state(self) -> None:
