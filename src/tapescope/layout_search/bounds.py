@@ -225,15 +225,11 @@ def pipelined_model_kernels(c: Candidate, known: Known) -> Bound | None:
     if c.layout.pp == 1:
         return None
     best = None
-    for x in known.by_pipeline_twin.get(_pipeline_twin(c), ()):
+    for x, same_mode, scale in _unpipelined_twins(c, known):
         xc = x.candidate
-        if RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing) \
-                or c.micro_batch > xc.micro_batch or xc.micro_batch % c.micro_batch:
-            continue
-        same_mode = xc.checkpointing == c.checkpointing
         per_micro_batch = min(max(0.0, own - data_parallel + (again if same_mode else 0.0))
                               for _, _, _, _, data_parallel, own, again in x.kernel_seconds)
-        seconds = c.steps / c.layout.pp * c.micro_batch / xc.micro_batch * per_micro_batch
+        seconds = c.steps / c.layout.pp * scale * per_micro_batch
         if best is None or seconds > best.seconds:
             best = Bound(seconds, f"{c.steps} micro-batches / {c.layout.pp} stages x micro-batch "
                                   f"{xc.micro_batch}'s model kernels, scaled, as traced in "
@@ -322,6 +318,19 @@ def pipeline_chain(c: Candidate, known: Known) -> Bound | None:
     return best
 
 
+def _unpipelined_twins(c: Candidate, known: Known):
+    """The traces a pipelined candidate's twin rules read (`pipelined_model_kernels`,
+    `twin_pipeline_chain`): the unpipelined layouts of its TP / CP split, checkpointing as light
+    or lighter, a micro-batch as large or larger that its own divides; each as (the trace, same
+    checkpointing mode, its micro-batch / the trace's)."""
+    for x in known.by_pipeline_twin.get(_pipeline_twin(c), ()):
+        xc = x.candidate
+        if RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing) \
+                or c.micro_batch > xc.micro_batch or xc.micro_batch % c.micro_batch:
+            continue
+        yield x, xc.checkpointing == c.checkpointing, c.micro_batch / xc.micro_batch
+
+
 def twin_pipeline_chain(c: Candidate, known: Known) -> Bound | None:
     """`pipeline_chain` for a pipelined family not traced yet, from the unpipelined twin's
     blocks (the traces `pipelined_model_kernels` reads: one micro-batch, the same TP / CP
@@ -349,14 +358,10 @@ def twin_pipeline_chain(c: Candidate, known: Known) -> Bound | None:
     if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
         return None
     best = None
-    for x in known.by_pipeline_twin.get(_pipeline_twin(c), ()):
+    for x, same_mode, scale in _unpipelined_twins(c, known):
         xc = x.candidate
-        if not x.block_seconds or \
-                RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing) \
-                or c.micro_batch > xc.micro_batch or xc.micro_batch % c.micro_batch:
+        if not x.block_seconds:
             continue
-        same_mode = xc.checkpointing == c.checkpointing
-        scale = c.micro_batch / xc.micro_batch
         blocks = [tuple(min(figures) for figures in zip(*per_class))
                   for per_class in zip(*x.block_seconds)]
         n = len(blocks)

@@ -224,8 +224,13 @@ class LocalPool:
             process.join(timeout=10)
         # then wait for the pool's own thread to see them gone and close its pipes: left
         # running, it can close a pipe while Python 3.11's exit hook writes to it (an OSError
-        # traceback at exit, seen after SIGINT)
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        # traceback at exit, seen after SIGINT). Bounded: a Ctrl-C that lands inside the pool's
+        # own bookkeeping can leave that thread waiting for good (a SIGINT'd search once never
+        # printed its table in CI), and the table and JSON come first
+        thread = getattr(self.pool, "_executor_manager_thread", None)  # shutdown drops it
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if thread is not None:
+            thread.join(timeout=10)
 
 
 # ---- the cache ---------------------------------------------------------------------------------
