@@ -259,6 +259,9 @@ _DYNAMIC_SETATTR = {
     ("capture/data_values.py", "alias"): "a fake tensor: tapescope's value tags",
     ("distributed/pipeline.py", "_backward_actions_as_phases"): "the traced rank's "
                                                                 "PipelineStage instances",
+    ("distributed/pipeline.py", "_initialisation_marked"): "the traced rank's schedule "
+                                                           "instance (made in its setup), "
+                                                           "for one step",
 }
 
 
