@@ -32,6 +32,11 @@ CHILD = textwrap.dedent(f"""
         time.sleep(120)
 
     if __name__ == "__main__":
+        # Ctrl-C as a terminal's user presses it: a test run started in the background by a
+        # non-interactive shell (`.ci/run &`) hands its children SIGINT ignored, and Python then
+        # installs no KeyboardInterrupt handler
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         runner.evaluate = slow_trace
         from tapescope.cli import main
 
