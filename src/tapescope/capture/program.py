@@ -115,11 +115,13 @@ class StepProgram(ABC):
 
     def optimizer_step(self, model, state, step: int, runtime: StepRuntime) -> None:
         """(step2_from_step1) The optimizer step alone, as `run` takes it."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} sets step2_from_step1: it must define "
+                                  "optimizer_step")
 
     def end_step(self, state, step: int, runtime: StepRuntime) -> None:
         """(step2_from_step1) The gradient reset that ends a step run with `end=False`."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} sets step2_from_step1: it must define "
+                                  "end_step")
 
     def first_step_done(self, state) -> bool:
         """(step2_from_step1) True when later steps skip what step 1 ran in
