@@ -83,3 +83,114 @@ def test_fsdp2_re_unshards_allocate_on_the_compute_stream():
     assert all(allocated_on[sid] == {s} for sid, s in resized.items())
     # where the resize was met: after an op of another stream (the case this test is for)
     assert any(trace.ops[trace.storages[sid].created_by].stream != 0 for sid in resized)
+
+
+def test_memory_outside_ops_is_served_on_the_stream_current_at_its_allocation():
+    """The caching allocator serves a block on the stream current when it is allocated
+    (CUDACachingAllocator.cpp: `allocate` calls `malloc` with getCurrentCUDAStream), not on the
+    stream of the op that ran last. `Tape.bytes_outside_ops` records bytes allocated between ops;
+    here the last op ran on a side stream, and the bytes are asked for once with the default
+    stream current again and once inside the side stream, as the program's
+    `torch.cuda.current_stream()` says at each moment."""
+    from tapescope.capture.session import Recorder
+    from tapescope.distributed.cuda_standin import cuda_without_gpu
+
+    cuda = torch.device("cuda")
+    with cuda_without_gpu() as log:
+        tape = Recorder.create(cuda).tape
+        tape.streams = log
+        with tape, tape.phase(1, "forward"):
+            x = torch.empty(256, device=cuda)
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                x + 1
+            current = torch.cuda.current_stream()
+            held_now = tape.bytes_outside_ops(8, cuda)
+            with torch.cuda.stream(side):
+                held_side = tape.bytes_outside_ops(8, cuda)
+            del held_now, held_side
+    trace = tape.trace
+    assert trace.ops[-1].stream == side.id != current.id
+    *_, now, in_side = trace.storages
+    assert (now.nbytes, now.created_by) == (8, len(trace.ops) - 1)
+    assert (now.stream, in_side.stream) == (current.id, side.id)
+
+
+def test_wrapped_numbers_are_host_memory_on_a_cuda_step():
+    """What `bytes_outside_ops` records today is the 0-dim tensor a Python number becomes
+    (capture/fidelity/wrapped_numbers.py). Torch makes it on the CPU whatever the device of the
+    tensor it multiplies: on a fake CUDA step, the number MulBackward0 saves is a CPU float64
+    tensor. So it is never the CUDA allocator's, and the rule stays the CPU trace's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, device="cuda", requires_grad=True)
+        other = (x * 0.5).grad_fn._saved_other
+    assert (other.device.type, other.dtype, other.dim()) == ("cpu", torch.float64, 0)
+
+
+def _unequal_blocks():
+    # every weight and bias has a size of its own: 256 KiB, 2 MiB, 512 KiB; 1 KiB, 8 KiB, 256 B
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 2048),
+                               torch.nn.Linear(2048, 64))
+
+
+def _resize_line() -> tuple[str, int]:
+    """Where FSDP2 calls `resize_` to re-allocate an unsharded parameter, read from torch's
+    own source: `alloc_storage` in _fsdp_param.py."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    lines, first = inspect.getsourcelines(_fsdp_param.alloc_storage)
+    line = first + next(i for i, text in enumerate(lines) if ".resize_(" in text)
+    return "torch/distributed/fsdp/_fully_shard/_fsdp_param.py", line
+
+
+def test_fsdp2_re_unshards_are_named_by_what_re_allocated_them():
+    """A re-unshard's storage is placed after the last op recorded, another stream's (FSDP2's
+    all-gather, or the previous block's reduce-scatter): an out-of-memory label or a "made by"
+    naming that op points at a collective. They name the line that called `resize_` (FSDP2's
+    `alloc_storage`, found in torch's source) and the module the parameter belongs to (by its
+    size: every weight and bias here has its own), in its backward."""
+    import dataclasses
+
+    from tapescope.analysis.gpu_memory import predict_cuda_memory
+    from tapescope.devices.gpus import cuda_context_bytes
+
+    model = _unequal_blocks()
+    module_of_size = {p.numel() * 4: name.rpartition(".")[0]
+                      for name, p in model.named_parameters()}
+    p = tapescope.profile(model, tapescope.spec((8, 256)), gpu="h100", mesh={"dp": 2},
+                          parallelize=_fsdp)
+    trace = p.trace
+    path, line = _resize_line()
+    where = f"{path}:{line} in alloc_storage"
+    resized = [s for s in trace.storages if s.resized_by is not None and s.nbytes]
+    assert len(resized) == 6  # each block's weight and bias, re-allocated for its backward
+    events, labels = _events(trace, p.gpu)
+    said = {key[1]: label for (key, n, *_), label in zip(events, labels)
+            if n is not None and key[0] == "step1"}
+    for s in resized:
+        expected = f"step1: resize_ at {where}, for module {module_of_size[s.nbytes]}'s backward"
+        assert said[s.id] == expected
+    # the case this is for: the op recorded before the resize ran on another stream
+    assert any(trace.ops[s.created_by].stream != 0 for s in resized)
+
+    # the largest tensors alive at the peak: a re-allocated one is "made by" resize_
+    again = [t for t in p.memory.live_at_peak if t.op_name == "resize_"]
+    assert again and all((t.module, t.source) == (module_of_size[t.nbytes], where)
+                         for t in again)
+
+    # out of memory at a re-unshard, through the public path: lower the GPU's memory 1 MiB at
+    # a time until the replay runs out at one (a 2 MiB weight's re-allocation is one of the
+    # larger requests; with the cache flushed before failing, only some capacities fail there)
+    context = cuda_context_bytes(p.gpu)
+    capacity = p.cuda_memory.max_reserved
+    while capacity > p.cuda_memory.max_reserved // 2:
+        capacity -= 1 << 20
+        gpu = dataclasses.replace(p.gpu, reported_memory_bytes=capacity + context)
+        cm = predict_cuda_memory(trace, gpu, p.options.alloc_conf)
+        if "resize_" in (cm.oom_at or ""):
+            break
+    assert cm.oom and cm.oom_at in {said[s.id] for s in resized}

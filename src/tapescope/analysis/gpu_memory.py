@@ -29,6 +29,7 @@ from ..devices.gpus import cuda_context_bytes
 from .allocator import AllocatorConfig, simulate
 from .events import device_events, live_after
 from .op_classes import MATMUL
+from .reallocations import Reallocations
 from .steps import step_views
 
 __all__ = ["CudaMemory", "predict_cuda_memory", "cublas_workspace_bytes"]
@@ -78,6 +79,7 @@ def _events(trace: Trace, gpu=None):
         workspace_at = next((i for i in views[1].ops
                              if trace.ops[i].func.overloadpacket in MATMUL), None)
     successors = _successors(trace, views[1], steady) if steady is not views[1] else {}
+    resized = Reallocations(trace)
     for run, view in (("step1", views[1]), ("step2", steady), ("step3", steady)):
         live_keys = {}
         freed_successors: set = set()  # step 2's leftovers step 3 has freed (_successors)
@@ -101,7 +103,10 @@ def _events(trace: Trace, gpu=None):
                 if key is None:  # alive before this step: setup, or a previous step's state
                     key = _previous_key(out, sid)
                 out.append((key, None))
-            labels.append(f"{run}: {trace.ops[op].name}" if 0 <= op < len(trace.ops) else run)
+            if delta > 0 and storages[sid].resized_by is not None:  # not made by that op
+                labels.append(f"{run}: {resized.of(sid).describe()}")
+            else:
+                labels.append(f"{run}: {trace.ops[op].name}" if 0 <= op < len(trace.ops) else run)
             if run == "step1" and op == workspace_at and delta > 0:
                 out.append((("cublas", 0), cublas_workspace_bytes(gpu.compute_capability)))
                 labels.append("cuBLAS workspace")

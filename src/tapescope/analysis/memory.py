@@ -14,6 +14,7 @@ from ..capture.records import ALL_CATEGORIES, CATEGORIES, ROLE_ORDER, SAVED, TEM
 from .events import device_events, initially_live, live_after
 from .modules import ancestors
 from .ops import Op
+from .reallocations import Reallocations
 from .steps import StepView
 
 __all__ = ["MemoryReport", "LiveTensor", "LiveGroup", "ModuleMemory", "storage_categories",
@@ -28,7 +29,7 @@ class LiveTensor:
     nbytes: int
     category: str
     op: int | None        # index (in the step) of the op that allocated it; None: before the step
-    op_name: str | None
+    op_name: str | None   # "resize_": re-allocated before op `op` by the line `source`
     module: str | None
     owner: str | None     # parameter fqn, for parameters, gradients and optimizer state
     source: str | None
@@ -203,8 +204,15 @@ def memory_report(trace: Trace, view: StepView, ops: list[Op], categories: list[
     for sid in live_at_peak:
         at_peak[categories[sid]] += storages[sid].nbytes
     tensors = []
+    resized = Reallocations(trace)
     for sid in sorted(live_at_peak, key=lambda s: storages[s].nbytes, reverse=True):
         k = local.get(storages[sid].created_by)  # None: made before this step
+        again = resized.of(sid) if k is not None else None
+        if again is not None:  # re-allocated between ops: by a line, for the next op's module
+            tensors.append(LiveTensor(
+                sid, storages[sid].nbytes, categories[sid], local.get(again.next_op, k),
+                "resize_", again.module, trace.storage_owner.get(sid), again.where))
+            continue
         op = ops[k] if k is not None else None
         tensors.append(LiveTensor(
             sid, storages[sid].nbytes, categories[sid], k, op.name if op else None,

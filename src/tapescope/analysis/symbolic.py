@@ -410,7 +410,8 @@ def converter(trace: Trace) -> _Converter:
 def sympify_trace(trace: Trace) -> tuple[Trace, _Converter]:
     """A copy of the trace whose sizes are sympy expressions in the dimension names."""
     conv = _Converter(trace)
-    storages = [StorageRecord(s.id, conv.expr(s.nbytes), s.device, s.created_by, s.roles, s.stream)
+    storages = [StorageRecord(s.id, conv.expr(s.nbytes), s.device, s.created_by, s.roles, s.stream,
+                              s.resized_by)
                 for s in trace.storages]
     t = replace(trace, ops=[_sympify_op(conv, r) for r in trace.ops], storages=storages)
     return t, conv
@@ -454,7 +455,8 @@ def instantiate(trace: Trace, conv: _Converter, sizes: dict) -> Trace:
                    kwargs={k: ref(v) for k, v in r.kwargs.items()},
                    outputs=tuple(None if o is None else ref(o) for o in r.outputs),
                    inputs=tuple(ref(t) for t in r.inputs)) for r in trace.ops]
-    storages = [StorageRecord(s.id, val(s.nbytes), s.device, s.created_by, s.roles, s.stream)
+    storages = [StorageRecord(s.id, val(s.nbytes), s.device, s.created_by, s.roles, s.stream,
+                              s.resized_by)
                 for s in trace.storages]
     return replace(trace, ops=ops, storages=storages, symbols={}, hints={}, guards=[],
                    replacements={}, ranges={})

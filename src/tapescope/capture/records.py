@@ -214,7 +214,8 @@ def op_name(func) -> str:
 
 @dataclass(slots=True)
 class StorageRecord:
-    """A block of memory: created by op `created_by` (None: existed before the trace)."""
+    """A block of memory: created by op `created_by` (None: existed before the trace), or, where
+    `resized_by` is set, re-allocated by `UntypedStorage.resize_` after op `created_by`."""
 
     id: int
     nbytes: int
@@ -226,6 +227,11 @@ class StorageRecord:
     # on the compute stream, after the all-gather recorded last on its own stream); None: the
     # creating op's stream
     stream: int | None = None
+    # the line that called `UntypedStorage.resize_` on it, which dispatches no op (FSDP2's
+    # `alloc_storage` re-allocating an unsharded parameter): `created_by` is then only the last
+    # op recorded before (another stream's all-gather or another block's reduce-scatter), not
+    # what made it (analysis.reallocations names it for a user); None: made by an op
+    resized_by: Frame | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -227,7 +227,8 @@ def extend_regions(trace: Trace, extensions: list) -> None:
             end = freed_at.get(sid)
             for _ in range(extra):
                 stand_in = StorageRecord(len(storages), model.nbytes, model.device,
-                                         model.created_by, set(model.roles), model.stream)
+                                         model.created_by, set(model.roles), model.stream,
+                                         model.resized_by)
                 storages.append(stand_in)
                 trace.stand_ins[stand_in.id] = sid
                 owner = trace.storage_owner.get(sid)

@@ -392,12 +392,23 @@ class Tape(SizeFreeCacheCheck):
             trace = self.trace
             trace.events.append((len(trace.ops) - 1, entry.sid, -1))
 
-    def storage_resized(self, st, nbytes_before: int) -> None:
+    def _stream_now(self, device: torch.device) -> int | None:
+        """The stream a block allocated now, between ops, is served on: the caching allocator
+        takes the stream current at the allocation (CUDACachingAllocator.cpp, `allocate` calls
+        `malloc` with getCurrentCUDAStream), whatever stream the last op ran on. None where
+        there is no stream to tell: the CPU allocator has none, a profile without the CUDA
+        stand-in (distributed.cuda_standin) runs every op on the default one."""
+        if self.streams is None or device.type != "cuda":
+            return None
+        return self.streams.current.id
+
+    def storage_resized(self, st, nbytes_before: int, caller: Frame | None = None) -> None:
         """`UntypedStorage.resize_` changed a storage's size in place (FSDP frees an unsharded
-        parameter with resize_(0) and allocates it again with resize_(n)). The real allocator
-        allocates the new size, copies, and frees the old block; so does the trace: a new
-        StorageRecord for the same storage object, born (and the old one dead) at the last op
-        recorded."""
+        parameter with resize_(0) and allocates it again with resize_(n)), called from the line
+        `caller`. The real allocator allocates the new size, copies, and frees the old block;
+        so does the trace: a new StorageRecord for the same storage object, born (and the old
+        one dead) after the last op recorded, on the stream current now, `resized_by` the
+        caller."""
         entry = self._tape_live.get(untyped_storage_key(st))
         nbytes = st.nbytes()
         if entry is None or nbytes == nbytes_before:
@@ -406,12 +417,13 @@ class Tape(SizeFreeCacheCheck):
         old = entry.sid
         at = len(trace.ops) - 1
         sid = len(trace.storages)
-        # allocated on the stream current now, not the last op's (FSDP2's copy-out follows its
-        # all-gather, recorded on the all-gather stream)
-        stream = self.streams.current.id if self.streams is not None else None
-        trace.storages.append(StorageRecord(sid, nbytes, trace.storages[old].device,
-                                            at if at >= 0 else None, set(trace.storages[old].roles),
-                                            stream))
+        device = trace.storages[old].device
+        # FSDP2's copy-out follows its all-gather, recorded last on the all-gather stream (or the
+        # previous block's reduce-scatter): neither the last op's stream nor the last op itself
+        # made it, the line that called resize_ did
+        trace.storages.append(StorageRecord(sid, nbytes, device, at if at >= 0 else None,
+                                            set(trace.storages[old].roles),
+                                            self._stream_now(device), caller))
         entry.sid = sid
         if self._tape_recording:  # an empty storage holds no memory: no event for it
             if nbytes:
@@ -422,11 +434,12 @@ class Tape(SizeFreeCacheCheck):
     def bytes_outside_ops(self, nbytes: int, device: torch.device) -> "HeldBytes":
         """Memory the real step allocates outside any op the dispatcher sees (a Python number
         wrapped as a 0-dim tensor by the argument parser, before the op it is passed to): a
-        storage born now, before the next op, and dead when the returned token is released
-        or collected."""
+        storage born now, before the next op, on the stream current now (not the last op's),
+        and dead when the returned token is released or collected."""
         trace = self.trace
         sid, at = len(trace.storages), len(trace.ops) - 1
-        trace.storages.append(StorageRecord(sid, nbytes, device, at if at >= 0 else None))
+        trace.storages.append(StorageRecord(sid, nbytes, device, at if at >= 0 else None,
+                                            stream=self._stream_now(device)))
         if self._tape_recording:
             trace.events.append((at, sid, 1))
         token = HeldBytes()
@@ -452,7 +465,10 @@ class Tape(SizeFreeCacheCheck):
         def resize_(st, size):
             before = st.nbytes()
             out = original(st, size)
-            self.storage_resized(st, before)
+            caller = sys._getframe(1)  # resizes are few (two per FSDP2 group and step)
+            code = caller.f_code
+            self.storage_resized(st, before, Frame(code.co_filename, caller.f_lineno,
+                                                   code.co_name))
             return out
 
         with patched(torch.UntypedStorage, resize_=resize_):

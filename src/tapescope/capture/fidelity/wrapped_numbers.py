@@ -16,7 +16,9 @@ tensors). A dispatch mode sees the number as a Python float, never the tensor.
 This rule records those bytes where a real step has them: allocated before the op, kept with the
 op's autograd node (capture/hooks.py: `keep_with_node`), freed when that node runs. Only the saved
 ones: a wrapped number not saved dies when the op returns (8-16 bytes inside one op, the
-Python-scalar temporaries docs/validation.md describes, not modelled).
+Python-scalar temporaries docs/validation.md describes, not modelled). The number is a CPU tensor
+even where the tensor is on CUDA (a fake CUDA step's MulBackward0 saves a CPU float64 `other`):
+host memory the CUDA allocator never serves, so a CUDA trace has nothing to record here.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = []
 # the itemsize of the 0-dim tensor a Python number becomes (c10/core/ScalarType of
 # wrapped_scalar_tensor: double, long, bool, complex<double>)
 _WRAPPED_BYTES = {float: 8, int: 8, bool: 1, complex: 16}
+_CPU = torch.device("cpu")
 
 T = torch.Tensor
 _SAVING = (torch.mul, torch.multiply, torch.div, torch.divide, torch.true_divide,
@@ -48,7 +51,9 @@ def number_saved_for_backward(ctx, func, args, kwargs):
     nbytes = _saved_number_bytes(args, kwargs)
     if not nbytes:
         return func(*args, **kwargs)
-    held = ctx.bytes_outside_ops(nbytes, args[0].device)  # parsed before the op runs
+    # parsed before the op runs, into a CPU tensor whatever the device of the tensor it
+    # multiplies (scalar_to_tensor's default device): CPU memory, served on no stream
+    held = ctx.bytes_outside_ops(nbytes, _CPU)
     out = func(*args, **kwargs)
     node = _node_saving(out)
     if node is not None:
