@@ -799,3 +799,154 @@ def kernels_and_step_ends(c: Candidate, known: Known) -> Bound | None:
 
 
 BOUNDS = (*BOUNDS, kernels_and_step_ends)
+
+
+# ---- a pipeline's first and last stage: what they run besides their blocks ---------------------
+
+def edge_floors(q, blocks: list, first: tuple, last: tuple, loss_kernels=None) -> tuple:
+    """(first stage's forward, its backward, last stage's forward, its backward, the loss's
+    forward, its backward): seconds of the compute stream's kernels alone that a one-micro-batch
+    unpipelined step (q: the rank's Profile, timed by the eager model) runs outside its blocks
+    (`blocks`, as block_floors reads them), by the pipeline stage that runs them, as
+    twin_pipeline_ends reads them: a forward op of a module in `first` (the modules
+    distributed/pipeline.py's split_blocks puts on the first stage alone: the embeddings), or
+    in `last` (the last stage's alone: the final norm, the output layer), and a backward op of
+    such a forward op (Op.forward_op, as block_floors reads a block's); recomputed ops, FSDP2's
+    own kernels, the collectives and other streams' ops left out, as in block_floors.
+
+    The loss: the forward ops after the last stage's modules' last op that are in none of the
+    model's modules (the model's own code given its targets, or the loss function's), and the
+    backward ops of those that launch a kernel, counted only when those kernels are, op for op
+    at the same shapes and dtypes, the ones `loss_kernels(shape, dtype, device)` says a
+    pipeline's last stage runs for its loss on logits like the last stage's output (evaluate's
+    _pipeline_loss_kernels: pipeline_loss of the same loss_fn): an unpipelined step's loss may
+    be other code than the pipeline's. The same forward ops at the same shapes record the same
+    autograd nodes, so their backward ops are the same too. 0 for both otherwise."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import BACKWARD, FORWARD
+
+    comm = {c.op for c in q.collectives}
+    storages = q.trace.storages
+    side = {**{b: "block" for b in blocks}, **{f: "first" for f in first},
+            **{f: "last" for f in last}}
+    where_of: dict = {}   # module -> "block" / "first" / "last" / None
+
+    def where(module):
+        if module not in where_of:
+            parts = (module or "").split(".")
+            where_of[module] = next((side[".".join(parts[:k])] for k in range(1, len(parts) + 1)
+                                     if ".".join(parts[:k]) in side), None)
+        return where_of[module]
+
+    def kernel(op) -> bool:
+        return op.phase in (FORWARD, BACKWARD) and op.index not in comm and \
+            not op.record.stream and not op.record.name.startswith("fsdp.") and \
+            not op.recompute and launches_kernel(op.record.func) and on_gpu(op, storages)
+
+    last_output = max((i for i, op in enumerate(q.ops) if op.phase == FORWARD and
+                       not op.recompute and where(op.module) == "last" and op.outputs),
+                      default=None)
+    loss = [op for op in q.ops[last_output + 1:] if op.phase == FORWARD and not op.recompute
+            and where(op.module) is None and kernel(op)] if last_output is not None else []
+    counted = set()
+    logits = q.ops[last_output].outputs[0] if last_output is not None else None
+    if loss and loss_kernels is not None and 0 <= logits.storage < len(storages):
+        expected = loss_kernels(tuple(int(d) for d in logits.shape), logits.dtype,
+                                storages[logits.storage].device)
+        seen = sorted((op.record.name, _kinds(op.inputs), _kinds(op.outputs)) for op in loss)
+        if expected == seen:
+            counted = {op.index for op in loss}
+    figures = {part: [0.0, 0.0] for part in ("first", "last", "loss")}
+    for op in q.ops:
+        if not kernel(op):
+            continue
+        forward = op.phase == FORWARD
+        origin = op if forward else \
+            q.ops[op.forward_op] if op.forward_op is not None else None
+        if origin is None:
+            continue
+        part = "loss" if origin.index in counted else where(origin.module)
+        if part in figures:
+            figures[part][0 if forward else 1] += kernel_seconds(op, q.gpu, storages)[0] * op.runs
+    return (*figures["first"], *figures["last"], *figures["loss"])
+
+
+def _kinds(refs) -> tuple:
+    """(shape, dtype) of each tensor, sorted: as evaluate's _tensor_kinds writes a fake run's."""
+    return tuple(sorted((tuple(int(d) for d in r.shape), str(r.dtype)) for r in refs))
+
+
+def twin_pipeline_ends(c: Candidate, known: Known) -> Bound | None:
+    """`twin_pipeline_chain` with what the first and the last stage run besides their blocks
+    (Outcome.edge_seconds, edge_floors: the embedding on the first; the final norm, the output
+    layer and the loss on the last), and a second chain that ends on the stage's own rank: step
+    >= max over stages s of
+      (i)  sum_{j<s} (F_j + B_j) + m (F_s + B_s)
+      (ii) sum_{j<s} F_j + m (F_s + B_s) + m L   (L: the loss's forward, on the last stage only)
+    with F_j, B_j the twin's forward and backward kernels of the blocks stage j holds
+    (block_range, as twin_pipeline_chain) plus, on stage 0, the first stage's modules' and, on
+    the last, the last stage's modules' and the loss's backward; from the same twins (one
+    micro-batch, the same TP / CP split, checkpointing as light or lighter, a micro-batch as
+    large or larger, scaled), the least of the twin's rank classes figure by figure.
+
+    Why, on distributed/pipeline.py's schedule_time (a pipelined candidate's step): the
+    first stage's forward action runs the stage module's forward (split_blocks: its blocks
+    and the modules before the block list), its backward action that module's backward; the
+    last stage's forward runs its blocks and the modules after the list, and its backward
+    action (`backward_one_chunk`, stage_backward from the loss) the loss's backward and that
+    module's. Each op is the twin's at the twin's shapes, priced from the op alone
+    (`pipelined_model_kernels`' (2) and (3)), and the loss's are the ops pipeline_loss runs
+    (edge_floors checks them op for op), so F_j and B_j bound every forward and backward
+    action of stage j, and (i) is pipeline_chain's (1)-(3) over them (rank 0 ends with the
+    last micro-batch's backward; the rest of its step only adds). (ii): rank s's first action
+    starts no earlier than sum_{j<s} F_j (micro-batch 0's forwards through the stages before
+    it, p2p >= 0); from there it runs its actions one after another, so it ends them no
+    earlier than that start plus their seconds A_s, and then schedule_time adds the rest of
+    its step, max(0, T_s - A_s), T_s the rank's own eager step (timing.py): the step is at
+    least start + T_s. T_s is at least the rank's compute-stream kernels, each at its price
+    alone (the stream runs them in order; a kernel a collective overlaps only runs longer):
+    its actions' m (F_s + B_s) and, on the last stage, the loss's forward of every
+    micro-batch, which torch's schedule computes between the stage's forward and backward
+    actions (`_maybe_compute_loss`, outside both). The optimizer, FSDP2's own kernels and its
+    waits, gradient accumulation and the p2p transfers are left out.
+
+    Only the one-stage-a-rank schedules, as pipeline_chain."""
+    if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
+        return None
+    best = None
+    pp, m = c.layout.pp, c.steps
+    for x, same_mode, scale in _unpipelined_twins(c, known):
+        if not x.block_seconds or not x.edge_seconds:
+            continue
+        blocks = [tuple(min(figures) for figures in zip(*per_class))
+                  for per_class in zip(*x.block_seconds)]
+        n = len(blocks)
+        if n < pp:
+            continue
+        first_f, first_b, last_f, last_b, loss_f, loss_b = \
+            (scale * min(v) for v in zip(*x.edge_seconds))
+        forwards = backwards = seconds = 0.0
+        for s in range(pp):
+            held = [blocks[b] for b in range(s * n // pp, (s + 1) * n // pp)]
+            forward = scale * sum(f for f, _, _ in held)
+            backward = scale * sum(own + (again if same_mode else 0.0) for _, own, again in held)
+            if s == 0:
+                forward, backward = forward + first_f, backward + first_b
+            if s == pp - 1:
+                forward, backward = forward + last_f, backward + last_b + loss_b
+            work = m * (forward + backward)
+            seconds = max(seconds, forwards + backwards + work,
+                          forwards + work + (m * loss_f if s == pp - 1 else 0.0))
+            forwards += forward
+            backwards += backward
+        if best is None or seconds > best.seconds:
+            best = Bound(seconds, f"the pipeline's critical chain over its stages' blocks, "
+                                  f"embedding, output layer and loss, micro-batch "
+                                  f"{x.candidate.micro_batch}'s scaled, as traced in "
+                                  f"{x.candidate.label()}")
+    return best
+
+
+BOUNDS = (*BOUNDS, twin_pipeline_ends)
