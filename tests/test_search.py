@@ -702,17 +702,19 @@ def test_twin_edges_are_the_stages_own(pipelined):
 
 
 def test_twin_loss_is_the_pipelines_loss():
-    """The loss's figures against a pipelined trace's own: the twin's loss forward per
-    micro-batch (the model's own cross-entropy given its targets) equals the kernels the
-    pipeline's last rank runs for pipeline_loss between its actions (read op by op off its
-    trace); and a loss_fn whose kernels differ from the twin's loss counts no loss at all."""
+    """The loss's and the optimizer's figures against a pipelined trace's own: the twin's loss
+    forward per micro-batch (the model's own cross-entropy given its targets) equals the
+    kernels the pipeline's last rank runs for pipeline_loss between its actions (read op by op
+    off its trace); each stage's share of the twin's optimizer kernels is at most what its
+    rank's optimizer runs, and the twin's figure holds every optimizer kernel of the twin;
+    and a loss_fn whose kernels differ from the twin's loss counts no loss at all."""
     from tapescope.analysis.kernel_cost import on_gpu
     from tapescope.analysis.op_classes import launches_kernel
     from tapescope.analysis.timing import kernel_seconds
     from tapescope.api import profile_workload
     from tapescope.distributed.presets import Layout
     from tapescope.layout_search import Source
-    from tapescope.layout_search.bounds import edge_floors
+    from tapescope.layout_search.bounds import _stage_optimizer, edge_floors
     from tapescope.layout_search.evaluate import _pipeline_loss_kernels, _traced, evaluate
     from tapescope.layout_search.space import Candidate
 
@@ -721,7 +723,8 @@ def test_twin_loss_is_the_pipelines_loss():
     (*_, loss_f, loss_b), = twin.edge_seconds
     c = Candidate(Layout(fsdp=2, pp=2), micro_batch=2, steps=2, schedule="1f1b")
     workload, options = candidate_options(source, c)
-    last = _traced(profile_workload(workload, options))[-1]
+    ranks = _traced(profile_workload(workload, options))
+    last = ranks[-1]
     storages, comm = last.trace.storages, {x.op for x in last.collectives}
     # pipeline_loss runs outside the stage's actions (torch's _maybe_compute_loss): the rank's
     # kernels of no phase action and no module, its sends, receives and FSDP2's gradient
@@ -733,9 +736,20 @@ def test_twin_loss_is_the_pipelines_loss():
     assert loss_f > 0 and loss_b > 0
     assert between / c.steps == pytest.approx(loss_f, rel=1e-9)
 
+    def optimizer_kernels(q):
+        return sum(kernel_seconds(op, q.gpu, q.trace.storages)[0] * op.runs for op in q.ops
+                   if op.phase == "optimizer" and not op.record.stream
+                   and launches_kernel(op.record.func) and on_gpu(op, q.trace.storages))
+
+    (figure,) = twin.optimizer_seconds
+    for stage, (q, parts) in enumerate(zip(ranks, ({0, -1}, {1, -2}))):
+        share = _stage_optimizer(figure, parts, c.layout.shard_degree, 2)
+        assert 0 < share <= optimizer_kernels(q), stage
+
     twin_workload, twin_options = candidate_options(source, Candidate(Layout(fsdp=2),
                                                                       micro_batch=2))
     q = _traced(profile_workload(twin_workload, twin_options))[0]
+    assert figure[0] == pytest.approx(optimizer_kernels(q), rel=1e-12)
     blocks, edges = twin_options.parallelize.blocks, twin_options.parallelize.edges
     assert edge_floors(q, blocks, *edges, _pipeline_loss_kernels(
         None, twin_workload.args[-1])) == pytest.approx(twin.edge_seconds[0], rel=1e-12)

@@ -907,10 +907,11 @@ def twin_pipeline_ends(c: Candidate, known: Known) -> Bound | None:
     its step, max(0, T_s - A_s), T_s the rank's own eager step (timing.py): the step is at
     least start + T_s. T_s is at least the rank's compute-stream kernels, each at its price
     alone (the stream runs them in order; a kernel a collective overlaps only runs longer):
-    its actions' m (F_s + B_s) and, on the last stage, the loss's forward of every
-    micro-batch, which torch's schedule computes between the stage's forward and backward
-    actions (`_maybe_compute_loss`, outside both). The optimizer, FSDP2's own kernels and its
-    waits, gradient accumulation and the p2p transfers are left out.
+    its actions' m (F_s + B_s); on the last stage, the loss's forward of every micro-batch,
+    which torch's schedule computes between the stage's forward and backward actions
+    (`_maybe_compute_loss`, outside both); and the optimizer's kernels over the stage's
+    parameter shards (Outcome.optimizer_seconds; _stage_optimizer's proof). FSDP2's own
+    kernels and its waits, gradient accumulation and the p2p transfers are left out.
 
     Only the one-stage-a-rank schedules, as pipeline_chain."""
     if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
@@ -929,7 +930,12 @@ def twin_pipeline_ends(c: Candidate, known: Known) -> Bound | None:
             (scale * min(v) for v in zip(*x.edge_seconds))
         forwards = backwards = seconds = 0.0
         for s in range(pp):
-            held = [blocks[b] for b in range(s * n // pp, (s + 1) * n // pp)]
+            span = range(s * n // pp, (s + 1) * n // pp)
+            held = [blocks[b] for b in span]
+            parts = {*span, *((-1,) if s == 0 else ()), *((-2,) if s == pp - 1 else ())}
+            optimizer = min((_stage_optimizer(f, parts, c.layout.shard_degree,
+                                              x.candidate.layout.shard_degree)
+                             for f in x.optimizer_seconds), default=0.0)
             forward = scale * sum(f for f, _, _ in held)
             backward = scale * sum(own + (again if same_mode else 0.0) for _, own, again in held)
             if s == 0:
@@ -938,7 +944,7 @@ def twin_pipeline_ends(c: Candidate, known: Known) -> Bound | None:
                 forward, backward = forward + last_f, backward + last_b + loss_b
             work = m * (forward + backward)
             seconds = max(seconds, forwards + backwards + work,
-                          forwards + work + (m * loss_f if s == pp - 1 else 0.0))
+                          forwards + work + optimizer + (m * loss_f if s == pp - 1 else 0.0))
             forwards += forward
             backwards += backward
         if best is None or seconds > best.seconds:
@@ -947,6 +953,111 @@ def twin_pipeline_ends(c: Candidate, known: Known) -> Bound | None:
                                   f"{x.candidate.micro_batch}'s scaled, as traced in "
                                   f"{x.candidate.label()}")
     return best
+
+
+
+def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
+    """(seconds, ((where, rows, rest, count), ...)): the compute stream's optimizer kernels
+    alone of an unpipelined step (q: the rank's Profile, timed by the eager model) that run
+    over one table of parameter shards, each tensor list of the kernel the same table, and the
+    table: each parameter's local shard as (its stage part: -1 a module of `first`, -2 of
+    `last`, i block i, None other; its rows; the elements of a row; how many such), counts
+    divided by their greatest common divisor. A tensor is a parameter's when the trace says
+    so (its gradient and optimizer state too: Trace.storage_owner), or when a foreach kernel
+    made it as the j-th output from the j-th tensor of its first list (AdamW's sqrt of its
+    second moments); the first list's tensors each of a storage of its own (FSDP2's reduced
+    gradients are views of one buffer, owned by its first parameter); a later list's j-th
+    tensor is the first list's j-th parameter's when it has its shape (foreach lists are
+    index-aligned). A kernel over other tensors or another table is left out (the CPU step
+    counters launch none). twin_pipeline_ends reads it."""
+    from math import gcd
+
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import OPTIMIZER
+
+    comm = {c.op for c in q.collectives}
+    storages, owner = q.trace.storages, q.trace.storage_owner
+    parts = [(f + ".", -1) for f in first] + [(f + ".", -2) for f in last] + \
+        [(b + ".", i) for i, b in enumerate(blocks)]
+    shard_of: dict = {}   # storage -> (where, rows, rest) of the parameter shard it stands for
+
+    def shard(r):
+        if r.storage not in shard_of and r.storage in owner:
+            shape = [int(d) for d in r.shape]
+            fqn = owner[r.storage]
+            if shape and shape[0]:
+                elements = 1
+                for d in shape:
+                    elements *= d
+                shard_of[r.storage] = (next((i for prefix, i in parts
+                                             if fqn.startswith(prefix)), None),
+                                       shape[0], elements // shape[0])
+        return shard_of.get(r.storage)
+
+    base, seconds = None, 0.0
+    for op in q.ops:
+        if op.phase != OPTIMIZER or op.index in comm or op.record.stream or \
+                not (launches_kernel(op.record.func) and on_gpu(op, storages)):
+            continue
+        lists = [a for a in op.record.args if isinstance(a, (list, tuple)) and a
+                 and all(hasattr(t, "storage") for t in a)]
+        # foreach lists are index-aligned: the j-th tensor of a later list, of the first's
+        # shape, is the same parameter's (its gradient, its state)
+        # (views of one buffer, FSDP2's reduced gradients, share a storage, whose owner is
+        # the first's: the first list must be tensors of their own)
+        if len({t.storage for t in lists[0]}) < len(lists[0]):
+            continue
+        first_list = [(shard(t), tuple(t.shape)) for t in lists[0]]
+        keys = [[k for k, _ in first_list]] + \
+            [[k if len(a) == len(first_list) and tuple(t.shape) == shape else None
+              for t, (k, shape) in zip(a, first_list)] + [None] * (len(a) - len(first_list))
+             for a in lists[1:]]
+        if not lists or any(k is None for a in keys for k in a) or \
+                len(op.inputs) != sum(len(a) for a in lists):
+            continue
+        if len(op.outputs) == len(keys[0]):   # the j-th output of the j-th first-list tensor
+            for out, key in zip(op.outputs, keys[0]):
+                shard_of.setdefault(out.storage, key)
+        table: dict = {}
+        for key in (k for a in keys for k in a):
+            table[key] = table.get(key, 0) + 1
+        common = 0
+        for n in table.values():
+            common = gcd(common, n)
+        table = tuple(sorted(((*k, n // common) for k, n in table.items()),
+                             key=lambda e: (e[0] is None, e[0] or 0, e[1:])))
+        if base is None or table == base:
+            base = table
+            seconds += kernel_seconds(op, q.gpu, storages)[0] * op.runs
+    return (seconds, base or ())
+
+
+def _stage_optimizer(figure, stage_parts: set, shard: int, twin_shard: int) -> float:
+    """A pipeline rank's optimizer kernels, at least, from a twin's optimizer_floors figure:
+    each kernel at the share of the twin's elements its stage's shards hold, at most 1.
+
+    Why: the rank runs the same optimizer over its stage's parameters' shards (the same
+    optimizer code, their dtype: the same kernels, each over its elements; torch groups a
+    foreach call's tensors by device and dtype, and a twin kernel over another table is left
+    out), and kernel_cost prices a kernel as max(FLOPs / (rate x fill), bytes / bandwidth) +
+    a launch, the fill min(1, FLOPs / saturation): with FLOPs and bytes both a share a <= 1 of
+    another's (a foreach kernel's are per element), each term is at least a times the other's.
+    A shard: FSDP2 splits dim 0 into the shard degree's torch.chunk chunks, the lowest rank
+    (the one schedule_time reads) holding ceil(rows / degree); a twin shard of r rows came
+    from rows >= (r - 1) x twin degree + 1 (each rank's chunk is at most ceil), so the rank's
+    shard has at least ceil(((r - 1) x twin degree + 1) / degree) rows of the same width (TP
+    splits both alike: the same TP plan)."""
+    seconds, table = figure
+    if not table:
+        return 0.0
+    total = held = 0
+    for where, rows, rest, count in table:
+        total += count * rows * rest
+        if where in stage_parts:
+            held += count * -(-((rows - 1) * twin_shard + 1) // shard) * rest
+    return seconds * min(1.0, held / total) if total else 0.0
 
 
 BOUNDS = (*BOUNDS, twin_pipeline_ends)

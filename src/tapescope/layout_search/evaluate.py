@@ -103,6 +103,10 @@ class Outcome:
     # pipeline's last stage computes it), for bounds.twin_pipeline_ends. () otherwise, and in a
     # cache written before them
     edge_seconds: tuple = ()
+    # the same step: per traced rank class, its optimizer's compute-stream kernels alone and the
+    # table of parameter shards they run over, by stage part (bounds.optimizer_floors), for
+    # bounds.twin_pipeline_ends. () otherwise, and in a cache written before them
+    optimizer_seconds: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -138,7 +142,7 @@ class Outcome:
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
                               "matmul_flops", "step_ends", "stage_seconds",
-                              "block_seconds", "edge_seconds")}
+                              "block_seconds", "edge_seconds", "optimizer_seconds")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
@@ -148,7 +152,9 @@ class Outcome:
                    stage_seconds=tuple(tuple(x) for x in d.get("stage_seconds", ())),
                    block_seconds=tuple(tuple(tuple(b) for b in x)
                                        for x in d.get("block_seconds", ())),
-                   edge_seconds=tuple(tuple(x) for x in d.get("edge_seconds", ())), **kept)
+                   edge_seconds=tuple(tuple(x) for x in d.get("edge_seconds", ())),
+                   optimizer_seconds=tuple((x[0], tuple(tuple(e) for e in x[1]))
+                                           for x in d.get("optimizer_seconds", ())), **kept)
 
 
 def _block_fqns(module) -> list[str]:
@@ -388,7 +394,7 @@ def _bound_figures(p, ranks, blocks=(), edges=()) -> dict:
     recomputed).
     Empty where a rank's time is not the eager kernel model's."""
     from ..analysis.op_classes import op_class
-    from .bounds import block_floors, edge_floors, stream_floors
+    from .bounds import block_floors, edge_floors, optimizer_floors, stream_floors
 
     seconds, ends, flops = [], [], [0, 0]
     pipelined = p.distributed.pipeline if p.distributed is not None else None
@@ -411,6 +417,8 @@ def _bound_figures(p, ranks, blocks=(), edges=()) -> dict:
         out["block_seconds"] = tuple(block_floors(q, blocks) for q in _traced(p))
     if blocks and edges:
         out["edge_seconds"] = tuple(edge_floors(q, blocks, *edges) for q in _traced(p))
+        out["optimizer_seconds"] = tuple(optimizer_floors(q, blocks, *edges[:2])
+                                         for q in _traced(p))
     return out
 
 
