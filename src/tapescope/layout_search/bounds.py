@@ -48,6 +48,11 @@ guess at the candidate's own figures:
   step >= sum_{j<s} F_j + W_s + sum_{j<s} B_j (the proof is the rule's docstring).
 - `twin_pipeline_chain`: the same chain before any trace of the pipeline, from the
   unpipelined twin's per-block kernels split as the pipeline splits its blocks.
+- `twin_pipeline_ends` (appended below): that chain with what the first and the last stage run
+  besides their blocks (the embedding; the final norm, the output layer and the loss: the
+  twin's kernels by module, `edge_floors`), and a chain that ends on the stage's own rank:
+  its start plus its whole eager step, the loss's forward and its share of the twin's
+  optimizer kernels in it (`optimizer_floors`).
 
 tests/test_search.py checks each rule against brute force: every candidate's traced step is at
 least each bound the rules give it.
