@@ -984,9 +984,14 @@ def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
 
     comm = {c.op for c in q.collectives}
     storages, owner = q.trace.storages, q.trace.storage_owner
-    parts = [(f + ".", -1) for f in first] + [(f + ".", -2) for f in last] + \
-        [(b + ".", i) for i, b in enumerate(blocks)]
+    part_of = {**{b: i for i, b in enumerate(blocks)}, **dict.fromkeys(first, -1),
+               **dict.fromkeys(last, -2)}
     shard_of: dict = {}   # storage -> (where, rows, rest) of the parameter shard it stands for
+
+    def part(fqn: str):
+        names = fqn.split(".")
+        return next((part_of[k] for k in (".".join(names[:n]) for n in range(1, len(names)))
+                     if k in part_of), None)
 
     def shard(r):
         if r.storage not in shard_of and r.storage in owner:
@@ -996,9 +1001,7 @@ def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
                 elements = 1
                 for d in shape:
                     elements *= d
-                shard_of[r.storage] = (next((i for prefix, i in parts
-                                             if fqn.startswith(prefix)), None),
-                                       shape[0], elements // shape[0])
+                shard_of[r.storage] = (part(fqn), shape[0], elements // shape[0])
         return shard_of.get(r.storage)
 
     base, seconds = None, 0.0
