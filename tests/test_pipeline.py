@@ -134,6 +134,23 @@ def test_the_default_split_keeps_each_stage_s_blocks_and_the_ends():
     assert first.layers[0] is model.layers[0]        # blocks are shared, not copied
 
 
+def test_edge_modules_are_what_the_split_puts_on_one_end_only():
+    """edge_modules (what layout_search/bounds.py puts on the first / last stage) against the
+    split itself: the leaf modules each end stage holds besides its blocks, and no other."""
+    from tapescope.distributed.pipeline import edge_modules
+
+    model = dm.pipeline_llama()
+    blocks, first, last = edge_modules(model)
+    assert blocks == [f"layers.{i}" for i in range(4)]
+
+    def own(stage):   # the top-level modules a stage holds besides its block list
+        return sorted(n for n, m in stage.named_children() if m is not None and n != "layers")
+
+    assert own(split_blocks(model, 0, 3)) == sorted(first) == ["tok_embeddings"]
+    assert own(split_blocks(model, 2, 3)) == sorted(last) == ["norm", "output"]
+    assert own(split_blocks(model, 1, 3)) == []
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"mesh": {"dp": 2}, "pipeline": "1f1b", "parallelize": lambda m, mesh: m}, "'pp' dimension"),
     ({"mesh": {"pp": 2}, "pipeline": "1f2b"}, "unknown pipeline schedule"),

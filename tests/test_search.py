@@ -644,3 +644,116 @@ def test_stopped_search_never_hides_a_faster_candidate(searches, tmp_path, monke
         assert _labels(r.ranked[:r.exact_rows]) == _labels(brute.ranked[:r.exact_rows])
         monkeypatch.undo()
     assert n > 2 and proven > 0
+
+
+def test_twin_pipeline_ends_holds_from_each_twin(pipelined):
+    """twin_pipeline_ends (the twin's chain with the embedding on the first stage, the final
+    norm, the output layer and the loss on the last, and the chain that ends on the stage's
+    own rank) from each one-micro-batch unpipelined trace alone: at most every pipelined
+    candidate's traced step, both modes and both micro-batch sizes, and above
+    twin_pipeline_chain from the same twin (it counts what that one leaves out); the pruned
+    search, which applies it, keeps brute force's top rows."""
+    from tapescope.layout_search.bounds import Known, twin_pipeline_chain, twin_pipeline_ends
+
+    pruned, brute, _ = pipelined
+    piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
+    twins = [o for o in brute.outcomes if o.candidate.layout.pp == 1 and o.candidate.steps == 1]
+    bounded = set()
+    for x in twins:
+        (first_f, first_b, last_f, last_b, loss_f, loss_b), = x.edge_seconds
+        # the loss is pipeline_loss's (checked op for op), and each part launches kernels
+        assert min(first_f, first_b, last_f, last_b, loss_f, loss_b) > 0, x.candidate.label()
+        alone = Known()
+        alone.add(x)
+        for o in piped:
+            b = twin_pipeline_ends(o.candidate, alone)
+            if b is None:
+                continue
+            chain = twin_pipeline_chain(o.candidate, alone)
+            assert chain.seconds < b.seconds <= o.step_seconds, (x.candidate.label(),
+                                                                 o.candidate.label())
+            bounded.add(o.candidate)
+    assert bounded == {o.candidate for o in piped}
+    assert _labels(pruned.ranked[:2]) == _labels(brute.ranked[:2])
+
+
+def test_twin_edges_are_the_stages_own(pipelined):
+    """The proof's middle step, measured on the pipelined traces at the twin's micro-batch and
+    mode: stage 0's first forward and last backward cost at least the twin's block 0 plus the
+    first stage's modules, stage 1's at least block 1 plus the last stage's modules and the
+    loss's backward (one block a stage here)."""
+    _, brute, _ = pipelined
+    pairs = 0
+    for x in (o for o in brute.outcomes if o.candidate.layout.pp == 1 and
+              o.candidate.steps == 1):
+        (first_f, first_b, last_f, last_b, _, loss_b), = x.edge_seconds
+        edges = ((first_f, first_b), (last_f, last_b + loss_b))
+        for o in brute.outcomes:
+            c = o.candidate
+            if c.layout.pp == 1 or (c.micro_batch, c.checkpointing) != \
+                    (x.candidate.micro_batch, x.candidate.checkpointing):
+                continue
+            for (forward, own, again), (edge_f, edge_b), (f, b_own, b_again, _, _) in \
+                    zip(x.block_seconds[0], edges, o.stage_seconds):
+                assert forward + edge_f <= f * (1 + 1e-9), c.label()
+                assert own + again + edge_b <= (b_own + b_again) * (1 + 1e-9), c.label()
+                pairs += 1
+    assert pairs == 4
+
+
+def test_twin_loss_is_the_pipelines_loss():
+    """The loss's and the optimizer's figures against a pipelined trace's own: the twin's loss
+    forward per micro-batch (the model's own cross-entropy given its targets) equals the
+    kernels the pipeline's last rank runs for pipeline_loss between its actions (read op by op
+    off its trace); each stage's share of the twin's optimizer kernels is at most what its
+    rank's optimizer runs, and the twin's figure holds every optimizer kernel of the twin;
+    and a loss_fn whose kernels differ from the twin's loss counts no loss at all."""
+    from tapescope.analysis.kernel_cost import on_gpu
+    from tapescope.analysis.op_classes import launches_kernel
+    from tapescope.analysis.timing import kernel_seconds
+    from tapescope.api import profile_workload
+    from tapescope.distributed.presets import Layout
+    from tapescope.layout_search import Source
+    from tapescope.layout_search.bounds import _stage_optimizer, edge_floors
+    from tapescope.layout_search.evaluate import _pipeline_loss_kernels, _traced, evaluate
+    from tapescope.layout_search.space import Candidate
+
+    source = Source(SMALL_SPEC, 128, "h100")
+    twin = evaluate(source, Candidate(Layout(fsdp=2), micro_batch=2), 4 * 128)
+    (*_, loss_f, loss_b), = twin.edge_seconds
+    c = Candidate(Layout(fsdp=2, pp=2), micro_batch=2, steps=2, schedule="1f1b")
+    workload, options = candidate_options(source, c)
+    ranks = _traced(profile_workload(workload, options))
+    last = ranks[-1]
+    storages, comm = last.trace.storages, {x.op for x in last.collectives}
+    # pipeline_loss runs outside the stage's actions (torch's _maybe_compute_loss): the rank's
+    # kernels of no phase action and no module, its sends, receives and FSDP2's gradient
+    # copy-in left out
+    between = sum(kernel_seconds(op, last.gpu, storages)[0] * op.runs for op in last.ops
+                  if op.phase == "other" and op.module is None and op.index not in comm
+                  and not op.record.stream and not op.record.name.startswith("fsdp.")
+                  and launches_kernel(op.record.func) and on_gpu(op, storages))
+    assert loss_f > 0 and loss_b > 0
+    assert between / c.steps == pytest.approx(loss_f, rel=1e-9)
+
+    def optimizer_kernels(q):
+        return sum(kernel_seconds(op, q.gpu, q.trace.storages)[0] * op.runs for op in q.ops
+                   if op.phase == "optimizer" and not op.record.stream
+                   and launches_kernel(op.record.func) and on_gpu(op, q.trace.storages))
+
+    (figure,) = twin.optimizer_seconds
+    for stage, (q, parts) in enumerate(zip(ranks, ({0, -1}, {1, -2}))):
+        share = _stage_optimizer(figure, parts, c.layout.shard_degree, 2)
+        assert 0 < share <= optimizer_kernels(q), stage
+
+    twin_workload, twin_options = candidate_options(source, Candidate(Layout(fsdp=2),
+                                                                      micro_batch=2))
+    q = _traced(profile_workload(twin_workload, twin_options))[0]
+    assert figure[0] == pytest.approx(optimizer_kernels(q), rel=1e-12)
+    blocks, edges = twin_options.parallelize.blocks, twin_options.parallelize.edges
+    assert edge_floors(q, blocks, *edges, _pipeline_loss_kernels(
+        None, twin_workload.args[-1])) == pytest.approx(twin.edge_seconds[0], rel=1e-12)
+    other = edge_floors(q, blocks, *edges, _pipeline_loss_kernels(
+        lambda out, target: out.float().pow(2).mean(), twin_workload.args[-1]))
+    assert other[:4] == pytest.approx(twin.edge_seconds[0][:4], rel=1e-12) and \
+        other[4:] == (0.0, 0.0)

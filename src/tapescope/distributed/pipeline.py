@@ -97,6 +97,22 @@ def block_range(stage: int, num_stages: int, n_blocks: int) -> range:
     return range(stage * n_blocks // num_stages, (stage + 1) * n_blocks // num_stages)
 
 
+def edge_modules(model: nn.Module) -> tuple[list, list, list]:
+    """(blocks, first, last): the fqns of the model's repeated blocks, in order, and of the
+    modules `split_blocks` puts on the first stage alone (registered before the block list on
+    the path to it: the embeddings) and on the last alone (after it: the final norm, the output
+    layer). layout_search/bounds.py puts an unpipelined trace's kernels on stages by them."""
+    path, blocks = _path_to_blocks(model)
+    first, last, prefix = [], [], ""
+    for parent, name in path:
+        names = [n for n, m in parent._modules.items() if m is not None]
+        at = names.index(name)
+        first += [prefix + n for n in names[:at]]
+        last += [prefix + n for n in names[at + 1:]]
+        prefix += name + "."
+    return [prefix + n for n, b in blocks._modules.items() if b is not None], first, last
+
+
 def split_blocks(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     """Stage `stage`'s module: a copy of the model's structure (modules shared, not copied) that
     holds its blocks, the modules registered before the block list on the path to it (embeddings)

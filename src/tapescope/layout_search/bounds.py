@@ -48,6 +48,11 @@ guess at the candidate's own figures:
   step >= sum_{j<s} F_j + W_s + sum_{j<s} B_j (the proof is the rule's docstring).
 - `twin_pipeline_chain`: the same chain before any trace of the pipeline, from the
   unpipelined twin's per-block kernels split as the pipeline splits its blocks.
+- `twin_pipeline_ends` (appended below): that chain with what the first and the last stage run
+  besides their blocks (the embedding; the final norm, the output layer and the loss: the
+  twin's kernels by module, `edge_floors`), and a chain that ends on the stage's own rank:
+  its start plus its whole eager step, the loss's forward and its share of the twin's
+  optimizer kernels in it (`optimizer_floors`).
 
 tests/test_search.py checks each rule against brute force: every candidate's traced step is at
 least each bound the rules give it.
@@ -799,3 +804,268 @@ def kernels_and_step_ends(c: Candidate, known: Known) -> Bound | None:
 
 
 BOUNDS = (*BOUNDS, kernels_and_step_ends)
+
+
+# ---- a pipeline's first and last stage: what they run besides their blocks ---------------------
+
+def edge_floors(q, blocks: list, first: tuple, last: tuple, loss_kernels=None) -> tuple:
+    """(first stage's forward, its backward, last stage's forward, its backward, the loss's
+    forward, its backward): seconds of the compute stream's kernels alone that a one-micro-batch
+    unpipelined step (q: the rank's Profile, timed by the eager model) runs outside its blocks
+    (`blocks`, as block_floors reads them), by the pipeline stage that runs them, as
+    twin_pipeline_ends reads them: a forward op of a module in `first` (the modules
+    distributed/pipeline.py's split_blocks puts on the first stage alone: the embeddings), or
+    in `last` (the last stage's alone: the final norm, the output layer), and a backward op of
+    such a forward op (Op.forward_op, as block_floors reads a block's); recomputed ops, FSDP2's
+    own kernels, the collectives and other streams' ops left out, as in block_floors.
+
+    The loss: the forward ops after the last stage's modules' last op that are in none of the
+    model's modules (the model's own code given its targets, or the loss function's), and the
+    backward ops of those that launch a kernel, counted only when those kernels are, op for op
+    at the same shapes and dtypes, the ones `loss_kernels(shape, dtype, device)` says a
+    pipeline's last stage runs for its loss on logits like the last stage's output (evaluate's
+    _pipeline_loss_kernels: pipeline_loss of the same loss_fn): an unpipelined step's loss may
+    be other code than the pipeline's. The same forward ops at the same shapes record the same
+    autograd nodes, so their backward ops are the same too. 0 for both otherwise."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import BACKWARD, FORWARD
+
+    comm = {c.op for c in q.collectives}
+    storages = q.trace.storages
+    side = {**{b: "block" for b in blocks}, **{f: "first" for f in first},
+            **{f: "last" for f in last}}
+    where_of: dict = {}   # module -> "block" / "first" / "last" / None
+
+    def where(module):
+        if module not in where_of:
+            parts = (module or "").split(".")
+            where_of[module] = next((side[".".join(parts[:k])] for k in range(1, len(parts) + 1)
+                                     if ".".join(parts[:k]) in side), None)
+        return where_of[module]
+
+    def kernel(op) -> bool:
+        return op.phase in (FORWARD, BACKWARD) and op.index not in comm and \
+            not op.record.stream and not op.record.name.startswith("fsdp.") and \
+            not op.recompute and launches_kernel(op.record.func) and on_gpu(op, storages)
+
+    last_output = max((i for i, op in enumerate(q.ops) if op.phase == FORWARD and
+                       not op.recompute and where(op.module) == "last" and op.outputs),
+                      default=None)
+    loss = [op for op in q.ops[last_output + 1:] if op.phase == FORWARD and not op.recompute
+            and where(op.module) is None and kernel(op)] if last_output is not None else []
+    counted = set()
+    logits = q.ops[last_output].outputs[0] if last_output is not None else None
+    if loss and loss_kernels is not None and 0 <= logits.storage < len(storages):
+        expected = loss_kernels(tuple(int(d) for d in logits.shape), logits.dtype,
+                                storages[logits.storage].device)
+        seen = sorted((op.record.name, _kinds(op.inputs), _kinds(op.outputs)) for op in loss)
+        if expected == seen:
+            counted = {op.index for op in loss}
+    figures = {part: [0.0, 0.0] for part in ("first", "last", "loss")}
+    for op in q.ops:
+        if not kernel(op):
+            continue
+        forward = op.phase == FORWARD
+        origin = op if forward else \
+            q.ops[op.forward_op] if op.forward_op is not None else None
+        if origin is None:
+            continue
+        part = "loss" if origin.index in counted else where(origin.module)
+        if part in figures:
+            figures[part][0 if forward else 1] += kernel_seconds(op, q.gpu, storages)[0] * op.runs
+    return (*figures["first"], *figures["last"], *figures["loss"])
+
+
+def _kinds(refs) -> tuple:
+    """(shape, dtype) of each tensor, sorted: as evaluate's _tensor_kinds writes a fake run's."""
+    return tuple(sorted((tuple(int(d) for d in r.shape), str(r.dtype)) for r in refs))
+
+
+def twin_pipeline_ends(c: Candidate, known: Known) -> Bound | None:
+    """`twin_pipeline_chain` with what the first and the last stage run besides their blocks
+    (Outcome.edge_seconds, edge_floors: the embedding on the first; the final norm, the output
+    layer and the loss on the last), and a second chain that ends on the stage's own rank: step
+    >= max over stages s of
+      (i)  sum_{j<s} (F_j + B_j) + m (F_s + B_s)
+      (ii) sum_{j<s} F_j + m (F_s + B_s) + m L   (L: the loss's forward, on the last stage only)
+    with F_j, B_j the twin's forward and backward kernels of the blocks stage j holds
+    (block_range, as twin_pipeline_chain) plus, on stage 0, the first stage's modules' and, on
+    the last, the last stage's modules' and the loss's backward; from the same twins (one
+    micro-batch, the same TP / CP split, checkpointing as light or lighter, a micro-batch as
+    large or larger, scaled), the least of the twin's rank classes figure by figure.
+
+    Why, on distributed/pipeline.py's schedule_time (a pipelined candidate's step): the
+    first stage's forward action runs the stage module's forward (split_blocks: its blocks
+    and the modules before the block list), its backward action that module's backward; the
+    last stage's forward runs its blocks and the modules after the list, and its backward
+    action (`backward_one_chunk`, stage_backward from the loss) the loss's backward and that
+    module's. Each op is the twin's at the twin's shapes, priced from the op alone
+    (`pipelined_model_kernels`' (2) and (3)), and the loss's are the ops pipeline_loss runs
+    (edge_floors checks them op for op), so F_j and B_j bound every forward and backward
+    action of stage j, and (i) is pipeline_chain's (1)-(3) over them (rank 0 ends with the
+    last micro-batch's backward; the rest of its step only adds). (ii): rank s's first action
+    starts no earlier than sum_{j<s} F_j (micro-batch 0's forwards through the stages before
+    it, p2p >= 0); from there it runs its actions one after another, so it ends them no
+    earlier than that start plus their seconds A_s, and then schedule_time adds the rest of
+    its step, max(0, T_s - A_s), T_s the rank's own eager step (timing.py): the step is at
+    least start + T_s. T_s is at least the rank's compute-stream kernels, each at its price
+    alone (the stream runs them in order; a kernel a collective overlaps only runs longer):
+    its actions' m (F_s + B_s); on the last stage, the loss's forward of every micro-batch,
+    which torch's schedule computes between the stage's forward and backward actions
+    (`_maybe_compute_loss`, outside both); and the optimizer's kernels over the stage's
+    parameter shards (Outcome.optimizer_seconds; _stage_optimizer's proof). FSDP2's own
+    kernels and its waits, gradient accumulation and the p2p transfers are left out.
+
+    Only the one-stage-a-rank schedules, as pipeline_chain."""
+    if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
+        return None
+    best = None
+    pp, m = c.layout.pp, c.steps
+    for x, same_mode, scale in _unpipelined_twins(c, known):
+        if not x.block_seconds or not x.edge_seconds:
+            continue
+        blocks = [tuple(min(figures) for figures in zip(*per_class))
+                  for per_class in zip(*x.block_seconds)]
+        n = len(blocks)
+        if n < pp:
+            continue
+        first_f, first_b, last_f, last_b, loss_f, loss_b = \
+            (scale * min(v) for v in zip(*x.edge_seconds))
+        forwards = backwards = seconds = 0.0
+        for s in range(pp):
+            span = range(s * n // pp, (s + 1) * n // pp)
+            held = [blocks[b] for b in span]
+            parts = {*span, *((-1,) if s == 0 else ()), *((-2,) if s == pp - 1 else ())}
+            optimizer = min((_stage_optimizer(f, parts, c.layout.shard_degree,
+                                              x.candidate.layout.shard_degree)
+                             for f in x.optimizer_seconds), default=0.0)
+            forward = scale * sum(f for f, _, _ in held)
+            backward = scale * sum(own + (again if same_mode else 0.0) for _, own, again in held)
+            if s == 0:
+                forward, backward = forward + first_f, backward + first_b
+            if s == pp - 1:
+                forward, backward = forward + last_f, backward + last_b + loss_b
+            work = m * (forward + backward)
+            seconds = max(seconds, forwards + backwards + work,
+                          forwards + work + optimizer + (m * loss_f if s == pp - 1 else 0.0))
+            forwards += forward
+            backwards += backward
+        if best is None or seconds > best.seconds:
+            best = Bound(seconds, f"the pipeline's critical chain over its stages' blocks, "
+                                  f"embedding, output layer and loss, micro-batch "
+                                  f"{x.candidate.micro_batch}'s scaled, as traced in "
+                                  f"{x.candidate.label()}")
+    return best
+
+
+
+def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
+    """(seconds, ((where, rows, rest, count), ...)): the compute stream's optimizer kernels
+    alone of an unpipelined step (q: the rank's Profile, timed by the eager model) that run
+    over one table of parameter shards, each tensor list of the kernel the same table, and the
+    table: each parameter's local shard as (its stage part: -1 a module of `first`, -2 of
+    `last`, i block i, None other; its rows; the elements of a row; how many such), counts
+    divided by their greatest common divisor. A tensor is a parameter's when the trace says
+    so (its gradient and optimizer state too: Trace.storage_owner), or when a foreach kernel
+    made it as the j-th output from the j-th tensor of its first list (AdamW's sqrt of its
+    second moments); the first list's tensors each of a storage of its own (FSDP2's reduced
+    gradients are views of one buffer, owned by its first parameter); a later list's j-th
+    tensor is the first list's j-th parameter's when it has its shape (foreach lists are
+    index-aligned). A kernel over other tensors or another table is left out (the CPU step
+    counters launch none). twin_pipeline_ends reads it."""
+    from math import gcd
+
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import OPTIMIZER
+
+    comm = {c.op for c in q.collectives}
+    storages, owner = q.trace.storages, q.trace.storage_owner
+    part_of = {**{b: i for i, b in enumerate(blocks)}, **dict.fromkeys(first, -1),
+               **dict.fromkeys(last, -2)}
+    shard_of: dict = {}   # storage -> (where, rows, rest) of the parameter shard it stands for
+
+    def part(fqn: str):
+        names = fqn.split(".")
+        return next((part_of[k] for k in (".".join(names[:n]) for n in range(1, len(names)))
+                     if k in part_of), None)
+
+    def shard(r):
+        if r.storage not in shard_of and r.storage in owner:
+            shape = [int(d) for d in r.shape]
+            fqn = owner[r.storage]
+            if shape and shape[0]:
+                elements = 1
+                for d in shape:
+                    elements *= d
+                shard_of[r.storage] = (part(fqn), shape[0], elements // shape[0])
+        return shard_of.get(r.storage)
+
+    base, seconds = None, 0.0
+    for op in q.ops:
+        if op.phase != OPTIMIZER or op.index in comm or op.record.stream or \
+                not (launches_kernel(op.record.func) and on_gpu(op, storages)):
+            continue
+        lists = [a for a in op.record.args if isinstance(a, (list, tuple)) and a
+                 and all(hasattr(t, "storage") for t in a)]
+        # foreach lists are index-aligned: the j-th tensor of a later list, of the first's
+        # shape, is the same parameter's (its gradient, its state)
+        # (views of one buffer, FSDP2's reduced gradients, share a storage, whose owner is
+        # the first's: the first list must be tensors of their own)
+        if len({t.storage for t in lists[0]}) < len(lists[0]):
+            continue
+        first_list = [(shard(t), tuple(t.shape)) for t in lists[0]]
+        keys = [[k for k, _ in first_list]] + \
+            [[k if len(a) == len(first_list) and tuple(t.shape) == shape else None
+              for t, (k, shape) in zip(a, first_list)] + [None] * (len(a) - len(first_list))
+             for a in lists[1:]]
+        if not lists or any(k is None for a in keys for k in a) or \
+                len(op.inputs) != sum(len(a) for a in lists):
+            continue
+        if len(op.outputs) == len(keys[0]):   # the j-th output of the j-th first-list tensor
+            for out, key in zip(op.outputs, keys[0]):
+                shard_of.setdefault(out.storage, key)
+        table: dict = {}
+        for key in (k for a in keys for k in a):
+            table[key] = table.get(key, 0) + 1
+        common = 0
+        for n in table.values():
+            common = gcd(common, n)
+        table = tuple(sorted(((*k, n // common) for k, n in table.items()),
+                             key=lambda e: (e[0] is None, e[0] or 0, e[1:])))
+        if base is None or table == base:
+            base = table
+            seconds += kernel_seconds(op, q.gpu, storages)[0] * op.runs
+    return (seconds, base or ())
+
+
+def _stage_optimizer(figure, stage_parts: set, shard: int, twin_shard: int) -> float:
+    """A pipeline rank's optimizer kernels, at least, from a twin's optimizer_floors figure:
+    each kernel at the share of the twin's elements its stage's shards hold, at most 1.
+
+    Why: the rank runs the same optimizer over its stage's parameters' shards (the same
+    optimizer code, their dtype: the same kernels, each over its elements; torch groups a
+    foreach call's tensors by device and dtype, and a twin kernel over another table is left
+    out), and kernel_cost prices a kernel as max(FLOPs / (rate x fill), bytes / bandwidth) +
+    a launch, the fill min(1, FLOPs / saturation): with FLOPs and bytes both a share a <= 1 of
+    another's (a foreach kernel's are per element), each term is at least a times the other's.
+    A shard: FSDP2 splits dim 0 into the shard degree's torch.chunk chunks, the lowest rank
+    (the one schedule_time reads) holding ceil(rows / degree); a twin shard of r rows came
+    from rows >= (r - 1) x twin degree + 1 (each rank's chunk is at most ceil), so the rank's
+    shard has at least ceil(((r - 1) x twin degree + 1) / degree) rows of the same width (TP
+    splits both alike: the same TP plan)."""
+    seconds, table = figure
+    if not table:
+        return 0.0
+    total = held = 0
+    for where, rows, rest, count in table:
+        total += count * rows * rest
+        if where in stage_parts:
+            held += count * -(-((rows - 1) * twin_shard + 1) // shard) * rest
+    return seconds * min(1.0, held / total) if total else 0.0
+
+
+BOUNDS = (*BOUNDS, twin_pipeline_ends)

@@ -97,6 +97,16 @@ class Outcome:
     # backward (own, recomputed): bounds.block_floors, for bounds.twin_pipeline_chain. ()
     # otherwise, and in a cache written before them
     block_seconds: tuple = ()
+    # an unpipelined one-micro-batch step: per traced rank class, the compute stream's kernels
+    # alone it runs outside the blocks in forward and backward, by the pipeline stage that would
+    # run them (bounds.edge_floors: the first stage's modules, the last stage's, the loss as a
+    # pipeline's last stage computes it), for bounds.twin_pipeline_ends. () otherwise, and in a
+    # cache written before them
+    edge_seconds: tuple = ()
+    # the same step: per traced rank class, its optimizer's compute-stream kernels alone and the
+    # table of parameter shards they run over, by stage part (bounds.optimizer_floors), for
+    # bounds.twin_pipeline_ends. () otherwise, and in a cache written before them
+    optimizer_seconds: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -132,7 +142,7 @@ class Outcome:
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
                               "matmul_flops", "step_ends", "stage_seconds",
-                              "block_seconds")}
+                              "block_seconds", "edge_seconds", "optimizer_seconds")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
@@ -141,7 +151,10 @@ class Outcome:
                    step_ends=tuple(d.get("step_ends", ())),
                    stage_seconds=tuple(tuple(x) for x in d.get("stage_seconds", ())),
                    block_seconds=tuple(tuple(tuple(b) for b in x)
-                                       for x in d.get("block_seconds", ())), **kept)
+                                       for x in d.get("block_seconds", ())),
+                   edge_seconds=tuple(tuple(x) for x in d.get("edge_seconds", ())),
+                   optimizer_seconds=tuple((x[0], tuple(tuple(e) for e in x[1]))
+                                           for x in d.get("optimizer_seconds", ())), **kept)
 
 
 def _block_fqns(module) -> list[str]:
@@ -171,12 +184,14 @@ def _parallelize(candidate: Candidate, mp_dtype):
     # per-block figures are read by (bounds.block_floors), found here at no cost where a
     # second build of the model would cost ~10% of a 70B candidate
     blocks: list = []
+    edges: list = []   # the first and the last stage's own modules (_edge_fqns)
 
     def parallelize(model, mesh):
         if layout.tp > 1:
             _, plan = tp_plan_for(model)
             plan(model, mesh["tp"])
         blocks[:] = _block_fqns(model)
+        edges[:] = _edge_fqns(model, blocks)
         if mode is not None:
             how, save = mode
             apply_policies(model, [UnitPolicy(f, how, save) for f in blocks])
@@ -184,6 +199,7 @@ def _parallelize(candidate: Candidate, mp_dtype):
 
     parallelize.__name__ = candidate.label()
     parallelize.blocks = blocks
+    parallelize.edges = edges
     parallelize.layout = layout  # a preset's: capture/float8.py asks whether FSDP shards
     if preset is not None and hasattr(preset, "train_context"):  # CP: presets.py
         parallelize.train_context = preset.train_context
@@ -218,6 +234,72 @@ def candidate_options(source: Source, candidate: Candidate):
     return workload, options
 
 
+def _edge_fqns(module, blocks: list) -> tuple:
+    """(first, last): the fqns of the modules a pipeline's default split puts on its first
+    stage alone and on its last alone (distributed/pipeline.py's edge_modules); () where that
+    split's blocks are not `blocks` (the per-block figures' own), or it finds none."""
+    from ..distributed.pipeline import edge_modules
+
+    try:
+        split, first, last = edge_modules(module)
+    except TapescopeError:
+        return ()
+    return (tuple(first), tuple(last)) if split == list(blocks) else ()
+
+
+def _pipeline_loss_kernels(loss_fn, target):
+    """A function of the logits (shape, dtype, device) -> the kernel-launching ops, as
+    (name, inputs' and outputs' (shape, dtype), sorted), that a pipeline's last stage runs for
+    its loss: distributed/pipeline.py's pipeline_loss of the same loss_fn, on fake tensors like
+    the logits and one micro-batch of the target (bounds.edge_floors compares them with the
+    loss ops of an unpipelined trace, which may come from other code: the model's own forward
+    given its targets). Forward only: the same forward ops at the same shapes record the same
+    autograd nodes, whose backward ops are then the same too."""
+    from ..analysis.op_classes import launches_kernel
+    from ..capture.records import op_name
+    from ..distributed.pipeline import pipeline_loss
+    from ..torch_compat import FakeTensorMode, TorchDispatchMode
+
+    loss = pipeline_loss(loss_fn)
+    # the workload's target: a tensor, or a capture.model.Spec (its shape and dtype)
+    target_shape = tuple(target.shape) if hasattr(target, "shape") and \
+        isinstance(getattr(target, "dtype", None), torch.dtype) else None
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made = _tensor_kinds(out)
+            if launches_kernel(func) and made:   # (prim.device: no tensor, no kernel)
+                self.ops.append((op_name(func), _tensor_kinds((args, kwargs)), made))
+            return out
+
+    def kernels(shape: tuple, dtype, device) -> list | None:
+        if target_shape is None:
+            return None
+        try:
+            with FakeTensorMode(), Kernels() as seen:
+                logits = torch.empty(shape, dtype=dtype, device=device)
+                tgt = torch.empty(target_shape, dtype=target.dtype, device=device)
+                loss(logits, tgt)
+        except Exception:  # noqa: BLE001 - a loss that does not run so: nothing is counted
+            return None
+        return sorted(seen.ops)
+
+    return kernels
+
+
+def _tensor_kinds(value) -> tuple:
+    """(shape, dtype) of each tensor in `value` (nested), sorted."""
+    from ..torch_compat import tree_leaves
+
+    return tuple(sorted((tuple(int(d) for d in t.shape), str(t.dtype))
+                        for t in tree_leaves(value) if isinstance(t, torch.Tensor)))
+
+
 def _single_device_policies(workload, candidate):
     mode = CHECKPOINTING[candidate.checkpointing]
     if mode is None:
@@ -237,12 +319,19 @@ def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcom
     try:
         workload, options = candidate_options(source, candidate)
         p = profile_workload(workload, options)
-        # a pipeline's twin (bounds.twin_pipeline_chain) says what each block costs
-        blocks = ()
+        # a pipeline's twin (bounds.twin_pipeline_chain) says what each block costs, and
+        # (bounds.twin_pipeline_ends) what its first and last stage run besides
+        blocks = edges = ()
         if candidate.layout.pp == 1 and candidate.steps == 1:
-            blocks = options.parallelize.blocks if options.parallelize is not None else \
-                _block_fqns(model_of(workload.model))
-        out = _outcome(p, candidate, global_tokens, source.amp or source.dtype, blocks)
+            if options.parallelize is not None:
+                blocks, edges = options.parallelize.blocks, options.parallelize.edges
+            else:
+                model = model_of(workload.model)
+                blocks = _block_fqns(model)
+                edges = _edge_fqns(model, blocks)
+        out = _outcome(p, candidate, global_tokens, source.amp or source.dtype, blocks,
+                       (*edges, _pipeline_loss_kernels(options.loss_fn, workload.args[-1]))
+                       if edges and workload.args else ())
     except TapescopeError as e:
         out = Outcome(candidate, ERROR, reason=str(e).split("\n")[0])
     return Outcome(**{**{f: getattr(out, f) for f in out.__dataclass_fields__},
@@ -259,14 +348,14 @@ def _rank_memory(q, ranks: tuple) -> RankMemory:
 
 
 def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype,
-             blocks=()) -> Outcome:
+             blocks=(), edges=()) -> Outcome:
     dist = p.distributed
     if dist is None:
         ranks = (_rank_memory(p, (0,)),)
     else:
         ranks = tuple(_rank_memory(q, _class_of(r, dist.classes.members))
                       for r, q in sorted(dist.profiles.items()))
-    kernels = _bound_figures(p, ranks, blocks)
+    kernels = _bound_figures(p, ranks, blocks, edges)
     oom = [r for r in ranks if r.reserved_bytes is None]
     if oom:
         r = oom[0]
@@ -297,7 +386,7 @@ def _outcome(p, candidate: Candidate, global_tokens: int, compute_dtype,
                    **kernels)
 
 
-def _bound_figures(p, ranks, blocks=()) -> dict:
+def _bound_figures(p, ranks, blocks=(), edges=()) -> dict:
     """Outcome's kernel_seconds and matmul_flops: per traced rank class, (own, recomputed)
     seconds the compute stream is provably busy or idle in forward and backward, the busiest
     NCCL stream's collectives there (own, recomputed), and FSDP2's own kernels among the
@@ -305,7 +394,7 @@ def _bound_figures(p, ranks, blocks=()) -> dict:
     recomputed).
     Empty where a rank's time is not the eager kernel model's."""
     from ..analysis.op_classes import op_class
-    from .bounds import block_floors, stream_floors
+    from .bounds import block_floors, edge_floors, optimizer_floors, stream_floors
 
     seconds, ends, flops = [], [], [0, 0]
     pipelined = p.distributed.pipeline if p.distributed is not None else None
@@ -326,6 +415,10 @@ def _bound_figures(p, ranks, blocks=()) -> dict:
         out["stage_seconds"] = _stage_figures(p.distributed, pipelined.plan)
     if blocks:
         out["block_seconds"] = tuple(block_floors(q, blocks) for q in _traced(p))
+    if blocks and edges:
+        out["edge_seconds"] = tuple(edge_floors(q, blocks, *edges) for q in _traced(p))
+        out["optimizer_seconds"] = tuple(optimizer_floors(q, blocks, *edges[:2])
+                                         for q in _traced(p))
     return out
 
 
