@@ -465,7 +465,7 @@ def action_floors(q) -> tuple:
             sum(a[1] for a in actions), sum(a[2] for a in actions))
 
 
-def stream_floors(q, waits: bool = True) -> tuple:
+def stream_floors(q, waits: bool = True, ends=None) -> tuple:
     """(own, recomputed, collectives, recomputed collectives, FSDP2's own, own kernels alone,
     recomputed kernels alone, the step's ends): seconds a rank's compute stream
     provably spends in one step's forward and backward, and the busiest NCCL stream's
@@ -496,7 +496,9 @@ def stream_floors(q, waits: bool = True) -> tuple:
 
     waits=False: the kernels alone, for a pipelined step, whose time is the schedule's
     (distributed/pipeline.py: each rank's actions as long as its trace says, waiting on the
-    stages they depend on), not this stream model's."""
+    stages they depend on), not this stream model's.
+    ends: what gives the eighth figure from (q, the windows counted) (default step_ends; the
+    search's figures add fsdp_stretches, which must not overlap them either)."""
     from ..analysis.kernel_cost import on_gpu
     from ..analysis.op_classes import launches_kernel
     from ..analysis.timing import kernel_seconds
@@ -577,7 +579,8 @@ def stream_floors(q, waits: bool = True) -> tuple:
     # with the same mode's recomputed collectives: the busiest stream counting them
     both = max((on_stream.get((s, False), 0.0) + on_stream.get((s, True), 0.0)
                 for s in streams), default=0.0)
-    return own, again, comm, both - comm, data_parallel, *alone, step_ends(q, counted)
+    return own, again, comm, both - comm, data_parallel, *alone, \
+        (ends or step_ends)(q, counted)
 
 
 def lower_bound(c: Candidate, known: Known) -> Bound | None:
@@ -799,3 +802,214 @@ def kernels_and_step_ends(c: Candidate, known: Known) -> Bound | None:
 
 
 BOUNDS = (*BOUNDS, kernels_and_step_ends)
+
+
+# ---- another FSDP split of the same model from its twin: FSDP2's own waits re-priced ----------
+
+def fsdp_stretches(q, counted=()) -> tuple:
+    """What a one-rank trace with FSDP2 (q: its Profile, timed by the eager model; counted:
+    stream_floors' windows) says about the waits FSDP2's collectives put on the compute stream,
+    in a form another data-parallel split of the same model can re-price (replicated_twin):
+    (shard degree, optimizer, copy-in, gathered bytes, head's kernels (fixed, shard-sized),
+    reduced bytes, tail's backward kernels (fixed, shard-sized), tail's optimizer kernels
+    (shard-sized), one NCCL stream for both) or () without FSDP2's collectives.
+
+    - the head: the step's first FSDP2 all-gather (its input written by
+      `fsdp.all_gather_copy_in`), the copy-in stream's kernels before it that read only
+      parameter shards (`_foreach_copy_`: their sizes are the shard's), its unpadded bytes (the
+      outputs of `fsdp.split_with_sizes_copy`, which drops the padding: the first compute kernel
+      to read the gathered buffer) and the compute kernels issued before that reader.
+    - the tail: the step's last FSDP2 reduce-scatter (its input written by `fsdp.chunk_cat`,
+      P), its unpadded bytes (chunk_cat's inputs, the unsharded gradients, at the reduced
+      dtype), and the compute kernels between P and the optimizer's first kernel that reads
+      what the reduce-scatter (or a side-stream op after it, FSDP2's post-reduce copy or
+      accumulation) wrote (Q): the backward's and the optimizer's apart.
+    Kernels are counted at their price alone times their runs; "shard-sized" ones touch a
+    parameter's, gradient's or optimizer state's storage (their sizes follow the shard), the
+    others are the model's and FSDP2's copy-out and copy-in of whole parameters. A head or tail
+    whose stretch overlaps a window stream_floors counted is left out (gathered / reduced
+    bytes 0): its idle is in kernel_seconds already."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import FORWARD, OPTIMIZER
+
+    storages, owner = q.trace.storages, q.trace.storage_owner
+    comm = {c.op: c for c in q.collectives}
+    writer: dict = {}      # storage -> position of the op that last wrote it
+    price: dict = {}       # position -> seconds x runs, compute-stream kernels
+    shard_sized: set = set()
+    gather = reduce = None  # (position, Collective, writer position of its input)
+    for i, op in enumerate(q.ops):
+        rec = op.record
+        kernel = launches_kernel(rec.func) and on_gpu(op, storages)
+        if op.index in comm:
+            c = comm[op.index]
+            src = {q.ops[w].record.name.split(".")[1]: w
+                   for w in (writer.get(r.storage) for r in op.inputs) if w is not None
+                   and q.ops[w].record.name.startswith("fsdp.")}
+            if c.kind == "all_gather" and "all_gather_copy_in" in src and \
+                    gather is None and op.phase == FORWARD:
+                gather = (i, c, src["all_gather_copy_in"])
+            elif c.kind == "reduce_scatter" and "chunk_cat" in src:
+                reduce = (i, c, src["chunk_cat"])
+        elif kernel and not rec.stream:
+            price[i] = kernel_seconds(op, q.gpu, storages)[0] * op.runs
+            if any(r.storage in owner for r in (*op.inputs, *op.outputs)):
+                shard_sized.add(i)
+        for r in op.outputs:
+            writer[r.storage] = i
+    if gather is None or reduce is None:
+        return ()
+    g_at, g, g_src = gather
+    r_at, rs, p = reduce
+    if g.group_size != rs.group_size or g.group_size < 2:
+        return ()
+    # the head: the gathered buffer's first compute-stream reader drops the padding
+    out = {r.storage for r in q.ops[g_at].outputs}
+    q_head = next((i for i in sorted(price) if i > g_at and
+                   out & {r.storage for r in q.ops[i].inputs}), None)
+    if q_head is None or not q.ops[q_head].record.name.startswith("fsdp.split_with_sizes_copy"):
+        return ()
+    gathered = sum(r.nbytes for r in q.ops[q_head].outputs)
+    side = q.ops[g_src].record.stream
+    copy_in = sum(kernel_seconds(op, q.gpu, storages)[0]
+                  for op in q.ops[:g_src] if op.record.stream == side and op.index not in comm
+                  and launches_kernel(op.record.func) and on_gpu(op, storages)
+                  and op.inputs and all(r.storage in owner for r in op.inputs
+                                        if r.storage not in {o.storage for o in op.outputs}))
+    head = [sum(t for i, t in price.items() if i < q_head and (i in shard_sized) == s)
+            for s in (False, True)]
+    if any(cp < q_head for cp, _ in counted):
+        gathered = 0
+    # the tail: the optimizer's first kernel reading what the last reduce-scatter wrote
+    tainted = {r.storage for r in q.ops[r_at].outputs}
+    q_tail = None
+    for i in range(r_at + 1, len(q.ops)):
+        op = q.ops[i]
+        reads = {r.storage for r in op.inputs}
+        if i in price:
+            if op.phase == OPTIMIZER and reads & tainted:
+                q_tail = i
+                break
+        elif reads & tainted:
+            tainted |= {r.storage for r in op.outputs}
+    chunk = q.ops[p]
+    written = {r.storage for r in chunk.outputs}
+    numel = sum(r.numel for r in chunk.inputs if r.storage not in written)
+    reduced = numel * next(r.dtype.itemsize for r in q.ops[r_at].inputs if r.storage in written)
+    if q_tail is None or any(cq > p for _, cq in counted):
+        reduced = 0
+        q_tail = p + 1 if q_tail is None else q_tail
+    between = [(i, t) for i, t in price.items() if p < i < q_tail]
+    backward = [sum(t for i, t in between if q.ops[i].phase != OPTIMIZER and
+                    (i in shard_sized) == s) for s in (False, True)]
+    optimizer_before = sum(t for i, t in between if q.ops[i].phase == OPTIMIZER)
+    optimizer = sum(t for i, t in price.items() if q.ops[i].phase == OPTIMIZER)
+    return (g.group_size, optimizer, copy_in, gathered, *head, reduced, *backward,
+            optimizer_before, int(g.stream == rs.stream))
+
+
+def _group(layout, rank: int, dims: tuple) -> tuple:
+    """The global ranks of `rank`'s group over the mesh dimensions `dims` of `layout`'s mesh
+    (init_device_mesh's row-major layout: values/mesh.py)."""
+    from ..values.mesh import mesh_spec
+
+    spec = mesh_spec(layout.mesh)
+    mine = spec.coordinate(rank)
+    keep = [n for n in spec.names if n not in dims]
+    return tuple(r for r in range(spec.world_size)
+                 if all(spec.coordinate(r)[n] == mine[n] for n in keep))
+
+
+def replicated_twin(c: Candidate, known: Known) -> Bound | None:
+    """An unpipelined candidate from a trace of another data-parallel split of the same model
+    split whose shard degree its own divides (an HSDP layout from its FSDP twin: HSDP 2 x FSDP
+    2 x TP 2 from FSDP 4 x TP 2): `same_model_kernels`' floor, plus the twin's optimizer
+    kernels, plus the waits FSDP2's collectives put on the compute stream, each collective
+    re-priced on the candidate's own groups (analysis/collectives.py's collective_seconds, as
+    the candidate's trace would price it) from the twin's unpadded bytes (fsdp_stretches).
+
+    Why, on analysis/timing.py's schedule (the chains of `step_ends`: a side-stream op starts
+    after its stream's previous op, its inputs' writers and its events; a collective after its
+    NCCL stream's previous collective too; a compute kernel after its inputs' writers; the
+    compute stream in order). The candidate runs the twin's ops with three differences, read
+    off FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): its collectives run
+    on its own groups; a parameter's shard has ceil(d / s) rows of its d, so with s dividing
+    the twin's s_x every shard-sized op (the optimizer's, the copy-in's `_foreach_copy_`, the
+    post-reduce ops) is at least as large and at most s_x / s times as large, and every whole-
+    parameter op (copy-out, chunk_cat: padded to s ceil(d / s) <= s_x ceil(d / s_x) rows) at
+    most as large; and with replicas, foreach_reduce all-reduces the reduce-scatter's output
+    in place on the all-reduce stream after the reduce-scatter stream (wait_stream) and runs
+    every post-reduce op (the gradient's cast, view and accumulation) there after it.
+    kernel_cost's prices never fall as a kernel's FLOPs and bytes grow, and are subadditive
+    over a whole multiple (`_per_micro_batch_share`), so the twin's shard-sized kernels are a
+    floor of the candidate's and s_x / s times them a ceiling; a collective's price grows with
+    its bytes, and the unpadded bytes are a floor. Then, on the compute stream, in stretches
+    that do not overlap each other or the windows `stream_floors` counted (checked on the twin):
+    - the head: the first forward's first kernel that reads the first all-gather's output
+      starts after the copy-in kernels (from the step's start, in stream order) and the
+      all-gather: idle >= copy-in + all-gather - the kernels issued before it.
+    - the tail: the optimizer's first kernel that reads the last reduce-scatter's gradients
+      (FSDP2 reduces the root's in the backward's final callback, after every block's backward
+      and recompute) starts after P (chunk_cat), the reduce-scatter and, with replicas, the
+      all-reduce: idle >= reduce-scatter + all-reduce - the kernels between.
+    - each boundary between micro-batches (steps - 1 of them; tapescope never turns gradient
+      sync off): the next forward's first all-gather runs on the reduce-scatter's NCCL stream
+      (FSDP2 gathers and reduces on the shard group: checked on the twin) after the last
+      reduce-scatter, so its reader waits for P + reduce-scatter + all-gather; the kernels
+      between are the backward's after P and the forward's before that reader.
+    The kernels between are bounded from above (the twin's, shard-sized ones times s_x / s, a
+    micro-batch as large or larger), the chains from below: each idle is a floor. The
+    model's kernels (own, TP's waits; `same_model_kernels`) and the optimizer's lie outside
+    these idles, so all add up. Not applied to pipelines (their step is the schedule's)."""
+    from ..devices.gpus import GPUS, interconnect
+    from ..analysis.collectives import collective_seconds
+
+    if c.layout.pp > 1 or c.layout.shard_degree < 2:
+        return None
+    best = None
+    for x in known.by_model_split.get(_same_model_kernels(c), ()):
+        xc = x.candidate
+        if not x.fsdp_stretches or xc.layout.pp > 1 or \
+                xc.layout.shard_degree % c.layout.shard_degree or \
+                RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing):
+            continue
+        share = _per_micro_batch_share(c, xc)
+        if share is None:
+            continue
+        same_mode = xc.checkpointing == c.checkpointing
+        ratio = xc.layout.shard_degree // c.layout.shard_degree
+        gpu, classes = x.fsdp_stretches
+        ic = interconnect(GPUS[gpu])
+        seconds = 0.0
+        for (own, again, _, _, data_parallel, *_), (rank, figures) in \
+                zip(x.kernel_seconds, classes):
+            if not figures:
+                continue
+            (shard_x, optimizer, copy_in, gathered, head_fixed, head_shard, reduced,
+             tail_fixed, tail_shard, optimizer_before, one_stream) = figures
+            if shard_x != xc.layout.shard_degree:
+                continue
+            shard = _group(c.layout, rank, ("dp_shard", "cp"))
+            replicas = _group(c.layout, rank, ("dp_replicate",))
+            gather = collective_seconds("all_gather", gathered, shard, ic)[0]
+            scatter = collective_seconds("reduce_scatter", reduced, shard, ic)[0]
+            reduce = collective_seconds("all_reduce", reduced // len(shard), replicas, ic)[0]
+            before = head_fixed + ratio * head_shard
+            after = tail_fixed + ratio * tail_shard
+            head = max(0.0, copy_in + gather - before) if gathered else 0.0
+            tail = max(0.0, scatter + reduce - after - ratio * optimizer_before) \
+                if reduced else 0.0
+            boundary = max(0.0, scatter + gather - after - before) \
+                if gathered and reduced and one_stream else 0.0
+            model = share * (own - data_parallel + (again if same_mode else 0.0))
+            seconds = max(seconds, model + optimizer + head + tail + (c.steps - 1) * boundary)
+        if seconds and (best is None or seconds > best.seconds):
+            best = Bound(seconds, f"{c.steps} x micro-batch {xc.micro_batch}'s model kernels, "
+                                  f"scaled, the optimizer and FSDP2's waits re-priced on this "
+                                  f"layout's groups, as traced in {xc.label()}")
+    return best
+
+
+BOUNDS = (*BOUNDS, replicated_twin)

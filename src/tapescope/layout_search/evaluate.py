@@ -97,6 +97,11 @@ class Outcome:
     # backward (own, recomputed): bounds.block_floors, for bounds.twin_pipeline_chain. ()
     # otherwise, and in a cache written before them
     block_seconds: tuple = ()
+    # an unpipelined step with FSDP2: (the GPU's key, per traced rank class (its rank,
+    # bounds.fsdp_stretches: FSDP2's collectives' unpadded bytes and the kernels around the
+    # waits they cause, for re-pricing on another split's groups: bounds.replicated_twin)). ()
+    # otherwise, and in a cache written before them
+    fsdp_stretches: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -132,7 +137,7 @@ class Outcome:
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
                               "matmul_flops", "step_ends", "stage_seconds",
-                              "block_seconds")}
+                              "block_seconds", "fsdp_stretches")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
@@ -141,7 +146,16 @@ class Outcome:
                    step_ends=tuple(d.get("step_ends", ())),
                    stage_seconds=tuple(tuple(x) for x in d.get("stage_seconds", ())),
                    block_seconds=tuple(tuple(tuple(b) for b in x)
-                                       for x in d.get("block_seconds", ())), **kept)
+                                       for x in d.get("block_seconds", ())),
+                   fsdp_stretches=_stretches_from(d.get("fsdp_stretches", ())), **kept)
+
+
+def _stretches_from(d) -> tuple:
+    """Outcome.fsdp_stretches from its JSON lists."""
+    if not d:
+        return ()
+    gpu, classes = d
+    return (gpu, tuple((rank, tuple(figures)) for rank, figures in classes))
 
 
 def _block_fqns(module) -> list[str]:
@@ -305,9 +319,12 @@ def _bound_figures(p, ranks, blocks=()) -> dict:
     recomputed).
     Empty where a rank's time is not the eager kernel model's."""
     from ..analysis.op_classes import op_class
-    from .bounds import block_floors, stream_floors
+    from .bounds import block_floors, fsdp_stretches, step_ends, stream_floors
 
-    seconds, ends, flops = [], [], [0, 0]
+    def both_ends(q, counted):
+        return step_ends(q, counted), fsdp_stretches(q, counted)
+
+    seconds, ends, stretches, flops = [], [], [], [0, 0]
     pipelined = p.distributed.pipeline if p.distributed is not None else None
     for r, q in zip(ranks, _traced(p)):
         t = q.time
@@ -317,11 +334,15 @@ def _bound_figures(p, ranks, blocks=()) -> dict:
         for op in q.ops:
             if op.flops and op_class(op.record.func) == "matmul":
                 flops[op.recompute] += len(r.ranks) * op.total_flops
-        *figures, once = stream_floors(q, waits=pipelined is None)
+        *figures, once = stream_floors(q, waits=pipelined is None, ends=both_ends)
+        once, stretch = once if isinstance(once, tuple) else (once, ())
         seconds.append(tuple(figures))
         ends.append(once)
+        stretches.append((r.ranks[0], stretch))
     out = {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops),
            "step_ends": tuple(ends)}
+    if any(figures for _, figures in stretches):
+        out["fsdp_stretches"] = (p.gpu.key, tuple(stretches))
     if pipelined is not None and pipelined.time is not None:
         out["stage_seconds"] = _stage_figures(p.distributed, pipelined.plan)
     if blocks:
