@@ -151,11 +151,14 @@ class Outcome:
 
 
 def _stretches_from(d) -> tuple:
-    """Outcome.fsdp_stretches from its JSON lists."""
+    """Outcome.fsdp_stretches from its JSON."""
+    from .bounds import FsdpStretches
+
     if not d:
         return ()
     gpu, classes = d
-    return (gpu, tuple((rank, tuple(figures)) for rank, figures in classes))
+    return (gpu, tuple((rank, FsdpStretches.from_dict(f) if f else None)
+                       for rank, f in classes))
 
 
 def _block_fqns(module) -> list[str]:
@@ -335,13 +338,13 @@ def _bound_figures(p, ranks, blocks=()) -> dict:
             if op.flops and op_class(op.record.func) == "matmul":
                 flops[op.recompute] += len(r.ranks) * op.total_flops
         *figures, once = stream_floors(q, waits=pipelined is None, ends=both_ends)
-        once, stretch = once if isinstance(once, tuple) else (once, ())
+        once, stretch = once if isinstance(once, tuple) else (once, None)
         seconds.append(tuple(figures))
         ends.append(once)
         stretches.append((r.ranks[0], stretch))
     out = {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops),
            "step_ends": tuple(ends)}
-    if any(figures for _, figures in stretches):
+    if any(f is not None for _, f in stretches):
         out["fsdp_stretches"] = (p.gpu.key, tuple(stretches))
     if pipelined is not None and pipelined.time is not None:
         out["stage_seconds"] = _stage_figures(p.distributed, pipelined.plan)
