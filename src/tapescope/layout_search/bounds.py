@@ -48,6 +48,12 @@ guess at the candidate's own figures:
   step >= sum_{j<s} F_j + W_s + sum_{j<s} B_j (the proof is the rule's docstring).
 - `twin_pipeline_chain`: the same chain before any trace of the pipeline, from the
   unpipelined twin's per-block kernels split as the pipeline splits its blocks.
+- `replicated_twin`: an HSDP candidate (or any unpipelined split whose shard degree divides
+  the trace's) from its FSDP twin's trace: `same_model_kernels`' floor plus the optimizer's
+  kernels (floors scaled to the larger shard) and the waits FSDP2's collectives cause at the
+  step's two ends and between micro-batches, each collective re-priced on the candidate's own
+  groups from the twin's unpadded bytes (Outcome.fsdp_stretches; the proof is the rule's
+  docstring).
 
 tests/test_search.py checks each rule against brute force: every candidate's traced step is at
 least each bound the rules give it.
