@@ -1027,13 +1027,20 @@ def _boundary_wait(q, price, shard_sized, comm, counted) -> tuple:
 def _group(layout, rank: int, dims: tuple) -> tuple:
     """The global ranks of `rank`'s group over the mesh dimensions `dims` of `layout`'s mesh
     (init_device_mesh's row-major layout: values/mesh.py)."""
+    from itertools import product
+
     from ..values.mesh import mesh_spec
 
     spec = mesh_spec(layout.mesh)
     mine = spec.coordinate(rank)
-    keep = [n for n in spec.names if n not in dims]
-    return tuple(r for r in range(spec.world_size)
-                 if all(spec.coordinate(r)[n] == mine[n] for n in keep))
+    stride, strides = 1, {}
+    for name, size in zip(reversed(spec.names), reversed(spec.sizes)):
+        strides[name] = stride
+        stride *= size
+    varying = [(strides[n], size) for n, size in zip(spec.names, spec.sizes) if n in dims]
+    base = rank - sum(mine[n] * strides[n] for n in spec.names if n in dims)
+    return tuple(sorted(base + sum(i * st for i, (st, _) in zip(index, varying))
+                        for index in product(*(range(size) for _, size in varying))))
 
 
 def _at_least(kernels, ratio: int, gpu) -> float:

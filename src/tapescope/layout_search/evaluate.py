@@ -97,10 +97,10 @@ class Outcome:
     # backward (own, recomputed): bounds.block_floors, for bounds.twin_pipeline_chain. ()
     # otherwise, and in a cache written before them
     block_seconds: tuple = ()
-    # an unpipelined step with FSDP2: (the GPU's key, per traced rank class (its rank,
-    # bounds.fsdp_stretches: FSDP2's collectives' unpadded bytes and the kernels around the
-    # waits they cause, for re-pricing on another split's groups: bounds.replicated_twin)). ()
-    # otherwise, and in a cache written before them
+    # an unpipelined step with FSDP2: (the GPU's key, per traced rank class (its rank, a
+    # bounds.FsdpStretches or None: FSDP2's collectives' unpadded bytes and the kernels around
+    # the waits they cause, for re-pricing on another split's groups: bounds.replicated_twin)).
+    # () otherwise, and in a cache written before them
     fsdp_stretches: tuple = ()
 
     @property
