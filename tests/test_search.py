@@ -757,3 +757,73 @@ def test_twin_loss_is_the_pipelines_loss():
         lambda out, target: out.float().pow(2).mean(), twin_workload.args[-1]))
     assert other[:4] == pytest.approx(twin.edge_seconds[0][:4], rel=1e-12) and \
         other[4:] == (0.0, 0.0)
+def test_replicated_twin_holds_from_each_trace(searches):
+    """replicated_twin (an HSDP candidate from its FSDP twin, FSDP2's waits re-priced on the
+    candidate's own groups) from each single trace on each other candidate of SPACE, one pair
+    at a time: at most the traced step; it bounds HSDP 2 x FSDP 2 from FSDP 4, on a smaller
+    micro-batch too, and there it is above same_model_kernels from the same trace by at least
+    the twin's optimizer kernels (which a rank of the HSDP, holding twice the shard, runs at
+    least as long)."""
+    from tapescope.layout_search.bounds import Known, replicated_twin, same_model_kernels
+
+    _, brute = searches
+    pairs, smaller = [], 0
+    for x in brute.outcomes:
+        known = Known()
+        known.add(x)
+        for o in brute.outcomes:
+            if not o.fits or o.candidate == x.candidate:
+                continue
+            b = replicated_twin(o.candidate, known)
+            if b is None:
+                continue
+            assert b.seconds <= o.step_seconds, (x.candidate.label(), o.candidate.label())
+            if o.candidate.layout.dp_replicate > x.candidate.layout.dp_replicate:
+                _, classes = x.fsdp_stretches
+                optimizer = min(sum(t for t, _ in f.optimizer) for _, f in classes)
+                assert b.seconds >= same_model_kernels(o.candidate, known).seconds + optimizer
+                pairs.append(b.seconds / o.step_seconds)
+                smaller += o.candidate.micro_batch < x.candidate.micro_batch
+    assert pairs and smaller > 0, pairs
+
+
+def test_replicated_twin_prices_the_candidates_own_collectives(searches):
+    """The re-pricing against the candidate's own trace: FSDP 4's figures (its first
+    all-gather's and last reduce-scatter's unpadded bytes: this model's dims divide 4, so no
+    padding) priced on HSDP 2 x FSDP 2's groups (shard {0, 1}, replicas {0, 2}) give the
+    seconds the HSDP trace itself gives its first all-gather, its last reduce-scatter and the
+    all-reduce after it; and the HSDP trace's own figures, read the same way, hold the same
+    bytes and twice the twin's optimizer kernels (each foreach kernel over a shard twice as
+    long)."""
+    from tapescope.analysis.collectives import collective_seconds
+    from tapescope.api import profile_workload
+    from tapescope.devices.gpus import GPUS, interconnect
+    from tapescope.layout_search.bounds import _group
+
+    _, brute = searches
+    by = {o.candidate.label(): o for o in brute.outcomes}
+    twin = by["FSDP 4, mb 2, accumulate 4"]
+    hsdp = by["HSDP 2 x FSDP 2, mb 2, accumulate 4"]
+    key, ((rank, f),) = twin.fsdp_stretches
+    _, ((_, own),) = hsdp.fsdp_stretches
+    assert (own.gathered, own.reduced) == (f.gathered, f.reduced) and f.gathered > 0
+    assert sum(t for t, _ in own.optimizer) == pytest.approx(
+        2 * sum(t for t, _ in f.optimizer), rel=0.01)
+    layout = hsdp.candidate.layout
+    shard, replicas = _group(layout, rank, ("dp_shard", "cp")), \
+        _group(layout, rank, ("dp_replicate",))
+    assert (shard, replicas) == ((0, 1), (0, 2))
+    ic = interconnect(GPUS[key])
+    workload, options = candidate_options(Source(SPEC, SPACE["seq"], SPACE["gpu"]),
+                                          hsdp.candidate)
+    q = profile_workload(workload, options).distributed.profiles[0]
+    fsdp = [c for c in q.collectives if c.stream == q.collectives[0].stream]
+    first = next(c for c in fsdp if c.kind == "all_gather")
+    last = [c for c in fsdp if c.kind == "reduce_scatter"][-1]
+    reduce = [c for c in q.collectives if c.kind == "all_reduce" and c.group_size == 2][-1]
+    assert collective_seconds("all_gather", f.gathered, shard, ic)[0] == \
+        pytest.approx(first.seconds, rel=1e-12)
+    assert collective_seconds("reduce_scatter", f.reduced, shard, ic)[0] == \
+        pytest.approx(last.seconds, rel=1e-12)
+    assert collective_seconds("all_reduce", f.reduced // 2, replicas, ic)[0] == \
+        pytest.approx(reduce.seconds, rel=1e-12)

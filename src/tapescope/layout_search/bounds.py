@@ -53,6 +53,12 @@ guess at the candidate's own figures:
   twin's kernels by module, `edge_floors`), and a chain that ends on the stage's own rank:
   its start plus its whole eager step, the loss's forward and its share of the twin's
   optimizer kernels in it (`optimizer_floors`).
+- `replicated_twin`: an HSDP candidate (or any unpipelined split whose shard degree divides
+  the trace's) from its FSDP twin's trace: `same_model_kernels`' floor plus the optimizer's
+  kernels (floors scaled to the larger shard) and the waits FSDP2's collectives cause at the
+  step's two ends and between micro-batches, each collective re-priced on the candidate's own
+  groups from the twin's unpadded bytes (Outcome.fsdp_stretches; the proof is the rule's
+  docstring).
 
 tests/test_search.py checks each rule against brute force: every candidate's traced step is at
 least each bound the rules give it.
@@ -470,7 +476,7 @@ def action_floors(q) -> tuple:
             sum(a[1] for a in actions), sum(a[2] for a in actions))
 
 
-def stream_floors(q, waits: bool = True) -> tuple:
+def stream_floors(q, waits: bool = True, ends=None) -> tuple:
     """(own, recomputed, collectives, recomputed collectives, FSDP2's own, own kernels alone,
     recomputed kernels alone, the step's ends): seconds a rank's compute stream
     provably spends in one step's forward and backward, and the busiest NCCL stream's
@@ -501,7 +507,9 @@ def stream_floors(q, waits: bool = True) -> tuple:
 
     waits=False: the kernels alone, for a pipelined step, whose time is the schedule's
     (distributed/pipeline.py: each rank's actions as long as its trace says, waiting on the
-    stages they depend on), not this stream model's."""
+    stages they depend on), not this stream model's.
+    ends: what gives the eighth figure from (q, the windows counted) (default step_ends; the
+    search's figures add fsdp_stretches, which must not overlap them either)."""
     from ..analysis.kernel_cost import on_gpu
     from ..analysis.op_classes import launches_kernel
     from ..analysis.timing import kernel_seconds
@@ -582,7 +590,8 @@ def stream_floors(q, waits: bool = True) -> tuple:
     # with the same mode's recomputed collectives: the busiest stream counting them
     both = max((on_stream.get((s, False), 0.0) + on_stream.get((s, True), 0.0)
                 for s in streams), default=0.0)
-    return own, again, comm, both - comm, data_parallel, *alone, step_ends(q, counted)
+    return own, again, comm, both - comm, data_parallel, *alone, \
+        (ends or step_ends)(q, counted)
 
 
 def lower_bound(c: Candidate, known: Known) -> Bound | None:
@@ -1069,3 +1078,351 @@ def _stage_optimizer(figure, stage_parts: set, shard: int, twin_shard: int) -> f
 
 
 BOUNDS = (*BOUNDS, twin_pipeline_ends)
+# ---- another FSDP split of the same model from its twin: FSDP2's own waits re-priced ----------
+
+@dataclass(frozen=True)
+class FsdpStretches:
+    """What one rank's trace with FSDP2 says about the waits FSDP2's collectives put on its
+    compute stream, in a form another data-parallel split of the same model re-prices on its
+    own groups (replicated_twin; made by fsdp_stretches). Kernel groups are tuples of (price
+    alone x runs, floor): a floor is what the kernel does with one row less of every shard,
+    (name, op class, FLOPs, bytes, dtype), or None where its tensors are not all shards."""
+
+    shard_degree: int        # the twin's FSDP2 shard group
+    optimizer: tuple         # the optimizer's compute-stream kernels
+    copy_in: tuple           # the copy-in stream's shard copies before the first all-gather
+    gathered: int            # the first all-gather's unpadded bytes (0: not provable)
+    head: tuple              # kernels issued before its first reader: (fixed, shard-sized) s
+    reduced: int             # the last reduce-scatter's unpadded bytes (0: not provable)
+    post_reduce: tuple       # its post-reduce kernels the optimizer's gradient read waits for
+    tail: tuple              # kernels between its chunk_cat and that read: (backward fixed,
+                             # backward shard-sized, optimizer) s
+    one_stream: bool         # FSDP2's all-gathers and reduce-scatters share one NCCL stream
+    # kernels between the first micro-batch's last chunk_cat and the next forward's first
+    # kernel when that kernel waits for the post-reduce stream (fixed, shard-sized) s; () not
+    boundary: tuple = ()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FsdpStretches":
+        def kernels(x):
+            return tuple((t, tuple(f) if f else None) for t, f in x)
+        return cls(d["shard_degree"], kernels(d["optimizer"]), kernels(d["copy_in"]),
+                   d["gathered"], tuple(d["head"]), d["reduced"], kernels(d["post_reduce"]),
+                   tuple(d["tail"]), bool(d["one_stream"]), tuple(d.get("boundary", ())))
+
+
+def _kernel_floor(op, storages, shard_shapes) -> tuple | None:
+    """(name, op class, FLOPs, bytes, dtype) of `op`'s kernel with one row less of each of its
+    tensors, when every tensor has a shard's shape (more than one row) and the kernel is
+    elementwise (its FLOPs and bytes are sums over its tensors' elements): what it does at
+    least on a rank whose shards hold r x (these rows - 1) rows or more, times r."""
+    from ..analysis.kernel_cost import kernel_of
+    from ..analysis.op_classes import op_class
+
+    refs = (*op.inputs, *op.outputs)
+    if not refs or op_class(op.record.func) in ("matmul", "attention", "convolution") or \
+            any(r.shape not in shard_shapes or r.shape[0] < 2 for r in refs):
+        return None
+    factor = min(1 - 1 / r.shape[0] for r in refs)
+    k = kernel_of(op, storages)
+    return (k.name, k.op_class, int(k.flops * factor), int(k.bytes * factor),
+            str(k.dtype).removeprefix("torch."))
+
+
+def fsdp_stretches(q, counted=()) -> FsdpStretches | None:
+    """FsdpStretches of a rank's trace with FSDP2 (q: its Profile, timed by the eager model;
+    counted: stream_floors' windows), None without FSDP2's collectives:
+
+    - the head: the step's first FSDP2 all-gather (its input written by
+      `fsdp.all_gather_copy_in`), the copy-in stream's kernels before it that read only
+      parameter shards (`_foreach_copy_`), its unpadded bytes (the outputs of
+      `fsdp.split_with_sizes_copy`, which drops the padding: the first compute kernel to read
+      the gathered buffer) and the compute kernels issued before that reader.
+    - the tail: the step's last FSDP2 reduce-scatter (its input written by `fsdp.chunk_cat`,
+      P), its unpadded bytes (chunk_cat's inputs, the unsharded gradients, at the reduced
+      dtype), the optimizer's first compute kernel Q that reads what it or a side-stream op
+      after it (FSDP2's post-reduce cast, view or accumulation) wrote, those side-stream
+      kernels on the stream of the last of them Q reads, and the compute kernels between P and
+      Q: the backward's and the optimizer's apart.
+    - the boundary between micro-batches (with two or more, _boundary_wait).
+    "Shard-sized" compute kernels touch a parameter's, gradient's or optimizer state's storage
+    (their sizes follow the shard), the others are the model's and FSDP2's copy-out and
+    chunk_cat of whole parameters. A head or tail whose stretch overlaps a window
+    stream_floors counted is left out (bytes 0): its idle is in kernel_seconds already."""
+    from ..analysis.kernel_cost import on_gpu
+    from ..analysis.op_classes import launches_kernel
+    from ..analysis.timing import kernel_seconds
+    from ..capture.records import FORWARD, OPTIMIZER
+
+    storages, owner = q.trace.storages, q.trace.storage_owner
+    comm = {c.op: c for c in q.collectives}
+    writer: dict = {}      # storage -> position of the op that last wrote it
+    price: dict = {}       # position -> seconds x runs, compute-stream kernels
+    side: dict = {}        # position -> seconds x runs, side-stream kernels
+    shard_sized: set = set()
+    shard_shapes = {r.shape for op in q.ops for r in (*op.inputs, *op.outputs)
+                    if r.storage in owner and r.shape}
+    gather = reduce = None  # (position, Collective, position of its input's fsdp writer)
+    for i, op in enumerate(q.ops):
+        rec = op.record
+        if op.index in comm:
+            c = comm[op.index]
+            src = {q.ops[w].record.name.split(".")[1]: w
+                   for w in (writer.get(r.storage) for r in op.inputs) if w is not None
+                   and q.ops[w].record.name.startswith("fsdp.")}
+            if c.kind == "all_gather" and "all_gather_copy_in" in src and \
+                    gather is None and op.phase == FORWARD:
+                gather = (i, c, src["all_gather_copy_in"])
+            elif c.kind == "reduce_scatter" and "chunk_cat" in src:
+                reduce = (i, c, src["chunk_cat"])
+        elif launches_kernel(rec.func) and on_gpu(op, storages):
+            seconds = kernel_seconds(op, q.gpu, storages)[0] * op.runs
+            (side if rec.stream else price)[i] = seconds
+            if any(r.storage in owner for r in (*op.inputs, *op.outputs)):
+                shard_sized.add(i)
+        for r in op.outputs:
+            writer[r.storage] = i
+    if gather is None or reduce is None:
+        return None
+    g_at, g, g_src = gather
+    r_at, rs, p = reduce
+    if g.group_size != rs.group_size or g.group_size < 2:
+        return None
+
+    def kernels(positions) -> tuple:
+        return tuple((price[i] if i in price else side[i],
+                      _kernel_floor(q.ops[i], storages, shard_shapes)) for i in positions)
+
+    # the head: the gathered buffer's first compute-stream reader drops the padding
+    out = {r.storage for r in q.ops[g_at].outputs}
+    q_head = next((i for i in sorted(price) if i > g_at and
+                   out & {r.storage for r in q.ops[i].inputs}), None)
+    if q_head is None or not q.ops[q_head].record.name.startswith("fsdp.split_with_sizes_copy"):
+        return None
+    gathered = sum(r.nbytes for r in q.ops[q_head].outputs)
+    stream = q.ops[g_src].record.stream
+    copy_in = [i for i in side if i < g_src and q.ops[i].record.stream == stream and
+               q.ops[i].inputs and all(r.storage in owner for r in q.ops[i].inputs
+                                       if r.storage not in {o.storage for o in q.ops[i].outputs})]
+    head = tuple(sum(t for i, t in price.items() if i < q_head and (i in shard_sized) == s)
+                 for s in (False, True))
+    if any(cp < q_head for cp, _ in counted):
+        gathered = 0
+    # the tail: the optimizer's first kernel reading what the last reduce-scatter wrote
+    tainted = {r.storage: None for r in q.ops[r_at].outputs}   # storage -> side kernel wrote it
+    q_tail = None
+    for i in range(r_at + 1, len(q.ops)):
+        op = q.ops[i]
+        reads = {r.storage for r in op.inputs} & set(tainted)
+        if i in price:
+            if op.phase == OPTIMIZER and reads:
+                q_tail = i
+                break
+        elif reads and op.record.stream:
+            tainted.update({r.storage: i if i in side else tainted[next(iter(reads))]
+                            for r in op.outputs})
+    chunk = q.ops[p]
+    written = {r.storage for r in chunk.outputs}
+    numel = sum(r.numel for r in chunk.inputs if r.storage not in written)
+    reduced = numel * next(r.dtype.itemsize for r in q.ops[r_at].inputs if r.storage in written)
+    post = []
+    if q_tail is not None:
+        last = max((tainted[r.storage] for r in q.ops[q_tail].inputs
+                    if tainted.get(r.storage) is not None), default=None)
+        if last is not None:
+            post = [i for i in side if r_at < i <= last and i in tainted.values() and
+                    q.ops[i].record.stream == q.ops[last].record.stream]
+    if q_tail is None or any(cq > p for _, cq in counted):
+        reduced, post = 0, []
+        q_tail = p + 1 if q_tail is None else q_tail
+    between = [(i, t) for i, t in price.items() if p < i < q_tail]
+    tail = (*(sum(t for i, t in between if q.ops[i].phase != OPTIMIZER and
+                  (i in shard_sized) == s) for s in (False, True)),
+            sum(t for i, t in between if q.ops[i].phase == OPTIMIZER))
+    optimizer = [i for i in price if q.ops[i].phase == OPTIMIZER]
+    return FsdpStretches(g.group_size, kernels(optimizer), kernels(copy_in), gathered, head,
+                         reduced, kernels(post), tail, g.stream == rs.stream,
+                         _boundary_wait(q, price, shard_sized, comm, counted))
+
+
+def _boundary_wait(q, price, shard_sized, comm, counted) -> tuple:
+    """(fixed, shard-sized) seconds of the compute kernels between the first micro-batch's last
+    FSDP2 chunk_cat P and the second micro-batch's first compute kernel K, when K waits (its
+    own events or those its stream's no-kernel ops since the last kernel hold for it) for an
+    op of the post-reduce stream after that reduce-scatter (FSDP2's finalize_backward waits on
+    the post-reduce events; with replicas they follow the all-reduce); () with one
+    micro-batch, without such a wait, or when a window stream_floors counted overlaps P..K."""
+    from ..capture.records import FORWARD
+
+    backward_seen = False
+    last = None   # (position of the reduce-scatter, P) of the latest FSDP2 reduce-scatter
+    writer: dict = {}
+    held: list = []
+    for i, op in enumerate(q.ops):
+        rec = op.record
+        if op.index in comm and comm[op.index].kind == "reduce_scatter":
+            ps = [writer[r.storage] for r in op.inputs if r.storage in writer
+                  and q.ops[writer[r.storage]].record.name.startswith("fsdp.chunk_cat")]
+            if ps:
+                last = (i, ps[0])
+        backward_seen = backward_seen or op.phase != FORWARD
+        if i not in price:
+            if not rec.stream:
+                held.extend(rec.waits)
+            for r in op.outputs:
+                writer[r.storage] = i
+            continue
+        if backward_seen and op.phase == FORWARD and last is not None:
+            r_at, p = last
+            tainted = {r.storage for r in q.ops[r_at].outputs}
+            post = set()
+            for j in range(r_at + 1, i):
+                o = q.ops[j]
+                if o.record.stream and {r.storage for r in o.inputs} & tainted:
+                    tainted |= {r.storage for r in o.outputs}
+                    post.add(o.record.index)
+            if post & {*held, *rec.waits} and not any(cp < i and cq > p for cp, cq in counted):
+                between = [(j, t) for j, t in price.items() if p < j < i]
+                return tuple(sum(t for j, t in between if (j in shard_sized) == s)
+                             for s in (False, True))
+            return ()
+        held = []
+        for r in op.outputs:
+            writer[r.storage] = i
+    return ()
+
+
+def _group(layout, rank: int, dims: tuple) -> tuple:
+    """The global ranks of `rank`'s group over the mesh dimensions `dims` of `layout`'s mesh
+    (init_device_mesh's row-major layout: values/mesh.py)."""
+    from itertools import product
+
+    from ..values.mesh import mesh_spec
+
+    spec = mesh_spec(layout.mesh)
+    mine = spec.coordinate(rank)
+    stride, strides = 1, {}
+    for name, size in zip(reversed(spec.names), reversed(spec.sizes)):
+        strides[name] = stride
+        stride *= size
+    varying = [(strides[n], size) for n, size in zip(spec.names, spec.sizes) if n in dims]
+    base = rank - sum(mine[n] * strides[n] for n in spec.names if n in dims)
+    return tuple(sorted(base + sum(i * st for i, (st, _) in zip(index, varying))
+                        for index in product(*(range(size) for _, size in varying))))
+
+
+def _at_least(kernels, ratio: int, gpu) -> float:
+    """Seconds a rank holding shards `ratio` times the twin's runs these kernels for at least:
+    each at its price in the twin (a larger shard costs no less: kernel_cost never prices
+    more FLOPs or bytes lower) or its floor's work times `ratio`, priced, whichever is more."""
+    import torch
+
+    from ..analysis.kernel_cost import Kernel, kernel_time
+
+    total = 0.0
+    for seconds, floor in kernels:
+        if floor is not None and ratio > 1:
+            name, cls, flops, nbytes, dtype = floor
+            k = Kernel(name, cls, ratio * flops, ratio * nbytes, getattr(torch, dtype))
+            seconds = max(seconds, kernel_time(k, gpu)[0])
+        total += seconds
+    return total
+
+
+def replicated_twin(c: Candidate, known: Known) -> Bound | None:
+    """An unpipelined candidate from a trace of another data-parallel split of the same model
+    split whose shard degree its own divides (an HSDP layout from its FSDP twin: HSDP 2 x FSDP
+    2 x TP 2 from FSDP 4 x TP 2): `same_model_kernels`' floor, plus the optimizer's kernels,
+    plus the waits FSDP2's collectives put on the compute stream, each collective re-priced on
+    the candidate's own groups (analysis/collectives.py's collective_seconds, as the
+    candidate's trace prices it) from the twin's unpadded bytes (Outcome.fsdp_stretches).
+
+    Why, on analysis/timing.py's schedule (the chains of `step_ends`: a side-stream op starts
+    after its stream's previous op, its inputs' writers and its events; a collective after its
+    NCCL stream's previous collective too; a compute kernel after its inputs' writers and its
+    events; the compute stream in order). The candidate runs the twin's ops with three
+    differences, read off FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+    foreach_reduce): its collectives run on its own groups; a parameter of d rows has
+    ceil(d / s) of them at shard coordinate 0 (the rank read here, in both layouts), so with
+    s dividing the twin's s_x (r = s_x / s) a shard has at most r times the twin's rows and
+    at least r x (the twin's - 1), while a whole padded parameter (copy-out, chunk_cat:
+    s ceil(d / s) <= s_x ceil(d / s_x) rows) is no larger; and with replicas, foreach_reduce
+    all-reduces the reduce-scatter's output in place on the all-reduce stream after the
+    reduce-scatter stream (wait_stream) and runs every post-reduce op (the cast, the views,
+    the accumulation of a later micro-batch) there after it. kernel_cost's prices never fall
+    as FLOPs and bytes grow and are subadditive over a whole multiple (`_per_micro_batch_share`),
+    so a shard-sized kernel costs at least the twin's and its floor's work times r
+    (_at_least), and at most r times the twin's; a collective's price grows with its bytes,
+    so the unpadded bytes give a floor. Then, on the compute stream, in stretches that overlap
+    neither each other nor the windows `stream_floors` counted (checked on the twin):
+    - the head: the first forward's first reader of the first all-gather starts after the
+      copy-in stream's shard copies (from the step's start, in order) and the all-gather:
+      idle >= copies + all-gather - the kernels issued before that reader.
+    - the tail: the optimizer's first kernel Q that reads the last reduce-scatter's gradients
+      (FSDP2 reduces the root's in the backward's final callback, after every block's backward
+      and recompute) starts after its chunk_cat P, the reduce-scatter, with replicas the
+      all-reduce, and the post-reduce kernels before the last one whose output Q reads (one
+      stream, in order): idle >= their sum - the kernels between P and Q.
+    - each boundary between micro-batches (steps - 1 of them; tapescope never turns gradient
+      sync off): the next forward's first all-gather runs on the reduce-scatter's NCCL stream
+      (FSDP2 gathers and reduces on the shard group: checked on the twin) after the last
+      reduce-scatter, so its first reader waits for P + reduce-scatter + all-gather; and where
+      the twin's next forward's first kernel waits for the post-reduce stream (FSDP2's
+      finalize_backward), for P + reduce-scatter + all-reduce. The kernels between are the
+      backward's after P and the forward's before that kernel.
+    The kernels between are bounded from above (the twin's, the shard-sized ones times r, a
+    micro-batch as large or larger), the chains from below: each idle is a floor. The model's
+    kernels (its own and TP's waits: `same_model_kernels`, recompute from the same mode only)
+    and the optimizer's lie outside these idles, so all add up. Not for pipelines (their step
+    is the schedule's)."""
+    from ..analysis.collectives import collective_seconds
+    from ..devices.gpus import GPUS, interconnect
+
+    if c.layout.pp > 1 or c.layout.shard_degree < 2:
+        return None
+    best = None
+    for x in known.by_model_split.get(_same_model_kernels(c), ()):
+        xc = x.candidate
+        if not x.fsdp_stretches or xc.layout.pp > 1 or \
+                xc.layout.shard_degree % c.layout.shard_degree or \
+                RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing):
+            continue
+        share = _per_micro_batch_share(c, xc)
+        if share is None:
+            continue
+        same_mode = xc.checkpointing == c.checkpointing
+        r = xc.layout.shard_degree // c.layout.shard_degree
+        key, classes = x.fsdp_stretches
+        gpu = GPUS[key]
+        ic = interconnect(gpu)
+        seconds = 0.0
+        for (own, again, _, _, data_parallel, *_), (rank, f) in zip(x.kernel_seconds, classes):
+            shard = _group(c.layout, rank, ("dp_shard", "cp"))
+            if f is None or f.shard_degree != xc.layout.shard_degree or shard[0] != rank or \
+                    _group(xc.layout, rank, ("dp_shard", "cp"))[0] != rank:
+                continue   # a shard's rows compare as said only at shard coordinate 0
+            replicas = _group(c.layout, rank, ("dp_replicate",))
+            gather = collective_seconds("all_gather", f.gathered, shard, ic)[0]
+            scatter = collective_seconds("reduce_scatter", f.reduced, shard, ic)[0]
+            reduce = collective_seconds("all_reduce", f.reduced // len(shard), replicas, ic)[0]
+            before = f.head[0] + r * f.head[1]
+            after = f.tail[0] + r * f.tail[1]
+            head = max(0.0, _at_least(f.copy_in, r, gpu) + gather - before) if f.gathered \
+                else 0.0
+            tail = max(0.0, scatter + reduce + _at_least(f.post_reduce, r, gpu) - after
+                       - r * f.tail[2]) if f.reduced else 0.0
+            boundary = max(0.0, scatter + gather - after - before) \
+                if f.gathered and f.reduced and f.one_stream else 0.0
+            if f.boundary and f.reduced:
+                boundary = max(boundary, scatter + reduce - f.boundary[0] - r * f.boundary[1])
+            model = share * (own - data_parallel + (again if same_mode else 0.0))
+            seconds = max(seconds, model + _at_least(f.optimizer, r, gpu) + head + tail
+                          + (c.steps - 1) * boundary)
+        if seconds and (best is None or seconds > best.seconds):
+            best = Bound(seconds, f"{c.steps} x micro-batch {xc.micro_batch}'s model kernels, "
+                                  f"scaled, the optimizer and FSDP2's waits re-priced on this "
+                                  f"layout's groups, as traced in {xc.label()}")
+    return best
+
+
+BOUNDS = (*BOUNDS, replicated_twin)

@@ -107,6 +107,11 @@ class Outcome:
     # table of parameter shards they run over, by stage part (bounds.optimizer_floors), for
     # bounds.twin_pipeline_ends. () otherwise, and in a cache written before them
     optimizer_seconds: tuple = ()
+    # an unpipelined step with FSDP2: (the GPU's key, per traced rank class (its rank, a
+    # bounds.FsdpStretches or None: FSDP2's collectives' unpadded bytes and the kernels around
+    # the waits they cause, for re-pricing on another split's groups: bounds.replicated_twin)).
+    # () otherwise, and in a cache written before them
+    fsdp_stretches: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -142,7 +147,8 @@ class Outcome:
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
                               "matmul_flops", "step_ends", "stage_seconds",
-                              "block_seconds", "edge_seconds", "optimizer_seconds")}
+                              "block_seconds", "edge_seconds", "optimizer_seconds",
+                              "fsdp_stretches")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
@@ -154,7 +160,19 @@ class Outcome:
                                        for x in d.get("block_seconds", ())),
                    edge_seconds=tuple(tuple(x) for x in d.get("edge_seconds", ())),
                    optimizer_seconds=tuple((x[0], tuple(tuple(e) for e in x[1]))
-                                           for x in d.get("optimizer_seconds", ())), **kept)
+                                           for x in d.get("optimizer_seconds", ())),
+                   fsdp_stretches=_stretches_from(d.get("fsdp_stretches", ())), **kept)
+
+
+def _stretches_from(d) -> tuple:
+    """Outcome.fsdp_stretches from its JSON."""
+    from .bounds import FsdpStretches
+
+    if not d:
+        return ()
+    gpu, classes = d
+    return (gpu, tuple((rank, FsdpStretches.from_dict(f) if f else None)
+                       for rank, f in classes))
 
 
 def _block_fqns(module) -> list[str]:
@@ -394,9 +412,13 @@ def _bound_figures(p, ranks, blocks=(), edges=()) -> dict:
     recomputed).
     Empty where a rank's time is not the eager kernel model's."""
     from ..analysis.op_classes import op_class
-    from .bounds import block_floors, edge_floors, optimizer_floors, stream_floors
+    from .bounds import (block_floors, edge_floors, fsdp_stretches, optimizer_floors,
+                         step_ends, stream_floors)
 
-    seconds, ends, flops = [], [], [0, 0]
+    def both_ends(q, counted):
+        return step_ends(q, counted), fsdp_stretches(q, counted)
+
+    seconds, ends, stretches, flops = [], [], [], [0, 0]
     pipelined = p.distributed.pipeline if p.distributed is not None else None
     for r, q in zip(ranks, _traced(p)):
         t = q.time
@@ -406,11 +428,15 @@ def _bound_figures(p, ranks, blocks=(), edges=()) -> dict:
         for op in q.ops:
             if op.flops and op_class(op.record.func) == "matmul":
                 flops[op.recompute] += len(r.ranks) * op.total_flops
-        *figures, once = stream_floors(q, waits=pipelined is None)
+        *figures, once = stream_floors(q, waits=pipelined is None, ends=both_ends)
+        once, stretch = once if isinstance(once, tuple) else (once, None)
         seconds.append(tuple(figures))
         ends.append(once)
+        stretches.append((r.ranks[0], stretch))
     out = {"kernel_seconds": tuple(seconds), "matmul_flops": tuple(flops),
            "step_ends": tuple(ends)}
+    if any(f is not None for _, f in stretches):
+        out["fsdp_stretches"] = (p.gpu.key, tuple(stretches))
     if pipelined is not None and pipelined.time is not None:
         out["stage_seconds"] = _stage_figures(p.distributed, pipelined.plan)
     if blocks:
