@@ -87,3 +87,32 @@ def test_ops_on_values_run_without_fake_mode_or_grad_and_restore_both():
             assert state() == outside
     finally:
         torch.set_num_threads(threads)
+
+
+def test_plain_arguments_convert_as_pytree_converts_them():
+    """An op's arguments that are all tensors and plain numbers (a step counter's `add_` and
+    `.item()`) are converted without `_as_values`' closures (`DataValues._flat_values`): the
+    values pytree's conversion gives, the sources and largest size read; any other argument is
+    left to `_as_values`, and a tensor without a value gives none."""
+    from tapescope.capture.data_values import DataValues
+    from tapescope.values.sizes import Sizes
+
+    dv = DataValues(Sizes.create(None), None)
+    t, u, w = torch.ones(2), torch.zeros(3), torch.ones(1)  # values are attributes of the tensor
+    dv._set(t, torch.tensor([1.0, 2.0]), frozenset({0}))
+    dv._set(u, torch.tensor([3, 4, 5]), frozenset({1}))
+    for args in [(t, u, 3, 0.5, True, None, 2j), (u,), (0.25, t)]:
+        rargs, sources, elements = dv._flat_values(args)
+        expected, _ = _pytree_as_values(args, {}, lambda x: dv.value(x)[0])
+        assert len(rargs) == len(expected) and all(a is b for a, b in zip(rargs, expected))
+        valued = [a for a in args if isinstance(a, torch.Tensor)]
+        assert sources == set().union(*(dv.value(a)[1] for a in valued))
+        assert elements == max(a.numel() for a in valued)
+    for args in [(t, [t, u]), (t, torch.device("meta")), (t, (1, 2)), (torch.Size([2]),)]:
+        assert dv._flat_values(args) is None  # _as_values' cases
+    assert dv._flat_values((t, w))[0] is None  # w has no value
+    # and the op runs on the values as torch runs it on them
+    out, sources = dv._run_real(torch.ops.aten.add.Tensor, (t, t), {}, None)
+    assert torch.equal(out, torch.tensor([2.0, 4.0])) and sources == frozenset({0})
+    out, _ = dv._run_real(torch.ops.aten.mul.Tensor, (u, 2), {}, None)
+    assert torch.equal(out, torch.tensor([6, 8, 10]))

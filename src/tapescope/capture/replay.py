@@ -101,7 +101,8 @@ def _tensor_key(t):
         raise _NoKey
     # `fake_device` is what `device` answers outside a kernel invocation (the front runs outside
     # one), without the property's Python call
-    return (t.shape, t.stride(), t.dtype, t.fake_device, t.storage_offset(), t.requires_grad,
+    # (`size()`, the method: the same torch.Size as the `shape` property, ~50 ns cheaper)
+    return (t.size(), t.stride(), t.dtype, t.fake_device, t.storage_offset(), t.requires_grad,
             t.is_conj(), t.is_neg())
 
 

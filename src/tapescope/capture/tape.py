@@ -208,6 +208,11 @@ class Tape(SizeFreeCacheCheck):
         # alone, an int: a (value, storage) pair was a tuple kept for the capture's life, ~7,000
         # a GPT-2 profile for the cyclic collector to walk
         self._tape_refs: dict = {}
+        # shape -> the one tuple every TensorRef of that shape holds (concrete sizes only: a
+        # SymInt does not hash). A step has few distinct shapes and a ref per op output: shared,
+        # the ~5,000 refs of a GPT-2 profile hold ~60 tuples, not one each, which the cyclic
+        # collector counted as allocations (a young collection per ~700) and a 70B trace kept
+        self._tape_shapes: dict = {}
         # id(code object) -> what the frame walk does at its frames (_KEEP, _SKIP, _STOP). By id:
         # a code object's hash is computed anew each time from its bytecode, constants and names
         # (0.2-0.5 us; ~8 frames walked an op); its equality ignores the file it comes from. The
@@ -528,12 +533,24 @@ class Tape(SizeFreeCacheCheck):
         # that shape and dtype (`param.data = x` changes them without an op). Symbolic sizes are
         # compared never: comparing SymInts would add guards.
         refs = self._tape_refs
-        ref = refs.get(v)
-        if ref is not None and ref.storage == sid and ref.dtype is t.dtype \
-                and self.shape_env is None and ref.shape == t.shape:
+        if self.shape_env is not None:
+            ref = refs[v] = TensorRef(tuple(t.shape), t.dtype, sid, v)
             return ref
-        ref = refs[v] = TensorRef(tuple(t.shape), t.dtype, sid, v)
+        ref = refs.get(v)
+        size = t.size()  # (the method: the `shape` property's Python-level get costs more)
+        if ref is not None and ref.storage == sid and ref.dtype is t.dtype and ref.shape == size:
+            return ref
+        ref = refs[v] = TensorRef(self._shape(size), t.dtype, sid, v)
         return ref
+
+    def _shape(self, size) -> tuple:
+        """The tape's one tuple equal to `size` (a torch.Size of ints: it hashes and compares
+        as the tuple does)."""
+        shape = self._tape_shapes.get(size)
+        if shape is None:
+            shape = tuple(size)
+            self._tape_shapes[shape] = shape
+        return shape
 
     def _out_ref(self, t: torch.Tensor, index: int) -> TensorRef:
         sid, new = self._storage_of(t, index)
@@ -542,7 +559,8 @@ class Tape(SizeFreeCacheCheck):
         v = self._tape_next_value
         self._tape_next_value = v + 1
         setattr(t, _VALUE_ATTR, v)
-        ref = self._tape_refs[v] = TensorRef(tuple(t.shape), t.dtype, sid, v)
+        shape = tuple(t.shape) if self.shape_env is not None else self._shape(t.size())
+        ref = self._tape_refs[v] = TensorRef(shape, t.dtype, sid, v)
         return ref
 
     def value_of(self, t: torch.Tensor) -> int | None:
@@ -614,7 +632,7 @@ class Tape(SizeFreeCacheCheck):
         # ~25,000 per GPT-2 profile) would otherwise each pass through the capture's
         # FunctionRulesMode, which is for the user's calls (10-14% of a profile's time).
         with disable_torch_function():
-            return self._dispatch(func, types, args, kwargs or {})
+            return self._dispatch(func, types, args, {} if kwargs is None else kwargs)
 
     @passes_user_calls
     def _dispatch(self, func, types, args, kwargs):
@@ -976,7 +994,10 @@ class Tape(SizeFreeCacheCheck):
                 a = self._convert(a, tensors)
             rec_args.append(a)
         rec_args = tuple(rec_args)
-        rec_kwargs = {k: self._convert(v, tensors) for k, v in kwargs.items()} if kwargs else {}
+        # (no keyword arguments: the op's own empty dict, which nothing else keeps, rather than a
+        # second one kept for the capture's life: the collector counts each as an allocation)
+        rec_kwargs = {k: self._convert(v, tensors) for k, v in kwargs.items()} if kwargs \
+            else kwargs if type(kwargs) is dict else {}
         # an op whose arguments are all tensors (most) has them as its inputs: one tuple for both,
         # not two, each kept for the capture's life for the cyclic collector to walk
         inputs = rec_args if direct == len(rec_args) == len(tensors) else tuple(tensors)
