@@ -12,6 +12,10 @@ one:
 - memory grows as sharding shrinks: HSDP holds more of the parameters, gradients and optimizer
   state on each rank than FSDP over all its data-parallel ranks, and the same activations. An
   HSDP candidate waits for its FSDP twin and is out when that one is out of memory;
+- a floor on what a pipelined candidate's rank provably holds (memory_floors.py: FSDP2's
+  unsharded parameters and gradients kept across micro-batches) above the bytes the GPU's
+  allocator can use: the candidate runs out of memory, and the rules above extend that to its
+  family, before any trace of it;
 - at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
   forward ops: when a mode with less recompute fits there, the heavier one is not traced (it is
   listed as dominated, naming the candidate that fits);
@@ -58,6 +62,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import TapescopeError
 from .bounds import Bound, Known, _pipeline_twin, lower_bound, matmul_rate
 from .evaluate import ERROR, FITS, OOM, Outcome, Source, evaluate
+from .memory_floors import MemoryFloor, allocator_capacity, memory_floor, model_parameters
 from .space import RECOMPUTE_ORDER, Candidate, SearchSpace, candidate_grid
 
 __all__ = ["SearchResult", "Progress", "Untraced", "SearchInterrupted", "SearchTerminated",
@@ -275,7 +280,8 @@ class Cache:
 class _Grid:
     """Each cell's state: an Outcome, a pruning reason, or nothing yet."""
 
-    def __init__(self, space: SearchSpace, top: int | None = None, rate: float | None = None):
+    def __init__(self, space: SearchSpace, top: int | None = None, rate: float | None = None,
+                 source: Source | None = None, capacity: int | None = None):
         grid = candidate_grid(space)
         self.skipped = grid.skipped
         self.chains = grid.chains
@@ -294,6 +300,10 @@ class _Grid:
         self.fit_seconds: dict = {}     # Candidate -> step seconds
         self.known = Known(rate)
         self.bounds: dict = {}      # Candidate -> its lower bound (Bound) that pruned it
+        # memory floors (memory_floors.py): the model's parameters, read off a meta build the
+        # first time a pipelined candidate reaches the gate; the allocator's capacity
+        self.source, self.capacity = source, capacity
+        self.model = None
 
     def learn(self, o: Outcome) -> None:
         """What a trace adds to the bounds and the top."""
@@ -421,7 +431,15 @@ class _Grid:
 
     def _gate(self, c: Candidate) -> list:
         """The last rules before tracing `c`: one that cannot enter the top is out, an HSDP
-        candidate waits for its FSDP twin. What to trace now ([] to wait)."""
+        candidate waits for its FSDP twin, one whose memory floor exceeds what the allocator can
+        hold is out of memory. What to trace now ([] to wait)."""
+        floor = self._memory_floor(c)
+        if floor is not None and floor.bytes > self.capacity:
+            self.pruned[c] = (f"out of memory: pipeline rank {floor.stage} holds at least "
+                              f"{floor.bytes / 2**30:,.1f} GiB, above the "
+                              f"{self.capacity / 2**30:,.1f} GiB the allocator can use: "
+                              f"{floor.reason}")
+            return []
         if self._beyond_top(c):
             return []
         if c.layout.dp_replicate > 1:
@@ -435,6 +453,19 @@ class _Grid:
                 if twin not in self.outcome and twin not in self.pruned:
                     return []  # wait for the FSDP twin
         return [c]
+
+    def _memory_floor(self, c: Candidate) -> MemoryFloor | None:
+        """memory_floors.memory_floor of a pipelined candidate (None: no source, capacity or
+        rule; a model that does not build on meta has no floor)."""
+        if c.layout.pp == 1 or self.source is None or self.capacity is None:
+            return None
+        if self.model is None:
+            try:
+                self.model = model_parameters(self.source)
+            except TapescopeError:
+                self.source = None   # the traces will say what the build says
+                return None
+        return memory_floor(c, self.model)
 
     def _beyond_top(self, c: Candidate) -> bool:
         """Prune `c` when its step provably takes longer than the top-th best's."""
@@ -560,8 +591,9 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     start = time.perf_counter()
     pool = pool or InProcess()
     tokens = space.global_batch * (seq_tokens or 1)
-    grid = _Grid(space, None if brute_force else top,
-                 matmul_rate(Options.create(gpu=source.gpu).gpu))
+    gpu = Options.create(gpu=source.gpu).gpu
+    grid = _Grid(space, None if brute_force else top, matmul_rate(gpu), source,
+                 allocator_capacity(gpu))
     store = Cache(cache, source, tokens)
     running: dict = {}   # Future -> Candidate
     best: Outcome | None = None
