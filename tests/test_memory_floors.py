@@ -17,8 +17,8 @@ import tapescope
 from tapescope.distributed.presets import Layout
 from tapescope.layout_search import Source
 from tapescope.layout_search.memory_floors import (
-    ModelParameters, _least_tp_chunk, allocator_capacity, fsdp2_state_across_micro_batches,
-    memory_floor, model_parameters)
+    ModelParameters, Twins, _least_tp_chunk, activations_in_flight, allocator_capacity,
+    fsdp2_state_across_micro_batches, memory_floor, model_parameters)
 from tapescope.layout_search.space import Candidate
 from tapescope.values.mesh import mesh_spec
 
@@ -97,8 +97,14 @@ def test_floor_at_most_every_traced_peak(searches, model):
     _, brute = searches
     piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
     assert len(piped) == 3
+    twins = Twins()
+    for o in brute.outcomes:
+        twins.add(o)
+    assert {o.candidate.label() for o in brute.outcomes if o.saved_bytes} == {
+        o.candidate.label() for o in brute.outcomes if o.candidate.layout.pp == 1}
     for o in piped:
-        f = memory_floor(o.candidate, model)
+        f = memory_floor(o.candidate, model, twins)
+        assert activations_in_flight(o.candidate, model, twins) is not None
         assert f is not None, o.candidate.label()
         peaks = [r.peak_bytes for r in o.ranks if _stage(o.candidate, r.ranks[0]) == f.stage]
         assert peaks and f.bytes <= min(peaks), (o.candidate.label(), f.bytes, peaks)

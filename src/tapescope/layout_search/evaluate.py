@@ -10,7 +10,7 @@ candidate: a candidate is only ever called fitting after its own trace.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -97,6 +97,11 @@ class Outcome:
     # backward (own, recomputed): bounds.block_floors, for bounds.twin_pipeline_chain. ()
     # otherwise, and in a cache written before them
     block_seconds: tuple = ()
+    # an unpipelined step: per traced rank class, per transformer block (in the model's order),
+    # the bytes of the storages the block's first forward made that are still alive when the
+    # backward begins (memory_floors.saved_block_bytes, for memory_floors.activations_in_flight).
+    # () otherwise, and in a cache written before them
+    saved_bytes: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -132,7 +137,7 @@ class Outcome:
         kept = {k: v for k, v in d.items() if k in cls.__dataclass_fields__
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
                               "matmul_flops", "step_ends", "stage_seconds",
-                              "block_seconds")}
+                              "block_seconds", "saved_bytes")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
@@ -141,7 +146,8 @@ class Outcome:
                    step_ends=tuple(d.get("step_ends", ())),
                    stage_seconds=tuple(tuple(x) for x in d.get("stage_seconds", ())),
                    block_seconds=tuple(tuple(tuple(b) for b in x)
-                                       for x in d.get("block_seconds", ())), **kept)
+                                       for x in d.get("block_seconds", ())),
+                   saved_bytes=tuple(tuple(x) for x in d.get("saved_bytes", ())), **kept)
 
 
 def _block_fqns(module) -> list[str]:
@@ -243,6 +249,15 @@ def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcom
             blocks = options.parallelize.blocks if options.parallelize is not None else \
                 _block_fqns(model_of(workload.model))
         out = _outcome(p, candidate, global_tokens, source.amp or source.dtype, blocks)
+        # what each block keeps for its backward (a pipeline's memory floor): the block names
+        # a parallelize found cost nothing; a one-GPU candidate's were built above or not at all
+        saved_by = blocks or (options.parallelize.blocks if candidate.layout.pp == 1 and
+                              options.parallelize is not None else ())
+        if saved_by:
+            from .memory_floors import saved_block_bytes
+
+            out = replace(out, saved_bytes=tuple(saved_block_bytes(q, saved_by)
+                                                 for q in _traced(p)))
     except TapescopeError as e:
         out = Outcome(candidate, ERROR, reason=str(e).split("\n")[0])
     return Outcome(**{**{f: getattr(out, f) for f in out.__dataclass_fields__},

@@ -19,14 +19,19 @@ Rules:
 - `fsdp2_state_across_micro_batches`: a stage sharded by FSDP2 keeps every block's unsharded
   parameters and unsharded gradients from its first backward to the step's gradient reduction
   (torch's pipelining runs every backward without gradient sync or resharding), plus the
-  sharded parameters. The instant: the end of any of the stage's backward actions.
+  sharded parameters. The instant: the end of any of the stage's backward actions. From the
+  model alone: it applies before any trace.
+- `activations_in_flight`: at the end of each of the stage's actions, the saved tensors of the
+  micro-batches in flight (the schedule's own order), each at least what the unpipelined
+  twin's trace shows the stage's blocks keep for their backward (`Outcome.saved_bytes`,
+  `saved_block_bytes`), beside the FSDP2 state alive at that instant.
 
-Left out (not proven here, so not counted): the saved activations of the micro-batches in
-flight, the embedding, the final norm and the output layer (FSDP2's root group: when its
-post-backward runs differs), the optimizer state (it exists from the first step's optimizer
-on), the gradients' and parameters' padding. Not applied to schedules with several stages a
-rank or split backwards (interleaved, looped, zero-bubble, V), to compiled candidates, float8
-(its all-gather may run in float8) or a stage that FSDP2 does not shard.
+Left out (not proven here, so not counted): the embedding, the final norm and the output
+layer and their activations and temporaries (FSDP2's root group: when its post-backward runs
+differs), the optimizer state (it exists from the first step's optimizer on), the gradients'
+and parameters' padding, any temporary. Not applied to schedules with several stages a rank
+or split backwards (interleaved, looped, zero-bubble, V); the FSDP2 part not to compiled
+candidates, float8 (its all-gather may run in float8) or a stage that FSDP2 does not shard.
 
 tests/test_memory_floors.py checks every floor against brute force: on every pipelined
 candidate of a reduced space, each rank class's traced peak live bytes are at least the
@@ -35,14 +40,15 @@ floor, and the gate rules out only candidates whose trace runs out of memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .space import Candidate
 
-__all__ = ["MemoryFloor", "ModelParameters", "model_parameters", "memory_floor",
-           "allocator_capacity", "FLOORS", "fsdp2_state_across_micro_batches"]
+__all__ = ["MemoryFloor", "ModelParameters", "Twins", "model_parameters", "memory_floor",
+           "saved_block_bytes", "allocator_capacity", "FLOORS",
+           "fsdp2_state_across_micro_batches", "activations_in_flight"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,114 @@ def _least_tp_chunk(shape: tuple, tp: int) -> int:
     return least
 
 
-def fsdp2_state_across_micro_batches(c: Candidate, model: ModelParameters) -> MemoryFloor | None:
+@dataclass
+class Twins:
+    """Unpipelined traces with `Outcome.saved_bytes`, by what decides a block's saved tensors
+    whatever the pipeline and data-parallel degrees (bounds._pipeline_twin: the TP / CP split,
+    whether FSDP2's mixed precision applies, compile, float8)."""
+
+    by_split: dict = field(default_factory=dict)
+    added: int = 0     # how many were added (a cached floor is stale once this grows)
+
+    def add(self, o) -> None:
+        if o.saved_bytes and o.candidate.layout.pp == 1:
+            self.by_split.setdefault(_pipeline_twin(o.candidate), []).append(o)
+            self.added += 1
+
+    def for_candidate(self, c: Candidate) -> list:
+        return self.by_split.get(_pipeline_twin(c), [])
+
+
+def saved_block_bytes(q, blocks: list) -> tuple:
+    """Per block (fqns in the model's order), the bytes of the storages its forward ops made in
+    the rank's first forward that no free ends before the first backward op after it (q: the
+    rank's Profile): what autograd (or the blocks after it, the loss) keeps of the block for
+    the backward. Each storage counts once, however many tensors view it; storages with a role
+    (parameters, gradients, optimizer state, FSDP2's unsharded parameters and buffers, inputs)
+    are left out: FSDP2 resizes its unsharded parameters away and back (a block that keeps
+    them after forward, the last, would count them)."""
+    from ..capture.records import BACKWARD, FORWARD
+
+    index_of = {fqn: i for i, fqn in enumerate(blocks)}
+    cached: dict = {}
+
+    def block(module):
+        if module not in cached:
+            parts = (module or "").split(".")
+            cached[module] = next((index_of[".".join(parts[:k])]
+                                   for k in range(1, len(parts) + 1)
+                                   if ".".join(parts[:k]) in index_of), None)
+        return cached[module]
+
+    made: dict = {}            # record index -> block, the first forward's ops
+    backward = None            # record index of the first backward op after them
+    for op in q.ops:
+        if op.phase == FORWARD and not op.recompute and backward is None:
+            b = block(op.module)
+            if b is not None:
+                made[op.record.index] = b
+        elif op.phase == BACKWARD and made:
+            backward = op.record.index
+            break
+    if backward is None:
+        return ()
+    trace = q.trace
+    born: dict = {}            # storage -> block
+    for i, sid, delta in trace.events:
+        if i >= backward:
+            break
+        if delta > 0:
+            if i in made and sid not in born and not trace.storages[sid].roles:
+                born[sid] = made[i]
+        else:
+            born.pop(sid, None)
+    out = [0] * len(blocks)
+    for sid, b in born.items():
+        out[b] += trace.storages[sid].nbytes
+    return tuple(out)
+
+
+def _pipeline_twin(c: Candidate) -> tuple:
+    from .bounds import _pipeline_twin as twin
+
+    return twin(c)
+
+
+def _fsdp2_applies(c: Candidate, model: ModelParameters) -> bool:
+    """Whether the stages' FSDP2 behaviour below is proven for `c`: a one-stage-a-rank
+    schedule with full backwards, FSDP2 sharding the stage, no compile, no float8."""
+    return c.layout.pp > 1 and c.schedule in ("1f1b", "gpipe") and \
+        c.layout.shard_degree > 1 and not c.compile and c.float8 is None and \
+        len(model.blocks) >= c.layout.pp
+
+
+def _stage_state(c: Candidate, model: ModelParameters, s: int) -> tuple:
+    """(unsharded parameters, unsharded gradients, shards) bytes of stage s's blocks on each of
+    its ranks (fsdp2_state_across_micro_batches' docstring)."""
+    from ..distributed.pipeline import block_range
+
+    layout = c.layout
+    blocks = block_range(s, layout.pp, len(model.blocks))
+    local = [_least_tp_chunk(shape, layout.tp) for b in blocks for shape in model.blocks[b]]
+    gathered = (model.param_dtype or model.dtype).itemsize
+    reduced = (model.reduce_dtype or model.param_dtype or model.dtype).itemsize
+    return (sum(local) * gathered, sum(local) * reduced,
+            sum(n // layout.shard_degree for n in local) * model.dtype.itemsize)
+
+
+def _state_reason(c: Candidate, model: ModelParameters, s: int, state: tuple) -> str:
+    from ..distributed.pipeline import block_range
+
+    blocks = block_range(s, c.layout.pp, len(model.blocks))
+    unsharded, grads, shards = state
+    return (f"stage {s}'s blocks {blocks.start}-{blocks.stop - 1} keep their FSDP2-unsharded "
+            f"parameters ({_gib(unsharded)}) and gradients ({_gib(grads)}) from the first "
+            f"backward to the step's gradient reduction (torch's pipelining backward: no "
+            f"reshard, no gradient sync), beside their shards ({_gib(shards)})")
+
+
+def fsdp2_state_across_micro_batches(c: Candidate, model: ModelParameters,
+                                     twins: Twins | None = None) -> MemoryFloor | None:
     """Each stage's rank holds, at the end of each of its backward actions, every block's
     FSDP2-unsharded parameters (the mixed-precision param dtype) and unsharded gradients (the
     reduce dtype, or the parameters' without a policy), and its sharded parameters.
@@ -117,37 +230,88 @@ def fsdp2_state_across_micro_batches(c: Candidate, model: ModelParameters) -> Me
     1 / shard degree of the TP-local elements). The blocks of stage s are
     distributed/pipeline.py's `block_range`; a TP rank holds at least `_least_tp_chunk` of each
     parameter."""
-    layout = c.layout
-    if layout.pp == 1 or c.schedule not in ("1f1b", "gpipe") or layout.shard_degree == 1 \
-            or c.compile or c.float8 is not None or len(model.blocks) < layout.pp:
+    if not _fsdp2_applies(c, model):
         return None
-    from ..distributed.pipeline import block_range
-
-    gathered = (model.param_dtype or model.dtype).itemsize
-    reduced = (model.reduce_dtype or model.param_dtype or model.dtype).itemsize
     best = None
-    for s in range(layout.pp):
-        blocks = block_range(s, layout.pp, len(model.blocks))
-        local = [_least_tp_chunk(shape, layout.tp) for b in blocks for shape in model.blocks[b]]
-        unsharded = sum(local) * gathered
-        grads = sum(local) * reduced
-        shards = sum(n // layout.shard_degree for n in local) * model.dtype.itemsize
-        total = unsharded + grads + shards
-        if best is None or total > best.bytes:
-            best = MemoryFloor(total, s, (
-                f"stage {s}'s blocks {blocks.start}-{blocks.stop - 1} keep their FSDP2-unsharded "
-                f"parameters ({_gib(unsharded)}) and gradients ({_gib(grads)}) from the first "
-                f"backward to the step's gradient reduction (torch's pipelining backward: no "
-                f"reshard, no gradient sync), beside their shards ({_gib(shards)})"))
+    for s in range(c.layout.pp):
+        state = _stage_state(c, model, s)
+        if best is None or sum(state) > best.bytes:
+            best = MemoryFloor(sum(state), s, _state_reason(c, model, s, state))
     return best
 
 
-FLOORS = (fsdp2_state_across_micro_batches,)
+def activations_in_flight(c: Candidate, model: ModelParameters,
+                          twins: Twins | None = None) -> MemoryFloor | None:
+    """At the end of each compute action of stage s, the rank holds the saved tensors of every
+    micro-batch whose forward ran on it and whose backward has not, each at least the stage's
+    blocks' `Outcome.saved_bytes` of an unpipelined twin (the same TP / CP split, mixed
+    precision, compile and float8; a micro-batch as small or smaller, as much recompute or
+    more); with FSDP2 (`_fsdp2_applies`), beside its state at that instant: after a backward,
+    the unsharded parameters, gradients and shards (fsdp2_state_across_micro_batches); after a
+    forward, the unsharded gradients once a backward has run (they live to the step's
+    reduction; the unsharded parameters may be resharded after forward) and the shards.
+
+    Why the activations: the micro-batches in flight come from the schedule's own order
+    (distributed/pipeline.py's `_single_stage_kinds`: torch's GPipe and 1F1B
+    `_step_microbatches`, one stage a rank). A block of the stage runs the twin's ops at the
+    twin's shapes on a micro-batch of the same size (the same TP plan, checkpointing and FSDP2
+    mixed precision: evaluate.candidate_options), so it makes the same storages; what keeps
+    them in the twin from the block's forward to the first backward op is the autograd graph
+    of the blocks and the loss, or a stage boundary (torch's stage keeps its outputs in
+    `fwd_cache` until the micro-batch's backward on it): untouched on the stage until its
+    backward of that micro-batch. Micro-batches hold distinct storages. A smaller micro-batch,
+    or more recompute, saves no more (the premise of the runner's memory rules: memory grows
+    with the micro-batch, checkpointing saves memory). The least of the twin's rank classes is
+    read. Not with several stages a rank or split backwards (interleaved, zero-bubble, V)."""
+    from ..distributed.pipeline import _single_stage_kinds, block_range
+    from .space import RECOMPUTE_ORDER
+
+    layout = c.layout
+    if layout.pp == 1 or c.schedule not in ("1f1b", "gpipe") or twins is None or \
+            len(model.blocks) < layout.pp:
+        return None
+    heavier = RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(c.checkpointing):]
+    usable = [x for x in twins.for_candidate(c) if x.candidate.micro_batch <= c.micro_batch
+              and x.candidate.checkpointing in heavier
+              and all(len(r) == len(model.blocks) for r in x.saved_bytes)]
+    if not usable:
+        return None
+    fsdp = _fsdp2_applies(c, model)
+    best = None
+    for s in range(layout.pp):
+        blocks = block_range(s, layout.pp, len(model.blocks))
+        twin = max(usable, key=lambda x: min(sum(r[b] for b in blocks) for r in x.saved_bytes))
+        per_micro_batch = min(sum(r[b] for b in blocks) for r in twin.saved_bytes)
+        unsharded, grads, shards = _stage_state(c, model, s) if fsdp else (0, 0, 0)
+        forwards = backwards = 0
+        for kind in _single_stage_kinds(c.schedule, c.steps, layout.pp, s):
+            if kind == "F":
+                forwards += 1
+                held = shards + (grads if backwards else 0)
+            else:
+                backwards += 1
+                held = shards + grads + unsharded
+            live = forwards - backwards
+            total = held + live * per_micro_batch
+            if best is None or total > best.bytes:
+                state = f"; {_state_reason(c, model, s, (unsharded, grads, shards))}" \
+                    if fsdp and kind == "B" else ""
+                best = MemoryFloor(total, s, (
+                    f"after {forwards} forwards and {backwards} backwards, stage {s} "
+                    f"holds {live} micro-batches' saved tensors ({_gib(per_micro_batch)} each, "
+                    f"as {twin.candidate.label()} keeps them for blocks "
+                    f"{blocks.start}-{blocks.stop - 1}){state}"))
+    return best
 
 
-def memory_floor(c: Candidate, model: ModelParameters) -> MemoryFloor | None:
-    """The largest floor the rules give `c` (None: no rule applies)."""
-    floors = [f for rule in FLOORS if (f := rule(c, model)) is not None]
+FLOORS = (fsdp2_state_across_micro_batches, activations_in_flight)
+
+
+def memory_floor(c: Candidate, model: ModelParameters,
+                 twins: Twins | None = None) -> MemoryFloor | None:
+    """The largest floor the rules give `c` (None: no rule applies); `twins`: the unpipelined
+    traces so far."""
+    floors = [f for rule in FLOORS if (f := rule(c, model, twins)) is not None]
     return max(floors, key=lambda f: f.bytes, default=None)
 
 

@@ -13,7 +13,8 @@ one:
   state on each rank than FSDP over all its data-parallel ranks, and the same activations. An
   HSDP candidate waits for its FSDP twin and is out when that one is out of memory;
 - a floor on what a pipelined candidate's rank provably holds (memory_floors.py: FSDP2's
-  unsharded parameters and gradients kept across micro-batches) above the bytes the GPU's
+  unsharded parameters and gradients kept across micro-batches, the micro-batches in flight
+  at their unpipelined twins' saved bytes) above the bytes the GPU's
   allocator can use: the candidate runs out of memory, and the rules above extend that to its
   family, before any trace of it;
 - at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
@@ -62,7 +63,8 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import TapescopeError
 from .bounds import Bound, Known, _pipeline_twin, lower_bound, matmul_rate
 from .evaluate import ERROR, FITS, OOM, Outcome, Source, evaluate
-from .memory_floors import MemoryFloor, allocator_capacity, memory_floor, model_parameters
+from .memory_floors import (MemoryFloor, Twins, allocator_capacity, memory_floor,
+                            model_parameters)
 from .space import RECOMPUTE_ORDER, Candidate, SearchSpace, candidate_grid
 
 __all__ = ["SearchResult", "Progress", "Untraced", "SearchInterrupted", "SearchTerminated",
@@ -304,10 +306,13 @@ class _Grid:
         # first time a pipelined candidate reaches the gate; the allocator's capacity
         self.source, self.capacity = source, capacity
         self.model = None
+        self.twins = Twins()        # unpipelined traces: what a block keeps for its backward
+        self.floors: dict = {}      # Candidate -> (twins.added, its MemoryFloor)
 
     def learn(self, o: Outcome) -> None:
         """What a trace adds to the bounds and the top."""
         self.known.add(o)
+        self.twins.add(o)
         if o.candidate in self.all and o.fits and o.step_seconds:
             self.fit_seconds[o.candidate] = o.step_seconds
 
@@ -465,7 +470,11 @@ class _Grid:
             except TapescopeError:
                 self.source = None   # the traces will say what the build says
                 return None
-        return memory_floor(c, self.model)
+        added, floor = self.floors.get(c, (-1, None))
+        if added != self.twins.added:
+            floor = memory_floor(c, self.model, self.twins)
+            self.floors[c] = (self.twins.added, floor)
+        return floor
 
     def _beyond_top(self, c: Candidate) -> bool:
         """Prune `c` when its step provably takes longer than the top-th best's."""
