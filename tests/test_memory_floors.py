@@ -125,3 +125,16 @@ def test_gate_prunes_only_what_runs_out(searches):
     assert all(status[c] == "oom" for c, why in pruned.pruned if why.startswith("out of memory"))
     assert [o.candidate for o in pruned.ranked] == [o.candidate for o in brute.ranked]
     assert pruned.ranked
+
+
+def test_full_checkpointing_keeps_each_blocks_output():
+    """Component (1) by hand: with every block checkpointed whole, what a block's forward leaves
+    for the backward is its output alone (the next block's checkpoint, or the final norm,
+    saves it): micro-batch x tokens x dim bf16 bytes (2 x 128 x 64 x 2); the head keeps more
+    (the logits for the loss)."""
+    from tapescope.layout_search.evaluate import evaluate
+
+    spec = "zoo:llama:n_layers=2,dim=64,n_heads=4,n_kv_heads=2,ffn_dim=128"
+    o = evaluate(Source(spec, 128, "h100"), Candidate(Layout(fsdp=4), 2, 1, "full"), 8 * 128)
+    assert [r[:2] for r in o.saved_bytes] == [(2 * 128 * 64 * 2,) * 2]
+    assert all(r[2] > 2 * 128 * 32000 * 2 for r in o.saved_bytes)   # bf16 logits at least

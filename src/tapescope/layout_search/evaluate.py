@@ -97,10 +97,11 @@ class Outcome:
     # backward (own, recomputed): bounds.block_floors, for bounds.twin_pipeline_chain. ()
     # otherwise, and in a cache written before them
     block_seconds: tuple = ()
-    # an unpipelined step: per traced rank class, per transformer block (in the model's order),
-    # the bytes of the storages the block's first forward made that are still alive when the
-    # backward begins (memory_floors.saved_block_bytes, for memory_floors.activations_in_flight).
-    # () otherwise, and in a cache written before them
+    # an unpipelined step: per traced rank class, per transformer block (in the model's order)
+    # and then the head after them (final norm, output layer, loss), the bytes of the storages
+    # its first forward made that are still alive when the backward begins
+    # (memory_floors.saved_block_bytes, for memory_floors.activations_in_flight). () otherwise,
+    # and in a cache written before them
     saved_bytes: tuple = ()
 
     @property

@@ -23,12 +23,13 @@ Rules:
   model alone: it applies before any trace.
 - `activations_in_flight`: at the end of each of the stage's actions, the saved tensors of the
   micro-batches in flight (the schedule's own order), each at least what the unpipelined
-  twin's trace shows the stage's blocks keep for their backward (`Outcome.saved_bytes`,
-  `saved_block_bytes`), beside the FSDP2 state alive at that instant.
+  twin's trace shows the stage's blocks (and on the last stage the head: final norm, output
+  layer, loss) keep for their backward (`Outcome.saved_bytes`, `saved_block_bytes`), beside
+  the FSDP2 state alive at that instant.
 
-Left out (not proven here, so not counted): the embedding, the final norm and the output
-layer and their activations and temporaries (FSDP2's root group: when its post-backward runs
-differs), the optimizer state (it exists from the first step's optimizer on), the gradients'
+Left out (not proven here, so not counted): the embedding's, the final norm's and the output
+layer's parameters and gradients (FSDP2's root group: when its post-backward runs differs),
+the embedding's saved tensors, temporaries, the optimizer state (it exists from the first step's optimizer on), the gradients'
 and parameters' padding, any temporary. Not applied to schedules with several stages a rank
 or split backwards (interleaved, looped, zero-bubble, V); the FSDP2 part not to compiled
 candidates, float8 (its all-gather may run in float8) or a stage that FSDP2 does not shard.
@@ -125,7 +126,10 @@ def saved_block_bytes(q, blocks: list) -> tuple:
     """Per block (fqns in the model's order), the bytes of the storages its forward ops made in
     the rank's first forward that no free ends before the first backward op after it (q: the
     rank's Profile): what autograd (or the blocks after it, the loss) keeps of the block for
-    the backward. Each storage counts once, however many tensors view it; storages with a role
+    the backward; then the same for the forward ops after the last block that belong to no
+    block (the head: the final norm, the output layer, the loss). Each storage counts once,
+    however many tensors view it; only the profiled device's (checkpointing stashes the CPU
+    generator's state, 5,056 bytes, on the host); storages with a role
     (parameters, gradients, optimizer state, FSDP2's unsharded parameters and buffers, inputs)
     are left out: FSDP2 resizes its unsharded parameters away and back (a block that keeps
     them after forward, the last, would count them)."""
@@ -142,13 +146,16 @@ def saved_block_bytes(q, blocks: list) -> tuple:
                                    if ".".join(parts[:k]) in index_of), None)
         return cached[module]
 
-    made: dict = {}            # record index -> block, the first forward's ops
+    head = len(blocks)
+    made: dict = {}            # record index -> block (head: after the last), the first forward's
     backward = None            # record index of the first backward op after them
+    last_ran = False           # the last block's forward has begun
     for op in q.ops:
         if op.phase == FORWARD and not op.recompute and backward is None:
             b = block(op.module)
-            if b is not None:
-                made[op.record.index] = b
+            last_ran = last_ran or b == head - 1
+            if b is not None or last_ran:
+                made[op.record.index] = head if b is None else b
         elif op.phase == BACKWARD and made:
             backward = op.record.index
             break
@@ -160,11 +167,12 @@ def saved_block_bytes(q, blocks: list) -> tuple:
         if i >= backward:
             break
         if delta > 0:
-            if i in made and sid not in born and not trace.storages[sid].roles:
+            st = trace.storages[sid]
+            if i in made and sid not in born and not st.roles and st.device == trace.device:
                 born[sid] = made[i]
         else:
             born.pop(sid, None)
-    out = [0] * len(blocks)
+    out = [0] * (len(blocks) + 1)
     for sid, b in born.items():
         out[b] += trace.storages[sid].nbytes
     return tuple(out)
@@ -244,7 +252,10 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
                           twins: Twins | None = None) -> MemoryFloor | None:
     """At the end of each compute action of stage s, the rank holds the saved tensors of every
     micro-batch whose forward ran on it and whose backward has not, each at least the stage's
-    blocks' `Outcome.saved_bytes` of an unpipelined twin (the same TP / CP split, mixed
+    blocks' `Outcome.saved_bytes` (the last stage's with the head's: the final norm, the output
+    layer and the loss, which torch's schedule computes in the last stage's forward action,
+    `_maybe_compute_loss`, and whose graph it keeps for that micro-batch's backward) of an
+    unpipelined twin (the same TP / CP split, mixed
     precision, compile and float8; a micro-batch as small or smaller, as much recompute or
     more); with FSDP2 (`_fsdp2_applies`), beside its state at that instant: after a backward,
     the unsharded parameters, gradients and shards (fsdp2_state_across_micro_batches); after a
@@ -270,18 +281,20 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
     if layout.pp == 1 or c.schedule not in ("1f1b", "gpipe") or twins is None or \
             len(model.blocks) < layout.pp:
         return None
+    n = len(model.blocks)
     heavier = RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(c.checkpointing):]
     usable = [x for x in twins.for_candidate(c) if x.candidate.micro_batch <= c.micro_batch
               and x.candidate.checkpointing in heavier
-              and all(len(r) == len(model.blocks) for r in x.saved_bytes)]
+              and all(len(r) == n + 1 for r in x.saved_bytes)]
     if not usable:
         return None
     fsdp = _fsdp2_applies(c, model)
     best = None
     for s in range(layout.pp):
-        blocks = block_range(s, layout.pp, len(model.blocks))
-        twin = max(usable, key=lambda x: min(sum(r[b] for b in blocks) for r in x.saved_bytes))
-        per_micro_batch = min(sum(r[b] for b in blocks) for r in twin.saved_bytes)
+        blocks = block_range(s, layout.pp, n)
+        held = [*blocks, *([n] if s == layout.pp - 1 else [])]   # the last stage: the head
+        twin = max(usable, key=lambda x: min(sum(r[b] for b in held) for r in x.saved_bytes))
+        per_micro_batch = min(sum(r[b] for b in held) for r in twin.saved_bytes)
         unsharded, grads, shards = _stage_state(c, model, s) if fsdp else (0, 0, 0)
         forwards = backwards = 0
         for kind in _single_stage_kinds(c.schedule, c.steps, layout.pp, s):
@@ -300,7 +313,8 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
                     f"after {forwards} forwards and {backwards} backwards, stage {s} "
                     f"holds {live} micro-batches' saved tensors ({_gib(per_micro_batch)} each, "
                     f"as {twin.candidate.label()} keeps them for blocks "
-                    f"{blocks.start}-{blocks.stop - 1}){state}"))
+                    f"{blocks.start}-{blocks.stop - 1}"
+                    f"{' and the head' if s == layout.pp - 1 else ''}){state}"))
     return best
 
 
