@@ -5,8 +5,9 @@ A pipelined candidate costs 2-4 unpipelined ones to trace (its stages' micro-bat
 checkpointing. A floor on what a stage's rank provably holds at one instant of the step, above
 what the GPU's caching allocator can ever hand out, rules such a candidate out as out of memory
 without tracing it (runner.py's gate; its memory rules then extend it to the rest of the
-family). Each floor is a small rule over the model's parameters on meta (no trace); the largest
-applies. Like bounds.py's BOUNDS, a rule returns None where its proof does not hold.
+family). Each floor is a small rule over the model's parameters on meta and the unpipelined
+traces so far; the largest applies. Like bounds.py's BOUNDS, a rule returns None where its
+proof does not hold.
 
 What "out of memory" compares with: analysis/gpu_memory.py replays the step's allocations on
 the caching allocator with `capacity` = the GPU's memory less the CUDA context
@@ -29,8 +30,8 @@ Rules:
 
 Left out (not proven here, so not counted): the embedding's, the final norm's and the output
 layer's parameters and gradients (FSDP2's root group: when its post-backward runs differs),
-the embedding's saved tensors, temporaries, the optimizer state (it exists from the first step's optimizer on), the gradients'
-and parameters' padding, any temporary. Not applied to schedules with several stages a rank
+the embedding's saved tensors, every temporary, the optimizer state (it exists from the first
+step's optimizer on), the gradients' and parameters' padding. Not applied to schedules with several stages a rank
 or split backwards (interleaved, looped, zero-bubble, V); the FSDP2 part not to compiled
 candidates, float8 (its all-gather may run in float8) or a stage that FSDP2 does not shard.
 
