@@ -339,6 +339,14 @@ class _Grid:
     def update(self, brute_force: bool) -> list:
         """Apply the pruning rules; the cells that can be traced now, in order."""
         ready = []
+        if not brute_force:
+            # a pipelined candidate whose floor exceeds the GPU is out of memory wherever it
+            # waits in its family's order (the gate would rule it out once ready): ruled out
+            # now, so that the memory rules extend it and a stopped search does not list it
+            # as unsearched
+            for c in self.all:
+                if c.layout.pp > 1 and self._open(c):
+                    self._above_floor(c)
         for family in self.families.values():
             modes = [m for m in RECOMPUTE_ORDER if m in family]
             if brute_force:
@@ -438,12 +446,7 @@ class _Grid:
         """The last rules before tracing `c`: one that cannot enter the top is out, an HSDP
         candidate waits for its FSDP twin, one whose memory floor exceeds what the allocator can
         hold is out of memory. What to trace now ([] to wait)."""
-        floor = self._memory_floor(c)
-        if floor is not None and floor.bytes > self.capacity:
-            self.pruned[c] = (f"out of memory: pipeline rank {floor.stage} holds at least "
-                              f"{floor.bytes / 2**30:,.1f} GiB, above the "
-                              f"{self.capacity / 2**30:,.1f} GiB the allocator can use: "
-                              f"{floor.reason}")
+        if self._above_floor(c):
             return []
         if self._beyond_top(c):
             return []
@@ -458,6 +461,17 @@ class _Grid:
                 if twin not in self.outcome and twin not in self.pruned:
                     return []  # wait for the FSDP twin
         return [c]
+
+    def _above_floor(self, c: Candidate) -> bool:
+        """Rule `c` out when its memory floor exceeds what the allocator can use."""
+        floor = self._memory_floor(c)
+        if floor is None or floor.bytes <= self.capacity:
+            return False
+        self.pruned[c] = (f"out of memory: pipeline rank {floor.stage} holds at least "
+                          f"{floor.bytes / 2**30:,.1f} GiB, above the "
+                          f"{self.capacity / 2**30:,.1f} GiB the allocator can use: "
+                          f"{floor.reason}")
+        return True
 
     def _memory_floor(self, c: Candidate) -> MemoryFloor | None:
         """memory_floors.memory_floor of a pipelined candidate (None: no source, capacity or
