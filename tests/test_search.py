@@ -827,3 +827,26 @@ def test_replicated_twin_prices_the_candidates_own_collectives(searches):
         pytest.approx(last.seconds, rel=1e-12)
     assert collective_seconds("all_reduce", f.reduced // 2, replicas, ic)[0] == \
         pytest.approx(reduce.seconds, rel=1e-12)
+def test_memory_floors_hold_on_every_pipelined_candidate(pipelined):
+    """memory_floors.py on the pipelined space (PP 2 x FSDP 2 against FSDP 4, both modes, two
+    micro-batch sizes): from brute force's unpipelined traces, every pipelined candidate has a
+    floor with the micro-batches in flight, at most the traced peak live bytes of every rank
+    class of its stage (tests/test_memory_floors.py has a space where it prunes)."""
+    from tapescope.layout_search.memory_floors import (Twins, activations_in_flight,
+                                                       memory_floor, model_parameters)
+    from tapescope.values.mesh import mesh_spec
+
+    _, brute, _ = pipelined
+    model = model_parameters(Source(SMALL_SPEC, PIPE["seq"], PIPE["gpu"]))
+    twins = Twins()
+    for o in brute.outcomes:
+        twins.add(o)
+    piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
+    assert piped
+    for o in piped:
+        c = o.candidate
+        assert activations_in_flight(c, model, twins) is not None, c.label()
+        f = memory_floor(c, model, twins)
+        peaks = [r.peak_bytes for r in o.ranks
+                 if mesh_spec(c.layout.mesh).coordinate(r.ranks[0])["pp"] == f.stage]
+        assert peaks and 0 < f.bytes <= min(peaks), (c.label(), f.bytes, peaks)

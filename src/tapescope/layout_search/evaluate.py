@@ -10,7 +10,7 @@ candidate: a candidate is only ever called fitting after its own trace.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -112,6 +112,12 @@ class Outcome:
     # the waits they cause, for re-pricing on another split's groups: bounds.replicated_twin)).
     # () otherwise, and in a cache written before them
     fsdp_stretches: tuple = ()
+    # an unpipelined step: per traced rank class, per transformer block (in the model's order)
+    # and then the head after them (final norm, output layer, loss), the bytes of the storages
+    # its first forward made that are still alive when the backward begins
+    # (memory_floors.saved_block_bytes, for memory_floors.activations_in_flight). () otherwise,
+    # and in a cache written before them
+    saved_bytes: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -148,7 +154,7 @@ class Outcome:
                 and k not in ("candidate", "ranks", "cached", "step_band", "kernel_seconds",
                               "matmul_flops", "step_ends", "stage_seconds",
                               "block_seconds", "edge_seconds", "optimizer_seconds",
-                              "fsdp_stretches")}
+                              "fsdp_stretches", "saved_bytes")}
         band = tuple(d["step_band"]) if d.get("step_band") else None
         return cls(Candidate(layout, **c), ranks=ranks, step_band=band, cached=True,
                    kernel_seconds=tuple((*x, 0.0, 0.0, 0.0, 0.0, 0.0)[:7]
@@ -161,7 +167,8 @@ class Outcome:
                    edge_seconds=tuple(tuple(x) for x in d.get("edge_seconds", ())),
                    optimizer_seconds=tuple((x[0], tuple(tuple(e) for e in x[1]))
                                            for x in d.get("optimizer_seconds", ())),
-                   fsdp_stretches=_stretches_from(d.get("fsdp_stretches", ())), **kept)
+                   fsdp_stretches=_stretches_from(d.get("fsdp_stretches", ())),
+                   saved_bytes=tuple(tuple(x) for x in d.get("saved_bytes", ())), **kept)
 
 
 def _stretches_from(d) -> tuple:
@@ -350,6 +357,15 @@ def evaluate(source: Source, candidate: Candidate, global_tokens: int) -> Outcom
         out = _outcome(p, candidate, global_tokens, source.amp or source.dtype, blocks,
                        (*edges, _pipeline_loss_kernels(options.loss_fn, workload.args[-1]))
                        if edges and workload.args else ())
+        # what each block keeps for its backward (a pipeline's memory floor): the block names
+        # a parallelize found cost nothing; a one-GPU candidate's were built above or not at all
+        saved_by = blocks or (options.parallelize.blocks if candidate.layout.pp == 1 and
+                              options.parallelize is not None else ())
+        if saved_by:
+            from .memory_floors import saved_block_bytes
+
+            out = replace(out, saved_bytes=tuple(saved_block_bytes(q, saved_by)
+                                                 for q in _traced(p)))
     except TapescopeError as e:
         out = Outcome(candidate, ERROR, reason=str(e).split("\n")[0])
     return Outcome(**{**{f: getattr(out, f) for f in out.__dataclass_fields__},

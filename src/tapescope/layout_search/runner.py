@@ -12,6 +12,11 @@ one:
 - memory grows as sharding shrinks: HSDP holds more of the parameters, gradients and optimizer
   state on each rank than FSDP over all its data-parallel ranks, and the same activations. An
   HSDP candidate waits for its FSDP twin and is out when that one is out of memory;
+- a floor on what a pipelined candidate's rank provably holds (memory_floors.py: FSDP2's
+  unsharded parameters and gradients kept across micro-batches, the micro-batches in flight
+  at their unpipelined twins' saved bytes) above the bytes the GPU's
+  allocator can use: the candidate runs out of memory, and the rules above extend that to its
+  family, before any trace of it;
 - at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
   forward ops: when a mode with less recompute fits there, the heavier one is not traced (it is
   listed as dominated, naming the candidate that fits);
@@ -58,6 +63,8 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import TapescopeError
 from .bounds import Bound, Known, _pipeline_twin, lower_bound, matmul_rate
 from .evaluate import ERROR, FITS, OOM, Outcome, Source, evaluate
+from .memory_floors import (MemoryFloor, Twins, allocator_capacity, memory_floor,
+                            model_parameters)
 from .space import RECOMPUTE_ORDER, Candidate, SearchSpace, candidate_grid
 
 __all__ = ["SearchResult", "Progress", "Untraced", "SearchInterrupted", "SearchTerminated",
@@ -275,7 +282,8 @@ class Cache:
 class _Grid:
     """Each cell's state: an Outcome, a pruning reason, or nothing yet."""
 
-    def __init__(self, space: SearchSpace, top: int | None = None, rate: float | None = None):
+    def __init__(self, space: SearchSpace, top: int | None = None, rate: float | None = None,
+                 source: Source | None = None, capacity: int | None = None):
         grid = candidate_grid(space)
         self.skipped = grid.skipped
         self.chains = grid.chains
@@ -294,10 +302,17 @@ class _Grid:
         self.fit_seconds: dict = {}     # Candidate -> step seconds
         self.known = Known(rate)
         self.bounds: dict = {}      # Candidate -> its lower bound (Bound) that pruned it
+        # memory floors (memory_floors.py): the model's parameters, read off a meta build the
+        # first time a pipelined candidate reaches the gate; the allocator's capacity
+        self.source, self.capacity = source, capacity
+        self.model = None
+        self.twins = Twins()        # unpipelined traces: what a block keeps for its backward
+        self.floors: dict = {}      # Candidate -> (twins.added, its MemoryFloor)
 
     def learn(self, o: Outcome) -> None:
         """What a trace adds to the bounds and the top."""
         self.known.add(o)
+        self.twins.add(o)
         if o.candidate in self.all and o.fits and o.step_seconds:
             self.fit_seconds[o.candidate] = o.step_seconds
 
@@ -324,6 +339,14 @@ class _Grid:
     def update(self, brute_force: bool) -> list:
         """Apply the pruning rules; the cells that can be traced now, in order."""
         ready = []
+        if not brute_force:
+            # a pipelined candidate whose floor exceeds the GPU is out of memory wherever it
+            # waits in its family's order (the gate would rule it out once ready): ruled out
+            # now, so that the memory rules extend it and a stopped search does not list it
+            # as unsearched
+            for c in self.all:
+                if c.layout.pp > 1 and self._open(c):
+                    self._above_floor(c)
         for family in self.families.values():
             modes = [m for m in RECOMPUTE_ORDER if m in family]
             if brute_force:
@@ -421,7 +444,10 @@ class _Grid:
 
     def _gate(self, c: Candidate) -> list:
         """The last rules before tracing `c`: one that cannot enter the top is out, an HSDP
-        candidate waits for its FSDP twin. What to trace now ([] to wait)."""
+        candidate waits for its FSDP twin, one whose memory floor exceeds what the allocator can
+        hold is out of memory. What to trace now ([] to wait)."""
+        if self._above_floor(c):
+            return []
         if self._beyond_top(c):
             return []
         if c.layout.dp_replicate > 1:
@@ -435,6 +461,34 @@ class _Grid:
                 if twin not in self.outcome and twin not in self.pruned:
                     return []  # wait for the FSDP twin
         return [c]
+
+    def _above_floor(self, c: Candidate) -> bool:
+        """Rule `c` out when its memory floor exceeds what the allocator can use."""
+        floor = self._memory_floor(c)
+        if floor is None or floor.bytes <= self.capacity:
+            return False
+        self.pruned[c] = (f"out of memory: pipeline rank {floor.stage} holds at least "
+                          f"{floor.bytes / 2**30:,.1f} GiB, above the "
+                          f"{self.capacity / 2**30:,.1f} GiB the allocator can use: "
+                          f"{floor.reason}")
+        return True
+
+    def _memory_floor(self, c: Candidate) -> MemoryFloor | None:
+        """memory_floors.memory_floor of a pipelined candidate (None: no source, capacity or
+        rule; a model that does not build on meta has no floor)."""
+        if c.layout.pp == 1 or self.source is None or self.capacity is None:
+            return None
+        if self.model is None:
+            try:
+                self.model = model_parameters(self.source)
+            except TapescopeError:
+                self.source = None   # the traces will say what the build says
+                return None
+        added, floor = self.floors.get(c, (-1, None))
+        if added != self.twins.added:
+            floor = memory_floor(c, self.model, self.twins)
+            self.floors[c] = (self.twins.added, floor)
+        return floor
 
     def _beyond_top(self, c: Candidate) -> bool:
         """Prune `c` when its step provably takes longer than the top-th best's."""
@@ -560,8 +614,9 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
     start = time.perf_counter()
     pool = pool or InProcess()
     tokens = space.global_batch * (seq_tokens or 1)
-    grid = _Grid(space, None if brute_force else top,
-                 matmul_rate(Options.create(gpu=source.gpu).gpu))
+    gpu = Options.create(gpu=source.gpu).gpu
+    grid = _Grid(space, None if brute_force else top, matmul_rate(gpu), source,
+                 allocator_capacity(gpu))
     store = Cache(cache, source, tokens)
     running: dict = {}   # Future -> Candidate
     best: Outcome | None = None
