@@ -192,10 +192,26 @@ class Profile:
         streams = {c.op: c.stream for c in self.collectives} if self.collectives else None
         calibration = self.options.calibration if self.options is not None else None
         t = estimate_step_time(self.ops, self.trace, self.gpu, comm, streams, calibration,
-                               self.compiled_schedule)
+                               self.compiled_schedule, self.kernels)
         # the error measured on published runs of its kind (none for times a file calibrated)
         t.band = profile_band(self, calibrated=calibration is not None, step_time=t)
         return t
+
+    @cached_property
+    def kernels(self) -> tuple:
+        """Per op of `ops`, the Kernel it launches on the GPU (analysis.kernel_cost), None where
+        it launches none: found once for the time model and whatever else prices the kernels."""
+        from .analysis.kernel_cost import step_kernels
+
+        return step_kernels(self.ops, self.trace.storages)
+
+    @cached_property
+    def kernel_prices(self) -> tuple:
+        """Per op of `ops`, the seconds its kernel takes alone on the GPU (the kernel model,
+        uncalibrated; one run), 0.0 where it launches none (the layout search's bounds)."""
+        from .analysis.kernel_cost import kernel_time
+
+        return tuple(0.0 if k is None else kernel_time(k, self.gpu)[0] for k in self.kernels)
 
     @cached_property
     def compiled_schedule(self):
@@ -346,6 +362,13 @@ def _profile_compiled(workload: Workload, options: Options, progress=None) -> Pr
                        inputs=[_describe_input(x) for x in workload.args], eager=eager)
 
 
+# Profile's cached analyses that a job's Profile (analyse(of=...)) shares with its reported rank's
+_SAME_FOR_THE_JOB = ("flops", "recompute_flops", "uncounted_ops", "module_own_flops",
+                     "module_flops", "first_step_memory", "gpu", "cuda_memory", "time",
+                     "kernels", "kernel_prices", "compiled_schedule", "collectives",
+                     "collective_table")
+
+
 def analyse(trace: Trace, facts: RunFacts, *, model: str, options: Options, inputs,
             symbolic=None, data_sizes=None, retrace=None, distributed=None, ranks=None,
             eager: Profile | None = None, of: Profile | None = None) -> Profile:
@@ -358,8 +381,15 @@ def analyse(trace: Trace, facts: RunFacts, *, model: str, options: Options, inpu
     analyses are kept, with this job's `ranks` and `distributed` facts."""
     if of is not None:
         kept = {f.name: getattr(of, f.name) for f in fields(Profile)}
-        return Profile(**{**kept, "ranks": ranks, "distributed": distributed,
-                          "eager": eager if eager is not None else of.eager})
+        out = Profile(**{**kept, "ranks": ranks, "distributed": distributed,
+                         "eager": eager if eager is not None else of.eager})
+        # what `of` already computed stays computed: these read its trace, options and place
+        # in the job, none of what the job adds (its rank classes and traced profiles); the
+        # time model run again on a 70B rank cost up to a second
+        for name in _SAME_FOR_THE_JOB:
+            if name in of.__dict__:
+                out.__dict__[name] = of.__dict__[name]
+        return out
     views = step_views(trace)
     categories = storage_categories(trace)
     costs = OpCosts(trace)

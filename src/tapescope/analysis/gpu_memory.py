@@ -22,7 +22,9 @@ reports after torch.cuda.reset_peak_memory_stats() following warm-up steps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
 
 from ..capture.records import Trace
 from ..devices.gpus import cuda_context_bytes
@@ -53,9 +55,19 @@ class CudaMemory:
     oom: bool                # the allocator could not satisfy a request within capacity
     oom_at: str | None       # which op / phase hit it
     settings: str = ""       # the allocator settings replayed (PYTORCH_ALLOC_CONF form)
-    # max_reserved beyond what the same replay with every allocation on one stream reserves:
-    # the side streams' own caches (FSDP2's copy-in and reduce-scatter buffers); 0 on one stream
-    stream_cached: int = 0
+    # max_reserved of the same replay with every allocation on one stream (None: the run has
+    # one stream), replayed when `stream_cached` is first read: the layout search reads only
+    # the peaks, and a second replay of a 70B rank's step costs it up to a second
+    one_stream_reserved: Callable[[], int] | None = field(default=None, repr=False,
+                                                         compare=False)
+
+    @cached_property
+    def stream_cached(self) -> int:
+        """max_reserved beyond what the same replay with every allocation on one stream
+        reserves: the side streams' own caches (FSDP2's copy-in and reduce-scatter buffers);
+        0 on one stream."""
+        return 0 if self.one_stream_reserved is None else \
+            self.max_reserved - self.one_stream_reserved()
 
     @property
     def nvidia_smi(self) -> int:
@@ -69,10 +81,15 @@ def _events(trace: Trace, gpu=None):
     views = step_views(trace)
     steady = views[max(views)]
     out, labels = [], []
+    # key[1] -> the key of the latest allocation event with that key[1]: what a free of a
+    # storage alive before its step frees (a scan back over the events per such free was
+    # quadratic: seconds at a 70B step's hundreds of thousands of events)
+    latest: dict = {}
     for sid in sorted(views[1].initial):  # the model and inputs, made before the first step
         s = storages[sid]                  # (or by a setup step: a rank's parallelisation)
         if s.device == device:
             out.append((("setup", s.id), s.nbytes))
+            latest[s.id] = ("setup", s.id)
             labels.append("setup")
     workspace_at = None
     if gpu is not None:  # the first matmul on the stream allocates cuBLAS's workspace
@@ -92,6 +109,7 @@ def _events(trace: Trace, gpu=None):
                 if stream is None:
                     stream = trace.ops[op].stream if 0 <= op < len(trace.ops) else 0
                 out.append((key, storages[sid].nbytes, stream))
+                latest[sid] = key
             else:
                 key = live_keys.pop(sid, None)
                 if key is None and run == "step3" and sid in successors:
@@ -101,7 +119,7 @@ def _events(trace: Trace, gpu=None):
                         continue  # several of step 1's stood for this one of step 2
                     freed_successors.add(key)
                 if key is None:  # alive before this step: setup, or a previous step's state
-                    key = _previous_key(out, sid)
+                    key = latest.get(sid, ("setup", sid))
                 out.append((key, None))
             if delta > 0 and storages[sid].resized_by is not None:  # not made by that op
                 labels.append(f"{run}: {resized.of(sid).describe()}")
@@ -109,6 +127,7 @@ def _events(trace: Trace, gpu=None):
                 labels.append(f"{run}: {trace.ops[op].name}" if 0 <= op < len(trace.ops) else run)
             if run == "step1" and op == workspace_at and delta > 0:
                 out.append((("cublas", 0), cublas_workspace_bytes(gpu.compute_capability)))
+                latest[0] = ("cublas", 0)   # (as the scan it replaces found it for storage 0)
                 labels.append("cuBLAS workspace")
                 workspace_at = None
     return out, labels
@@ -165,13 +184,6 @@ def _successors_by_bytes(storages: dict, freed: list, left: list) -> dict:
     return out
 
 
-def _previous_key(events, sid):
-    for key, n, *_ in reversed(events):
-        if n is not None and key[1] == sid:
-            return key
-    return ("setup", sid)
-
-
 def predict_cuda_memory(trace: Trace, gpu=None, config: AllocatorConfig | None = None) -> CudaMemory:
     events, labels = _events(trace, gpu)
     capacity = None
@@ -181,10 +193,10 @@ def predict_cuda_memory(trace: Trace, gpu=None, config: AllocatorConfig | None =
         capacity = (gpu.reported_memory_bytes or gpu.memory_bytes) - context
     config = config or AllocatorConfig()
     r = simulate(events, capacity, config)
-    stream_cached = 0
+    one_stream = None
     if any(len(e) > 2 and e[2] for e in events):
-        one = simulate([e[:2] for e in events], capacity, config)
-        stream_cached = r.max_reserved - one.max_reserved
+        def one_stream():
+            return simulate([e[:2] for e in events], capacity, config).max_reserved
     last = max(i for i, lab in enumerate(labels) if lab.startswith("step3")) if any(
         lab.startswith("step3") for lab in labels) else len(labels) - 1
     first_step3 = next((i for i, lab in enumerate(labels) if lab.startswith("step3")), 0)
@@ -193,4 +205,4 @@ def predict_cuda_memory(trace: Trace, gpu=None, config: AllocatorConfig | None =
     return CudaMemory(r.max_allocated, r.max_reserved, steady_alloc, steady_res, r.fragmentation,
                       context, None if gpu is None else gpu.reported_memory_bytes or gpu.memory_bytes,
                       r.oom, labels[r.first_oom_event] if r.oom and r.first_oom_event is not None
-                      else None, config.describe(), stream_cached)
+                      else None, config.describe(), one_stream)

@@ -36,7 +36,8 @@ from ..devices.efficiency import (KERNEL_OVERHEAD_S, achievable_bandwidth, atten
 from .calibrated_cost import calibrated_seconds
 from .op_classes import COPY_KERNELS, launches_kernel, op_class
 
-__all__ = ["AttentionShape", "Kernel", "kernel_of", "kernel_from_aten", "kernel_time", "on_gpu", "TENSOR_CORE"]
+__all__ = ["AttentionShape", "Kernel", "kernel_of", "kernel_from_aten", "kernel_time", "on_gpu",
+           "step_kernels", "TENSOR_CORE"]
 
 TENSOR_CORE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8",
                torch.float8_e5m2: "fp8"}
@@ -149,6 +150,16 @@ def kernel_of(op, storages=()) -> Kernel:
     return kernel_from_aten(rec.func, op.inputs, op.outputs, op.flops,
                             op.bytes_read + op.bytes_written, on_gpu(op, storages),
                             rec.args, rec.kwargs)
+
+
+def step_kernels(ops, storages=()) -> tuple:
+    """Per op of a step (analysis.ops.Op, in order), the Kernel it launches on the GPU, None
+    where it launches none (a view, metadata op or autograd wrapper, or an op on host tensors
+    only): the time model and the layout search's bounds read a step's kernels several times,
+    and building each op's Kernel is most of what pricing it costs."""
+    return tuple(kernel_of(op, storages)
+                 if launches_kernel(op.record.func) and on_gpu(op, storages) else None
+                 for op in ops)
 
 
 def _peak(gpu, cls: str, dtype) -> float:

@@ -54,8 +54,8 @@ import torch
 from ..capture.records import Trace, op_name
 from ..devices.efficiency import HOST_OP_S, HOST_VIEW_S, NCCL_SMS, PYTHON_HOST_S
 from ..devices.uncertainty import COLLECTIVES, HOST
-from .kernel_cost import TENSOR_CORE, kernel_of, kernel_time, on_gpu
-from .op_classes import launches_kernel, op_class
+from .kernel_cost import TENSOR_CORE, kernel_of, kernel_time, step_kernels
+from .op_classes import op_class
 from .time_band import mechanism_of
 
 __all__ = ["StepTime", "estimate_step_time", "kernel_seconds"]
@@ -115,7 +115,7 @@ class StepTime:
 
 def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
                        comm_streams: dict | None = None, calibration=None,
-                       compiled=None) -> StepTime:
+                       compiled=None, kernels: tuple | None = None) -> StepTime:
     """Wall time of a step's ops (analysis.ops.Op, in order) on `gpu` (a devices.gpus.GPU).
 
     comm: op index (in the step) -> seconds of that collective on the interconnect.
@@ -126,7 +126,11 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
     where it has them, and each kernel-launching op costs the host its measured time.
     compiled: an inductor-compiled step's analysis.compiled_time.CompiledSchedule: the generated
     kernels issued between the ops (on the compute stream, after the kernels before them and
-    the collectives whose outputs they read), and the host cost of the ops its wrappers run."""
+    the collectives whose outputs they read), and the host cost of the ops its wrappers run.
+    kernels: per op, the Kernel it launches (None: none), as kernel_cost.step_kernels finds
+    them (a Profile's, shared with what else prices its kernels); found here when not given."""
+    if kernels is None:
+        kernels = step_kernels(ops, trace.storages)
     schedule = _Schedule(gpu, trace.storages, comm or {}, comm_streams or {},
                          dataflow=bool(comm) or any(op.record.stream or op.record.waits
                                                     for op in ops), calibration=calibration)
@@ -135,7 +139,7 @@ def estimate_step_time(ops: list, trace: Trace, gpu, comm: dict | None = None,
     for position, op in enumerate(ops):
         for launch in launches.get(position, ()):
             schedule.generated_kernel(launch)
-        schedule.run(op, host_of.get(position))
+        schedule.run(op, kernels[position], host_of.get(position))
     for launch in launches.get(len(ops), ()):
         schedule.generated_kernel(launch)
     return schedule.result()
@@ -184,17 +188,18 @@ class _Schedule:
         self.last_end = 0.0
 
     # ---- one op ---------------------------------------------------------------------------
-    def run(self, op, host_s: float | None = None) -> None:
-        """One op; `host_s`: its host cost where a compiled wrapper issues it (not eager's)."""
-        kernel = self.issue(op, host_s)
+    def run(self, op, kernel, host_s: float | None = None) -> None:
+        """One op and the Kernel it launches (None: none); `host_s`: its host cost where a
+        compiled wrapper issues it (not eager's)."""
+        self.issue(op, kernel is not None, host_s)
         marks, after = self.event_waits(op)
         seconds = self.comm.get(op.index)
         if seconds is not None:   # (a repeated micro-batch's collective: once per run)
             self.collective(op, seconds * op.runs, after)
             return
         t = 0.0
-        if kernel:
-            t, mechanism = self.price(op)
+        if kernel is not None:
+            t, mechanism = self.price(op, kernel)
             if op.record.stream:
                 self.side_stream(op, t, after)
                 return
@@ -203,22 +208,20 @@ class _Schedule:
             self.held[op.record.stream] = marks
         stream = op.record.stream
         self.end[op.record.index] = max(self.side_t.get(stream, 0.0) if stream else self.gpu_t,
-                                        after if not kernel else 0.0)
+                                        after if kernel is None else 0.0)
         self.host_sync(op)
         self.op_seconds.append(t)
         self.close_phase(op.phase, max(self.gpu_t, self.host))
 
-    def issue(self, op, host_s: float | None = None) -> bool:
+    def issue(self, op, kernel: bool, host_s: float | None = None) -> None:
         """The host's dispatch of the op (runs times for a repeated micro-batch's op: counted
-        back to back); whether it launches a GPU kernel (not a view, metadata op or autograd
-        wrapper, nor an op on host tensors only: the optimizer's CPU step counters)."""
-        kernel = launches_kernel(op.record.func) and on_gpu(op, self.storages)
+        back to back); `kernel`: whether it launches a GPU kernel (not a view, metadata op or
+        autograd wrapper, nor an op on host tensors only: the optimizer's CPU step counters)."""
         if host_s is None:
             host_s = self.host_op_s if kernel else HOST_VIEW_S
         host_s += PYTHON_HOST_S.get(op_name(op.record.func).rsplit(".", 1)[0], 0.0)
         self.host += host_s * op.runs
         self.total_flops += op.total_flops or 0
-        return kernel
 
     def event_waits(self, op) -> tuple:
         """(the events its stream waits on, when the ops they mark end): it starts no earlier;
@@ -227,10 +230,9 @@ class _Schedule:
             else op.record.waits
         return marks, max((self.end.get(w, 0.0) for w in marks), default=0.0)
 
-    def price(self, op) -> tuple[float, str]:
+    def price(self, op, kernel) -> tuple[float, str]:
         """The op's kernel time (analysis.kernel_cost), times its runs, and the mechanism that
         priced it (analysis.time_band.mechanism_of)."""
-        kernel = kernel_of(op, self.storages)
         t, measured = kernel_time(kernel, self.gpu, self.calibration)
         self.calibrated &= measured
         if op_class(op.record.func) == "matmul" and self.model_dtype is None and op.inputs:

@@ -403,9 +403,6 @@ def block_floors(q, blocks: list) -> tuple:
     timed by the eager model), as twin_pipeline_chain reads them: a forward op (recomputed
     too) by its module, a backward op by the module of its forward op; FSDP2's own kernels,
     the collectives and other streams' ops left out."""
-    from ..analysis.kernel_cost import on_gpu
-    from ..analysis.op_classes import launches_kernel
-    from ..analysis.timing import kernel_seconds
     from ..capture.records import BACKWARD, FORWARD
 
     comm = {c.op for c in q.collectives}
@@ -422,18 +419,17 @@ def block_floors(q, blocks: list) -> tuple:
         return block_of[module]
 
     figures = [[0.0, 0.0, 0.0] for _ in blocks]
-    storages = q.trace.storages
-    for op in q.ops:
+    kernels, prices = q.kernels, q.kernel_prices
+    for i, op in enumerate(q.ops):
         if op.phase not in (FORWARD, BACKWARD) or op.index in comm or op.record.stream or \
-                op.record.name.startswith("fsdp.") or \
-                not (launches_kernel(op.record.func) and on_gpu(op, storages)):
+                op.record.name.startswith("fsdp.") or kernels[i] is None:
             continue
         forward = op.phase == FORWARD or op.recompute
         b = block(op.module if forward else module_of_op.get(op.forward_op))
         if b is None:
             continue
         column = 0 if op.phase == FORWARD else 2 if op.recompute else 1
-        figures[b][column] += kernel_seconds(op, q.gpu, storages)[0] * op.runs
+        figures[b][column] += prices[i] * op.runs
     return tuple(tuple(f) for f in figures)
 
 
@@ -445,24 +441,21 @@ def action_floors(q) -> tuple:
     rank's Profile, timed by the eager model). Each kernel at its price alone: the schedule's
     action lasts at least that (action_seconds sums the time model's seconds of its ops).
     FSDP2's own kernels are left out (pipeline_chain reads other data-parallel splits too)."""
-    from ..analysis.kernel_cost import on_gpu
-    from ..analysis.op_classes import launches_kernel
-    from ..analysis.timing import kernel_seconds
     from ..distributed.pipeline import action_segments
 
     comm = {c.op for c in q.collectives}
-    by_index = {op.record.index: op for op in q.ops}
-    storages = q.trace.storages
+    position = {op.record.index: i for i, op in enumerate(q.ops)}
+    kernels, prices = q.kernels, q.kernel_prices
     actions = []   # (phase, own, recomputed)
     for seg, _ in action_segments(q):
         own = again = 0.0
         for i in seg.ops:
-            op = by_index.get(i)
+            k = position.get(i)
+            op = None if k is None else q.ops[k]
             if op is None or op.index in comm or op.record.stream or \
-                    op.record.name.startswith("fsdp.") or \
-                    not (launches_kernel(op.record.func) and on_gpu(op, storages)):
+                    op.record.name.startswith("fsdp.") or kernels[k] is None:
                 continue
-            t = kernel_seconds(op, q.gpu, storages)[0]
+            t = prices[k]
             if op.recompute:
                 again += t
             else:
@@ -510,9 +503,6 @@ def stream_floors(q, waits: bool = True, ends=None) -> tuple:
     stages they depend on), not this stream model's.
     ends: what gives the eighth figure from (q, the windows counted) (default step_ends; the
     search's figures add fsdp_stretches, which must not overlap them either)."""
-    from ..analysis.kernel_cost import on_gpu
-    from ..analysis.op_classes import launches_kernel
-    from ..analysis.timing import kernel_seconds
     from ..capture.records import BACKWARD, FORWARD
 
     comm = {c.op: c.seconds for c in q.collectives}
@@ -522,7 +512,7 @@ def stream_floors(q, waits: bool = True, ends=None) -> tuple:
         if op is not None and op.phase in (FORWARD, BACKWARD):
             key = (c.stream, op.recompute)
             on_stream[key] = on_stream.get(key, 0.0) + c.seconds * op.runs
-    storages = q.trace.storages
+    kernels, prices = q.kernels, q.kernel_prices
     price: dict = {}          # position -> seconds alone, compute-stream kernels in fwd / bwd
     writer: dict = {}         # storage -> position of the compute kernel that last wrote it
     pending: list = []        # (collective position, P, its output storages)
@@ -541,14 +531,14 @@ def stream_floors(q, waits: bool = True, ends=None) -> tuple:
             for r in op.outputs:
                 writer.pop(r.storage, None)
             continue
-        kernel = launches_kernel(op.record.func) and on_gpu(op, storages)
+        kernel = kernels[i] is not None
         if not kernel or op.record.stream:
             if kernel:
                 for r in op.outputs:
                     writer.pop(r.storage, None)
             continue
         if op.phase in (FORWARD, BACKWARD):
-            price[i] = kernel_seconds(op, q.gpu, storages)[0] * op.runs
+            price[i] = prices[i] * op.runs
             reads = {r.storage for r in op.inputs}
             for w in [w for w in pending if w[1] & reads]:
                 pending.remove(w)
@@ -662,13 +652,10 @@ def step_ends(q, counted=()) -> float:
     fewer times).
     A window that overlaps one stream_floors counted is not counted (its idle is in the
     figure already)."""
-    from ..analysis.kernel_cost import on_gpu
-    from ..analysis.op_classes import launches_kernel
-    from ..analysis.timing import kernel_seconds
     from ..capture.records import BACKWARD, FORWARD, OPTIMIZER
 
     START = -1
-    storages, owner = q.trace.storages, q.trace.storage_owner
+    owner, kernels, prices = q.trace.storage_owner, q.kernels, q.kernel_prices
     comm = {c.op: (c.seconds, c.stream) for c in q.collectives}
     price: dict = {}          # position -> seconds alone, every compute-stream kernel
     total = [0.0]             # the compute stream's kernels so far
@@ -743,7 +730,7 @@ def step_ends(q, counted=()) -> float:
             if stream:
                 last_side[stream] = rec.index
             continue
-        if not (launches_kernel(rec.func) and on_gpu(op, storages)):
+        if kernels[i] is None:
             # its end: its stream's last kernel and its events (timing.py holds them for the
             # stream's next kernel)
             base = [("c", last_compute)] if not stream and last_compute is not None else \
@@ -752,7 +739,7 @@ def step_ends(q, counted=()) -> float:
             if rec.waits:
                 held.setdefault(stream, []).extend(rec.waits)
             continue
-        seconds = kernel_seconds(op, q.gpu, storages)[0] * op.runs
+        seconds = prices[i] * op.runs
         preds = [writer[r.storage] for r in op.inputs if r.storage in writer]
         preds += refs((*held.pop(stream, ()), *rec.waits))
         if stream:
