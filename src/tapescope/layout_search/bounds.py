@@ -396,6 +396,22 @@ BOUNDS = (repeated_kernels, same_model_kernels, pipelined_model_kernels, model_f
           pipeline_chain, twin_pipeline_chain)
 
 
+def enclosing(table: dict):
+    """A function of a module's fqn: the value `table` (fqn -> value) gives its outermost
+    enclosing module (itself included), None where none is in it; cached per module, as the
+    figures below ask it once per op."""
+    found: dict = {}
+
+    def lookup(module):
+        if module not in found:
+            parts = (module or "").split(".")
+            found[module] = next((table[".".join(parts[:k])] for k in range(1, len(parts) + 1)
+                                  if ".".join(parts[:k]) in table), None)
+        return found[module]
+
+    return lookup
+
+
 def block_floors(q, blocks: list) -> tuple:
     """((forward, backward's own, backward's recomputed), ...): for each block (fqns, in the
     model's order: evaluate's transformer blocks), seconds of the compute stream's kernels alone
@@ -407,16 +423,7 @@ def block_floors(q, blocks: list) -> tuple:
 
     comm = {c.op for c in q.collectives}
     module_of_op = {op.index: op.module for op in q.ops}
-    index_of = {fqn: i for i, fqn in enumerate(blocks)}
-    block_of: dict = {}   # module -> block index (None: none)
-
-    def block(module):
-        if module not in block_of:
-            parts = (module or "").split(".")
-            block_of[module] = next((index_of[".".join(parts[:k])]
-                                     for k in range(1, len(parts) + 1)
-                                     if ".".join(parts[:k]) in index_of), None)
-        return block_of[module]
+    block = enclosing({fqn: i for i, fqn in enumerate(blocks)})   # module -> block index
 
     figures = [[0.0, 0.0, 0.0] for _ in blocks]
     kernels, prices = q.kernels, q.kernel_prices
@@ -832,14 +839,7 @@ def edge_floors(q, blocks: list, first: tuple, last: tuple, loss_kernels=None) -
     storages = q.trace.storages
     side = {**{b: "block" for b in blocks}, **{f: "first" for f in first},
             **{f: "last" for f in last}}
-    where_of: dict = {}   # module -> "block" / "first" / "last" / None
-
-    def where(module):
-        if module not in where_of:
-            parts = (module or "").split(".")
-            where_of[module] = next((side[".".join(parts[:k])] for k in range(1, len(parts) + 1)
-                                     if ".".join(parts[:k]) in side), None)
-        return where_of[module]
+    where = enclosing(side)   # module -> "block" / "first" / "last" / None
 
     def kernel(op) -> bool:
         return op.phase in (FORWARD, BACKWARD) and op.index not in comm and \

@@ -135,17 +135,9 @@ def saved_block_bytes(q, blocks: list) -> tuple:
     are left out: FSDP2 resizes its unsharded parameters away and back (a block that keeps
     them after forward, the last, would count them)."""
     from ..capture.records import BACKWARD, FORWARD
+    from .bounds import enclosing
 
-    index_of = {fqn: i for i, fqn in enumerate(blocks)}
-    cached: dict = {}
-
-    def block(module):
-        if module not in cached:
-            parts = (module or "").split(".")
-            cached[module] = next((index_of[".".join(parts[:k])]
-                                   for k in range(1, len(parts) + 1)
-                                   if ".".join(parts[:k]) in index_of), None)
-        return cached[module]
+    block = enclosing({fqn: i for i, fqn in enumerate(blocks)})   # module -> block index
 
     head = len(blocks)
     made: dict = {}            # record index -> block (head: after the last), the first forward's
