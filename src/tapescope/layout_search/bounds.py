@@ -830,13 +830,10 @@ def edge_floors(q, blocks: list, first: tuple, last: tuple, loss_kernels=None) -
     _pipeline_loss_kernels: pipeline_loss of the same loss_fn): an unpipelined step's loss may
     be other code than the pipeline's. The same forward ops at the same shapes record the same
     autograd nodes, so their backward ops are the same too. 0 for both otherwise."""
-    from ..analysis.kernel_cost import on_gpu
-    from ..analysis.op_classes import launches_kernel
-    from ..analysis.timing import kernel_seconds
     from ..capture.records import BACKWARD, FORWARD
 
     comm = {c.op for c in q.collectives}
-    storages = q.trace.storages
+    storages, kernels, prices = q.trace.storages, q.kernels, q.kernel_prices
     side = {**{b: "block" for b in blocks}, **{f: "first" for f in first},
             **{f: "last" for f in last}}
     where = enclosing(side)   # module -> "block" / "first" / "last" / None
@@ -844,7 +841,7 @@ def edge_floors(q, blocks: list, first: tuple, last: tuple, loss_kernels=None) -
     def kernel(op) -> bool:
         return op.phase in (FORWARD, BACKWARD) and op.index not in comm and \
             not op.record.stream and not op.record.name.startswith("fsdp.") and \
-            not op.recompute and launches_kernel(op.record.func) and on_gpu(op, storages)
+            not op.recompute and kernels[op.index] is not None
 
     last_output = max((i for i, op in enumerate(q.ops) if op.phase == FORWARD and
                        not op.recompute and where(op.module) == "last" and op.outputs),
@@ -870,7 +867,7 @@ def edge_floors(q, blocks: list, first: tuple, last: tuple, loss_kernels=None) -
             continue
         part = "loss" if origin.index in counted else where(origin.module)
         if part in figures:
-            figures[part][0 if forward else 1] += kernel_seconds(op, q.gpu, storages)[0] * op.runs
+            figures[part][0 if forward else 1] += prices[op.index] * op.runs
     return (*figures["first"], *figures["last"], *figures["loss"])
 
 
@@ -973,13 +970,10 @@ def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
     counters launch none). twin_pipeline_ends reads it."""
     from math import gcd
 
-    from ..analysis.kernel_cost import on_gpu
-    from ..analysis.op_classes import launches_kernel
-    from ..analysis.timing import kernel_seconds
     from ..capture.records import OPTIMIZER
 
     comm = {c.op for c in q.collectives}
-    storages, owner = q.trace.storages, q.trace.storage_owner
+    owner, kernels, prices = q.trace.storage_owner, q.kernels, q.kernel_prices
     part_of = {**{b: i for i, b in enumerate(blocks)}, **dict.fromkeys(first, -1),
                **dict.fromkeys(last, -2)}
     shard_of: dict = {}   # storage -> (where, rows, rest) of the parameter shard it stands for
@@ -1001,9 +995,8 @@ def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
         return shard_of.get(r.storage)
 
     base, seconds = None, 0.0
-    for op in q.ops:
-        if op.phase != OPTIMIZER or op.index in comm or op.record.stream or \
-                not (launches_kernel(op.record.func) and on_gpu(op, storages)):
+    for i, op in enumerate(q.ops):
+        if op.phase != OPTIMIZER or op.index in comm or op.record.stream or kernels[i] is None:
             continue
         lists = [a for a in op.record.args if isinstance(a, (list, tuple)) and a
                  and all(hasattr(t, "storage") for t in a)]
@@ -1034,7 +1027,7 @@ def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
                              key=lambda e: (e[0] is None, e[0] or 0, e[1:])))
         if base is None or table == base:
             base = table
-            seconds += kernel_seconds(op, q.gpu, storages)[0] * op.runs
+            seconds += prices[i] * op.runs
     return (seconds, base or ())
 
 
@@ -1098,12 +1091,12 @@ class FsdpStretches:
                    tuple(d["tail"]), bool(d["one_stream"]), tuple(d.get("boundary", ())))
 
 
-def _kernel_floor(op, storages, shard_shapes) -> tuple | None:
-    """(name, op class, FLOPs, bytes, dtype) of `op`'s kernel with one row less of each of its
-    tensors, when every tensor has a shard's shape (more than one row) and the kernel is
-    elementwise (its FLOPs and bytes are sums over its tensors' elements): what it does at
-    least on a rank whose shards hold r x (these rows - 1) rows or more, times r."""
-    from ..analysis.kernel_cost import kernel_of
+def _kernel_floor(op, k, shard_shapes) -> tuple | None:
+    """(name, op class, FLOPs, bytes, dtype) of `op`'s kernel `k` (analysis.kernel_cost.Kernel)
+    with one row less of each of its tensors, when every tensor has a shard's shape (more than
+    one row) and the kernel is elementwise (its FLOPs and bytes are sums over its tensors'
+    elements): what it does at least on a rank whose shards hold r x (these rows - 1) rows or
+    more, times r."""
     from ..analysis.op_classes import op_class
 
     refs = (*op.inputs, *op.outputs)
@@ -1111,7 +1104,6 @@ def _kernel_floor(op, storages, shard_shapes) -> tuple | None:
             any(r.shape not in shard_shapes or r.shape[0] < 2 for r in refs):
         return None
     factor = min(1 - 1 / r.shape[0] for r in refs)
-    k = kernel_of(op, storages)
     return (k.name, k.op_class, int(k.flops * factor), int(k.bytes * factor),
             str(k.dtype).removeprefix("torch."))
 
@@ -1136,12 +1128,9 @@ def fsdp_stretches(q, counted=()) -> FsdpStretches | None:
     (their sizes follow the shard), the others are the model's and FSDP2's copy-out and
     chunk_cat of whole parameters. A head or tail whose stretch overlaps a window
     stream_floors counted is left out (bytes 0): its idle is in kernel_seconds already."""
-    from ..analysis.kernel_cost import on_gpu
-    from ..analysis.op_classes import launches_kernel
-    from ..analysis.timing import kernel_seconds
     from ..capture.records import FORWARD, OPTIMIZER
 
-    storages, owner = q.trace.storages, q.trace.storage_owner
+    owner, kernels, prices = q.trace.storage_owner, q.kernels, q.kernel_prices
     comm = {c.op: c for c in q.collectives}
     writer: dict = {}      # storage -> position of the op that last wrote it
     price: dict = {}       # position -> seconds x runs, compute-stream kernels
@@ -1162,8 +1151,8 @@ def fsdp_stretches(q, counted=()) -> FsdpStretches | None:
                 gather = (i, c, src["all_gather_copy_in"])
             elif c.kind == "reduce_scatter" and "chunk_cat" in src:
                 reduce = (i, c, src["chunk_cat"])
-        elif launches_kernel(rec.func) and on_gpu(op, storages):
-            seconds = kernel_seconds(op, q.gpu, storages)[0] * op.runs
+        elif kernels[i] is not None:
+            seconds = prices[i] * op.runs
             (side if rec.stream else price)[i] = seconds
             if any(r.storage in owner for r in (*op.inputs, *op.outputs)):
                 shard_sized.add(i)
@@ -1176,9 +1165,9 @@ def fsdp_stretches(q, counted=()) -> FsdpStretches | None:
     if g.group_size != rs.group_size or g.group_size < 2:
         return None
 
-    def kernels(positions) -> tuple:
+    def kernel_group(positions) -> tuple:
         return tuple((price[i] if i in price else side[i],
-                      _kernel_floor(q.ops[i], storages, shard_shapes)) for i in positions)
+                      _kernel_floor(q.ops[i], kernels[i], shard_shapes)) for i in positions)
 
     # the head: the gathered buffer's first compute-stream reader drops the padding
     out = {r.storage for r in q.ops[g_at].outputs}
@@ -1227,8 +1216,8 @@ def fsdp_stretches(q, counted=()) -> FsdpStretches | None:
                   (i in shard_sized) == s) for s in (False, True)),
             sum(t for i, t in between if q.ops[i].phase == OPTIMIZER))
     optimizer = [i for i in price if q.ops[i].phase == OPTIMIZER]
-    return FsdpStretches(g.group_size, kernels(optimizer), kernels(copy_in), gathered, head,
-                         reduced, kernels(post), tail, g.stream == rs.stream,
+    return FsdpStretches(g.group_size, kernel_group(optimizer), kernel_group(copy_in), gathered,
+                         head, reduced, kernel_group(post), tail, g.stream == rs.stream,
                          _boundary_wait(q, price, shard_sized, comm, counted))
 
 
