@@ -60,6 +60,30 @@ def _grid(r):
     return candidate_grid(r.space)
 
 
+def _another_that_fits(x, o) -> bool:
+    return o.fits and o.candidate != x.candidate
+
+
+def _from_each_trace(rule, traces, outcomes, admit=_another_that_fits):
+    """(x, o, bound, x alone) for each trace x of `traces` and outcome o of `outcomes` that
+    `admit` pairs (by default: another candidate, one that fits) where `rule` bounds o's
+    candidate from x's trace alone (a Known of x only); each bound checked at most o's traced
+    step on the way."""
+    from tapescope.layout_search.bounds import Known
+
+    for x in traces:
+        alone = Known()
+        alone.add(x)
+        for o in outcomes:
+            if not admit(x, o):
+                continue
+            b = rule(o.candidate, alone)
+            if b is not None:
+                assert b.seconds <= o.step_seconds, (rule.__name__, x.candidate.label(),
+                                                     o.candidate.label())
+                yield x, o, b, alone
+
+
 def test_every_bound_holds_on_every_candidate(searches):
     """Each lower bound the rules (layout_search/bounds.py) give any candidate from every
     other candidate brute force traced is at most that candidate's traced step time."""
@@ -92,23 +116,16 @@ def test_step_ends_tighten_the_bound_and_hold(searches):
     FSDP2's first all-gather and last reduction) from each single trace on each other candidate
     of its layout, one pair at a time: at most the traced step, on a smaller micro-batch too,
     and above repeated_kernels' floor from the same trace by at least the optimizer's kernels."""
-    from tapescope.layout_search.bounds import Known, kernels_and_step_ends, repeated_kernels
+    from tapescope.layout_search.bounds import kernels_and_step_ends, repeated_kernels
 
     _, brute = searches
-    smaller, gains = 0, []
     for x in brute.outcomes:
         assert len(x.step_ends) == len(x.kernel_seconds) and all(e > 0 for e in x.step_ends)
-        known = Known()
-        known.add(x)
-        for o in brute.outcomes:
-            if not o.fits or o.candidate == x.candidate:
-                continue
-            b = kernels_and_step_ends(o.candidate, known)
-            if b is None:
-                continue
-            assert b.seconds <= o.step_seconds, (x.candidate.label(), o.candidate.label())
-            smaller += o.candidate.micro_batch < x.candidate.micro_batch
-            gains.append(b.seconds - repeated_kernels(o.candidate, known).seconds)
+    smaller, gains = 0, []
+    for x, o, b, alone in _from_each_trace(kernels_and_step_ends, brute.outcomes,
+                                           brute.outcomes):
+        smaller += o.candidate.micro_batch < x.candidate.micro_batch
+        gains.append(b.seconds - repeated_kernels(o.candidate, alone).seconds)
     assert smaller > 0 and gains and min(gains) > 0
 
 
@@ -117,23 +134,13 @@ def test_each_trace_bounds_every_size_and_twin(searches):
     largest of them): from a larger micro-batch of the same layout (scaled by
     bounds._per_micro_batch_share) and from another data-parallel split of the same model
     split, at most the traced step; and both transfers happen."""
-    from tapescope.layout_search.bounds import Known, repeated_kernels, same_model_kernels
+    from tapescope.layout_search.bounds import repeated_kernels, same_model_kernels
 
     _, brute = searches
     kinds = set()
-    for x in brute.outcomes:
-        known = Known()
-        known.add(x)
-        for o in brute.outcomes:
-            if not o.fits or o.candidate == x.candidate:
-                continue
-            for rule in (repeated_kernels, same_model_kernels):
-                b = rule(o.candidate, known)
-                if b is not None:
-                    assert b.seconds <= o.step_seconds, (rule.__name__, x.candidate.label(),
-                                                         o.candidate.label())
-                    kinds.add((rule.__name__,
-                               o.candidate.micro_batch < x.candidate.micro_batch))
+    for rule in (repeated_kernels, same_model_kernels):
+        for x, o, _, _ in _from_each_trace(rule, brute.outcomes, brute.outcomes):
+            kinds.add((rule.__name__, o.candidate.micro_batch < x.candidate.micro_batch))
     assert {("repeated_kernels", True), ("same_model_kernels", False),
             ("same_model_kernels", True)} <= kinds, kinds
 
@@ -196,14 +203,8 @@ def test_pipelined_bound_holds_on_every_candidate(pipelined):
             b = rule(o.candidate, everything)
             if b is not None:
                 assert b.seconds <= o.step_seconds, (rule.__name__, o.candidate.label())
-    for x in brute.outcomes:
-        alone = Known()
-        alone.add(x)
-        for o in piped:
-            b = pipelined_model_kernels(o.candidate, alone)
-            if b is not None:
-                assert 0 < b.seconds <= o.step_seconds, (x.candidate.label(),
-                                                         o.candidate.label())
+    for x, o, b, _ in _from_each_trace(pipelined_model_kernels, brute.outcomes, piped):
+        assert b.seconds > 0, (x.candidate.label(), o.candidate.label())
     bounded = [o for o in piped if pipelined_model_kernels(o.candidate, everything)]
     assert bounded == piped
 
@@ -240,24 +241,19 @@ def test_pipeline_chain_holds_from_each_trace(pipelined):
     repeated_kernels bound (micro-batches x the slowest stage's kernels) from the same trace:
     it counts what that bound leaves out. Both modes and both micro-batch sizes transfer.
     (Another data-parallel split of the same pipeline: test_pipeline_chain_across_splits.)"""
-    from tapescope.layout_search.bounds import Known, pipeline_chain, repeated_kernels
+    from tapescope.layout_search.bounds import pipeline_chain, repeated_kernels
 
     _, brute, _ = pipelined
     piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
     assert all(len(o.stage_seconds) == o.candidate.layout.pp for o in piped)
     pairs = set()
-    for x in piped:
-        alone = Known()
-        alone.add(x)
-        for o in piped:
-            b = pipeline_chain(o.candidate, alone)
-            if b is None:
-                continue
-            flat = repeated_kernels(o.candidate, alone)
-            assert flat.seconds < b.seconds <= o.step_seconds, (x.candidate.label(),
-                                                                o.candidate.label())
-            pairs.add((x.candidate.checkpointing, o.candidate.checkpointing,
-                       o.candidate.micro_batch < x.candidate.micro_batch))
+    # every pair, a trace with its own candidate too (all fit here)
+    for x, o, b, alone in _from_each_trace(pipeline_chain, piped, piped,
+                                           admit=lambda x, o: True):
+        flat = repeated_kernels(o.candidate, alone)
+        assert flat.seconds < b.seconds, (x.candidate.label(), o.candidate.label())
+        pairs.add((x.candidate.checkpointing, o.candidate.checkpointing,
+                   o.candidate.micro_batch < x.candidate.micro_batch))
     assert {("none", "full", False), ("none", "none", True), ("full", "full", True)} <= pairs, \
         pairs
 
@@ -287,25 +283,24 @@ def test_pipeline_chain_across_splits():
     each trace alone on each candidate of the other layout: at most its traced step, and
     given from the same micro-batch size and from a larger one; the stages' figures are the
     same in both splits at the same micro-batch (FSDP2 gathers a block whole)."""
-    from tapescope.layout_search.bounds import Known, pipeline_chain
+    from tapescope.layout_search.bounds import pipeline_chain
 
     r = tapescope.search(SMALL_SPEC, gpus=8, gpu="h100", global_batch=16, seq=128, pp=(2,),
                          tp=(1,), checkpointing=("none",), max_steps=4, gpus_per_node=2,
                          brute_force=True)
     assert {o.candidate.layout.dp_replicate for o in r.outcomes} == {1, 2}
+
+    def other_split(x, o) -> bool:
+        return o.candidate.layout != x.candidate.layout
+
     given = set()
+    for x, o, b, _ in _from_each_trace(pipeline_chain, r.outcomes, r.outcomes,
+                                       admit=other_split):
+        assert b.seconds > 0, (x.candidate.label(), o.candidate.label())
+        given.add(o.candidate.micro_batch < x.candidate.micro_batch)
     for x in r.outcomes:
-        alone = Known()
-        alone.add(x)
         for o in r.outcomes:
-            if o.candidate.layout == x.candidate.layout:
-                continue
-            b = pipeline_chain(o.candidate, alone)
-            if b is not None:
-                assert 0 < b.seconds <= o.step_seconds, (x.candidate.label(),
-                                                         o.candidate.label())
-                given.add(o.candidate.micro_batch < x.candidate.micro_batch)
-            if o.candidate.micro_batch == x.candidate.micro_batch:
+            if other_split(x, o) and o.candidate.micro_batch == x.candidate.micro_batch:
                 assert [v for stage in o.stage_seconds for v in stage] == pytest.approx(
                     [v for stage in x.stage_seconds for v in stage], rel=1e-9)
     assert given == {False, True}
@@ -316,25 +311,20 @@ def test_twin_pipeline_chain_holds_from_each_twin(pipelined):
     micro-batch sizes; and the proof's middle step measured: at the same micro-batch and
     mode, the blocks a stage holds cost in the twin at most what the stage's first forward and
     last backward cost in the pipeline, and both blocks cost the same (equal blocks)."""
-    from tapescope.layout_search.bounds import Known, twin_pipeline_chain
+    from tapescope.layout_search.bounds import twin_pipeline_chain
 
     _, brute, _ = pipelined
     piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
     twins = [o for o in brute.outcomes if o.candidate.layout.pp == 1 and o.candidate.steps == 1]
     assert twins and all(len(o.block_seconds) == len(o.ranks) for o in twins)
     bounded, pairs = set(), 0
+    for x, o, b, _ in _from_each_trace(twin_pipeline_chain, twins, piped):
+        assert b.seconds > 0, (x.candidate.label(), o.candidate.label())
+        bounded.add(o.candidate)
     for x in twins:
         (first, second), = x.block_seconds
         assert first == pytest.approx(second, rel=1e-12) and min(first) >= 0 and first[0] > 0
         assert (first[2] > 0) == (x.candidate.checkpointing != "none")
-        alone = Known()
-        alone.add(x)
-        for o in piped:
-            b = twin_pipeline_chain(o.candidate, alone)
-            if b is not None:
-                assert 0 < b.seconds <= o.step_seconds, (x.candidate.label(),
-                                                         o.candidate.label())
-                bounded.add(o.candidate)
         for o in piped:
             c = o.candidate
             if (c.micro_batch, c.checkpointing) != (x.candidate.micro_batch,
@@ -653,26 +643,20 @@ def test_twin_pipeline_ends_holds_from_each_twin(pipelined):
     candidate's traced step, both modes and both micro-batch sizes, and above
     twin_pipeline_chain from the same twin (it counts what that one leaves out); the pruned
     search, which applies it, keeps brute force's top rows."""
-    from tapescope.layout_search.bounds import Known, twin_pipeline_chain, twin_pipeline_ends
+    from tapescope.layout_search.bounds import twin_pipeline_chain, twin_pipeline_ends
 
     pruned, brute, _ = pipelined
     piped = [o for o in brute.outcomes if o.candidate.layout.pp > 1]
     twins = [o for o in brute.outcomes if o.candidate.layout.pp == 1 and o.candidate.steps == 1]
-    bounded = set()
     for x in twins:
         (first_f, first_b, last_f, last_b, loss_f, loss_b), = x.edge_seconds
         # the loss is pipeline_loss's (checked op for op), and each part launches kernels
         assert min(first_f, first_b, last_f, last_b, loss_f, loss_b) > 0, x.candidate.label()
-        alone = Known()
-        alone.add(x)
-        for o in piped:
-            b = twin_pipeline_ends(o.candidate, alone)
-            if b is None:
-                continue
-            chain = twin_pipeline_chain(o.candidate, alone)
-            assert chain.seconds < b.seconds <= o.step_seconds, (x.candidate.label(),
-                                                                 o.candidate.label())
-            bounded.add(o.candidate)
+    bounded = set()
+    for x, o, b, alone in _from_each_trace(twin_pipeline_ends, twins, piped):
+        chain = twin_pipeline_chain(o.candidate, alone)
+        assert chain.seconds < b.seconds, (x.candidate.label(), o.candidate.label())
+        bounded.add(o.candidate)
     assert bounded == {o.candidate for o in piped}
     assert _labels(pruned.ranked[:2]) == _labels(brute.ranked[:2])
 
@@ -764,26 +748,17 @@ def test_replicated_twin_holds_from_each_trace(searches):
     micro-batch too, and there it is above same_model_kernels from the same trace by at least
     the twin's optimizer kernels (which a rank of the HSDP, holding twice the shard, runs at
     least as long)."""
-    from tapescope.layout_search.bounds import Known, replicated_twin, same_model_kernels
+    from tapescope.layout_search.bounds import replicated_twin, same_model_kernels
 
     _, brute = searches
     pairs, smaller = [], 0
-    for x in brute.outcomes:
-        known = Known()
-        known.add(x)
-        for o in brute.outcomes:
-            if not o.fits or o.candidate == x.candidate:
-                continue
-            b = replicated_twin(o.candidate, known)
-            if b is None:
-                continue
-            assert b.seconds <= o.step_seconds, (x.candidate.label(), o.candidate.label())
-            if o.candidate.layout.dp_replicate > x.candidate.layout.dp_replicate:
-                _, classes = x.fsdp_stretches
-                optimizer = min(sum(t for t, _ in f.optimizer) for _, f in classes)
-                assert b.seconds >= same_model_kernels(o.candidate, known).seconds + optimizer
-                pairs.append(b.seconds / o.step_seconds)
-                smaller += o.candidate.micro_batch < x.candidate.micro_batch
+    for x, o, b, alone in _from_each_trace(replicated_twin, brute.outcomes, brute.outcomes):
+        if o.candidate.layout.dp_replicate > x.candidate.layout.dp_replicate:
+            _, classes = x.fsdp_stretches
+            optimizer = min(sum(t for t, _ in f.optimizer) for _, f in classes)
+            assert b.seconds >= same_model_kernels(o.candidate, alone).seconds + optimizer
+            pairs.append(b.seconds / o.step_seconds)
+            smaller += o.candidate.micro_batch < x.candidate.micro_batch
     assert pairs and smaller > 0, pairs
 
 
