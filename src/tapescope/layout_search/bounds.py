@@ -1,9 +1,16 @@
 """Lower bounds on a candidate's step time, from traces already made: branch and bound.
 
 A candidate whose step provably takes longer than the search's k-th best so far cannot enter the
-top k, so it is not traced (runner.py lists it as pruned with its bound). Each bound is a small
-rule over what earlier traces measured (Outcome.kernel_seconds, Outcome.matmul_flops), never a
-guess at the candidate's own figures:
+top k, so it is not traced (runner.py lists it as pruned with its bound). The step a bound is
+on is the one the search ranks by: what the candidate's own trace would give
+(evaluate._outcome: its slowest rank's step on analysis/timing.py's eager model, a pipeline's
+on distributed/pipeline.py's schedule_time), so each proof runs over that model's arithmetic,
+not over a measured GPU step. Each bound is a small rule over what earlier traces measured,
+never a guess at the candidate's own figures: the Outcome fields evaluate._bound_figures reads
+off each traced rank with the figure functions below (kernel_seconds: stream_floors;
+step_ends; stage_seconds: action_floors; block_seconds: block_floors; edge_seconds:
+edge_floors; optimizer_seconds: optimizer_floors; fsdp_stretches) and matmul_flops. A trace
+whose time is not the eager kernel model's (compiled, calibrated) gives none.
 
 - `repeated_kernels`: the time model runs a rank's compute-stream kernels one after another
   (analysis/timing.py: the step lasts at least until the compute stream is done; a kernel
@@ -53,12 +60,12 @@ guess at the candidate's own figures:
   twin's kernels by module, `edge_floors`), and a chain that ends on the stage's own rank:
   its start plus its whole eager step, the loss's forward and its share of the twin's
   optimizer kernels in it (`optimizer_floors`).
-- `replicated_twin`: an HSDP candidate (or any unpipelined split whose shard degree divides
-  the trace's) from its FSDP twin's trace: `same_model_kernels`' floor plus the optimizer's
-  kernels (floors scaled to the larger shard) and the waits FSDP2's collectives cause at the
-  step's two ends and between micro-batches, each collective re-priced on the candidate's own
-  groups from the twin's unpadded bytes (Outcome.fsdp_stretches; the proof is the rule's
-  docstring).
+- `replicated_twin` (appended below): an HSDP candidate (or any unpipelined split whose shard
+  degree divides the trace's) from its FSDP twin's trace: `same_model_kernels`' floor plus the
+  optimizer's kernels (floors scaled to the larger shard) and the waits FSDP2's collectives
+  cause at the step's two ends and between micro-batches, each collective re-priced on the
+  candidate's own groups from the twin's unpadded bytes (Outcome.fsdp_stretches; the proof is
+  the rule's docstring).
 
 tests/test_search.py checks each rule against brute force: every candidate's traced step is at
 least each bound the rules give it.
@@ -91,7 +98,8 @@ class Known:
     by_model_split: dict = field(default_factory=dict)
     # unpipelined one-micro-batch traces by what a pipeline of them shares (_pipeline_twin)
     by_pipeline_twin: dict = field(default_factory=dict)
-    flops_per_sample: dict = field(default_factory=dict)  # "own" / mode -> matmul FLOPs per sample
+    # "own" -> matmul FLOPs per sample; a checkpointing mode -> its recomputed ones per sample
+    flops_per_sample: dict = field(default_factory=dict)
 
     def add(self, o) -> None:
         c = o.candidate
@@ -111,6 +119,10 @@ class Known:
 
 
 def _same_kernels(c: Candidate) -> tuple:
+    """What decides a rank's kernels and collectives of one micro-batch but its size and its
+    checkpointing mode (repeated_kernels scales the one and orders the other): the whole layout
+    (FSDP2's own kernels and the collectives follow every degree), the schedule, compile and
+    float8."""
     return (c.layout, c.schedule, c.compile, c.float8)
 
 
@@ -154,16 +166,27 @@ def _per_micro_batch_share(c: Candidate, x: Candidate) -> float | None:
     return c.steps * m / mx / x.steps
 
 
-def repeated_kernels(c: Candidate, known: Known) -> Bound | None:
-    best = None
-    for x in known.by_micro_batch.get(_same_kernels(c), ()):
-        same_mode = x.candidate.checkpointing == c.checkpointing
-        if RECOMPUTE_ORDER.index(x.candidate.checkpointing) > \
-                RECOMPUTE_ORDER.index(c.checkpointing):
-            continue   # checkpointing adds kernels of its own (~1% on a 70B step): never less
-        share = _per_micro_batch_share(c, x.candidate)
-        if share is None:
+def _transferable(c: Candidate, index: dict, key):
+    """The traces `index` holds under `key(c)` whose per-micro-batch figures transfer to `c`:
+    checkpointing as light or lighter (a heavier mode runs the lighter one's kernels and more:
+    checkpointing's own handling adds ~1% on a 70B TP 8 step; the recomputed kernels count only
+    from the same mode) and a micro-batch `_per_micro_batch_share` scales; each as (the trace,
+    whether it is c's mode, the share). The rules reading them filter their own figures."""
+    for x in index.get(key(c), ()):
+        xc = x.candidate
+        if RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing):
             continue
+        share = _per_micro_batch_share(c, xc)
+        if share is not None:
+            yield x, xc.checkpointing == c.checkpointing, share
+
+
+def repeated_kernels(c: Candidate, known: Known) -> Bound | None:
+    """The module docstring's first rule: c's micro-batches x one micro-batch's compute-stream
+    kernels and waits (or its busiest NCCL stream's collectives), from a trace of the same
+    layout and schedule."""
+    best = None
+    for x, same_mode, share in _transferable(c, known.by_micro_batch, _same_kernels):
         seconds = max(share * max(own + (again if same_mode else 0.0),
                                   comm + (comm_again if same_mode else 0.0))
                       for own, again, comm, comm_again, *_ in x.kernel_seconds)
@@ -182,14 +205,9 @@ def same_model_kernels(c: Candidate, known: Known) -> Bound | None:
     all-gather buffer, padded to a multiple of the shard degree) and the collectives too (their
     groups differ)."""
     best = None
-    for x in known.by_model_split.get(_same_model_kernels(c), ()):
-        if x.candidate.layout == c.layout or RECOMPUTE_ORDER.index(x.candidate.checkpointing) > \
-                RECOMPUTE_ORDER.index(c.checkpointing):
-            continue
-        share = _per_micro_batch_share(c, x.candidate)
-        if share is None:
-            continue
-        same_mode = x.candidate.checkpointing == c.checkpointing
+    for x, same_mode, share in _transferable(c, known.by_model_split, _same_model_kernels):
+        if x.candidate.layout == c.layout:
+            continue   # repeated_kernels reads c's own layout, FSDP2's kernels included
         seconds = max(share * (own - data_parallel + (again if same_mode else 0.0))
                       for own, again, _, _, data_parallel, *_ in x.kernel_seconds)
         if best is None or seconds > best.seconds:
@@ -249,6 +267,9 @@ def pipelined_model_kernels(c: Candidate, known: Known) -> Bound | None:
 
 
 def model_flops(c: Candidate, known: Known) -> Bound | None:
+    """The module docstring's `model_flops`: the job's matmul FLOPs (per sample, from a purely
+    data-parallel trace; recomputed ones only from a trace of c's mode), shared evenly over its
+    ranks, at the fastest matmul rate any kernel gets on the GPU (Known.matmul_rate)."""
     own = known.flops_per_sample.get("own")
     if not own or not known.matmul_rate:
         return None
@@ -308,15 +329,10 @@ def pipeline_chain(c: Candidate, known: Known) -> Bound | None:
     if c.layout.pp == 1 or c.schedule not in ("gpipe", "1f1b"):
         return None
     best = None
-    for x in known.by_model_split.get(_same_model_kernels(c), ()):
+    for x, same_mode, share in _transferable(c, known.by_model_split, _same_model_kernels):
+        if not x.stage_seconds:
+            continue   # an unpipelined trace of the family: no stages
         xc = x.candidate
-        if not x.stage_seconds or \
-                RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing):
-            continue
-        share = _per_micro_batch_share(c, xc)
-        if share is None:
-            continue
-        same_mode = xc.checkpointing == c.checkpointing
         scale = c.micro_batch / xc.micro_batch
         chain = seconds = 0.0
         for first_forward, last_own, last_again, own, again in x.stage_seconds:
@@ -331,9 +347,10 @@ def pipeline_chain(c: Candidate, known: Known) -> Bound | None:
 
 def _unpipelined_twins(c: Candidate, known: Known):
     """The traces a pipelined candidate's twin rules read (`pipelined_model_kernels`,
-    `twin_pipeline_chain`): the unpipelined layouts of its TP / CP split, checkpointing as light
-    or lighter, a micro-batch as large or larger that its own divides; each as (the trace, same
-    checkpointing mode, its micro-batch / the trace's)."""
+    `twin_pipeline_chain`, `twin_pipeline_ends`): one-micro-batch traces of the unpipelined
+    layouts of its TP / CP split, checkpointing as light or lighter, a micro-batch as large or
+    larger that its own divides; each as (the trace, same checkpointing mode, its micro-batch /
+    the trace's)."""
     for x in known.by_pipeline_twin.get(_pipeline_twin(c), ()):
         xc = x.candidate
         if RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing) \
@@ -522,7 +539,7 @@ def stream_floors(q, waits: bool = True, ends=None) -> tuple:
     kernels, prices = q.kernels, q.kernel_prices
     price: dict = {}          # position -> seconds alone, compute-stream kernels in fwd / bwd
     writer: dict = {}         # storage -> position of the compute kernel that last wrote it
-    pending: list = []        # (collective position, P, its output storages)
+    pending: list = []        # (P, its output storages not yet read, seconds, recomputed)
     windows: list = []        # (P, Q, collective seconds, recomputed)
     for i, op in enumerate(q.ops):
         if op.index in comm:
@@ -834,9 +851,9 @@ def edge_floors(q, blocks: list, first: tuple, last: tuple, loss_kernels=None) -
 
     comm = {c.op for c in q.collectives}
     storages, kernels, prices = q.trace.storages, q.kernels, q.kernel_prices
-    side = {**{b: "block" for b in blocks}, **{f: "first" for f in first},
-            **{f: "last" for f in last}}
-    where = enclosing(side)   # module -> "block" / "first" / "last" / None
+    parts = {**{b: "block" for b in blocks}, **{f: "first" for f in first},
+             **{f: "last" for f in last}}
+    where = enclosing(parts)   # module -> "block" / "first" / "last" / None
 
     def kernel(op) -> bool:
         return op.phase in (FORWARD, BACKWARD) and op.index not in comm and \
@@ -953,7 +970,6 @@ def twin_pipeline_ends(c: Candidate, known: Known) -> Bound | None:
     return best
 
 
-
 def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
     """(seconds, ((where, rows, rest, count), ...)): the compute stream's optimizer kernels
     alone of an unpipelined step (q: the rank's Profile, timed by the eager model) that run
@@ -974,14 +990,10 @@ def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
 
     comm = {c.op for c in q.collectives}
     owner, kernels, prices = q.trace.storage_owner, q.kernels, q.kernel_prices
-    part_of = {**{b: i for i, b in enumerate(blocks)}, **dict.fromkeys(first, -1),
-               **dict.fromkeys(last, -2)}
+    # a parameter's fqn -> its stage part (a parameter's name is never a module's)
+    part = enclosing({**{b: i for i, b in enumerate(blocks)}, **dict.fromkeys(first, -1),
+                      **dict.fromkeys(last, -2)})
     shard_of: dict = {}   # storage -> (where, rows, rest) of the parameter shard it stands for
-
-    def part(fqn: str):
-        names = fqn.split(".")
-        return next((part_of[k] for k in (".".join(names[:n]) for n in range(1, len(names)))
-                     if k in part_of), None)
 
     def shard(r):
         if r.storage not in shard_of and r.storage in owner:
@@ -1000,6 +1012,8 @@ def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
             continue
         lists = [a for a in op.record.args if isinstance(a, (list, tuple)) and a
                  and all(hasattr(t, "storage") for t in a)]
+        if not lists:
+            continue   # a single-tensor optimizer's kernel (foreach=False): no table
         # foreach lists are index-aligned: the j-th tensor of a later list, of the first's
         # shape, is the same parameter's (its gradient, its state)
         # (views of one buffer, FSDP2's reduced gradients, share a storage, whose owner is
@@ -1011,7 +1025,7 @@ def optimizer_floors(q, blocks: list, first: tuple, last: tuple) -> tuple:
             [[k if len(a) == len(first_list) and tuple(t.shape) == shape else None
               for t, (k, shape) in zip(a, first_list)] + [None] * (len(a) - len(first_list))
              for a in lists[1:]]
-        if not lists or any(k is None for a in keys for k in a) or \
+        if any(k is None for a in keys for k in a) or \
                 len(op.inputs) != sum(len(a) for a in lists):
             continue
         if len(op.outputs) == len(keys[0]):   # the j-th output of the j-th first-list tensor
@@ -1058,6 +1072,8 @@ def _stage_optimizer(figure, stage_parts: set, shard: int, twin_shard: int) -> f
 
 
 BOUNDS = (*BOUNDS, twin_pipeline_ends)
+
+
 # ---- another FSDP split of the same model from its twin: FSDP2's own waits re-priced ----------
 
 @dataclass(frozen=True)
@@ -1357,16 +1373,10 @@ def replicated_twin(c: Candidate, known: Known) -> Bound | None:
     if c.layout.pp > 1 or c.layout.shard_degree < 2:
         return None
     best = None
-    for x in known.by_model_split.get(_same_model_kernels(c), ()):
+    for x, same_mode, share in _transferable(c, known.by_model_split, _same_model_kernels):
         xc = x.candidate
-        if not x.fsdp_stretches or xc.layout.pp > 1 or \
-                xc.layout.shard_degree % c.layout.shard_degree or \
-                RECOMPUTE_ORDER.index(xc.checkpointing) > RECOMPUTE_ORDER.index(c.checkpointing):
-            continue
-        share = _per_micro_batch_share(c, xc)
-        if share is None:
-            continue
-        same_mode = xc.checkpointing == c.checkpointing
+        if not x.fsdp_stretches or xc.layout.shard_degree % c.layout.shard_degree:
+            continue   # no FSDP2 in the trace, or a shard degree c's does not divide
         r = xc.layout.shard_degree // c.layout.shard_degree
         key, classes = x.fsdp_stretches
         gpu = GPUS[key]
