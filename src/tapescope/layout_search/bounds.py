@@ -600,11 +600,11 @@ def stream_floors(q, waits: bool = True, ends=None) -> tuple:
         counted.append((p, qi))
     streams = {s for s, _ in on_stream}
     busiest = max(streams, key=lambda s: on_stream.get((s, False), 0.0), default=None)
-    comm = on_stream.get((busiest, False), 0.0)
+    collectives = on_stream.get((busiest, False), 0.0)
     # with the same mode's recomputed collectives: the busiest stream counting them
     both = max((on_stream.get((s, False), 0.0) + on_stream.get((s, True), 0.0)
                 for s in streams), default=0.0)
-    return own, again, comm, both - comm, data_parallel, *alone, \
+    return own, again, collectives, both - collectives, data_parallel, *alone, \
         (ends or step_ends)(q, counted)
 
 

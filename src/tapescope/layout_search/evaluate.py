@@ -425,7 +425,8 @@ def _bound_figures(p, ranks, blocks=(), edges=()) -> dict:
     seconds the compute stream is provably busy or idle in forward and backward, the busiest
     NCCL stream's collectives there (own, recomputed), and FSDP2's own kernels among the
     compute stream's (layout_search/bounds.py, stream_floors); the job's matmul FLOPs (own,
-    recomputed).
+    recomputed). With them the other figures the bounds read (step_ends, fsdp_stretches,
+    stage_seconds, block_seconds, edge_seconds, optimizer_seconds: each field's comment).
     Empty where a rank's time is not the eager kernel model's."""
     from ..analysis.op_classes import op_class
     from .bounds import (block_floors, edge_floors, fsdp_stretches, optimizer_floors,
