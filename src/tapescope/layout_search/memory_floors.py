@@ -474,7 +474,9 @@ def last_stage_loss(c: Candidate, model: ModelParameters,
                                                  for r in x.saved_bytes))
             saved = max(saved, min(sum(r[b] for b in held) for r in twin.saved_bytes) - 4)
     params, state = _resident(c, model, s)
-    grads = _stage_state(c, model, s)[1] if _fsdp2_applies(c, model) else 0
+    fsdp = _fsdp2_applies(c, model)
+    grads = _stage_state(c, model, s)[1] if fsdp else 0
+    gathered, root_grads = _root_state(c, model) if fsdp else (0, 0)
     best = None
     forwards = backwards = 0
     for kind in single_stage_kinds(c.schedule, c.steps, layout.pp, s):
@@ -482,7 +484,8 @@ def last_stage_loss(c: Candidate, model: ModelParameters,
             forwards += 1
             continue
         live = forwards - backwards
-        total = params + state + (grads if backwards else 0) + live * (saved + logits) + 2 * fp32
+        total = params + state + gathered + ((grads + root_grads) if backwards else 0) + \
+            live * (saved + logits) + 2 * fp32
         backwards += 1
         if best is None or total > best.bytes:
             best = MemoryFloor(total, s, (
@@ -492,8 +495,32 @@ def last_stage_loss(c: Candidate, model: ModelParameters,
                 f"({_gib(logits)} each) and saved tensors ({_gib(saved)} each"
                 f"{', as ' + twin.candidate.label() + ' keeps them' if twin else ''}), the "
                 f"stage's parameters ({_gib(params)}) and optimizer state ({_gib(state)})"
-                f"{f', its blocks unsharded gradients ({_gib(grads)})' if grads and backwards > 1 else ''}"))
+                f"{f', FSDP2-unsharded ({_gib(gathered)})' if gathered else ''}"
+                f"{f', unsharded gradients ({_gib(grads + root_grads)})' if fsdp and backwards > 1 else ''}"))
     return best
+
+
+def _root_state(c: Candidate, model: ModelParameters) -> tuple:
+    """(unsharded parameters, unsharded gradients) bytes of the last stage that FSDP2 keeps
+    gathered at its loss's backward in step 2: distributed/presets.py's FSDP preset shards each
+    block and then the stage's module, the root (its own parameters: the final norm and the
+    output layer, `model.last`). The root's group is not resharded after forward (torch 2.14's
+    FSDPState._lazy_init sets the root's `post_forward_mesh_info` None when its
+    reshard_after_forward is left automatic, as the preset leaves it), nor is the stage's last
+    block's (the preset's reshard_after_forward=False for it), and pipelining's backwards do
+    not reshard (fsdp2_state_across_micro_batches): from the step's first forward on, both are
+    gathered, in the param dtype. The root's gradients, like the blocks', stay unsharded in
+    the reduce dtype from its first backward of the step to the reduction. TP-local elements:
+    `_least_tp_chunk`."""
+    from ..distributed.pipeline import block_range
+
+    layout = c.layout
+    last_block = model.blocks[block_range(layout.pp - 1, layout.pp, len(model.blocks))[-1]]
+    root = sum(_least_tp_chunk(shape, layout.tp) for shape in model.last)
+    block = sum(_least_tp_chunk(shape, layout.tp) for shape in last_block)
+    gathered = (model.param_dtype or model.dtype).itemsize
+    reduced = (model.reduce_dtype or model.param_dtype or model.dtype).itemsize
+    return (root + block) * gathered, root * reduced
 
 
 FLOORS = (fsdp2_state_across_micro_batches, activations_in_flight, last_stage_loss)
