@@ -26,14 +26,23 @@ Rules:
   micro-batches in flight (the schedule's own order), each at least what the unpipelined
   twin's trace shows the stage's blocks (and on the last stage the head: final norm, output
   layer, loss) keep for their backward (`Outcome.saved_bytes`, `saved_block_bytes`), beside
-  the FSDP2 state alive at that instant.
+  the FSDP2 state alive at that instant, and (the instant recurring in step 2) the stage's
+  parameters and their optimizer state (AdamW's two states, made by step 1's step).
+- `last_stage_loss`: the last stage in step 2 as its loss's backward makes the gradient of the
+  logits (`_log_softmax_backward_data`): that micro-batch's fp32 gradient and output (N x V
+  each), the logits every micro-batch in flight keeps in the stage's fwd_cache, their saved
+  tensors (the log-probabilities at least), the parameters, the optimizer state, and FSDP2's
+  root group (final norm, output layer) and last block gathered, and the unsharded gradients.
+  From the model alone (the output layer's width, the tokens a sample, the TP plan), stronger
+  with a twin.
 
-Left out (not proven here, so not counted): the embedding's, the final norm's and the output
-layer's parameters and gradients (FSDP2's root group: when its post-backward runs differs),
-the embedding's saved tensors, every temporary, the optimizer state (it exists from the first
-step's optimizer on), the gradients' and parameters' padding. Not applied to schedules with several stages a rank
-or split backwards (interleaved, looped, zero-bubble, V); the FSDP2 part not to compiled
-candidates, float8 (its all-gather may run in float8) or a stage that FSDP2 does not shard.
+Left out (not proven here, so not counted): the embedding's parameters and gradients on the
+first stage (FSDP2's root group there), the embedding's saved tensors, the stage's received
+inputs, every temporary but the loss's, the gradients' and parameters' padding. Not applied
+to schedules with several stages a rank or split backwards (interleaved, looped, zero-bubble,
+V); the FSDP2 part not to compiled candidates, float8 (its all-gather may run in float8) or a
+stage that FSDP2 does not shard; the loss not to compiled or float8 candidates or a loss other
+than pipeline_loss's default cross-entropy.
 
 tests/test_memory_floors.py checks every floor against brute force: on every pipelined
 candidate of a reduced space, each rank class's traced peak live bytes are at least the
@@ -319,7 +328,9 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
     more); with FSDP2 (`_fsdp2_applies`), beside its state at that instant: after a backward,
     the unsharded parameters, gradients and shards (fsdp2_state_across_micro_batches); after a
     forward, the unsharded gradients once a backward has run (they live to the step's
-    reduction; the unsharded parameters may be resharded after forward) and the shards.
+    reduction; the unsharded parameters may be resharded after forward) and the shards; and,
+    since every such instant recurs in step 2 (analysis/gpu_memory.py replays it), the
+    stage's parameters and the optimizer state step 1 made (`_resident`).
 
     Why the activations: the micro-batches in flight come from the schedule's own order
     (distributed/pipeline.py's `single_stage_kinds`: torch's GPipe and 1F1B
@@ -355,6 +366,10 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
         twin = max(usable, key=lambda x: min(sum(r[b] for b in held) for r in x.saved_bytes))
         per_micro_batch = min(sum(r[b] for b in held) for r in twin.saved_bytes)
         unsharded, grads, shards = _stage_state(c, model, s) if fsdp else (0, 0, 0)
+        # every instant below recurs in step 2, beside the optimizer state of step 1's step
+        # (last_stage_loss's `_resident`); the stage's parameters at least its shards
+        params, state = _resident(c, model, s)
+        shards = max(shards, params) + state
         forwards = backwards = 0
         for kind in single_stage_kinds(c.schedule, c.steps, layout.pp, s):
             if kind == "F":
