@@ -89,6 +89,7 @@ class ModelParameters:
     vocab_gathered: bool = False
     tokens: int | None = None
     optimizer_states: int = 0   # tensors of a parameter's shape its optimizer keeps (Adam: 2)
+    first: tuple = ()   # the first stage's own modules' (the embeddings') parameter shapes
 
 
 def model_parameters(source) -> ModelParameters:
@@ -105,7 +106,7 @@ def model_parameters(source) -> ModelParameters:
     mp = resolve_dtype(source.amp) if source.amp else None
     blocks = tuple(tuple(tuple(p.shape) for p in b.parameters() if p.requires_grad)
                    for b in transformer_blocks(model))
-    last, vocab, gathered = _last_stage_modules(model)
+    first, last, vocab, gathered = _edge_stage_modules(model)
     target = workload.args[-1] if workload.args else None
     # pipeline_loss's default: cross-entropy against an integer target of batch 1 here
     tokens = _numel(target.shape) if loss_fn is None and target is not None and \
@@ -113,7 +114,7 @@ def model_parameters(source) -> ModelParameters:
         not target.dtype.is_floating_point and not target.dtype.is_complex else None
     return ModelParameters(blocks, dtype or built, mp, torch.float32 if mp is not None else None,
                            last, vocab, gathered, tokens,
-                           _OPTIMIZER_STATES.get(str(source.optimizer).lower(), 0))
+                           _OPTIMIZER_STATES.get(str(source.optimizer).lower(), 0), first)
 
 
 # TP plans (distributed/presets.py's TP_PLANS, by name) that gather the output layer's logits
@@ -128,32 +129,37 @@ _GATHERED_VOCAB_PLANS = frozenset({"llama (torchtitan)"})
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2}
 
 
-def _last_stage_modules(model) -> tuple:
-    """(parameter shapes of the modules distributed/pipeline.py's split puts on the last stage
-    alone, the output layer's width, whether the model's TP plan gathers it): the output layer
-    is the last of those modules, when it is an nn.Linear (its out_features), else None."""
+def _edge_stage_modules(model) -> tuple:
+    """(parameter shapes of the modules distributed/pipeline.py's split puts on the first stage
+    alone, the same on the last stage, the output layer's width, whether the model's TP plan
+    gathers it): the output layer is the last of the last stage's modules, when it is an
+    nn.Linear (its out_features), else None."""
     from ..distributed.pipeline import edge_modules
     from ..distributed.presets import tp_plan_for
     from ..errors import TapescopeError
 
     try:
-        _, _, last = edge_modules(model)
+        _, first, last = edge_modules(model)
     except TapescopeError:
-        return (), None, False
+        return (), (), None, False
+
+    def shapes_of(modules) -> tuple:
+        seen, shapes = set(), []
+        for m in modules:
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    shapes.append(tuple(p.shape))
+        return tuple(shapes)
+
     modules = [model.get_submodule(f) for f in last]
-    seen, shapes = set(), []
-    for m in modules:
-        for p in m.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                shapes.append(tuple(p.shape))
     vocab = modules[-1].out_features if modules and \
         isinstance(modules[-1], torch.nn.Linear) else None
     try:
         gathered = tp_plan_for(model)[0] in _GATHERED_VOCAB_PLANS
     except TapescopeError:
         gathered = False
-    return tuple(shapes), vocab, gathered
+    return shapes_of(model.get_submodule(f) for f in first), shapes_of(modules), vocab, gathered
 
 
 def _numel(shape) -> int:
@@ -328,8 +334,10 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
     more); with FSDP2 (`_fsdp2_applies`), beside its state at that instant: after a backward,
     the unsharded parameters, gradients and shards (fsdp2_state_across_micro_batches); after a
     forward, the unsharded gradients once a backward has run (they live to the step's
-    reduction; the unsharded parameters may be resharded after forward) and the shards; and,
-    since every such instant recurs in step 2 (analysis/gpu_memory.py replays it), the
+    reduction; the unsharded parameters may be resharded after forward) and the shards, and
+    at both the FSDP2 root group's (and after a forward the stage's last block's) gathered
+    parameters and the last stage's root gradients once a backward has run (`_root_state`);
+    and, since every such instant recurs in step 2 (analysis/gpu_memory.py replays it), the
     stage's parameters and the optimizer state step 1 made (`_resident`).
 
     Why the activations: the micro-batches in flight come from the schedule's own order
@@ -366,18 +374,22 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
         twin = max(usable, key=lambda x: min(sum(r[b] for b in held) for r in x.saved_bytes))
         per_micro_batch = min(sum(r[b] for b in held) for r in twin.saved_bytes)
         unsharded, grads, shards = _stage_state(c, model, s) if fsdp else (0, 0, 0)
+        root, block, root_grads = _root_state(c, model, s) if fsdp else (0, 0, 0)
         # every instant below recurs in step 2, beside the optimizer state of step 1's step
         # (last_stage_loss's `_resident`); the stage's parameters at least its shards
         params, state = _resident(c, model, s)
         shards = max(shards, params) + state
         forwards = backwards = 0
         for kind in single_stage_kinds(c.schedule, c.steps, layout.pp, s):
+            # the root group and the stage's last block stay gathered from the first forward
+            # on, the root's gradients from the first backward (_root_state; the last block
+            # is among `unsharded` after a backward)
             if kind == "F":
                 forwards += 1
-                held = shards + (grads if backwards else 0)
+                held = shards + root + block + ((grads + root_grads) if backwards else 0)
             else:
                 backwards += 1
-                held = shards + grads + unsharded
+                held = shards + grads + unsharded + root + root_grads
             live = forwards - backwards
             total = held + live * per_micro_batch
             if best is None or total > best.bytes:
@@ -416,13 +428,16 @@ def _least_shard(shape: tuple, tp: int, shard: int) -> int:
 def _resident(c: Candidate, model: ModelParameters, s: int) -> tuple:
     """(parameters, optimizer state) bytes stage s's every rank holds from the first
     optimizer step on: each parameter of its blocks (and, on the last stage, of its own
-    modules) at least `_least_shard` elements in the built dtype, and the optimizer's
+    modules, on the first its embeddings') at least `_least_shard` elements in the built
+    dtype, and the optimizer's
     `optimizer_states` tensors of each, zeros_like the rank's parameter."""
     from ..distributed.pipeline import block_range
 
     layout = c.layout
     shapes = [shape for b in block_range(s, layout.pp, len(model.blocks))
               for shape in model.blocks[b]]
+    if s == 0:
+        shapes += list(model.first)
     if s == layout.pp - 1:
         shapes += list(model.last)
     local = sum(_least_shard(shape, layout.tp, layout.shard_degree) for shape in shapes)
@@ -491,7 +506,8 @@ def last_stage_loss(c: Candidate, model: ModelParameters,
     params, state = _resident(c, model, s)
     fsdp = _fsdp2_applies(c, model)
     grads = _stage_state(c, model, s)[1] if fsdp else 0
-    gathered, root_grads = _root_state(c, model) if fsdp else (0, 0)
+    root, block, root_grads = _root_state(c, model, s) if fsdp else (0, 0, 0)
+    gathered = root + block
     best = None
     forwards = backwards = 0
     for kind in single_stage_kinds(c.schedule, c.steps, layout.pp, s):
@@ -515,27 +531,35 @@ def last_stage_loss(c: Candidate, model: ModelParameters,
     return best
 
 
-def _root_state(c: Candidate, model: ModelParameters) -> tuple:
-    """(unsharded parameters, unsharded gradients) bytes of the last stage that FSDP2 keeps
-    gathered at its loss's backward in step 2: distributed/presets.py's FSDP preset shards each
-    block and then the stage's module, the root (its own parameters: the final norm and the
-    output layer, `model.last`). The root's group is not resharded after forward (torch 2.14's
+def _root_state(c: Candidate, model: ModelParameters, s: int) -> tuple:
+    """(the root group's unsharded parameters, the stage's last block's, the root's unsharded
+    gradients) bytes of stage s that FSDP2 keeps gathered through step 2 from its first
+    forward on (the gradients from the first backward): distributed/presets.py's FSDP preset
+    shards each block and then the stage's module, the root (its own parameters: on the
+    first stage the embeddings, `model.first`; on the last the final norm and the output
+    layer, `model.last`). The root's group is not resharded after forward (torch 2.14's
     FSDPState._lazy_init sets the root's `post_forward_mesh_info` None when its
     reshard_after_forward is left automatic, as the preset leaves it), nor is the stage's last
     block's (the preset's reshard_after_forward=False for it), and pipelining's backwards do
     not reshard (fsdp2_state_across_micro_batches): from the step's first forward on, both are
     gathered, in the param dtype. The root's gradients, like the blocks', stay unsharded in
-    the reduce dtype from its first backward of the step to the reduction. TP-local elements:
-    `_least_tp_chunk`."""
+    the reduce dtype from its first backward of the step to the reduction (the last stage's
+    root's input, the received activations, carries its post-backward hook; the first
+    stage's root takes token ids, so `_root_post_backward_final_callback` runs its
+    post_backward at the end of each backward; counted there at the smaller of the param and
+    reduce dtypes, what it is before `to_accumulated_grad_if_needed` and after). TP-local
+    elements: `_least_tp_chunk`."""
     from ..distributed.pipeline import block_range
 
     layout = c.layout
-    last_block = model.blocks[block_range(layout.pp - 1, layout.pp, len(model.blocks))[-1]]
-    root = sum(_least_tp_chunk(shape, layout.tp) for shape in model.last)
+    last_block = model.blocks[block_range(s, layout.pp, len(model.blocks))[-1]]
+    shapes = [*(model.first if s == 0 else ()), *(model.last if s == layout.pp - 1 else ())]
+    root = sum(_least_tp_chunk(shape, layout.tp) for shape in shapes)
     block = sum(_least_tp_chunk(shape, layout.tp) for shape in last_block)
     gathered = (model.param_dtype or model.dtype).itemsize
     reduced = (model.reduce_dtype or model.param_dtype or model.dtype).itemsize
-    return (root + block) * gathered, root * reduced
+    grads = root * (reduced if s == layout.pp - 1 else min(gathered, reduced))
+    return root * gathered, block * gathered, grads
 
 
 FLOORS = (fsdp2_state_across_micro_batches, activations_in_flight, last_stage_loss)
