@@ -26,8 +26,10 @@ Rules:
   micro-batches in flight (the schedule's own order), each at least what the unpipelined
   twin's trace shows the stage's blocks (and on the last stage the head: final norm, output
   layer, loss) keep for their backward (`Outcome.saved_bytes`, `saved_block_bytes`), beside
-  the FSDP2 state alive at that instant, and (the instant recurring in step 2) the stage's
-  parameters and their optimizer state (AdamW's two states, made by step 1's step).
+  the FSDP2 state alive at that instant (the root group, the embeddings or the final norm and
+  output layer, and the stage's last block gathered too), and (the instant recurring in step
+  2) the stage's parameters and their optimizer state (AdamW's two states, made by step 1's
+  step).
 - `last_stage_loss`: the last stage in step 2 as its loss's backward makes the gradient of the
   logits (`_log_softmax_backward_data`): that micro-batch's fp32 gradient and output (N x V
   each), the logits every micro-batch in flight keeps in the stage's fwd_cache, their saved
@@ -36,9 +38,10 @@ Rules:
   From the model alone (the output layer's width, the tokens a sample, the TP plan), stronger
   with a twin.
 
-Left out (not proven here, so not counted): the embedding's parameters and gradients on the
-first stage (FSDP2's root group there), the embedding's saved tensors, the stage's received
-inputs, every temporary but the loss's, the gradients' and parameters' padding. Not applied
+Left out (not proven here, so not counted): the embedding's output and saved tensors, the
+stage's received inputs, every temporary but the loss's (the optimizer's foreach outputs
+among them), the gradients' and parameters' padding, the caching allocator's rounding and
+fragmentation (a candidate whose live tensors fit may still run out). Not applied
 to schedules with several stages a rank or split backwards (interleaved, looped, zero-bubble,
 V); the FSDP2 part not to compiled candidates, float8 (its all-gather may run in float8) or a
 stage that FSDP2 does not shard; the loss not to compiled or float8 candidates or a loss other
