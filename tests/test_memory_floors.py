@@ -52,11 +52,22 @@ def test_floor_bytes_by_hand(model):
     counts half."""
     assert [sum(torch.Size(s).numel() for s in b) for b in model.blocks] == [BLOCK] * 4
     fsdp = Candidate(Layout(fsdp=4, pp=2), 1, 2, schedule="1f1b")
-    f = memory_floor(fsdp, model)
+    f = fsdp2_state_across_micro_batches(fsdp, model)
     assert f.bytes == 2 * BLOCK * (2 + 4 + 1) == 17_498_750_976
     tp = Candidate(Layout(fsdp=2, tp=2, pp=2), 1, 4, schedule="1f1b")
-    assert memory_floor(tp, model).bytes == 2 * (BLOCK // 2) * (2 + 4 + 2)
+    assert fsdp2_state_across_micro_batches(tp, model).bytes == 2 * (BLOCK // 2) * (2 + 4 + 2)
     assert "unsharded" in f.reason and f.stage == 0
+    # last_stage_loss, the largest here: at the last stage's second backward's loss in step 2,
+    # its blocks' fp32 unsharded gradients (4 bytes an element), their shards and AdamW's two
+    # states of each (3 x 4 / 4); the root group's (the final norm and the 256 x 4,096 output
+    # layer) shards and states, its bf16 unsharded parameters and fp32 unsharded gradients
+    # (3 x 4 / 4 + 2 + 4); the last block's bf16 unsharded parameters (2: not resharded after
+    # forward); 32 tokens x 256 logits: gradient and output (4 + 4), the bf16 logits and the
+    # saved log-probabilities (2 + 4)
+    root = 4096 + 256 * 4096
+    last = memory_floor(fsdp, model)
+    assert last.stage == 1 and last.bytes == 2 * BLOCK * (4 + 3) + root // 4 * 3 * 4 \
+        + root * (2 + 4) + BLOCK * 2 + 32 * 256 * (4 + 4 + 2 + 4) == 20_008_161_280
 
 
 def test_floor_applies_only_where_proven(model):
@@ -138,3 +149,111 @@ def test_full_checkpointing_keeps_each_blocks_output():
     o = evaluate(Source(spec, 128, "h100"), Candidate(Layout(fsdp=4), 2, 1, "full"), 8 * 128)
     assert [r[:2] for r in o.saved_bytes] == [(2 * 128 * 64 * 2,) * 2]
     assert all(r[2] > 2 * 128 * 32000 * 2 for r in o.saved_bytes)   # bf16 logits at least
+
+
+# ---- the last stage's loss (last_stage_loss) ---------------------------------------------------
+
+# a model whose memory is its logits: 2 small blocks under Llama 3's 128,256-token vocabulary at
+# 2,048 tokens (a trace's cost is its ops, not its sizes)
+LOGITS_SPEC = ("zoo:llama:n_layers=2,dim=256,n_heads=4,n_kv_heads=4,ffn_dim=512,"
+               "vocab_size=128256,max_seq_len=2048")
+LOGITS_SPACE = dict(gpus=8, gpu="t4", global_batch=16, seq=2048, pp=(1, 2), tp=(1, 4),
+                    checkpointing=("none",), max_steps=4, gpus_per_node=8)
+
+
+@pytest.fixture(scope="module")
+def logits_searches(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("loss") / "cache.jsonl")
+    pruned = tapescope.search(LOGITS_SPEC, **LOGITS_SPACE, top=2, cache=cache)
+    return pruned, tapescope.search(LOGITS_SPEC, **LOGITS_SPACE, brute_force=True, cache=cache)
+
+
+def test_loss_floor_bytes_by_hand():
+    """last_stage_loss from the model alone, by hand: PP 2 x TP 4, mb 8, 2 micro-batches 1F1B.
+    The last stage runs F B F B, one micro-batch in flight at each backward; at its loss's
+    _log_softmax_backward_data: 8 x 2,048 tokens x 128,256 logits (the Llama plan gathers them
+    whole) of fp32 gradient (4 bytes), fp32 output (4), the saved fp32 log-probabilities (4)
+    and the bf16 logits in the stage's fwd_cache (2); beside the stage's parameters, at least
+    their TP 4 piece, fp32, and AdamW's exp_avg and exp_avg_sq of each (3 x 4 bytes):
+    block 1's four 256 x 256 and three 512 x 256 linears and two norms, the final norm and the
+    128,256 x 256 output layer, each a quarter."""
+    from tapescope.layout_search.memory_floors import last_stage_loss
+
+    model = model_parameters(Source(LOGITS_SPEC, 2048, "t4"))
+    assert (model.vocab, model.vocab_gathered, model.tokens, model.optimizer_states) == \
+        (128256, True, 2048, 2)
+    params = 4 * 256 * 256 // 4 + 3 * 512 * 256 // 4 + 2 * 256 // 4 + 256 // 4 + 128256 * 256 // 4
+    f = last_stage_loss(Candidate(Layout(tp=4, pp=2), 8, 2, schedule="1f1b"), model)
+    assert f.stage == 1
+    assert f.bytes == params * 4 * 3 + 8 * 2048 * 128256 * (4 + 4 + 4 + 2) == 29_519_317_248
+    # GPipe: both forwards before the first backward, so two micro-batches' logits and
+    # log-probabilities at its loss
+    g = last_stage_loss(Candidate(Layout(tp=4, pp=2), 8, 2, schedule="gpipe"), model)
+    assert g.bytes - f.bytes == 8 * 2048 * 128256 * (4 + 2)
+    for c in (Candidate(Layout(tp=4, pp=2), 8, 2, schedule="interleaved-1f1b"),
+              Candidate(Layout(tp=4, pp=2), 8, 2, schedule="1f1b", compile=True),
+              Candidate(Layout(tp=4), 8, 2)):
+        assert last_stage_loss(c, model) is None, c.label()
+
+
+def test_every_floor_at_most_every_traced_peak(logits_searches, searches, model):
+    """Soundness of each rule apart, against brute force on two spaces (the logits' and the
+    parameters'): on every pipelined candidate, each rule's floor (with the unpipelined traces
+    as twins) is at most the peak live bytes of every rank class of its stage."""
+    from tapescope.layout_search.memory_floors import FLOORS
+
+    spaces = ((logits_searches[1], model_parameters(Source(LOGITS_SPEC, 2048, "t4"))),
+              (searches[1], model))
+    checked = 0
+    for brute, params in spaces:
+        twins = Twins()
+        for o in brute.outcomes:
+            twins.add(o)
+        for o in brute.outcomes:
+            if o.candidate.layout.pp == 1:
+                continue
+            for rule in FLOORS:
+                f = rule(o.candidate, params, twins)
+                if f is None:
+                    continue
+                peaks = [r.peak_bytes for r in o.ranks if _stage(o.candidate, r.ranks[0]) == f.stage]
+                assert peaks and f.bytes <= min(peaks), \
+                    (rule.__name__, o.candidate.label(), f.bytes, peaks)
+                checked += 1
+    assert checked >= 10
+
+
+def test_loss_floor_rules_out_before_the_trace(logits_searches):
+    """The pruned search (top 2) rules PP 2 x TP 4, mb 8 out by last_stage_loss's floor without
+    tracing it, rules out by memory only what brute force's traces find out of memory, and its
+    top 2 are brute force's."""
+    pruned, brute = logits_searches
+    by_floor = {c.label(): why for c, why in pruned.pruned
+                if why.startswith("out of memory: pipeline")}
+    assert "PP 2 x TP 4, mb 8, 2 micro-batches 1f1b" in by_floor
+    assert "_log_softmax_backward_data" in by_floor["PP 2 x TP 4, mb 8, 2 micro-batches 1f1b"]
+    traced = {o.candidate.label() for o in pruned.outcomes}
+    assert not traced & set(by_floor)
+    status = {o.candidate: o.status for o in brute.outcomes}
+    assert all(status[c] == "oom" for c, why in pruned.pruned if why.startswith("out of memory"))
+    assert [o.candidate for o in pruned.ranked[:2]] == [o.candidate for o in brute.ranked[:2]]
+    assert len(pruned.ranked) >= 2
+
+
+def test_loss_floor_on_the_benchmark_space():
+    """benchmarks/search_speed.py's 8 L4s (2 blocks of Llama 3 8B, 4,096 tokens): the floor from
+    the model alone rules out PP 2 x TP 4, mb 8 before any trace; its trace (0.6 CPU s) runs
+    out of memory, its last stage's tensors above the floor."""
+    from tapescope.layout_search.evaluate import evaluate
+    from tapescope.layout_search.memory_floors import last_stage_loss
+
+    spec = ("zoo:llama:n_layers=2,dim=4096,n_heads=32,n_kv_heads=8,ffn_dim=14336,"
+            "vocab_size=128256,max_seq_len=8192")
+    source = Source(spec, 4096, "l4")
+    c = Candidate(Layout(tp=4, pp=2), 8, 2, schedule="1f1b")
+    f = last_stage_loss(c, model_parameters(source))
+    capacity = allocator_capacity(tapescope.options.Options.create(gpu="l4").gpu)
+    assert f.bytes > capacity
+    o = evaluate(source, c, 16 * 4096)
+    assert o.status == "oom"
+    assert f.bytes <= min(r.peak_bytes for r in o.ranks if _stage(c, r.ranks[0]) == 1)

@@ -51,7 +51,8 @@ from ..capture.records import ZERO_GRAD
 from ..errors import TapescopeError, passes_user_calls
 from ..values.pipeline import PipelineSpec
 
-__all__ = ["split_blocks", "stage_boundaries", "PipelineStep", "pipeline_loss", "StageShapes"]
+__all__ = ["split_blocks", "stage_boundaries", "PipelineStep", "pipeline_loss", "StageShapes",
+           "single_stage_kinds"]
 
 
 # ---- the split -----------------------------------------------------------------------------------
@@ -504,7 +505,7 @@ def traced_microbatches(microbatches: int, num_stages: int, multi: bool = False)
     return microbatches - (microbatches - least) // num_stages * num_stages
 
 
-def _single_stage_kinds(schedule: str, n: int, num_stages: int, stage: int) -> list:
+def single_stage_kinds(schedule: str, n: int, num_stages: int, stage: int) -> list:
     """The compute actions a single-stage schedule runs over n micro-batches, in order, as its
     `_step_microbatches` is written (torch's `pipeline_order` of these is for display and
     differs): GPipe all forwards then all backwards; 1F1B a warm-up of num_stages - stage
@@ -541,8 +542,8 @@ def extend_traced_steps(program: "PipelineStep", trace, pp_rank: int) -> str | N
         in_flight = max_in_flight(program.traced_order[pp_rank])
     else:
         stage, kind = program.stages[0], program.spec.schedule
-        expected = _single_stage_kinds(kind, n, program.num_stages, stage)
-        traced = _single_stage_kinds(kind, m, program.num_stages, stage)
+        expected = single_stage_kinds(kind, n, program.num_stages, stage)
+        traced = single_stage_kinds(kind, m, program.num_stages, stage)
         in_flight = max_in_flight(traced_order(stage, traced))
     extensions = []
     for step in sorted({seg.step for seg in trace.segments if seg.step > 0}):

@@ -26,14 +26,26 @@ Rules:
   micro-batches in flight (the schedule's own order), each at least what the unpipelined
   twin's trace shows the stage's blocks (and on the last stage the head: final norm, output
   layer, loss) keep for their backward (`Outcome.saved_bytes`, `saved_block_bytes`), beside
-  the FSDP2 state alive at that instant.
+  the FSDP2 state alive at that instant (the root group, the embeddings or the final norm and
+  output layer, and the stage's last block gathered too), and (the instant recurring in step
+  2) the stage's parameters and their optimizer state (AdamW's two states, made by step 1's
+  step).
+- `last_stage_loss`: the last stage in step 2 as its loss's backward makes the gradient of the
+  logits (`_log_softmax_backward_data`): that micro-batch's fp32 gradient and output (N x V
+  each), the logits every micro-batch in flight keeps in the stage's fwd_cache, their saved
+  tensors (the log-probabilities at least), the parameters, the optimizer state, and FSDP2's
+  root group (final norm, output layer) and last block gathered, and the unsharded gradients.
+  From the model alone (the output layer's width, the tokens a sample, the TP plan), stronger
+  with a twin.
 
-Left out (not proven here, so not counted): the embedding's, the final norm's and the output
-layer's parameters and gradients (FSDP2's root group: when its post-backward runs differs),
-the embedding's saved tensors, every temporary, the optimizer state (it exists from the first
-step's optimizer on), the gradients' and parameters' padding. Not applied to schedules with several stages a rank
-or split backwards (interleaved, looped, zero-bubble, V); the FSDP2 part not to compiled
-candidates, float8 (its all-gather may run in float8) or a stage that FSDP2 does not shard.
+Left out (not proven here, so not counted): the embedding's output and saved tensors, the
+stage's received inputs, every temporary but the loss's (the optimizer's foreach outputs
+among them), the gradients' and parameters' padding, the caching allocator's rounding and
+fragmentation (a candidate whose live tensors fit may still run out). Not applied
+to schedules with several stages a rank or split backwards (interleaved, looped, zero-bubble,
+V); the FSDP2 part not to compiled candidates, float8 (its all-gather may run in float8) or a
+stage that FSDP2 does not shard; the loss not to compiled or float8 candidates or a loss other
+than pipeline_loss's default cross-entropy.
 
 tests/test_memory_floors.py checks every floor against brute force: on every pipelined
 candidate of a reduced space, each rank class's traced peak live bytes are at least the
@@ -50,7 +62,7 @@ from .space import Candidate
 
 __all__ = ["MemoryFloor", "ModelParameters", "Twins", "model_parameters", "memory_floor",
            "saved_block_bytes", "allocator_capacity", "FLOORS",
-           "fsdp2_state_across_micro_batches", "activations_in_flight"]
+           "fsdp2_state_across_micro_batches", "activations_in_flight", "last_stage_loss"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,18 @@ class ModelParameters:
     dtype: torch.dtype     # the parameters' dtype as built (the sharded fp32 master copy)
     param_dtype: torch.dtype | None   # FSDP2's MixedPrecisionPolicy: the unsharded parameters'
     reduce_dtype: torch.dtype | None  # and the gradients' (None: no policy, the parameters')
+    # the last stage's own modules (after the block list: the final norm, the output layer):
+    # their parameters' shapes, as `blocks` lists a block's
+    last: tuple = ()
+    # the last stage's loss (last_stage_loss): the output layer's width (its nn.Linear's
+    # out_features: the vocabulary), whether the model's TP plan gathers it whole on every TP
+    # rank, and the tokens a sample gives pipeline_loss's default cross-entropy (None: another
+    # loss, or no output layer found)
+    vocab: int | None = None
+    vocab_gathered: bool = False
+    tokens: int | None = None
+    optimizer_states: int = 0   # tensors of a parameter's shape its optimizer keeps (Adam: 2)
+    first: tuple = ()   # the first stage's own modules' (the embeddings') parameter shapes
 
 
 def model_parameters(source) -> ModelParameters:
@@ -78,14 +102,74 @@ def model_parameters(source) -> ModelParameters:
     from ..capture.model import model_of, transformer_blocks
     from ..options import resolve_dtype
 
-    workload, _ = source.workload(1)
+    workload, loss_fn = source.workload(1)
     model = model_of(workload.model)
     dtype = resolve_dtype(source.dtype)
     built = next((p.dtype for p in model.parameters()), torch.float32)
     mp = resolve_dtype(source.amp) if source.amp else None
     blocks = tuple(tuple(tuple(p.shape) for p in b.parameters() if p.requires_grad)
                    for b in transformer_blocks(model))
-    return ModelParameters(blocks, dtype or built, mp, torch.float32 if mp is not None else None)
+    first, last, vocab, gathered = _edge_stage_modules(model)
+    target = workload.args[-1] if workload.args else None
+    # pipeline_loss's default: cross-entropy against an integer target of batch 1 here
+    tokens = _numel(target.shape) if loss_fn is None and target is not None and \
+        isinstance(getattr(target, "dtype", None), torch.dtype) and \
+        not target.dtype.is_floating_point and not target.dtype.is_complex else None
+    return ModelParameters(blocks, dtype or built, mp, torch.float32 if mp is not None else None,
+                           last, vocab, gathered, tokens,
+                           _OPTIMIZER_STATES.get(str(source.optimizer).lower(), 0), first)
+
+
+# TP plans (distributed/presets.py's TP_PLANS, by name) that gather the output layer's logits
+# whole on every TP rank: `_llama_plan`'s "output" is ColwiseParallel(output_layouts=
+# Replicate()), whose local output is all-gathered over the vocabulary (no loss_parallel).
+# A plan not named here: each TP rank holds at least torch.chunk's smallest piece of it.
+_GATHERED_VOCAB_PLANS = frozenset({"llama (torchtitan)"})
+
+# tensors of each parameter's shape an optimizer's state keeps from its first step on (torch
+# 2.14's optim/adam.py `_init_group`: exp_avg and exp_avg_sq, zeros_like(p); `step` is a CPU
+# scalar unless capturable or fused, amsgrad off by default); SGD without momentum keeps none
+_OPTIMIZER_STATES = {"adam": 2, "adamw": 2}
+
+
+def _edge_stage_modules(model) -> tuple:
+    """(parameter shapes of the modules distributed/pipeline.py's split puts on the first stage
+    alone, the same on the last stage, the output layer's width, whether the model's TP plan
+    gathers it): the output layer is the last of the last stage's modules, when it is an
+    nn.Linear (its out_features), else None."""
+    from ..distributed.pipeline import edge_modules
+    from ..distributed.presets import tp_plan_for
+    from ..errors import TapescopeError
+
+    try:
+        _, first, last = edge_modules(model)
+    except TapescopeError:
+        return (), (), None, False
+
+    def shapes_of(modules) -> tuple:
+        seen, shapes = set(), []
+        for m in modules:
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    shapes.append(tuple(p.shape))
+        return tuple(shapes)
+
+    modules = [model.get_submodule(f) for f in last]
+    vocab = modules[-1].out_features if modules and \
+        isinstance(modules[-1], torch.nn.Linear) else None
+    try:
+        gathered = tp_plan_for(model)[0] in _GATHERED_VOCAB_PLANS
+    except TapescopeError:
+        gathered = False
+    return shapes_of(model.get_submodule(f) for f in first), shapes_of(modules), vocab, gathered
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _least_tp_chunk(shape: tuple, tp: int) -> int:
@@ -253,10 +337,14 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
     more); with FSDP2 (`_fsdp2_applies`), beside its state at that instant: after a backward,
     the unsharded parameters, gradients and shards (fsdp2_state_across_micro_batches); after a
     forward, the unsharded gradients once a backward has run (they live to the step's
-    reduction; the unsharded parameters may be resharded after forward) and the shards.
+    reduction; the unsharded parameters may be resharded after forward) and the shards, and
+    at both the FSDP2 root group's (and after a forward the stage's last block's) gathered
+    parameters and the last stage's root gradients once a backward has run (`_root_state`);
+    and, since every such instant recurs in step 2 (analysis/gpu_memory.py replays it), the
+    stage's parameters and the optimizer state step 1 made (`_resident`).
 
     Why the activations: the micro-batches in flight come from the schedule's own order
-    (distributed/pipeline.py's `_single_stage_kinds`: torch's GPipe and 1F1B
+    (distributed/pipeline.py's `single_stage_kinds`: torch's GPipe and 1F1B
     `_step_microbatches`, one stage a rank). A block of the stage runs the twin's ops at the
     twin's shapes on a micro-batch of the same size (the same TP plan, checkpointing and FSDP2
     mixed precision: evaluate.candidate_options), so it makes the same storages; what keeps
@@ -267,7 +355,7 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
     or more recompute, saves no more (the premise of the runner's memory rules: memory grows
     with the micro-batch, checkpointing saves memory). The least of the twin's rank classes is
     read. Not with several stages a rank or split backwards (interleaved, zero-bubble, V)."""
-    from ..distributed.pipeline import _single_stage_kinds, block_range
+    from ..distributed.pipeline import single_stage_kinds, block_range
     from .space import RECOMPUTE_ORDER
 
     layout = c.layout
@@ -289,14 +377,22 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
         twin = max(usable, key=lambda x: min(sum(r[b] for b in held) for r in x.saved_bytes))
         per_micro_batch = min(sum(r[b] for b in held) for r in twin.saved_bytes)
         unsharded, grads, shards = _stage_state(c, model, s) if fsdp else (0, 0, 0)
+        root, block, root_grads = _root_state(c, model, s) if fsdp else (0, 0, 0)
+        # every instant below recurs in step 2, beside the optimizer state of step 1's step
+        # (last_stage_loss's `_resident`); the stage's parameters at least its shards
+        params, state = _resident(c, model, s)
+        shards = max(shards, params) + state
         forwards = backwards = 0
-        for kind in _single_stage_kinds(c.schedule, c.steps, layout.pp, s):
+        for kind in single_stage_kinds(c.schedule, c.steps, layout.pp, s):
+            # the root group and the stage's last block stay gathered from the first forward
+            # on, the root's gradients from the first backward (_root_state; the last block
+            # is among `unsharded` after a backward)
             if kind == "F":
                 forwards += 1
-                held = shards + (grads if backwards else 0)
+                held = shards + root + block + ((grads + root_grads) if backwards else 0)
             else:
                 backwards += 1
-                held = shards + grads + unsharded
+                held = shards + grads + unsharded + root + root_grads
             live = forwards - backwards
             total = held + live * per_micro_batch
             if best is None or total > best.bytes:
@@ -311,7 +407,165 @@ def activations_in_flight(c: Candidate, model: ModelParameters,
     return best
 
 
-FLOORS = (fsdp2_state_across_micro_batches, activations_in_flight)
+def _least_shard(shape: tuple, tp: int, shard: int) -> int:
+    """The fewest elements any rank holds of a parameter of `shape` under TP `tp` and FSDP2
+    sharding over `shard` ranks: the TP-local piece (`_least_tp_chunk`'s choices), then FSDP2's
+    split of its dim 0 as torch.chunk splits it (`FSDPParam`'s sharded parameter, unpadded:
+    what zeros_like of it, an optimizer state, holds)."""
+    if not shape:
+        return 1 if shard == 1 else 0
+    pieces = [shape]
+    if tp > 1:
+        pieces = [tuple(max(0, n - (tp - 1) * -(-n // tp)) if i == d else m
+                        for i, m in enumerate(shape)) for d, n in enumerate(shape) if n]
+        pieces.append(shape)
+    least = None
+    for piece in pieces:
+        rows = piece[0]
+        rows = max(0, rows - (shard - 1) * -(-rows // shard)) if shard > 1 else rows
+        n = rows * _numel(piece[1:])
+        least = n if least is None else min(least, n)
+    return least
+
+
+def _resident(c: Candidate, model: ModelParameters, s: int) -> tuple:
+    """(parameters, optimizer state) bytes stage s's every rank holds from the first
+    optimizer step on: each parameter of its blocks (and, on the last stage, of its own
+    modules, on the first its embeddings') at least `_least_shard` elements in the built
+    dtype, and the optimizer's
+    `optimizer_states` tensors of each, zeros_like the rank's parameter."""
+    from ..distributed.pipeline import block_range
+
+    layout = c.layout
+    shapes = [shape for b in block_range(s, layout.pp, len(model.blocks))
+              for shape in model.blocks[b]]
+    if s == 0:
+        shapes += list(model.first)
+    if s == layout.pp - 1:
+        shapes += list(model.last)
+    local = sum(_least_shard(shape, layout.tp, layout.shard_degree) for shape in shapes)
+    size = local * model.dtype.itemsize
+    return size, size * model.optimizer_states
+
+
+def last_stage_loss(c: Candidate, model: ModelParameters,
+                    twins: Twins | None = None) -> MemoryFloor | None:
+    """The last stage's rank, in the second (steady) step, as each backward action's loss
+    backward runs `_log_softmax_backward_data` for its micro-batch (the instant its output is
+    made), holds:
+    - that micro-batch's gradient of the log-probabilities (nll_loss_backward's output) and the
+      op's output: each N x V fp32 (N = micro-batch x tokens a sample / CP, V the logits'
+      width on the rank);
+    - every micro-batch in flight on the stage (this one included): its logits (N x V in the
+      amp dtype, or the parameters') and its saved tensors, at least the log-probabilities
+      (N x V fp32) or, with an unpipelined twin, what the twin's blocks of this stage and its
+      head keep for the backward (as activations_in_flight reads them), the greater;
+    - the stage's parameters and their optimizer state (`_resident`), and, with FSDP2
+      (`_fsdp2_applies`) once a backward has run on the stage, its blocks' unsharded
+      gradients (fsdp2_state_across_micro_batches).
+
+    Why, in torch 2.14: pipeline_loss's default is `F.cross_entropy(logits.flatten(0, -2)
+    .float(), target.flatten())`: log_softmax of the fp32 copy, then nll_loss. autograd's
+    derivatives.yaml saves `_log_softmax`'s `result` (its backward is
+    `_log_softmax_backward_data(grad, result, dim, self.scalar_type())`, an N x V output of the
+    fp32 input's dtype) and nll_loss's backward makes its gradient whole (`grad_input` of
+    self's shape, zeroed, then scattered), which the engine hands to LogSoftmaxBackward: all
+    three are alive as it allocates. The last stage's forward output, the logits, stays in the
+    stage's `fwd_cache` from `forward_one_chunk` to `backward_one_chunk`, which pops it into
+    `stage_output` and keeps it through the backward (the schedule is stepped with
+    return_outputs=False: no `output_chunks`). The logits' width: the output layer's
+    out_features when the model's TP plan gathers it (`_GATHERED_VOCAB_PLANS`), else at least
+    torch.chunk's smallest piece. In flight: the stage's own order (single_stage_kinds). The
+    twin's saved bytes less the 4-byte fp32 scalar `total_weight` nll_loss saves, released with
+    NllLossBackward's saved variables before LogSoftmaxBackward runs (the loss itself stays in
+    the schedule's `_internal_losses`). The optimizer state exists from step 1's optimizer
+    step, so through all of step 2, which analysis/gpu_memory.py replays (Options.steps 2).
+    Only with pipeline_loss's default cross-entropy over an nn.Linear output layer, GPipe or
+    1F1B, not compiled (inductor fuses the loss), no float8."""
+    from ..distributed.pipeline import block_range, single_stage_kinds
+    from .space import RECOMPUTE_ORDER
+
+    layout = c.layout
+    if layout.pp == 1 or c.schedule not in ("1f1b", "gpipe") or c.compile or \
+            c.float8 is not None or model.vocab is None or model.tokens is None or \
+            len(model.blocks) < layout.pp:
+        return None
+    s, n = layout.pp - 1, len(model.blocks)
+    width = model.vocab if model.vocab_gathered else _least_tp_chunk((model.vocab,), layout.tp)
+    tokens = c.micro_batch * _least_tp_chunk((model.tokens,), layout.cp)
+    fp32 = tokens * width * 4
+    logits = tokens * width * (model.param_dtype or model.dtype).itemsize
+    saved, twin = fp32, None
+    if twins is not None:
+        heavier = RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(c.checkpointing):]
+        held = [*block_range(s, layout.pp, n), n]
+        usable = [x for x in twins.for_candidate(c) if x.candidate.micro_batch <= c.micro_batch
+                  and x.candidate.checkpointing in heavier
+                  and all(len(r) == n + 1 for r in x.saved_bytes)]
+        if usable:
+            twin = max(usable, key=lambda x: min(sum(r[b] for b in held)
+                                                 for r in x.saved_bytes))
+            saved = max(saved, min(sum(r[b] for b in held) for r in twin.saved_bytes) - 4)
+    params, state = _resident(c, model, s)
+    fsdp = _fsdp2_applies(c, model)
+    grads = _stage_state(c, model, s)[1] if fsdp else 0
+    root, block, root_grads = _root_state(c, model, s) if fsdp else (0, 0, 0)
+    gathered = root + block
+    best = None
+    forwards = backwards = 0
+    for kind in single_stage_kinds(c.schedule, c.steps, layout.pp, s):
+        if kind == "F":
+            forwards += 1
+            continue
+        live = forwards - backwards
+        total = params + state + gathered + ((grads + root_grads) if backwards else 0) + \
+            live * (saved + logits) + 2 * fp32
+        backwards += 1
+        if best is None or total > best.bytes:
+            best = MemoryFloor(total, s, (
+                f"in step 2, as backward {backwards} of the last stage runs the loss's "
+                f"_log_softmax_backward_data on {tokens:,} x {width:,} logits, it holds its "
+                f"fp32 gradient and output ({_gib(2 * fp32)}), {live} micro-batches' logits "
+                f"({_gib(logits)} each) and saved tensors ({_gib(saved)} each"
+                f"{', as ' + twin.candidate.label() + ' keeps them' if twin else ''}), the "
+                f"stage's parameters ({_gib(params)}) and optimizer state ({_gib(state)})"
+                f"{f', FSDP2-unsharded ({_gib(gathered)})' if gathered else ''}"
+                f"{f', unsharded gradients ({_gib(grads + root_grads)})' if fsdp and backwards > 1 else ''}"))
+    return best
+
+
+def _root_state(c: Candidate, model: ModelParameters, s: int) -> tuple:
+    """(the root group's unsharded parameters, the stage's last block's, the root's unsharded
+    gradients) bytes of stage s that FSDP2 keeps gathered through step 2 from its first
+    forward on (the gradients from the first backward): distributed/presets.py's FSDP preset
+    shards each block and then the stage's module, the root (its own parameters: on the
+    first stage the embeddings, `model.first`; on the last the final norm and the output
+    layer, `model.last`). The root's group is not resharded after forward (torch 2.14's
+    FSDPState._lazy_init sets the root's `post_forward_mesh_info` None when its
+    reshard_after_forward is left automatic, as the preset leaves it), nor is the stage's last
+    block's (the preset's reshard_after_forward=False for it), and pipelining's backwards do
+    not reshard (fsdp2_state_across_micro_batches): from the step's first forward on, both are
+    gathered, in the param dtype. The root's gradients, like the blocks', stay unsharded in
+    the reduce dtype from its first backward of the step to the reduction (the last stage's
+    root's input, the received activations, carries its post-backward hook; the first
+    stage's root takes token ids, so `_root_post_backward_final_callback` runs its
+    post_backward at the end of each backward; counted there at the smaller of the param and
+    reduce dtypes, what it is before `to_accumulated_grad_if_needed` and after). TP-local
+    elements: `_least_tp_chunk`."""
+    from ..distributed.pipeline import block_range
+
+    layout = c.layout
+    last_block = model.blocks[block_range(s, layout.pp, len(model.blocks))[-1]]
+    shapes = [*(model.first if s == 0 else ()), *(model.last if s == layout.pp - 1 else ())]
+    root = sum(_least_tp_chunk(shape, layout.tp) for shape in shapes)
+    block = sum(_least_tp_chunk(shape, layout.tp) for shape in last_block)
+    gathered = (model.param_dtype or model.dtype).itemsize
+    reduced = (model.reduce_dtype or model.param_dtype or model.dtype).itemsize
+    grads = root * (reduced if s == layout.pp - 1 else min(gathered, reduced))
+    return root * gathered, block * gathered, grads
+
+
+FLOORS = (fsdp2_state_across_micro_batches, activations_in_flight, last_stage_loss)
 
 
 def memory_floor(c: Candidate, model: ModelParameters,
