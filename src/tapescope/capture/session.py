@@ -81,9 +81,10 @@ def capture(workload: Workload, options: Options, progress=None,
     workload = replace(workload, model=built_for(workload.model, options))  # built once, for all
     how: dict = {}
     while True:
+        session = CaptureSession(workload, options, progress, prepare=prepare,
+                                 streams=streams, program=program, **how)
         try:
-            return CaptureSession(workload, options, progress, prepare=prepare, streams=streams,
-                                  program=program, **how).run()
+            return session.run()
         except DataDependentError:
             if options.symbolic or how.get("data_dependent"):
                 raise  # that session had a ShapeEnv and values already
@@ -92,6 +93,9 @@ def capture(workload: Workload, options: Options, progress=None,
             if how.get("step2_traced"):
                 raise
             how["step2_traced"] = str(e)  # step 2 could not be built from step 1: traced
+        finally:
+            # the fake tensors that outlive the session must not keep its trace (Tape.hand_over)
+            session.tape.hand_over()
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
