@@ -890,13 +890,13 @@ class _BruteForcesTraces:
 def test_each_trace_starts_knowing_every_earlier_one(searches):
     """One candidate per free worker, best first by its lower bound, chosen after every
     finished trace was read (the last sittings' runner chose two per worker: on
-    search_speed.py's 8 GPUs it traced FSDP 4 x TP 2, mb 1, accumulate 4, bound 1.674 s, with
-    the trace that set the 1.55 s limit unread). Fed brute force's traces, the pruned search
-    reads each answer before it asks again, traces what the real search traced and ranks as
-    brute force does; and each candidate it traces has, from the traces before it, a bound at
-    most brute force's `top`-th best step, unless one of brute force's top rows is traced after
-    it (it waited behind its family's memory order: the only way best first reaches a slower
-    candidate)."""
+    search_speed.py's 8 GPUs it traced FSDP 4 x TP 2, mb 1, accumulate 4, bound 1.66 s, beside
+    FSDP 8, mb 1, accumulate 2, whose unread trace and the next ones rule it out at 1.60 s).
+    Fed brute force's traces, the pruned search reads each answer before it asks again, traces
+    what the real search traced and ranks as brute force does; and each candidate it traces
+    has, from the traces before it, a bound at most brute force's `top`-th best step, unless
+    one of brute force's top rows is traced after it (that one waited behind its family's
+    memory order or a pipeline's twins: the only way best first reaches a slower candidate)."""
     from tapescope.layout_search.bounds import Known, lower_bound, matmul_rate
     from tapescope.layout_search.runner import run_search
     from tapescope.options import Options
