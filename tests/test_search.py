@@ -825,3 +825,68 @@ def test_memory_floors_hold_on_every_pipelined_candidate(pipelined):
         peaks = [r.peak_bytes for r in o.ranks
                  if mesh_spec(c.layout.mesh).coordinate(r.ranks[0])["pp"] == f.stage]
         assert peaks and 0 < f.bytes <= min(peaks), (c.label(), f.bytes, peaks)
+
+
+
+class _BruteForcesTraces:
+    """A pool that answers each candidate the search submits with brute force's trace of it (a
+    real trace of the same candidate: traces are deterministic), in this process; it keeps the
+    order the search asked in, and how many answers the search had not read at each ask."""
+
+    name = "brute force's traces"
+    slots = 1
+
+    def __init__(self, brute):
+        self.by = {o.candidate: o for o in brute.outcomes}
+        self.asked, self.unread, self.answers = [], [], []
+
+    def submit(self, fn, source, c, tokens):
+        from concurrent.futures import Future
+        from dataclasses import replace
+
+        class Answer(Future):
+            read = False
+
+            def result(self, timeout=None):
+                self.read = True
+                return super().result(timeout)
+
+        self.asked.append(c)
+        self.unread.append(sum(not f.read for f in self.answers))
+        f = Answer()
+        f.set_result(replace(self.by[c], cached=False))
+        self.answers.append(f)
+        return f
+
+    def close(self, abort=False):
+        pass
+
+
+def test_each_trace_starts_knowing_every_earlier_one(searches):
+    """One candidate per free worker, best first by its lower bound, chosen after every
+    finished trace was read (the last sittings' runner chose two per worker: on
+    search_speed.py's 8 GPUs it traced FSDP 4 x TP 2, mb 1, accumulate 4, bound 1.66 s, beside
+    FSDP 8, mb 1, accumulate 2, whose unread trace and the next ones rule it out at 1.60 s).
+    Fed brute force's traces, the pruned search reads each answer before it asks again, traces
+    what the real search traced and ranks as brute force does; and each candidate it traces
+    has, from the traces before it, a bound at most brute force's `top`-th best step, unless
+    one of brute force's top rows is traced after it (that one waited behind its family's
+    memory order or a pipeline's twins: the only way best first reaches a slower candidate)."""
+    from tapescope.layout_search.bounds import Known, lower_bound, matmul_rate
+    from tapescope.layout_search.runner import run_search
+    from tapescope.options import Options
+
+    pruned, brute = searches
+    pool = _BruteForcesTraces(brute)
+    r = run_search(pruned.source, pruned.space, pool=pool, top=TOP, seq_tokens=SPACE["seq"])
+    assert pool.unread == [0] * len(pool.asked)
+    assert _labels(r.ranked[:TOP]) == _labels(brute.ranked[:TOP])
+    assert {o.candidate for o in r.outcomes} == {o.candidate for o in pruned.outcomes}
+    limit = brute.ranked[TOP - 1].step_seconds
+    top_rows = {o.candidate for o in brute.ranked[:TOP]}
+    known = Known(matmul_rate(Options.create(gpu=SPACE["gpu"]).gpu))
+    for i, c in enumerate(pool.asked):
+        b = lower_bound(c, known)
+        if b is not None and b.seconds > limit:
+            assert top_rows & set(pool.asked[i + 1:]), (c.label(), b.seconds, limit)
+        known.add(pool.by[c])

@@ -38,8 +38,11 @@ The brute-force search checks each rule: every candidate the rules rule out runs
 `brute_force=True` traces every candidate instead (benchmarks/search_speed.py compares the two).
 
 Workers: in this process (workers=1), local processes (concurrent.futures, the default), or a
-Ray cluster (layout_search/ray_pool.py). A cache file keeps each finished candidate's outcome, one JSON
-line each, so that a search stopped half way resumes where it was.
+Ray cluster (layout_search/ray_pool.py). Each free worker gets the best ready candidate once
+every finished trace is read, none queued ahead: a queued candidate was chosen without the
+traces that finish while it waits, which may rule it out. A cache file keeps each finished
+candidate's outcome, one JSON line each, so that a search stopped half way resumes where it
+was.
 
 Stopping: a time limit (`time_limit` seconds), Ctrl-C or SIGTERM ends the loop, the workers and the
 candidates they are tracing; what the traces showed is kept. The time limit returns a result with
@@ -673,7 +676,13 @@ def run_search(source: Source, space: SearchSpace, *, pool=None, cache: str | No
                 if grid.update(brute_force):
                     continue
                 break
-            for c in ready[:max(0, 2 * pool.slots - len(running))]:
+            # one candidate per free worker, none queued behind a busy one: the next is chosen
+            # once the trace before it is read, with the bounds and the top it set (two per
+            # worker chose search_speed.py's FSDP 4 x TP 2, mb 1, accumulate 4, bound 1.66 s,
+            # beside FSDP 8, mb 1, accumulate 2, whose 1.55 s step became the 3rd best; replayed
+            # at 8 / 64 GPUs --top 3 in this process, 17 / 19 traces became 16 / 16:
+            # docs/search.md)
+            for c in ready[:max(0, pool.slots - len(running))]:
                 seconds_left()   # in this process a submit is the whole trace
                 grid.started.add(c)
                 running[pool.submit(evaluate, source, c, tokens)] = c
