@@ -289,7 +289,3 @@ def tp_ac_stage(model, mesh):
     its Llama tensor-parallel plan, then full activation checkpointing on every block."""
     return _checkpoint_blocks(tp_stage(model, mesh))
 
-
-def tp_sac_stage(model, mesh):
-    """The tensor-parallel plan, then selective checkpointing (the matmuls' outputs kept)."""
-    return sac_stage(tp_stage(model, mesh), mesh)

@@ -40,20 +40,17 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-import torch.utils.checkpoint
 from torch.autograd.function import BackwardCFunction
 
 from ..errors import user_error
-from ..torch_compat import (disable_torch_function, mark_internal_saved_tensors_hooks,
+from ..torch_compat import (checkpoint_input_saver, disable_torch_function,
+                            mark_internal_saved_tensors_hooks,
                             node_hook_registrar, node_sequence_nr, patched,
                             pop_saved_tensors_hooks, push_saved_tensors_hooks, sequence_nr,
                             storage_key)
 from .tape import _VALUE_ATTR, Tape
 
 __all__ = ["SavedTensors", "HookRegistry", "VARIABLE_INPUTS"]
-
-_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
-
 
 _KEPT_WITH_NODE = "tapescope: saved without a hook"
 
@@ -293,16 +290,24 @@ class SavedTensors:
             pop_saved_tensors_hooks()
 
 
+_SAVE_INPUTS = checkpoint_input_saver()
+
+
 def _saved_by_checkpoint_frame(caller) -> bool:
     """Whether a pack hook was called by torch.utils.checkpoint saving its own inputs from Python
-    (`_CheckpointFrame.save_inputs` -> `_make_saved_tensor`, the function's only caller; `caller`
-    is the Python frame below the hook), outside any op. Such a SavedVariable belongs to no
-    autograd node: the frame keeps it (`saved_args`) until the frame dies, when the last node of
-    the checkpointed region has released its saved tensors. The node whose sequence number is
-    current at that moment is whatever the step recorded last - the previous micro-batch's last
-    node when a pipeline stage's first block takes the received activation (a leaf) - and it may
-    run before this region recomputes."""
-    return caller.f_code.co_filename == _CHECKPOINT_FILE
+    (`_CheckpointFrame.save_inputs` -> `_make_saved_tensor`; `caller` is the Python frame below
+    the hook: save_inputs, or its list comprehension's frame on Python < 3.12), outside any op.
+    Such a SavedVariable belongs to no autograd node: the frame keeps it (`saved_args`) until the
+    frame dies, once the last node of the checkpointed region has released its saved tensors.
+    The node whose sequence number is current at that moment is whatever the step recorded last
+    - the previous micro-batch's last node when a pipeline stage's first block takes the
+    activation it received (a leaf) - and that node may run before this region recomputes."""
+    if _SAVE_INPUTS is None:
+        return False
+    code = caller.f_code
+    if code is not _SAVE_INPUTS and code.co_name == "<listcomp>" and caller.f_back is not None:
+        code = caller.f_back.f_code
+    return code is _SAVE_INPUTS
 
 
 def _frames_own(held: _Held) -> _Held:

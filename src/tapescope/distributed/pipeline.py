@@ -372,7 +372,7 @@ class PipelineStep(StepProgram):
             inputs, target = _first_microbatches((inputs, target), self.traced, self.microbatches)
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
         with phase_marks(model, step, runtime) as backward_phase, \
-                _backward_actions_as_phases(stages, backward_phase), \
+                _backward_actions_as_phases(stages, backward_phase, self.spec.schedule), \
                 _initialisation_marked(schedule, runtime.first_step_only, step):
             # torchtitan's call: the last stage keeps the losses, not the merged outputs
             losses: list | None = [] if last else None
@@ -461,18 +461,25 @@ def _first_microbatches(args, traced: int, microbatches: int):
 
 
 @contextmanager
-def _backward_actions_as_phases(stages: list, backward_phase):
+def _backward_actions_as_phases(stages: list, backward_phase, schedule: str):
     """Each backward action of the schedule - a full backward, an input backward, a zero-bubble
     schedule's weight backward (one autograd.grad per parameter group, then the gradients'
     accumulation) - is one backward phase of the trace, even one that runs no autograd (the
     first stage's input backward: its inputs need no gradient), so that each action is one
     phase segment (`action_seconds` times the actions by them). The stages are tapescope's own
-    (made in setup); the methods are set on each for the block and removed after."""
+    (made in setup); the methods are set on each for the block and removed after. A backward
+    that PyTorch refuses for the schedule is told as such (`_split_backward_refusal`)."""
 
     def as_one_phase(method):
         def run(*args, **kwargs):
             with backward_phase():
-                return method(*args, **kwargs)
+                try:
+                    return method(*args, **kwargs)
+                except RuntimeError as e:
+                    refusal = _split_backward_refusal(e, schedule)
+                    if refusal is None:
+                        raise
+                    raise refusal from e
         return run
 
     names = ("backward_one_chunk", "backward_weight_one_chunk")
@@ -485,6 +492,37 @@ def _backward_actions_as_phases(stages: list, backward_phase):
         for stage in stages:
             for name in names:
                 delattr(stage, name)
+
+
+# What torch.utils.checkpoint's selective checkpointing raises when a second backward unpacks a
+# region it recomputed for the first (_CachedTorchDispatchMode, torch/utils/checkpoint.py)
+_SELECTIVE_SECOND_BACKWARD = ("only allowed to backward once on any region computed under "
+                              "selective activation checkpoint")
+
+
+def _split_backward_refusal(e: BaseException, schedule: str) -> TapescopeError | None:
+    """A zero-bubble schedule's refusal of selective activation checkpointing, as one line: its
+    input backward and its weight backward are two backwards through every checkpointed region
+    of the stage, and selective checkpointing recomputes a region for one backward only, so
+    PyTorch raises in the weight backward (a real gloo run of the same stages raises the same).
+    None for any other failure, or a schedule whose backward is one."""
+    from ..errors import from_trace_failure
+    from ..values.pipeline import SCHEDULES
+
+    if not SCHEDULES[schedule].zero_bubble:
+        return None
+    cause = e
+    while cause is not None and _SELECTIVE_SECOND_BACKWARD not in str(cause):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    whole = ", ".join(n for n, k in SCHEDULES.items() if not k.zero_bubble)
+    return TapescopeError(
+        f"pipeline schedule {schedule} with selective activation checkpointing: PyTorch refuses "
+        f"it ({from_trace_failure(cause)}) - the schedule splits each micro-batch's backward "
+        "into an input backward and a weight backward, two backwards through every checkpointed "
+        "region, and selective checkpointing recomputes a region for one backward only. Fix: "
+        f"full activation checkpointing, or a schedule with one backward ({whole})")
 
 
 # ---- micro-batches traced until the schedule repeats ---------------------------------------------
