@@ -48,8 +48,8 @@ import torch.nn as nn
 
 from ..capture.program import StepProgram, phase_marks
 from ..capture.records import ZERO_GRAD
-from ..errors import TapescopeError, passes_user_calls
-from ..values.pipeline import PipelineSpec
+from ..errors import TapescopeError, from_trace_failure, passes_user_calls
+from ..values.pipeline import SCHEDULES, PipelineSpec
 
 __all__ = ["split_blocks", "stage_boundaries", "PipelineStep", "pipeline_loss", "StageShapes"]
 
@@ -506,9 +506,6 @@ def _split_backward_refusal(e: BaseException, schedule: str) -> TapescopeError |
     of the stage, and selective checkpointing recomputes a region for one backward only, so
     PyTorch raises in the weight backward (a real gloo run of the same stages raises the same).
     None for any other failure, or a schedule whose backward is one."""
-    from ..errors import from_trace_failure
-    from ..values.pipeline import SCHEDULES
-
     if not SCHEDULES[schedule].zero_bubble:
         return None
     cause = e
