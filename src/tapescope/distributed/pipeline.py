@@ -373,6 +373,7 @@ class PipelineStep(StepProgram):
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
         with phase_marks(model, step, runtime) as backward_phase, \
                 _backward_actions_as_phases(stages, backward_phase, self.spec.schedule), \
+                _schedule_failure_unlogged(), \
                 _initialisation_marked(schedule, runtime.first_step_only, step):
             # torchtitan's call: the last stage keeps the losses, not the merged outputs
             losses: list | None = [] if last else None
@@ -492,6 +493,26 @@ def _backward_actions_as_phases(stages: list, backward_phase, schedule: str):
         for stage in stages:
             for name in names:
                 delattr(stage, name)
+
+
+@contextmanager
+def _schedule_failure_unlogged():
+    """Without the log torch's multi-stage schedules write when an action raises (the whole
+    schedule as a table, at ERROR, ~15 lines a failed step): the exception goes on, and the
+    trace turns it into its own one-line error; a search would print the table once per failed
+    candidate. A filter on torch's logger for the block, removed after."""
+    import logging
+
+    log = logging.getLogger("torch.distributed.pipelining.schedules")
+
+    def keep(record) -> bool:
+        return record.levelno < logging.ERROR
+
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 # What torch.utils.checkpoint's selective checkpointing raises when a second backward unpacks a
