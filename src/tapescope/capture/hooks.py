@@ -8,8 +8,8 @@ runs (the sequence number at pack time can belong to another node: `hardtanh_` c
 then clones `self` - a second node - and saves the clone); holders never unpacked are released with
 the node whose number was current when they were packed, except the output an in-place op on a view
 saves: it belongs to the base's CopySlices, which runs the op's node (see `pack`), and the inputs
-torch.utils.checkpoint saves from Python (`_make_saved_tensor`): they belong to its checkpoint frame,
-not to any node, and live as long as it does (see `_saved_by_checkpoint_frame`).
+torch.utils.checkpoint saves from Python (`_make_saved_tensor`): they belong to its checkpoint
+frame, not to any node, and live as long as it does (see `_saved_by_checkpoint_frame`).
 
 Other saved-tensor hooks. Code the step runs may push its own hooks above ours (torch.utils.checkpoint
 does, to drop what it saves and recompute it; so does save_on_cpu). A SavedVariable then holds what
