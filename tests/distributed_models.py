@@ -282,3 +282,10 @@ def _tp_llama(model, mesh):
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
     return model
+
+
+def tp_ac_stage(model, mesh):
+    """torchtitan's order on a pipeline stage with no data parallelism (apply_tp, then apply_ac):
+    its Llama tensor-parallel plan, then full activation checkpointing on every block."""
+    return _checkpoint_blocks(tp_stage(model, mesh))
+

@@ -82,7 +82,8 @@ __all__ = [
     "storage_key", "untyped_storage_key", "is_zerotensor", "node_input_metadata", "tensor_backward_hooks",
     "post_accumulate_grad_hooks", "inductor_cache_dir", "push_saved_tensors_hooks",
     "pop_saved_tensors_hooks",
-    "mark_internal_saved_tensors_hooks", "set_graph_task_id", "forward_ad_level",
+    "mark_internal_saved_tensors_hooks", "checkpoint_input_saver", "set_graph_task_id",
+    "forward_ad_level",
     "adinplaceorview_excluded", "default_device",
     "foreach_devices", "fake_cache_bypasses", "has_composite_implicit_kernel",
     "fake_mode_handles_directly", "MARKERS_RUN_AS_THEY_ARE",
@@ -172,6 +173,17 @@ def mark_internal_saved_tensors_hooks(pack) -> None:
     (`_current_user_saved_tensors_hooks`: a hook with `_checkpoint_internal` defers to its
     `_user_hooks`), and find none below it."""
     pack._checkpoint_internal, pack._user_hooks = True, None
+
+
+def checkpoint_input_saver():
+    """The code of the method torch.utils.checkpoint saves a checkpointed region's inputs with
+    (`_CheckpointFrame.save_inputs`, torch >= 2.14: `_make_saved_tensor`, a SavedVariable the
+    frame holds, owned by no autograd node); None on a torch that saves them in a node of their
+    own (`_NoopSaveInputs`)."""
+    import torch.utils.checkpoint
+
+    save_inputs = getattr(torch.utils.checkpoint._CheckpointFrame, "save_inputs", None)
+    return None if save_inputs is None else save_inputs.__code__
 
 
 def set_graph_task_id(gid):
@@ -959,6 +971,7 @@ PRIVATE_NAMES = (
     "torch._C._autograd._top_saved_tensors_default_hooks",
     "torch._C._autograd._pop_saved_tensors_default_hooks",
     "torch._C._autograd._push_saved_tensors_default_hooks",
+    "torch.utils.checkpoint._CheckpointFrame",
     "torch._C._autograd._get_current_graph_task_keep_graph",
     "torch._C._FunctionBase.maybe_clear_saved_tensors",
     "torch.autograd.function.BackwardCFunction.apply_boxed",

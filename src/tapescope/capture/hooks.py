@@ -7,7 +7,9 @@ node's holders does the same. Which node owns a holder is learnt when the node u
 runs (the sequence number at pack time can belong to another node: `hardtanh_` creates its node,
 then clones `self` - a second node - and saves the clone); holders never unpacked are released with
 the node whose number was current when they were packed, except the output an in-place op on a view
-saves: it belongs to the base's CopySlices, which runs the op's node (see `pack`).
+saves: it belongs to the base's CopySlices, which runs the op's node (see `pack`), and the inputs
+torch.utils.checkpoint saves from Python (`_make_saved_tensor`): they belong to its checkpoint
+frame, not to any node, and live as long as it does (see `_saved_by_checkpoint_frame`).
 
 Other saved-tensor hooks. Code the step runs may push its own hooks above ours (torch.utils.checkpoint
 does, to drop what it saves and recompute it; so does save_on_cpu). A SavedVariable then holds what
@@ -38,20 +40,17 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-import torch.utils.checkpoint
 from torch.autograd.function import BackwardCFunction
 
 from ..errors import user_error
-from ..torch_compat import (disable_torch_function, mark_internal_saved_tensors_hooks,
+from ..torch_compat import (checkpoint_input_saver, disable_torch_function,
+                            mark_internal_saved_tensors_hooks,
                             node_hook_registrar, node_sequence_nr, patched,
                             pop_saved_tensors_hooks, push_saved_tensors_hooks, sequence_nr,
                             storage_key)
 from .tape import _VALUE_ATTR, Tape
 
 __all__ = ["SavedTensors", "HookRegistry", "VARIABLE_INPUTS"]
-
-_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
-
 
 _KEPT_WITH_NODE = "tapescope: saved without a hook"
 
@@ -125,6 +124,9 @@ class SavedTensors:
         tape = self.tape
         v = tape.value_of(t)
         tape.mark_saved(t)
+        if _saved_by_checkpoint_frame(sys._getframe(2)):
+            return _frames_own(_Held(t, saved_as=(t._version, t.output_nr,
+                                                  None if t.grad_fn is None else _INPUT)))
         seq = self._owner_seq(t)
         gf = t.grad_fn
         # what SavedVariable::unpack checks (it skips the check when saved-tensor hooks are set,
@@ -187,7 +189,7 @@ class SavedTensors:
         # A pack hook runs inside the autograd kernel of the op that saves, so what it dispatches
         # is inside that op - except when torch.utils.checkpoint saves its own inputs from Python
         # (`_make_saved_tensor`, its only caller), outside any op.
-        inside_op = sys._getframe(2).f_code.co_filename != _CHECKPOINT_FILE
+        inside_op = not _saved_by_checkpoint_frame(sys._getframe(2))
         self.tape.in_pack_hook += inside_op
         try:
             packed = inner(t)
@@ -195,6 +197,8 @@ class SavedTensors:
             self.tape.in_pack_hook -= inside_op
         if isinstance(packed, torch.Tensor) and storage_key(packed) == storage_key(t):
             self.tape.mark_saved(t)  # the hook keeps the tensor itself: it is saved
+        if not inside_op:
+            return _frames_own(_Held(packed, unpack))
         return self._register(_Held(packed, unpack), self._owner_seq(t))
 
     def _unpack_wrapped(self, held: _Held):
@@ -284,6 +288,33 @@ class SavedTensors:
                 yield
         finally:
             pop_saved_tensors_hooks()
+
+
+_SAVE_INPUTS = checkpoint_input_saver()
+
+
+def _saved_by_checkpoint_frame(caller) -> bool:
+    """Whether a pack hook was called by torch.utils.checkpoint saving its own inputs from Python
+    (`_CheckpointFrame.save_inputs` -> `_make_saved_tensor`; `caller` is the Python frame below
+    the hook: save_inputs, or its list comprehension's frame on Python < 3.12), outside any op.
+    Such a SavedVariable belongs to no autograd node: the frame keeps it (`saved_args`) until the
+    frame dies, once the last node of the checkpointed region has released its saved tensors.
+    The node whose sequence number is current at that moment is whatever the step recorded last
+    - the previous micro-batch's last node when a pipeline stage's first block takes the
+    activation it received (a leaf) - and that node may run before this region recomputes."""
+    if _SAVE_INPUTS is None:
+        return False
+    code = caller.f_code
+    if code is not _SAVE_INPUTS and code.co_name == "<listcomp>" and caller.f_back is not None:
+        code = caller.f_back.f_code
+    return code is _SAVE_INPUTS
+
+
+def _frames_own(held: _Held) -> _Held:
+    """A holder of a checkpoint frame's input: released by no node (it dies with the frame's
+    SavedVariable), and not claimed by the node that unpacks it to recompute."""
+    held.claimed = True
+    return held
 
 
 def _bare(method):

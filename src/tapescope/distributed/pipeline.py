@@ -48,8 +48,8 @@ import torch.nn as nn
 
 from ..capture.program import StepProgram, phase_marks
 from ..capture.records import ZERO_GRAD
-from ..errors import TapescopeError, passes_user_calls
-from ..values.pipeline import PipelineSpec
+from ..errors import TapescopeError, from_trace_failure, passes_user_calls
+from ..values.pipeline import SCHEDULES, PipelineSpec
 
 __all__ = ["split_blocks", "stage_boundaries", "PipelineStep", "pipeline_loss", "StageShapes",
            "single_stage_kinds"]
@@ -373,7 +373,8 @@ class PipelineStep(StepProgram):
             inputs, target = _first_microbatches((inputs, target), self.traced, self.microbatches)
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
         with phase_marks(model, step, runtime) as backward_phase, \
-                _backward_actions_as_phases(stages, backward_phase), \
+                _backward_actions_as_phases(stages, backward_phase, self.spec.schedule), \
+                _schedule_failure_unlogged(), \
                 _initialisation_marked(schedule, runtime.first_step_only, step):
             # torchtitan's call: the last stage keeps the losses, not the merged outputs
             losses: list | None = [] if last else None
@@ -462,18 +463,25 @@ def _first_microbatches(args, traced: int, microbatches: int):
 
 
 @contextmanager
-def _backward_actions_as_phases(stages: list, backward_phase):
+def _backward_actions_as_phases(stages: list, backward_phase, schedule: str):
     """Each backward action of the schedule - a full backward, an input backward, a zero-bubble
     schedule's weight backward (one autograd.grad per parameter group, then the gradients'
     accumulation) - is one backward phase of the trace, even one that runs no autograd (the
     first stage's input backward: its inputs need no gradient), so that each action is one
     phase segment (`action_seconds` times the actions by them). The stages are tapescope's own
-    (made in setup); the methods are set on each for the block and removed after."""
+    (made in setup); the methods are set on each for the block and removed after. A backward
+    that PyTorch refuses for the schedule is told as such (`_split_backward_refusal`)."""
 
     def as_one_phase(method):
         def run(*args, **kwargs):
             with backward_phase():
-                return method(*args, **kwargs)
+                try:
+                    return method(*args, **kwargs)
+                except RuntimeError as e:
+                    refusal = _split_backward_refusal(e, schedule)
+                    if refusal is None:
+                        raise
+                    raise refusal from e
         return run
 
     names = ("backward_one_chunk", "backward_weight_one_chunk")
@@ -486,6 +494,54 @@ def _backward_actions_as_phases(stages: list, backward_phase):
         for stage in stages:
             for name in names:
                 delattr(stage, name)
+
+
+@contextmanager
+def _schedule_failure_unlogged():
+    """Without the log torch's multi-stage schedules write when an action raises (the whole
+    schedule as a table, at ERROR, ~15 lines a failed step): the exception goes on, and the
+    trace turns it into its own one-line error; a search would print the table once per failed
+    candidate. A filter on torch's logger for the block, removed after."""
+    import logging
+
+    log = logging.getLogger("torch.distributed.pipelining.schedules")
+
+    def keep(record) -> bool:
+        return record.levelno < logging.ERROR
+
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
+
+
+# What torch.utils.checkpoint's selective checkpointing raises when a second backward unpacks a
+# region it recomputed for the first (_CachedTorchDispatchMode, torch/utils/checkpoint.py)
+_SELECTIVE_SECOND_BACKWARD = ("only allowed to backward once on any region computed under "
+                              "selective activation checkpoint")
+
+
+def _split_backward_refusal(e: BaseException, schedule: str) -> TapescopeError | None:
+    """A zero-bubble schedule's refusal of selective activation checkpointing, as one line: its
+    input backward and its weight backward are two backwards through every checkpointed region
+    of the stage, and selective checkpointing recomputes a region for one backward only, so
+    PyTorch raises in the weight backward (a real gloo run of the same stages raises the same).
+    None for any other failure, or a schedule whose backward is one."""
+    if not SCHEDULES[schedule].zero_bubble:
+        return None
+    cause = e
+    while cause is not None and _SELECTIVE_SECOND_BACKWARD not in str(cause):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    whole = ", ".join(n for n, k in SCHEDULES.items() if not k.zero_bubble)
+    return TapescopeError(
+        f"pipeline schedule {schedule} with selective activation checkpointing: PyTorch refuses "
+        f"it ({from_trace_failure(cause)}) - the schedule splits each micro-batch's backward "
+        "into an input backward and a weight backward, two backwards through every checkpointed "
+        "region, and selective checkpointing recomputes a region for one backward only. Fix: "
+        f"full activation checkpointing, or a schedule with one backward ({whole})")
 
 
 # ---- micro-batches traced until the schedule repeats ---------------------------------------------

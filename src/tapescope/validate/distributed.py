@@ -43,6 +43,8 @@ class RealRank:
     unstepped: how many of the rank's parameters the optimizer never updated (no state after the
         last step: no step gave them a gradient). A truth whose real run left parameters without
         gradients is no truth of a training step.
+    ops: (step, phase, "aten::name") of each op the program dispatched, outermost only, in order
+        (validate.real's RealStep.ops; validate.harness.same_ops compares a trace with them).
     """
 
     rank: int
@@ -50,6 +52,7 @@ class RealRank:
     allocator_peaks: dict = field(default_factory=dict)
     late_frees: dict = field(default_factory=dict)  # step -> bytes freed out of the program's sight
     unstepped: int = 0
+    ops: list = field(default_factory=list)
 
 
 @dataclass
@@ -109,7 +112,8 @@ def run_real_jobs(jobs: list, threads: int = 1) -> list[list[RealRank]]:
                 with open(os.path.join(tmp, f"job{j}-rank{rank}.json")) as f:
                     d = json.load(f)
                 ranks.append(RealRank(rank, _steps(d["peaks"]), _steps(d["allocator_peaks"]),
-                                      _steps(d["late_frees"]), d["unstepped"]))
+                                      _steps(d["late_frees"]), d["unstepped"],
+                                      [tuple(op) for op in d["ops"]]))
             out.append(ranks)
     return out
 
@@ -206,7 +210,7 @@ def _run_job(job: RealJob) -> dict:
     unstepped = sum(1 for group in optimizer.param_groups for p in group["params"]
                     if not optimizer.state.get(p))
     return {"peaks": own.peaks, "allocator_peaks": allocator.peaks,
-            "late_frees": own.late_frees, "unstepped": unstepped}
+            "late_frees": own.late_frees, "unstepped": unstepped, "ops": own.ops}
 
 
 def _parallelised_shapes(job: RealJob, plan) -> list:
