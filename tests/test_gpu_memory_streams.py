@@ -169,7 +169,7 @@ def test_fsdp2_re_unshards_are_named_by_what_re_allocated_them():
     resized = [s for s in trace.storages if s.resized_by is not None and s.nbytes]
     assert len(resized) == 6  # each block's weight and bias, re-allocated for its backward
     events, labels = _events(trace, p.gpu)
-    said = {key[1]: label for (key, n, *_), label in zip(events, labels)
+    said = {key[1]: labels.at(trace, events, i) for i, (key, n, *_) in enumerate(events)
             if n is not None and key[0] == "step1"}
     for s in resized:
         expected = f"step1: resize_ at {where}, for module {module_of_size[s.nbytes]}'s backward"

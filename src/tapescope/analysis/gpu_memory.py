@@ -22,6 +22,7 @@ reports after torch.cuda.reset_peak_memory_stats() following warm-up steps).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
@@ -75,12 +76,42 @@ class CudaMemory:
         return self.max_reserved + self.context_bytes
 
 
+@dataclass(frozen=True)
+class _Labels:
+    """What names each of `_events`' events, kept as the op index of each event and where each
+    run begins: the text is made by `at` for the one event that runs out of memory (a string per
+    event cost ~2% of a 70B pipelined candidate, hundreds of thousands of events, to read one)."""
+
+    ops: list             # each event's op index (-1: none)
+    starts: list          # (first event, run name) of each run, in order
+    cublas: int | None    # the event of cuBLAS's workspace
+
+    def run_of(self, i: int) -> str:
+        return self.starts[bisect_right(self.starts, (i, "~")) - 1][1]
+
+    def steady(self, n: int) -> tuple[int, int]:
+        """(first, last) event of the replayed steady step (every event if it has none)."""
+        first = next((at for at, run in self.starts if run == "step3"), n)
+        return (first, n - 1) if first < n else (0, n - 1)
+
+    def at(self, trace: Trace, events: list, i: int) -> str:
+        run, op = self.run_of(i), self.ops[i]
+        if i == self.cublas:
+            return "cuBLAS workspace"
+        if run == "setup":
+            return run
+        key, nbytes = events[i][:2]
+        if nbytes is not None and trace.storages[key[1]].resized_by is not None:
+            return f"{run}: {Reallocations(trace).of(key[1]).describe()}"  # not made by op
+        return f"{run}: {trace.ops[op].name}" if 0 <= op < len(trace.ops) else run
+
+
 def _events(trace: Trace, gpu=None):
-    """(key, nbytes) / (key, None) for setup, step 1 and the steady step twice, plus labels."""
+    """(key, nbytes) / (key, None) for setup, step 1 and the steady step twice, plus _Labels."""
     storages, device = trace.storages, trace.device
     views = step_views(trace)
     steady = views[max(views)]
-    out, labels = [], []
+    out, ops, starts, cublas = [], [], [(0, "setup")], None
     # key[1] -> the key of the latest allocation event with that key[1]: what a free of a
     # storage alive before its step frees (a scan back over the events per such free was
     # quadratic: seconds at a 70B step's hundreds of thousands of events)
@@ -90,14 +121,14 @@ def _events(trace: Trace, gpu=None):
         if s.device == device:
             out.append((("setup", s.id), s.nbytes))
             latest[s.id] = ("setup", s.id)
-            labels.append("setup")
+            ops.append(-1)
     workspace_at = None
     if gpu is not None:  # the first matmul on the stream allocates cuBLAS's workspace
         workspace_at = next((i for i in views[1].ops
                              if trace.ops[i].func.overloadpacket in MATMUL), None)
     successors = _successors(trace, views[1], steady) if steady is not views[1] else {}
-    resized = Reallocations(trace)
     for run, view in (("step1", views[1]), ("step2", steady), ("step3", steady)):
+        starts.append((len(out), run))
         live_keys = {}
         freed_successors: set = set()  # step 2's leftovers step 3 has freed (_successors)
         for e, _, sid, delta in device_events(trace, view):
@@ -121,16 +152,14 @@ def _events(trace: Trace, gpu=None):
                 if key is None:  # alive before this step: setup, or a previous step's state
                     key = latest.get(sid, ("setup", sid))
                 out.append((key, None))
-            if delta > 0 and storages[sid].resized_by is not None:  # not made by that op
-                labels.append(f"{run}: {resized.of(sid).describe()}")
-            else:
-                labels.append(f"{run}: {trace.ops[op].name}" if 0 <= op < len(trace.ops) else run)
+            ops.append(op)
             if run == "step1" and op == workspace_at and delta > 0:
                 out.append((("cublas", 0), cublas_workspace_bytes(gpu.compute_capability)))
                 latest[0] = ("cublas", 0)   # (as the scan it replaces found it for storage 0)
-                labels.append("cuBLAS workspace")
+                cublas = len(ops)
+                ops.append(-1)
                 workspace_at = None
-    return out, labels
+    return out, _Labels(ops, starts, cublas)
 
 
 def _successors(trace: Trace, first, steady) -> dict:
@@ -197,12 +226,11 @@ def predict_cuda_memory(trace: Trace, gpu=None, config: AllocatorConfig | None =
     if any(len(e) > 2 and e[2] for e in events):
         def one_stream():
             return simulate([e[:2] for e in events], capacity, config).max_reserved
-    last = max(i for i, lab in enumerate(labels) if lab.startswith("step3")) if any(
-        lab.startswith("step3") for lab in labels) else len(labels) - 1
-    first_step3 = next((i for i, lab in enumerate(labels) if lab.startswith("step3")), 0)
+    first_step3, last = labels.steady(len(events))
     steady_alloc = max(r.allocated_timeline[first_step3:last + 1], default=r.max_allocated)
     steady_res = max(r.reserved_timeline[first_step3:last + 1], default=r.max_reserved)
     return CudaMemory(r.max_allocated, r.max_reserved, steady_alloc, steady_res, r.fragmentation,
                       context, None if gpu is None else gpu.reported_memory_bytes or gpu.memory_bytes,
-                      r.oom, labels[r.first_oom_event] if r.oom and r.first_oom_event is not None
-                      else None, config.describe(), one_stream)
+                      r.oom, labels.at(trace, events, r.first_oom_event)
+                      if r.oom and r.first_oom_event is not None else None, config.describe(),
+                      one_stream)
