@@ -890,3 +890,38 @@ def test_each_trace_starts_knowing_every_earlier_one(searches):
         if b is not None and b.seconds > limit:
             assert top_rows & set(pool.asked[i + 1:]), (c.label(), b.seconds, limit)
         known.add(pool.by[c])
+
+
+def test_tp_twin_loss_is_the_pipelines_loss():
+    """With TP the output layer's hook gathers the vocabulary shards (an all-gather and a
+    `cat` in no module) before the loss: the twin's loss figure (edge_floors) is then the
+    kernels after the gather, measured against the kernels the pipeline's last rank runs for
+    pipeline_loss between its actions (read op by op off its trace, as
+    test_twin_loss_is_the_pipelines_loss reads them), and twin_pipeline_ends from the twin
+    alone stays at most the pipelined candidate's traced step."""
+    from tapescope.analysis.kernel_cost import on_gpu
+    from tapescope.analysis.op_classes import launches_kernel
+    from tapescope.analysis.timing import kernel_seconds
+    from tapescope.api import profile_workload
+    from tapescope.distributed.presets import Layout
+    from tapescope.layout_search import Source
+    from tapescope.layout_search.bounds import Known, twin_pipeline_ends
+    from tapescope.layout_search.evaluate import _traced, evaluate
+    from tapescope.layout_search.space import Candidate
+
+    source = Source(SMALL_SPEC, 128, "h100")
+    twin = evaluate(source, Candidate(Layout(fsdp=2, tp=2), micro_batch=2), 4 * 128)
+    (*_, loss_f, loss_b), = twin.edge_seconds
+    assert loss_f > 0 and loss_b > 0
+    c = Candidate(Layout(fsdp=2, tp=2, pp=2), micro_batch=2, steps=2, schedule="1f1b")
+    last = _traced(profile_workload(*candidate_options(source, c)))[-1]
+    storages, comm = last.trace.storages, {x.op for x in last.collectives}
+    between = sum(kernel_seconds(op, last.gpu, storages)[0] * op.runs for op in last.ops
+                  if op.phase == "other" and op.module is None and op.index not in comm
+                  and not op.record.stream and not op.record.name.startswith("fsdp.")
+                  and launches_kernel(op.record.func) and on_gpu(op, storages))
+    assert between / c.steps == pytest.approx(loss_f, rel=1e-9)
+    known = Known()
+    known.add(twin)
+    piped = evaluate(source, c, 8 * 128)
+    assert twin_pipeline_ends(c, known).seconds <= piped.step_seconds

@@ -846,7 +846,14 @@ def edge_floors(q, blocks: list, first: tuple, last: tuple, loss_kernels=None) -
     pipeline's last stage runs for its loss on logits like the last stage's output (evaluate's
     _pipeline_loss_kernels: pipeline_loss of the same loss_fn): an unpipelined step's loss may
     be other code than the pipeline's. The same forward ops at the same shapes record the same
-    autograd nodes, so their backward ops are the same too. 0 for both otherwise."""
+    autograd nodes, so their backward ops are the same too. 0 for both otherwise. Where the
+    last stage's output module hands its logits on through output hooks that launch kernels
+    (TP's ColwiseParallel gathering the vocabulary shards: an all-gather and a `cat`, which
+    the trace records in no module), the loss is the kernels after the hook's last one,
+    checked the same way against `loss_kernels` on that kernel's output; the hook's kernels
+    are counted in no part. (The pipeline's last stage runs the same module with the same
+    hooks, so its logits are that output: test_search.py's
+    test_tp_twin_loss_is_the_pipelines_loss measures it.)"""
     from ..capture.records import BACKWARD, FORWARD
 
     comm = {c.op for c in q.collectives}
@@ -866,13 +873,22 @@ def edge_floors(q, blocks: list, first: tuple, last: tuple, loss_kernels=None) -
     loss = [op for op in q.ops[last_output + 1:] if op.phase == FORWARD and not op.recompute
             and where(op.module) is None and kernel(op)] if last_output is not None else []
     counted = set()
-    logits = q.ops[last_output].outputs[0] if last_output is not None else None
-    if loss and loss_kernels is not None and 0 <= logits.storage < len(storages):
+    # the logits: the last stage's module's output, or, where the module's output hooks run
+    # kernels after its last op (a TP plan's ColwiseParallel with Replicate outputs: an
+    # all-gather of the vocabulary shards and the `cat` joining them, recorded in no module),
+    # the output of one of those kernels; the loss is then the kernels after it, and the
+    # hook's own are counted in no part (a floor may leave kernels out)
+    splits = [(q.ops[last_output].outputs[0] if last_output is not None else None, loss)]
+    splits += [(op.outputs[0], loss[i + 1:]) for i, op in enumerate(loss) if op.outputs]
+    for logits, rest in splits if loss and loss_kernels is not None else ():
+        if not rest or not 0 <= logits.storage < len(storages):
+            continue
         expected = loss_kernels(tuple(int(d) for d in logits.shape), logits.dtype,
                                 storages[logits.storage].device)
-        seen = sorted((op.record.name, _kinds(op.inputs), _kinds(op.outputs)) for op in loss)
+        seen = sorted((op.record.name, _kinds(op.inputs), _kinds(op.outputs)) for op in rest)
         if expected == seen:
-            counted = {op.index for op in loss}
+            counted = {op.index for op in rest}
+            break
     figures = {part: [0.0, 0.0] for part in ("first", "last", "loss")}
     for op in q.ops:
         if not kernel(op):
