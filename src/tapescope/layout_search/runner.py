@@ -16,9 +16,8 @@ one:
   unsharded parameters and gradients kept across micro-batches; the micro-batches in flight
   at their unpipelined twins' saved bytes; the last stage's loss backward on its fp32 logits;
   these two beside the stage's parameter shards, optimizer state and FSDP2's gathered root
-  group)
-  above the bytes the GPU's allocator can use: the candidate runs out of memory, and the rules above extend that to its
-  family, before any trace of it;
+  group) above the bytes the GPU's allocator can use: the candidate runs out of memory, and
+  the rules above extend that to its family, before any trace of it;
 - at one micro-batch size, a mode with more recompute runs the same step plus the recomputed
   forward ops: when a mode with less recompute fits there, the heavier one is not traced (it is
   listed as dominated, naming the candidate that fits);
