@@ -55,6 +55,7 @@ floor, and the gate rules out only candidates whose trace runs out of memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 
 import torch
 
@@ -112,7 +113,7 @@ def model_parameters(source) -> ModelParameters:
     first, last, vocab, gathered = _edge_stage_modules(model)
     target = workload.args[-1] if workload.args else None
     # pipeline_loss's default: cross-entropy against an integer target of batch 1 here
-    tokens = _numel(target.shape) if loss_fn is None and target is not None and \
+    tokens = prod(int(d) for d in target.shape) if loss_fn is None and target is not None and \
         isinstance(getattr(target, "dtype", None), torch.dtype) and \
         not target.dtype.is_floating_point and not target.dtype.is_complex else None
     return ModelParameters(blocks, dtype or built, mp, torch.float32 if mp is not None else None,
@@ -163,13 +164,6 @@ def _edge_stage_modules(model) -> tuple:
     except TapescopeError:
         gathered = False
     return shapes_of(model.get_submodule(f) for f in first), shapes_of(modules), vocab, gathered
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _least_tp_chunk(shape: tuple, tp: int) -> int:
@@ -423,7 +417,7 @@ def _least_shard(shape: tuple, tp: int, shard: int) -> int:
     for piece in pieces:
         rows = piece[0]
         rows = max(0, rows - (shard - 1) * -(-rows // shard)) if shard > 1 else rows
-        n = rows * _numel(piece[1:])
+        n = rows * prod(piece[1:])
         least = n if least is None else min(least, n)
     return least
 
